@@ -1,0 +1,23 @@
+"""lightning-par: PyTorch Lightning strategies for data, tensor and pipeline parallel training.
+
+Importing the package registers its strategy names with Lightning's ``StrategyRegistry`` so that
+``Trainer(strategy="zero0")`` and ``--trainer.strategy=zero0`` work.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_par.parallel.layout import Layout
+from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy, ZeroStrategy
+from lightning_par.topology import LayoutError, ParallelDims
+
+__version__ = "0.1.0"
+
+
+def _register_strategies() -> None:
+    for strategy in ALL_STRATEGIES:
+        strategy.register_strategies(StrategyRegistry)
+
+
+_register_strategies()
+
+__all__ = ["Layout", "LayoutError", "LayoutStrategy", "ParallelDims", "ZeroStrategy", "__version__"]

@@ -1,0 +1,69 @@
+"""``lightning-par``: the Lightning CLI with lightning-par's strategies, TensorBoard logging and throughput.
+
+    lightning-par fit --config configs/demo.yaml
+    lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=zero0
+    lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every strategy option
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.callbacks import TokensPerSecond
+from lightning_par.strategies import ALL_STRATEGIES
+
+
+def strategies_help() -> str:
+    """A short catalogue of the strategies for ``--help``: class path and summary line of each."""
+    lines = ["lightning-par strategies (pick with --trainer.strategy=NAME or class_path/init_args):"]
+    for cls in ALL_STRATEGIES:
+        summary = (inspect.getdoc(cls) or "").splitlines()[0]
+        lines.append(f"  lightning_par.{cls.__name__}: {summary}")
+    lines.append("Registered names: lightning_par, zero, zero0.")
+    lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
+    return "\n".join(lines)
+
+
+class LightningParCLI(LightningCLI):
+    """LightningCLI with throughput and learning-rate logging always on, and a demo report after ``fit``."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(TokensPerSecond, "tokens_per_sec")
+        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.set_defaults({"lr_monitor.logging_interval": "step"})
+
+    @rank_zero_only
+    def after_fit(self) -> None:
+        trainer, model = self.trainer, self.model
+        if trainer.interrupted:
+            return
+        if hasattr(model, "sample_text") and getattr(model, "model", None) is not None:
+            print("\nSampled from the trained model:\n" + "-" * 60)
+            print(model.sample_text("def ", max_new_tokens=240))
+            print("-" * 60)
+        if trainer.logger is not None and trainer.logger.log_dir:
+            log_dir = trainer.logger.log_dir
+            print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+
+
+def main(args: list[str] | None = None) -> LightningParCLI:
+    """Entry point of the ``lightning-par`` command."""
+    return LightningParCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": strategies_help()},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Sizes -> a validated DeviceMesh, and each rank's place in it.
+
+Ranks are laid out as a ``(pp, dp, tp)`` grid in row-major order: tensor-parallel ranks are innermost (adjacent
+ranks, which on a GPU node share the fastest links, carry the most traffic), then data parallel, and pipeline
+stages outermost -- the order Megatron-LM and torchtitan use. For world 16 with pp=4 (dp=4, tp=1) the pipeline
+groups are [0, 4, 8, 12], [1, 5, 9, 13], ... exactly as in the seed notes.
+
+Everything here except :func:`build_device_mesh` is pure arithmetic, so a layout is validated in the launching
+process before any rank is started or waits on a collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Mesh dimension names, outermost first.
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "tp")
+
+Size = int | Literal["auto"]
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot be built; the message says what is wrong and how to fix it."""
+
+
+def _check_size(name: str, value: object, allow_auto: bool) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = 'a positive integer or "auto"' if allow_auto else "a positive integer"
+        raise LayoutError(f"{name}={value!r} is not a valid size: use {allowed}.")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved sizes of the three parallel dimensions; ``dp * tp * pp`` equals the world size."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def resolve(cls, world_size: int, dp: Size = "auto", tp: int = 1, pp: int = 1) -> ParallelDims:
+        """Validate sizes against ``world_size``; ``dp="auto"`` takes what tp and pp leave: world / (tp * pp)."""
+        _check_size("world_size", world_size, allow_auto=False)
+        _check_size("dp", dp, allow_auto=True)
+        _check_size("tp", tp, allow_auto=False)
+        _check_size("pp", pp, allow_auto=False)
+        model_parallel = tp * pp
+        if world_size % model_parallel:
+            raise LayoutError(
+                f"tp={tp} x pp={pp} = {model_parallel} does not divide the world size {world_size}. "
+                f"Choose tp and pp whose product divides {world_size}, or launch a multiple of {model_parallel} "
+                "processes (devices x num_nodes)."
+            )
+        if dp == "auto":
+            dp = world_size // model_parallel
+        elif dp * model_parallel != world_size:
+            raise LayoutError(
+                f"dp={dp} x tp={tp} x pp={pp} = {dp * model_parallel}, but the world size is {world_size}. "
+                f'Set dp="auto" (it becomes {world_size // model_parallel}) or change devices x num_nodes to '
+                f"{dp * model_parallel}."
+            )
+        return cls(dp=dp, tp=tp, pp=pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :data:`MESH_DIMS` order."""
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension, e.g. ``{"pp": 1, "dp": 0, "tp": 1}``."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside the world of {self.world_size} ranks.")
+        coords = {}
+        for name in reversed(MESH_DIMS):
+            size = getattr(self, name)
+            coords[name] = rank % size
+            rank //= size
+        return {d: coords[d] for d in MESH_DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates (missing dimensions count as 0)."""
+        rank = 0
+        for name in MESH_DIMS:
+            rank = rank * getattr(self, name) + coords.get(name, 0)
+        return rank
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """All process groups along ``dim``: each list holds the ranks that differ only in that coordinate."""
+        if dim not in MESH_DIMS:
+            raise LayoutError(f"unknown mesh dimension {dim!r}; the dimensions are {MESH_DIMS}.")
+        others = [d for d in MESH_DIMS if d != dim]
+        result = []
+        for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, fixed))
+            result.append([self.rank_of(**base, **{dim: i}) for i in range(getattr(self, dim))])
+        return sorted(result)
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The ranks in ``rank``'s group along ``dim``."""
+        return next(g for g in self.groups(dim) if rank in g)
+
+    def describe(self) -> str:
+        return f"dp={self.dp} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp innermost, pp outermost)"
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """Create the one DeviceMesh every strategy works on (needs an initialized process group).
+
+    Sub-meshes are taken by name: ``mesh["dp"]``, ``mesh["tp"]``, ``mesh["pp"]``; each has its process group
+    (``mesh["dp"].get_group()``), and ``get_local_rank()`` gives the coordinate.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != dims.world_size:
+        raise LayoutError(f"the process group has {dist.get_world_size()} ranks but the layout {dims.describe()}.")
+    return init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)

@@ -1,0 +1,147 @@
+"""Launch multi-rank runs the way users do -- the ``lightning-par`` CLI or torchrun, in a subprocess -- and read
+back what they wrote (TensorBoard scalars, per-rank reports), so one launch can be checked for many things."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: A small, fast, deterministic training job: tiny GPT on the embedded corpus, no shuffling so a single process
+#: with batch B and N ranks with batch B/N see the same global batches.
+TINY_JOB = [
+    "--seed_everything=1234",
+    "--model=example_models.GPTLightningModule",
+    "--model.preset=tiny",
+    "--data=lightning_par.data.TextDataModule",
+    "--data.seq_len=32",
+    "--data.max_corpus_bytes=300000",
+    "--data.shuffle=false",
+    "--trainer.accelerator=cpu",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # One thread per rank: several ranks share 2 cores, and a fixed thread count keeps float reductions
+        # identical between the single-process reference and the parallel runs.
+        OMP_NUM_THREADS="1",
+        HF_HOME=str(cache_dir / "hf_home"),
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@dataclass
+class Run:
+    """What one launch left behind."""
+
+    root: Path
+    returncode: int
+    log: str
+    seconds: float
+    reports: list[dict] = field(default_factory=list)
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"launch failed (exit {self.returncode}); last output:\n{self.log[-6000:]}"
+        return self
+
+    def scalars(self) -> dict[str, dict[int, float]]:
+        """Every TensorBoard scalar the run logged: ``{tag: {step: value}}``."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        out: dict[str, dict[int, float]] = {}
+        for event_file in sorted(self.root.glob("tb/**/events.out.tfevents.*")):
+            acc = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in acc.Tags()["scalars"]:
+                out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+        return out
+
+    def losses(self, tag: str = "train/loss") -> list[float]:
+        series = self.scalars()[tag]
+        return [series[s] for s in sorted(series)]
+
+
+def _finish(root: Path, procs: list[subprocess.Popen], logs: list[Path], start: float, timeout: float) -> Run:
+    deadline = start + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(deadline - time.time(), 1)))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            codes.append(-9)
+    log = "\n".join(p.read_text(errors="replace") for p in logs)
+    reports = [json.loads(p.read_text()) for p in sorted(root.glob("reports/rank*.json"))]
+    return Run(root, next((c for c in codes if c), 0), log, time.time() - start, reports)
+
+
+def _report_args(root: Path) -> list[str]:
+    return [
+        "--trainer.callbacks+=tests.probes.RankReport",
+        f"--trainer.callbacks.path={root / 'reports'}",
+        f"--trainer.logger.save_dir={root / 'tb'}",
+        f"--trainer.default_root_dir={root}",
+    ]
+
+
+def launch_cli(root: Path, cache_dir: Path, args: list[str], devices: int, timeout: float = 300) -> Run:
+    """``lightning-par fit`` on ``devices`` CPU processes through Lightning's own subprocess launcher."""
+    root.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_par.cli", "fit", *TINY_JOB, f"--trainer.devices={devices}"]
+    cmd += ["--trainer.logger=TensorBoardLogger", *_report_args(root), f"--data.cache_dir={cache_dir}", *args]
+    env = base_env(cache_dir)
+    env["MASTER_PORT"] = str(free_port())
+    log = root / "launch.log"
+    start = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return _finish(root, [proc], [log], start, timeout)
+
+
+def launch_torchrun(
+    root: Path, cache_dir: Path, args: list[str], nnodes: int, nproc_per_node: int, timeout: float = 300
+) -> Run:
+    """One torchrun agent per node, all on this machine over loopback: the multi-node path users take."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cli = ["-m", "lightning_par.cli", "fit", *TINY_JOB, f"--trainer.devices={nproc_per_node}"]
+    cli += [f"--trainer.num_nodes={nnodes}", "--trainer.logger=TensorBoardLogger", *_report_args(root)]
+    cli += [f"--data.cache_dir={cache_dir}", *args]
+    procs, logs = [], []
+    start = time.time()
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}"]
+        cmd += [f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        cmd += ["--no-python", sys.executable, *cli]
+        logs.append(root / f"node{node}.log")
+        procs.append(subprocess.Popen(cmd, cwd=root, env=base_env(cache_dir), stdout=logs[-1].open("w"),
+                                      stderr=subprocess.STDOUT))
+    return _finish(root, procs, logs, start, timeout)
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), f"different number of steps: {len(a)} vs {len(b)}"
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

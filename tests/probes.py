@@ -1,0 +1,45 @@
+"""Callbacks the tests add to a launched run to report what each rank saw."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+
+class RankReport(pl.Callback):
+    """Write ``rank{N}.json`` per rank: coordinates, groups, sampler, environment and wrapper facts."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.batches: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx < 3:
+            # identify each sample by a few of its tokens, to check which rank saw which sample
+            self.batches.append([int(t) for t in batch[0][:, :4].flatten()])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        report = {
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "node_rank": trainer.node_rank,
+            "local_rank": trainer.local_rank,
+            "strategy": type(strategy).__name__,
+            "cluster_environment": type(getattr(strategy, "cluster_environment", None)).__name__,
+            "wrapped_model": type(strategy.model).__name__,
+            "first_batches": self.batches,
+        }
+        mesh = getattr(strategy, "_device_mesh", None)
+        if mesh is not None:  # a lightning-par strategy (the single-process reference runs without one)
+            report.update(
+                backend=dist.get_backend(),
+                coordinates=strategy.coordinates,
+                groups={d: sorted(dist.get_process_group_ranks(mesh[d].get_group())) for d in ("pp", "dp", "tp")},
+                sampler=dict(strategy.distributed_sampler_kwargs),
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))

@@ -1,0 +1,70 @@
+"""Data parallel (ZeroStrategy stage 0) on several CPU ranks: loss parity, sampling, mesh, logging, multi-node."""
+
+import math
+
+import pytest
+
+from tests.conftest import GLOBAL_BATCH, PARITY_STEPS
+from tests.harness import max_rel_diff
+
+PARITY_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("run_name", ["dp2_run", "dp4_run", "multinode_run"])
+def test_per_step_loss_matches_single_process(request, single_run, run_name):
+    run = request.getfixturevalue(run_name)
+    reference, losses = single_run.losses(), run.losses()
+    assert len(reference) == len(losses) == PARITY_STEPS
+    assert reference[-1] < reference[0] - 0.5, "the reference did not learn; parity would prove little"
+    diff = max_rel_diff(losses, reference)
+    print(f"{run_name}: max relative per-step loss difference {diff:.2e} over {PARITY_STEPS} steps")
+    assert diff <= PARITY_RTOL
+
+
+def test_validation_loss_matches_single_process(single_run, dp4_run):
+    assert max_rel_diff(dp4_run.losses("val/loss"), single_run.losses("val/loss")) <= PARITY_RTOL
+
+
+def test_ranks_split_each_global_batch_by_data_parallel_rank(single_run, dp4_run):
+    reports = {r["global_rank"]: r for r in dp4_run.reports}
+    assert sorted(reports) == [0, 1, 2, 3]
+    for rank, report in reports.items():
+        assert report["sampler"] == {"num_replicas": 4, "rank": rank}
+        assert report["coordinates"] == {"pp": 0, "dp": rank, "tp": 0}
+    (reference,) = single_run.reports
+    per_sample = 4  # the probe records 4 tokens of each sample
+    for step, global_batch in enumerate(reference["first_batches"]):
+        samples = {tuple(global_batch[i : i + per_sample]) for i in range(0, len(global_batch), per_sample)}
+        seen = [tuple(r["first_batches"][step][i : i + per_sample]) for r in reports.values()
+                for i in range(0, GLOBAL_BATCH // 4 * per_sample, per_sample)]
+        assert len(seen) == GLOBAL_BATCH and set(seen) == samples
+
+
+def test_mesh_groups_backend_and_wrapper(dp4_run):
+    for report in dp4_run.reports:
+        rank = report["global_rank"]
+        assert report["groups"] == {"pp": [rank], "dp": [0, 1, 2, 3], "tp": [rank]}
+        assert report["backend"] == "gloo"
+        assert report["cluster_environment"] == "LightningEnvironment"
+        assert report["wrapped_model"] == "DistributedDataParallel"  # bucketed all-reduce overlapped with backward
+
+
+def test_tensorboard_holds_what_a_user_watches(dp2_run):
+    scalars = dp2_run.scalars()
+    for tag in ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/pg1", "train/tokens_per_sec"):
+        assert tag in scalars, f"{tag} missing from TensorBoard; found {sorted(scalars)}"
+    assert len(scalars["train/loss"]) == PARITY_STEPS
+    assert all(v > 0 for v in scalars["train/tokens_per_sec"].values())
+    lrs = [scalars["lr-AdamW/pg1"][s] for s in sorted(scalars["lr-AdamW/pg1"])]
+    assert len(lrs) == PARITY_STEPS and lrs[0] < max(lrs) and lrs[-1] < max(lrs), "warmup then cosine decay"
+    # perplexity is exp(loss): the two logged series must agree where both exist
+    loss, ppl = scalars["val/loss"], scalars["val/ppl"]
+    step = max(loss)
+    assert abs(ppl[step] - math.exp(loss[step])) / ppl[step] < 1e-4
+
+
+def test_two_nodes_through_torchrun(multinode_run):
+    reports = sorted(multinode_run.reports, key=lambda r: r["global_rank"])
+    assert [(r["node_rank"], r["local_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["cluster_environment"] for r in reports} == {"TorchElasticEnvironment"}
+    assert all(r["world_size"] == 4 and r["sampler"]["num_replicas"] == 4 for r in reports)
