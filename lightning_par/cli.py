@@ -7,11 +7,15 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import os
 
 from lightning.pytorch import LightningDataModule, LightningModule
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_par  # noqa: F401  (registers the strategy names)
@@ -25,9 +29,14 @@ def strategies_help() -> str:
     for cls in ALL_STRATEGIES:
         summary = (inspect.getdoc(cls) or "").splitlines()[0]
         lines.append(f"  lightning_par.{cls.__name__}: {summary}")
-    lines.append("Registered names: lightning_par, zero, zero0.")
+    names = sorted(name for name, entry in StrategyRegistry.items() if entry["strategy"] in ALL_STRATEGIES)
+    lines.append(f"Registered names: {', '.join(names)}.")
     lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
     return "\n".join(lines)
+
+
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Keep the strategy catalogue's line breaks in ``--help``."""
 
 
 class LightningParCLI(LightningCLI):
@@ -48,19 +57,19 @@ class LightningParCLI(LightningCLI):
             print(model.sample_text("def ", max_new_tokens=240))
             print("-" * 60)
         if trainer.logger is not None and trainer.logger.log_dir:
-            log_dir = trainer.logger.log_dir
+            log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
 
 
-def main(args: list[str] | None = None) -> LightningParCLI:
+def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-par`` command."""
-    return LightningParCLI(
+    LightningParCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": strategies_help()},
+        parser_kwargs={"description": strategies_help(), "formatter_class": _HelpFormatter},
         args=args,
     )
 

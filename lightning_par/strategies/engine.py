@@ -8,6 +8,7 @@ wrap/unwrap of the model; the model transforms themselves live in :mod:`lightnin
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator
@@ -52,6 +53,11 @@ class LayoutStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before the process group gives up, so a dead rank does not
             leave the others hanging forever.
+        accelerator: set by the Trainer from ``Trainer(accelerator=...)``; leave unset.
+        parallel_devices: set by the Trainer from ``Trainer(devices=...)``; leave unset.
+        cluster_environment: set by the Trainer (Lightning, torchrun, SLURM, ...); leave unset.
+        checkpoint_io: a CheckpointIO plugin, as for any Lightning strategy.
+        precision_plugin: set by the Trainer from ``Trainer(precision=...)``; leave unset.
     """
 
     strategy_name = "lightning_par"
@@ -156,6 +162,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._share_cpu_threads()
         reset_seed()
         self.set_world_ranks()
         if self._process_group_backend is None:
@@ -167,6 +174,12 @@ class LayoutStrategy(ParallelStrategy):
         # LightningModule.device_mesh reads this, as under Lightning's ModelParallelStrategy.
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(f"{type(self).__name__}: {self.dims.describe()}, backend {self._process_group_backend}")
+
+    def _share_cpu_threads(self) -> None:
+        # Several CPU ranks on one machine each default to one thread per core and fight over the cores; split
+        # them unless the user chose (OMP_NUM_THREADS), as torchrun does.
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and self.num_processes > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Applying the layout
