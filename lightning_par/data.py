@@ -330,10 +330,11 @@ class TextDataModule(L.LightningDataModule):
             self.train_dataset = NextByteDataset(train)
             self.val_dataset = NextByteDataset(val)
 
-    def _loader(self, dataset: Dataset | None, shuffle: bool, drop_last: bool) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset | None, shuffle: bool, drop_last: bool, sampler: DistributedSampler | None = None
+    ) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
-        sampler = self._data_parallel_sampler(dataset, shuffle)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -348,7 +349,8 @@ class TextDataModule(L.LightningDataModule):
     def _data_parallel_sampler(self, dataset: Dataset, shuffle: bool) -> DistributedSampler | None:
         """A DistributedSampler over the data-parallel ranks that honours ``shuffle``.
 
-        Lightning injects its own sampler for training with ``shuffle=True`` whatever the DataLoader says; it leaves
+        Lightning injects its own sampler for training with ``shuffle=True`` whatever the DataLoader says (for
+        evaluation it keeps the DataLoader's order, so only training needs this); it leaves
         an existing DistributedSampler alone, so building it here keeps ``shuffle=False`` meaningful (and makes a
         parallel run see exactly the batches of a single-process run). The kwargs come from the strategy, which
         splits by data-parallel rank, not global rank.
@@ -361,7 +363,10 @@ class TextDataModule(L.LightningDataModule):
         return DistributedSampler(dataset, shuffle=shuffle, seed=seed, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=self.shuffle, drop_last=True)
+        if self.train_dataset is None:
+            raise RuntimeError("call setup() before requesting a dataloader")
+        sampler = self._data_parallel_sampler(self.train_dataset, self.shuffle)
+        return self._loader(self.train_dataset, shuffle=self.shuffle, drop_last=True, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False, drop_last=False)

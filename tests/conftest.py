@@ -31,7 +31,8 @@ def single_run(tmp_path_factory, cache_dir) -> Run:
 @pytest.fixture(scope="session")
 def dp2_run(tmp_path_factory, cache_dir) -> Run:
     root = tmp_path_factory.mktemp("dp2")
-    return launch_cli(root, cache_dir, [*_job(GLOBAL_BATCH // 2), "--trainer.strategy=zero0"], devices=2).check()
+    args = [*_job(GLOBAL_BATCH // 2), "--trainer.strategy=zero0", "--trainer.enable_checkpointing=true"]
+    return launch_cli(root, cache_dir, args, devices=2).check()
 
 
 @pytest.fixture(scope="session")

@@ -107,10 +107,12 @@ def _report_args(root: Path) -> list[str]:
     ]
 
 
-def launch_cli(root: Path, cache_dir: Path, args: list[str], devices: int, timeout: float = 300) -> Run:
-    """``lightning-par fit`` on ``devices`` CPU processes through Lightning's own subprocess launcher."""
+def launch_cli(
+    root: Path, cache_dir: Path, args: list[str], devices: int, timeout: float = 300, command: str = "fit"
+) -> Run:
+    """``lightning-par COMMAND`` on ``devices`` CPU processes through Lightning's own subprocess launcher."""
     root.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_par.cli", "fit", *TINY_JOB, f"--trainer.devices={devices}"]
+    cmd = [sys.executable, "-m", "lightning_par.cli", command, *TINY_JOB, f"--trainer.devices={devices}"]
     cmd += ["--trainer.logger=TensorBoardLogger", *_report_args(root), f"--data.cache_dir={cache_dir}", *args]
     env = base_env(cache_dir)
     env["MASTER_PORT"] = str(free_port())

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BasePredictionWriter
 import torch.distributed as dist
 
 
@@ -43,3 +44,16 @@ class RankReport(pl.Callback):
             )
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+
+
+class PredictionDump(BasePredictionWriter):
+    """Write each rank's predictions (token ids) to ``predictions_rank{N}.json``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(write_interval="epoch")
+        self.path = Path(path)
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        rows = [row.tolist() for batch in predictions for row in batch]
+        (self.path / f"predictions_rank{trainer.global_rank}.json").write_text(json.dumps(rows))

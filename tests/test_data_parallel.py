@@ -1,11 +1,12 @@
 """Data parallel (ZeroStrategy stage 0) on several CPU ranks: loss parity, sampling, mesh, logging, multi-node."""
 
+import json
 import math
 
 import pytest
 
 from tests.conftest import GLOBAL_BATCH, PARITY_STEPS
-from tests.harness import max_rel_diff
+from tests.harness import launch_cli, max_rel_diff
 
 PARITY_RTOL = 1e-5
 
@@ -68,3 +69,26 @@ def test_two_nodes_through_torchrun(multinode_run):
     assert [(r["node_rank"], r["local_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert {r["cluster_environment"] for r in reports} == {"TorchElasticEnvironment"}
     assert all(r["world_size"] == 4 and r["sampler"]["num_replicas"] == 4 for r in reports)
+
+
+@pytest.mark.parametrize("command,tag", [("validate", "val/loss"), ("test", "test/loss")])
+def test_evaluation_from_checkpoint_reproduces_the_fit(tmp_path, cache_dir, dp2_run, command, tag):
+    """validate/test under the strategy, restored from the fit's checkpoint, give the fit's final validation loss."""
+    (checkpoint,) = sorted(dp2_run.root.glob("**/checkpoints/*.ckpt"))
+    args = ["--trainer.strategy=zero0", f"--data.batch_size={GLOBAL_BATCH // 2}", "--trainer.limit_val_batches=2",
+            "--trainer.limit_test_batches=2", f"--ckpt_path={checkpoint}"]
+    run = launch_cli(tmp_path, cache_dir, args, devices=2, command=command).check()
+    fit_val = dp2_run.scalars()["val/loss"]
+    (value,) = run.scalars()[tag].values()
+    assert abs(value - fit_val[max(fit_val)]) / fit_val[max(fit_val)] <= PARITY_RTOL
+
+
+def test_predict_runs_forward_only_under_the_strategy(tmp_path, cache_dir, dp2_run):
+    (checkpoint,) = sorted(dp2_run.root.glob("**/checkpoints/*.ckpt"))
+    args = ["--trainer.strategy=zero0", f"--ckpt_path={checkpoint}", "--data.batch_size=8",
+            "--trainer.callbacks+=tests.probes.PredictionDump", f"--trainer.callbacks.path={tmp_path / 'pred'}"]
+    launch_cli(tmp_path, cache_dir, args, devices=2, command="predict").check()
+    per_rank = [json.loads((tmp_path / "pred" / f"predictions_rank{r}.json").read_text()) for r in (0, 1)]
+    # the predict set is one batch of 8 prompts: each data-parallel rank continues its own half, 32 new tokens each
+    assert [len(rows) for rows in per_rank] == [4, 4]
+    assert all(len(row) == 32 and all(0 <= t < 256 for t in row) for rows in per_rank for row in rows)
