@@ -11,8 +11,8 @@ import argparse
 import inspect
 import os
 
-from lightning.pytorch import LightningDataModule, LightningModule
 from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry

@@ -102,7 +102,7 @@ class ParallelDims:
         others = [d for d in MESH_DIMS if d != dim]
         result = []
         for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
-            base = dict(zip(others, fixed))
+            base = dict(zip(others, fixed, strict=True))
             result.append([self.rank_of(**base, **{dim: i}) for i in range(getattr(self, dim))])
         return sorted(result)
 

@@ -146,4 +146,4 @@ def launch_torchrun(
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"different number of steps: {len(a)} vs {len(b)}"
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import BasePredictionWriter
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
 
 
 class RankReport(pl.Callback):

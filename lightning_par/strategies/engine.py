@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator
+from typing import Any
 
 import torch
 import torch.distributed as dist
