@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -57,3 +58,14 @@ class PredictionDump(BasePredictionWriter):
         self.path.mkdir(parents=True, exist_ok=True)
         rows = [row.tolist() for batch in predictions for row in batch]
         (self.path / f"predictions_rank{trainer.global_rank}.json").write_text(json.dumps(rows))
+
+
+class DieAt(pl.Callback):
+    """Kill one rank abruptly (no cleanup, like a crashed node) when it starts a given training step."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os._exit(17)

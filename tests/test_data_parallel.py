@@ -92,3 +92,12 @@ def test_predict_runs_forward_only_under_the_strategy(tmp_path, cache_dir, dp2_r
     # the predict set is one batch of 8 prompts: each data-parallel rank continues its own half, 32 new tokens each
     assert [len(rows) for rows in per_rank] == [4, 4]
     assert all(len(row) == 32 and all(0 <= t < 256 for t in row) for rows in per_rank for row in rows)
+
+
+def test_a_dead_rank_does_not_leave_the_others_hanging(tmp_path, cache_dir):
+    """Rank 1 dies mid-run; rank 0 must fail fast on its next collective, not wait for the process-group timeout."""
+    args = ["--trainer.strategy=zero0", "--trainer.max_steps=1000", "--data.batch_size=4",
+            "--trainer.callbacks+=tests.probes.DieAt", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=3"]
+    run = launch_cli(tmp_path, cache_dir, args, devices=2, timeout=240)
+    assert run.returncode not in (0, -9), "the survivors should exit with an error, not finish or hang"
+    assert run.seconds < 180
