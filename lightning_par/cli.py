@@ -11,6 +11,7 @@ import argparse
 import inspect
 import os
 
+import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import LearningRateMonitor
@@ -47,15 +48,21 @@ class LightningParCLI(LightningCLI):
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
 
-    @rank_zero_only
     def after_fit(self) -> None:
         trainer, model = self.trainer, self.model
         if trainer.interrupted:
             return
         if hasattr(model, "sample_text") and getattr(model, "model", None) is not None:
-            print("\nSampled from the trained model:\n" + "-" * 60)
-            print(model.sample_text("def ", max_new_tokens=240))
-            print("-" * 60)
+            # every rank samples (a sharded model needs all of them for each forward), the same seed on each
+            torch.manual_seed(0)
+            text = model.sample_text("def ", max_new_tokens=240)
+            if trainer.is_global_zero:
+                print("\nSampled from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
+        self._print_log_dir()
+
+    @rank_zero_only
+    def _print_log_dir(self) -> None:
+        trainer = self.trainer
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")

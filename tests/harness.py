@@ -78,6 +78,15 @@ class Run:
                 out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
         return out
 
+    def grad_norms(self) -> list[float]:
+        """Global gradient norms (before clipping) of the first optimizer steps, as rank 0 saw them."""
+        return json.loads((self.root / "reports" / "norms_rank0.json").read_text())
+
+    def checkpoint(self, step: int) -> Path:
+        """The checkpoint written at optimizer step ``step`` (file, or directory for sharded strategies)."""
+        (path,) = sorted(self.root.glob(f"ckpt/*step={step}.ckpt"))
+        return path
+
     def losses(self, tag: str = "train/loss") -> list[float]:
         series = self.scalars()[tag]
         return [series[s] for s in sorted(series)]

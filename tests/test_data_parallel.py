@@ -74,7 +74,7 @@ def test_two_nodes_through_torchrun(multinode_run):
 @pytest.mark.parametrize("command,tag", [("validate", "val/loss"), ("test", "test/loss")])
 def test_evaluation_from_checkpoint_reproduces_the_fit(tmp_path, cache_dir, dp2_run, command, tag):
     """validate/test under the strategy, restored from the fit's checkpoint, give the fit's final validation loss."""
-    (checkpoint,) = sorted(dp2_run.root.glob("**/checkpoints/*.ckpt"))
+    checkpoint = dp2_run.checkpoint(step=PARITY_STEPS)
     args = ["--trainer.strategy=zero0", f"--data.batch_size={GLOBAL_BATCH // 2}", "--trainer.limit_val_batches=2",
             "--trainer.limit_test_batches=2", f"--ckpt_path={checkpoint}"]
     run = launch_cli(tmp_path, cache_dir, args, devices=2, command=command).check()
@@ -84,7 +84,7 @@ def test_evaluation_from_checkpoint_reproduces_the_fit(tmp_path, cache_dir, dp2_
 
 
 def test_predict_runs_forward_only_under_the_strategy(tmp_path, cache_dir, dp2_run):
-    (checkpoint,) = sorted(dp2_run.root.glob("**/checkpoints/*.ckpt"))
+    checkpoint = dp2_run.checkpoint(step=PARITY_STEPS)
     args = ["--trainer.strategy=zero0", f"--ckpt_path={checkpoint}", "--data.batch_size=8",
             "--trainer.callbacks+=tests.probes.PredictionDump", f"--trainer.callbacks.path={tmp_path / 'pred'}"]
     launch_cli(tmp_path, cache_dir, args, devices=2, command="predict").check()

@@ -29,4 +29,7 @@ def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_m
         # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical even if
         # a user's initialisation was not seeded the same on every rank.
         broadcast_buffers=True,
+        # gradients live in the all-reduce buckets instead of beside them: one gradient copy, as the ZeRO
+        # formula for stage 0 counts (4 bytes per parameter), not two
+        gradient_as_bucket_view=True,
     )

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size
 
-#: ZeRO stages the engine can apply today. Stage 0 is plain data parallelism (DDP semantics).
-SUPPORTED_ZERO_STAGES: tuple[int, ...] = (0,)
+#: ZeRO stages: 0 replicas (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters.
+SUPPORTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
 
     def __post_init__(self) -> None:
         _check_size("dp", self.dp, allow_auto=True)
@@ -30,7 +32,18 @@ class Layout:
         if self.zero_stage not in SUPPORTED_ZERO_STAGES:
             raise LayoutError(
                 f"zero_stage={self.zero_stage!r} is not available; this version supports "
-                f"{list(SUPPORTED_ZERO_STAGES)} (0 = replicated parameters, gradients all-reduced like DDP)."
+                f"{list(SUPPORTED_ZERO_STAGES)} (0 = replicas like DDP, 1 = optimizer states sharded, "
+                "2 = + gradients sharded, 3 = + parameters sharded)."
+            )
+        if self.offload_parameters and self.zero_stage != 3:
+            raise LayoutError(
+                f"offload_parameters=True needs zero_stage=3 (got {self.zero_stage}): below stage 3 every rank holds "
+                "all parameters for compute. Use zero_stage=3, or offload_optimizer=True with stage 1 or 2."
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise LayoutError(
+                "offload_optimizer=True needs zero_stage 1, 2 or 3 (got 0): offload moves the sharded optimizer "
+                "state to host memory. Use ZeroStrategy(stage=1, offload_optimizer=True) or higher."
             )
         if self.tp > 1 or self.pp > 1:
             raise LayoutError(

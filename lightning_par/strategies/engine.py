@@ -12,6 +12,7 @@ import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par.parallel.data_parallel import replicate_data_parallel
 from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.zero import ZeroPartitioner, check_partitionable, fully_shard_units
+from lightning_par.plugins import sharded_checkpoint
 from lightning_par.topology import ParallelDims, Size, build_device_mesh
 
 log = logging.getLogger(__name__)
@@ -49,7 +52,10 @@ class LayoutStrategy(ParallelStrategy):
         dp: data-parallel size, or ``"auto"`` for world size / (tp * pp).
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
-        zero_stage: ZeRO stage across data parallel (0 = replicas, gradients all-reduced like DDP).
+        zero_stage: ZeRO stage across data parallel: 0 replicas, gradients all-reduced (DDP); 1 optimizer states
+            sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
+        offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.
+        offload_parameters: stage 3: keep the resting parameter shards in host memory too.
         bucket_cap_mb: gradient bucket size for the data-parallel all-reduce, in MiB (as in DDP).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before the process group gives up, so a dead rank does not
@@ -69,6 +75,8 @@ class LayoutStrategy(ParallelStrategy):
         tp: int = 1,
         pp: int = 1,
         zero_stage: int = 0,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
         bucket_cap_mb: float = 25.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -85,13 +93,22 @@ class LayoutStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.layout = Layout(dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
+        self.layout = Layout(
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            zero_stage=zero_stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+        )
         self.bucket_cap_mb = bucket_cap_mb
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._partitioner: ZeroPartitioner | None = None  # ZeRO stages 1 and 2
+        self._fsdp_roots: list[torch.nn.Module] = []  # ZeRO stage 3
 
     # ----------------------------------------------------------------------------------------------------------------
     # Sizes, ranks and the mesh
@@ -190,14 +207,32 @@ class LayoutStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.model = replicate_data_parallel(self.model, self.device_mesh["dp"], self.bucket_cap_mb)
-            self.setup_optimizers(trainer)
-        else:
-            # No gradients to reduce outside fit: keep the module bare, only make the replicas agree.
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        stage = self.layout.zero_stage
+        dp_mesh = self.device_mesh["dp"]
+        if stage == 3:
+            # sharded for evaluation too: that is what lets a model larger than one device be evaluated
+            offload = self.layout.offload_parameters or self.layout.offload_optimizer
+            if offload and self.root_device.type == "cpu":
+                rank_zero_info("ZeRO-3 offload: on CPU the parameters already live in host memory; nothing to move.")
+                offload = False
+            self._fsdp_roots = fully_shard_units(self.model, dp_mesh, offload=offload)
+        elif fitting and stage == 0:
+            self.model = replicate_data_parallel(self.model, dp_mesh, self.bucket_cap_mb)
+        elif not fitting:
+            # no gradients to reduce outside fit: keep the module bare, only make the replicas agree
             self._broadcast_module_states(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+            if stage == 3:
+                for optimizer in self.optimizers:
+                    check_partitionable(optimizer, stage)
+            if stage in (1, 2):
+                self._partitioner = ZeroPartitioner(
+                    self.model, self.optimizers, dp_mesh, stage, self.bucket_cap_mb, self.layout.offload_optimizer
+                )
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _broadcast_module_states(self, module: torch.nn.Module) -> None:
@@ -214,12 +249,33 @@ class LayoutStrategy(ParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient all-reduce on non-final micro-steps of ``accumulate_grad_batches``."""
+        """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
         if isinstance(self.model, DistributedDataParallel):
             with self.model.no_sync():
                 yield None
-        else:
+            return
+        self._set_gradient_sync(False)
+        try:
             yield None
+        finally:
+            self._set_gradient_sync(True)
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        if self._partitioner is not None:
+            self._partitioner.require_sync = enabled
+        for root in self._fsdp_roots:
+            root.set_requires_gradient_sync(enabled)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # ZeRO-1/2: the last buckets are reduced and every shard gets its gradient before clipping and the step
+        if self._partitioner is not None:
+            self._partitioner.finish_gradient_sync()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._partitioner is not None:
+            self._partitioner.gather_parameters()  # each rank stepped its chunk; everyone gets all of them
+        return output
 
     # ----------------------------------------------------------------------------------------------------------------
     # Collectives used by Lightning (logging, checkpoint paths, early stopping)
@@ -244,9 +300,66 @@ class LayoutStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # Checkpoints: stage 0 saves one file from rank 0 (Lightning's default); stages 1-3 a sharded DCP directory
+    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    def _sharded(self) -> bool:
+        return self.layout.zero_stage > 0
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded states load into the partitioned optimizer / sharded model, so they must exist first
+        return self._sharded
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._sharded
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.layout.zero_stage == 3:
+            return sharded_checkpoint.model_state(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.layout.zero_stage == 3:
+            return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
+        return super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self._sharded:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self._sharded:
+            super().load_optimizer_state_dict(checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not self._sharded:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, fsdp=self.layout.zero_stage == 3)
+        if self._partitioner is not None:
+            self._partitioner.refresh_shards()  # offloaded shards are copies: take the loaded parameters
+        return meta
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            sharded_checkpoint.remove(Path(filepath))
+
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.model.module
+        if self._partitioner is not None:
+            self._partitioner.remove()
+            self._partitioner = None
         super().teardown()
 
     @classmethod

@@ -1,0 +1,1 @@
+"""Plugins: checkpoint IO (sharded, atomic) and, later, precision."""
