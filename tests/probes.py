@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_par.measure import CommCounter, state_bytes
 
 
 class RankReport(pl.Callback):
@@ -69,3 +74,99 @@ class DieAt(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             os._exit(17)
+
+
+class GradNorms(pl.Callback):
+    """Record the global gradient norm before clipping of the first optimizer steps into the rank report.
+
+    The gradients may be DTensor shards (ZeRO, FSDP2); ``clip_grad_norm_``'s own norm computation reduces over
+    the mesh, so equal numbers across layouts mean the norm Lightning clips by is the global one.
+    """
+
+    def __init__(self, steps: int = 5) -> None:
+        self.steps = steps
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step < self.steps:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            self.norms.append(float(norm))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        root = Path(trainer.default_root_dir) / "reports"
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"norms_rank{trainer.global_rank}.json").write_text(json.dumps(self.norms))
+
+
+class StateReport(pl.Callback):
+    """Write ``state_rank{N}.json`` per rank: the elements sent during one whole optimizer step, by collective kind,
+    and the bytes of parameters, gradients and optimizer states held right after that step.
+
+    The window opens at the first micro-batch of optimizer step ``step`` (1-based: the step that makes
+    ``trainer.global_step == step``) and closes after its optimizer step, so with ``accumulate_grad_batches`` it
+    spans every micro-batch of that step. A DDP-wrapped model (stage 0, Lightning ``ddp``) all-reduces in C++:
+    a counting comm hook is registered on it at the start of training. The file is written again at the end of
+    training with the peak memory of the process.
+
+    Args:
+        path: folder for the reports.
+        step: which optimizer step to measure.
+    """
+
+    def __init__(self, path: str, step: int = 3) -> None:
+        self.path = Path(path)
+        self.step = step
+        self.counter = CommCounter(enabled=False)
+        self.report: dict = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        self.report = {
+            "global_rank": trainer.global_rank,
+            "strategy": type(strategy).__name__,
+            "stage": getattr(strategy, "stage", None),
+            # DTensor.numel() is the global count, so this is the unsharded model under every strategy
+            "numel": sum(p.numel() for p in pl_module.parameters()),
+            "dp": (getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", trainer.world_size),
+            "step": self.step,
+            "sent": None,
+            "calls": None,
+            "bytes": None,
+        }
+        model = strategy.model
+        if isinstance(model, DistributedDataParallel):
+            self.counter.process_group = model.process_group
+            model.register_comm_hook(self.counter, CommCounter.ddp_comm_hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        first_micro_batch = batch_idx % trainer.accumulate_grad_batches == 0
+        if trainer.global_step == self.step - 1 and first_micro_batch and not self.counter.enabled:
+            self.counter.reset()
+            self.counter.install()
+            self.counter.resume()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not (self.counter.enabled and trainer.global_step == self.step):
+            return
+        self.counter.pause()
+        self.counter.uninstall()
+        self.report.update(
+            sent=self.counter.sent_elements(),
+            calls=self.counter.calls(),
+            bytes=state_bytes(trainer.strategy.model, trainer.optimizers),
+        )
+        self._write(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.counter.uninstall()
+        # ru_maxrss is in KiB on Linux
+        self.report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        device = trainer.strategy.root_device
+        self.report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        self._write(trainer)
+
+    def _write(self, trainer) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / f"state_rank{trainer.global_rank}.json").write_text(json.dumps(self.report, indent=1))
