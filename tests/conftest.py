@@ -21,9 +21,11 @@ def job(batch: int, accumulate: int = 1, clip: bool = False) -> list[str]:
     return args + ([f"--trainer.gradient_clip_val={CLIP}"] if clip else [])
 
 
-def keep_every_checkpoint(root) -> list[str]:
+def probes(root) -> list[str]:
+    """Keep every checkpoint, and measure traffic and state bytes of optimizer step 3 on every rank."""
     return ["--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={root / 'ckpt'}"]
+            "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={root / 'ckpt'}",
+            "--trainer.callbacks+=tests.probes.StateReport", f"--trainer.callbacks.path={root / 'reports'}"]
 
 
 #: name -> (devices, arguments); launched lazily by the `runs` fixture
@@ -55,7 +57,7 @@ def runs(tmp_path_factory, cache_dir):
         if name not in done:
             devices, args = RUNS[name]
             root = tmp_path_factory.mktemp(name)
-            done[name] = launch_cli(root, cache_dir, [*args, *keep_every_checkpoint(root), *(extra or [])],
+            done[name] = launch_cli(root, cache_dir, [*args, *probes(root), *(extra or [])],
                                     devices=devices).check()
         return done[name]
 

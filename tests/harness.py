@@ -78,6 +78,11 @@ class Run:
                 out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
         return out
 
+    def state_reports(self) -> list[dict]:
+        """Per-rank traffic and state-bytes reports of the StateReport probe, by rank."""
+        files = sorted(self.root.glob("reports/state_rank*.json"), key=lambda p: int(p.stem.removeprefix("state_rank")))
+        return [json.loads(p.read_text()) for p in files]
+
     def grad_norms(self) -> list[float]:
         """Global gradient norms (before clipping) of the first optimizer steps, as rank 0 saw them."""
         return json.loads((self.root / "reports" / "norms_rank0.json").read_text())
