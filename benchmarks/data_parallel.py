@@ -1,8 +1,8 @@
 """Side by side, in one run: Lightning's own ``ddp`` and lightning-par's ``ZeroStrategy(stage=0)`` on the same job.
 
 Both launch the ``lightning-par`` CLI on the same model, data, seed and steps; throughput is read back from the
-``train/tokens_per_sec`` TensorBoard series (the first window, with start-up effects, is dropped). The machine is
-shared and noisy, so the result is a ratio of medians, and the strategies alternate over several rounds.
+``train/tokens_per_sec`` TensorBoard series, one value per window (the first, with start-up effects, is dropped).
+The machine is shared and noisy, so the result is a ratio of medians, and the strategies alternate over rounds.
 
     python benchmarks/data_parallel.py --devices 2 --steps 60 --rounds 2 --json dp_bench.json
 """
@@ -18,17 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.harness import launch_cli  # noqa: E402
+from benchmarks.common import launch, throughput_windows  # noqa: E402
 
 STRATEGIES = {"lightning ddp": "ddp", "lightning-par zero0": "zero0"}
 
 
 def tokens_per_sec(root: Path, cache: Path, strategy: str, devices: int, steps: int, preset: str) -> list[float]:
-    args = [f"--trainer.strategy={strategy}", f"--trainer.max_steps={steps}", f"--model.preset={preset}",
-            "--data.seq_len=128", "--data.batch_size=8", "--trainer.limit_val_batches=0", "--tokens_per_sec.window=10"]
-    run = launch_cli(root, cache, args, devices=devices, timeout=900).check()
-    series = run.scalars()["train/tokens_per_sec"]
-    return [series[s] for s in sorted(series)][1:]
+    args = [f"--trainer.max_steps={steps}", "--data.seq_len=128", "--data.batch_size=8",
+            "--trainer.limit_val_batches=0", "--tokens_per_sec.window=10"]
+    return throughput_windows(launch(root, cache, strategy, devices, preset, args).check())
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ Lightning import: it works on any module, optimizer and process group.
 - :func:`zero_formula` / :func:`traffic_formula` give what the paper predicts for fp32 Adam.
 """
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterable
@@ -138,6 +139,7 @@ class CommCounter:
     def _wrap(self, original: Callable, name: str, kind: str, arg: str) -> Callable:
         signature = inspect.signature(original)
 
+        @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.enabled and self._depth() == 0:
                 bound = signature.bind(*args, **kwargs)
@@ -150,17 +152,15 @@ class CommCounter:
             finally:
                 self._local.depth -= 1
 
-        counted.__wrapped__ = original  # type: ignore[attr-defined]
         return counted
 
     @staticmethod
     def ddp_comm_hook(state: "CommCounter", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP comm hook that counts each gradient bucket as an all-reduce, then averages it as DDP does.
 
-        (DDP checks the hook's annotations at run time, which is why this module does not postpone them.)
-
         Register with ``ddp_model.register_comm_hook(counter, CommCounter.ddp_comm_hook)``; the all-reduce runs
-        over ``counter.process_group`` (set it to ``ddp_model.process_group``).
+        over ``counter.process_group`` (set it to ``ddp_model.process_group``). DDP checks the hook's annotations
+        at run time, which is why this module does not postpone annotations.
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

@@ -20,6 +20,7 @@ TINY_JOB = [
     "--seed_everything=1234",
     "--model=example_models.GPTLightningModule",
     "--model.preset=tiny",
+    "--model.n_layers=8",  # the blocks hold ~92% of the parameters, as in a real model
     "--data=lightning_par.data.TextDataModule",
     "--data.seq_len=32",
     "--data.max_corpus_bytes=300000",

@@ -41,7 +41,7 @@ class RankReport(pl.Callback):
             "first_batches": self.batches,
         }
         mesh = getattr(strategy, "_device_mesh", None)
-        if mesh is not None:  # a lightning-par strategy (the single-process reference runs without one)
+        if mesh is not None and hasattr(strategy, "coordinates"):  # a lightning-par strategy
             report.update(
                 backend=dist.get_backend(),
                 coordinates=strategy.coordinates,
