@@ -1,0 +1,370 @@
+"""Split a model into pipeline stages by removing the units a stage does not own.
+
+A model declares its pipeline units in execution order with ``pipeline_units()``, e.g. ``["embed", "layers.0", ...,
+"layers.7", "norm", "head"]`` for :class:`example_models.GPT`. A stage is a contiguous run of those units, and the
+stage's module is the model with every other unit removed: top-level units are set to ``None`` and entries of a
+``ModuleDict`` are deleted, never re-indexed. The parameters that remain therefore keep their original names
+(FQNs), so a checkpoint written with one pipeline size loads with another.
+
+Everything here is single-process arithmetic and module surgery: all validation raises a
+:class:`~lightning_par.topology.LayoutError` before any rank waits on a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch.nn as nn
+
+from lightning_par.topology import LayoutError
+
+#: How virtual stages are laid out over the pipeline ranks (see :func:`stage_indices`).
+STAGE_STYLES: tuple[str, ...] = ("loop", "v")
+
+Costs = dict[str, float] | Sequence[float] | None
+
+
+def _short(names: Sequence[str], limit: int = 8) -> str:
+    """A list for an error message, abbreviated in the middle when long."""
+    names = list(names)
+    if len(names) <= limit:
+        return repr(names)
+    head, tail = names[: limit // 2], names[-(limit // 2):]
+    return f"[{', '.join(map(repr, head))}, ... ({len(names) - limit} more) ..., {', '.join(map(repr, tail))}]"
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{name}={value!r} is not valid: use a positive integer.")
+
+
+# -- which units a model has ---------------------------------------------------------------------------------------
+def declared_units(model: nn.Module) -> list[str]:
+    """The model's pipeline units (``model.pipeline_units()``), checked so that each one can be removed.
+
+    Each unit must name an existing submodule; units may not nest; a unit inside a container must sit in an
+    ``nn.ModuleDict`` (deleting from an ``nn.ModuleList`` or ``nn.Sequential`` re-indexes the rest and would rename
+    their parameters).
+    """
+    declare = getattr(model, "pipeline_units", None)
+    if not callable(declare):
+        hint = ""
+        inner = next((name for name, m in model.named_modules() if callable(getattr(m, "pipeline_units", None))), None)
+        if inner is not None:
+            hint = f" Its submodule `{inner}` declares them: split that module instead."
+        raise LayoutError(
+            f"{type(model).__name__} declares no pipeline units, so it cannot be split into pipeline stages; add a "
+            "`pp_plan` / `pipeline_units()` that lists its units in execution order like example_models.GPT." + hint
+        )
+    units = list(declare())
+    if not units:
+        raise LayoutError(f"{type(model).__name__}.pipeline_units() returned no units; a stage needs at least one.")
+    bad = [u for u in units if not isinstance(u, str) or not u]
+    if bad:
+        raise LayoutError(f"pipeline units must be non-empty submodule names, got {bad!r}.")
+    duplicates = sorted({u for u in units if units.count(u) > 1})
+    if duplicates:
+        raise LayoutError(f"pipeline_units() lists {duplicates} more than once; each unit must appear once.")
+    for unit in units:
+        try:
+            module = model.get_submodule(unit)
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.Module):
+            raise LayoutError(
+                f"pipeline unit {unit!r} is not a submodule of {type(model).__name__}; pipeline_units() must name "
+                "submodules by their dotted path (e.g. 'layers.0')."
+            )
+        parent_name = unit.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            raise LayoutError(
+                f"pipeline unit {unit!r} sits in an {type(parent).__name__}; removing it would re-index the others "
+                "and rename their parameters. Hold repeated blocks in an nn.ModuleDict keyed '0', '1', ... like "
+                "example_models.GPT."
+            )
+    for unit in units:
+        inner = [u for u in units if u.startswith(unit + ".")]
+        if inner:
+            raise LayoutError(f"pipeline unit {unit!r} contains the units {inner}; units may not nest.")
+    return units
+
+
+# -- which stage holds which units ---------------------------------------------------------------------------------
+def _unit_costs(units: list[str], costs: Costs) -> list[float]:
+    if isinstance(costs, dict):
+        unknown = [name for name in costs if name not in units]
+        if unknown:
+            raise LayoutError(f"costs name unknown pipeline units {unknown}; the units are {_short(units)}.")
+        missing = [u for u in units if u not in costs]
+        if missing:
+            raise LayoutError(f"costs has no entry for the pipeline units {_short(missing)}; give a cost for every "
+                              "unit, or pass costs=None to balance by unit count.")
+        values = [costs[u] for u in units]
+    else:
+        values = list(costs)
+        if len(values) != len(units):
+            raise LayoutError(f"costs has {len(values)} entries but there are {len(units)} pipeline units "
+                              f"({_short(units)}); give one cost per unit, in unit order, or a dict unit -> cost.")
+    for unit, value in zip(units, values, strict=True):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise LayoutError(f"the cost of pipeline unit {unit!r} is {value!r}; costs must be finite and >= 0.")
+    return [float(v) for v in values]
+
+
+def _even_chunks(n_items: int, n_chunks: int) -> list[int]:
+    """Sizes of ``n_chunks`` contiguous chunks of ``n_items``; the earliest chunks take the remainder."""
+    base, extra = divmod(n_items, n_chunks)
+    return [base + (i < extra) for i in range(n_chunks)]
+
+
+def _split_by_count(units: list[str], n_stages: int) -> list[list[str]]:
+    # Repeated blocks ("layers.3": an item of a container) carry the compute; every other unit rides with its
+    # neighbour: the ones before the first block join it (the embedding goes to stage 0), the others join the block
+    # before them (final norm and head go to the last stage).
+    groups: list[list[str]] = []
+    leading: list[str] = []
+    for unit in units:
+        if "." in unit:
+            groups.append([*leading, unit])
+            leading = []
+        elif groups:
+            groups[-1].append(unit)
+        else:
+            leading.append(unit)
+    if len(groups) < n_stages:  # too few blocks to give every stage one: balance the units themselves
+        groups = [[u] for u in units]
+    stages, start = [], 0
+    for size in _even_chunks(len(groups), n_stages):
+        stages.append([u for group in groups[start:start + size] for u in group])
+        start += size
+    return stages
+
+
+def _split_by_cost(units: list[str], costs: list[float], n_stages: int) -> list[list[str]]:
+    """Exact min-max contiguous partition by dynamic programming, O(n_stages * n_units^2)."""
+    n = len(units)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[j][i]: the smallest possible maximum stage cost when the first i units form j non-empty stages;
+    # cut[j][i]: where the last of those j stages starts.
+    best = [[math.inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    for i in range(1, n + 1):
+        best[1][i] = prefix[i]
+    for j in range(2, n_stages + 1):
+        for i in range(j, n + 1):
+            for s in range(j - 1, i):
+                value = max(best[j - 1][s], prefix[i] - prefix[s])
+                if value <= best[j][i]:  # on ties the later cut wins: the remainder goes to the earlier stages
+                    best[j][i], cut[j][i] = value, s
+    bounds, end = [], n
+    for j in range(n_stages, 1, -1):
+        start = cut[j][end]
+        bounds.append((start, end))
+        end = start
+    bounds.append((0, end))
+    return [units[a:b] for a, b in reversed(bounds)]
+
+
+def assign_units(units: list[str], n_stages: int, costs: Costs = None) -> list[list[str]]:
+    """Split ordered pipeline units into ``n_stages`` contiguous, non-empty, balanced stages.
+
+    Without ``costs`` the repeated blocks (units with a dot, like ``layers.3``) are spread as evenly as possible by
+    count, the earlier stages taking one more when they do not divide evenly (the last stage also runs the head and
+    the loss). Other units go with their neighbouring block: the ones before the first block to stage 0, the others
+    to the stage of the block before them. With fewer blocks than stages, all units are balanced by count.
+
+    With ``costs`` (one per unit, in unit order, or a dict unit -> cost) the split minimises the largest stage cost
+    exactly. Stage 0 always holds the first unit and the last stage the last one.
+    """
+    _check_positive_int("n_stages", n_stages)
+    units = list(units)
+    if not units:
+        raise LayoutError("there are no pipeline units to assign to stages.")
+    if len(set(units)) != len(units):
+        raise LayoutError(f"the pipeline units {_short(units)} contain duplicates; each unit must appear once.")
+    if n_stages > len(units):
+        raise LayoutError(f"{n_stages} pipeline stages but only {len(units)} pipeline units ({_short(units)}); "
+                          f"use at most {len(units)} stages.")
+    if costs is None:
+        return _split_by_count(units, n_stages)
+    return _split_by_cost(units, _unit_costs(units, costs), n_stages)
+
+
+def plan_stages(model_or_units: nn.Module | list[str], pp_size: int, virtual_stages: int = 1, style: str = "loop",
+                costs: Costs = None) -> list[list[str]]:
+    """Units of each of the ``pp_size * virtual_stages`` stages, validated in terms of the pipeline layout.
+
+    Call this in the launching process: every error says which setting to change.
+    """
+    _check_positive_int("pp", pp_size)
+    _check_positive_int("virtual_stages", virtual_stages)
+    _check_style(style, virtual_stages)
+    units = declared_units(model_or_units) if isinstance(model_or_units, nn.Module) else list(model_or_units)
+    n_stages = pp_size * virtual_stages
+    if n_stages > len(units):
+        raise LayoutError(
+            f"pp={pp_size} x virtual_stages={virtual_stages} = {n_stages} stages but the model declares only "
+            f"{len(units)} pipeline units ({_short(units)}); use at most {len(units)} stages."
+        )
+    return assign_units(units, n_stages, costs)
+
+
+# -- which rank holds which stages ---------------------------------------------------------------------------------
+def _check_style(style: str, virtual_stages: int) -> None:
+    if style not in STAGE_STYLES:
+        raise LayoutError(f"unknown stage style {style!r}; use 'loop' (interleaved 1F1B) or 'v' (ZBV / DualPipeV).")
+    if style == "v" and virtual_stages % 2:
+        raise LayoutError(
+            f"style='v' needs an even virtual_stages (the stages go down the ranks and back up, so each rank holds "
+            f"them in pairs), got {virtual_stages}. Use virtual_stages=2 for ZBV / DualPipeV, or style='loop'."
+        )
+
+
+def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, style: str = "loop") -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, in increasing order, among ``pp_size * virtual_stages``.
+
+    ``"loop"`` (interleaved 1F1B): rank r holds r, r + p, r + 2p, ... -- each pass runs down all ranks.
+    ``"v"`` (ZBV, DualPipeV): the passes alternate direction, so rank r holds r and 2p - 1 - r (and 2p + r,
+    4p - 1 - r, ... for more virtual stages). Rank 0 then holds both the first and the last stage.
+    """
+    _check_positive_int("pp", pp_size)
+    _check_positive_int("virtual_stages", virtual_stages)
+    _check_style(style, virtual_stages)
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
+        raise LayoutError(f"pp_rank={pp_rank!r} is outside the {pp_size} pipeline ranks 0..{pp_size - 1}.")
+    indices = []
+    for chunk in range(virtual_stages):
+        reverse = style == "v" and chunk % 2 == 1
+        indices.append(chunk * pp_size + (pp_size - 1 - pp_rank if reverse else pp_rank))
+    return indices
+
+
+def stage_rank(stage: int, pp_size: int, virtual_stages: int, style: str = "loop") -> int:
+    """The pipeline rank that holds ``stage``: the inverse of :func:`stage_indices`."""
+    _check_positive_int("pp", pp_size)
+    _check_positive_int("virtual_stages", virtual_stages)
+    _check_style(style, virtual_stages)
+    n_stages = pp_size * virtual_stages
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
+        raise LayoutError(f"stage {stage!r} is outside the {n_stages} stages 0..{n_stages - 1}.")
+    chunk, offset = divmod(stage, pp_size)
+    return pp_size - 1 - offset if style == "v" and chunk % 2 == 1 else offset
+
+
+# -- building stage modules ----------------------------------------------------------------------------------------
+def _check_plan(units: list[str], units_by_stage: list[list[str]]) -> None:
+    flat = [u for stage in units_by_stage for u in stage]
+    unknown = [u for u in flat if u not in units]
+    if unknown:
+        raise LayoutError(f"units_by_stage names unknown pipeline units {unknown}; the model's units are "
+                          f"{_short(units)}.")
+    if any(not stage for stage in units_by_stage) or flat != units:
+        raise LayoutError(f"units_by_stage must split the units {_short(units)} into non-empty contiguous stages in "
+                          f"order, each unit once; got {units_by_stage}. Build it with assign_units().")
+
+
+def _remove_unit(module: nn.Module, unit: str) -> None:
+    """Remove a unit by its dotted name without renaming anything else."""
+    parent_name, _, name = unit.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    if isinstance(parent, nn.ModuleDict):
+        del parent[name]
+    else:
+        setattr(parent, name, None)
+
+
+def _build_stage(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
+    kept_modules = {id(m) for unit in keep for m in model.get_submodule(unit).modules()}
+    # Seeding deepcopy's memo with None for the dropped units makes it skip them entirely, so the copy never
+    # allocates another stage's parameters. A module reachable from a kept unit as well is copied as usual.
+    memo: dict[int, object] = {}
+    for unit in units:
+        module = model.get_submodule(unit)
+        if unit not in keep and id(module) not in kept_modules:
+            memo[id(module)] = None
+    stage = copy.deepcopy(model, memo)
+    for unit in units:
+        if unit not in keep:
+            _remove_unit(stage, unit)
+    return stage
+
+
+def split_model(model: nn.Module, n_stages: int, stage_index: int | list[int], costs: Costs = None, *,
+                units_by_stage: list[list[str]] | None = None) -> nn.Module | list[nn.Module]:
+    """The module(s) of pipeline stage ``stage_index`` out of ``n_stages``; the model itself is left unchanged.
+
+    Each stage is a copy of the model without the units of the other stages; the parameters that remain keep
+    their original names. Pass a list of indices (virtual stages, see :func:`stage_indices`) to get one module per
+    index. The units come from ``units_by_stage`` when given (e.g. from :func:`plan_stages`, so all ranks use the
+    same plan), else from :func:`assign_units` with ``costs``.
+
+    A parameter shared by units of different stages (a tied embedding and head) becomes a separate copy in each
+    stage module, including two stages on the same rank; :func:`tied_parameter_groups` lists them so their
+    gradients can be summed. Within one stage module a shared parameter stays one ``Parameter``.
+    """
+    units = declared_units(model)
+    _check_positive_int("n_stages", n_stages)
+    if units_by_stage is None:
+        units_by_stage = assign_units(units, n_stages, costs)
+    else:
+        if len(units_by_stage) != n_stages:
+            raise LayoutError(f"units_by_stage has {len(units_by_stage)} stages but n_stages={n_stages}.")
+        _check_plan(units, [list(stage) for stage in units_by_stage])
+    indices = [stage_index] if isinstance(stage_index, int) and not isinstance(stage_index, bool) else stage_index
+    indices = list(indices)
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_stages]
+    if bad or not indices:
+        raise LayoutError(f"stage_index={stage_index!r}: every index must be one of the stages 0..{n_stages - 1}.")
+    if len(set(indices)) != len(indices):
+        raise LayoutError(f"stage_index={stage_index!r} repeats a stage; list each stage once.")
+    stages = [_build_stage(model, units, list(units_by_stage[i])) for i in indices]
+    return stages if isinstance(stage_index, list) else stages[0]
+
+
+# -- parameters held by more than one stage ------------------------------------------------------------------------
+class TiedParameter(NamedTuple):
+    """A parameter held by several stages, e.g. a tied embedding/head weight.
+
+    ``name`` is its first FQN in the model, ``stages`` the stages whose modules hold a copy of it, and
+    ``name_by_stage[s]`` the FQN under which stage ``s`` holds it (``"embed.weight"`` in stage 0,
+    ``"head.weight"`` in the last stage).
+    """
+
+    name: str
+    stages: list[int]
+    name_by_stage: dict[int, str]
+
+
+def tied_parameter_groups(model: nn.Module, units_by_stage: list[list[str]]) -> list[TiedParameter]:
+    """Every parameter that more than one stage holds a copy of, in model order.
+
+    After :func:`split_model` each of these stages trains its own copy. To keep them one parameter, sum their
+    gradients over the ranks holding those stages (and add them up locally for two stages on one rank) before the
+    optimizer step; equal initial values and equal updates then keep the copies equal.
+
+    Two cases: a tensor shared by units in different stages (``GPT(tie_embeddings=True)``: ``head.weight`` is
+    ``embed.weight``), and a parameter outside every unit, which every stage keeps.
+    """
+    units = declared_units(model)
+    _check_plan(units, [list(stage) for stage in units_by_stage])
+    stage_of_unit = {u: s for s, stage in enumerate(units_by_stage) for u in stage}
+    every_stage = list(range(len(units_by_stage)))
+    holders: dict[int, dict[int, str]] = {}  # id(parameter) -> stage -> its first FQN in that stage
+    first_name: dict[int, str] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        unit = next((u for u in units if fqn.startswith(u + ".")), None)
+        stages = every_stage if unit is None else [stage_of_unit[unit]]
+        first_name.setdefault(id(param), fqn)
+        for s in stages:
+            holders.setdefault(id(param), {}).setdefault(s, fqn)
+    return [
+        TiedParameter(first_name[key], sorted(by_stage), dict(sorted(by_stage.items())))
+        for key, by_stage in holders.items()
+        if len(by_stage) > 1
+    ]
