@@ -72,7 +72,8 @@ def test_registered_zero_names():
     for name, stage in [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero2_offload", 2)]:
         strategy = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
         assert isinstance(strategy, ZeroStrategy) and strategy.stage == stage
-    assert Trainer(accelerator="cpu", devices=2, strategy="zero3_offload", logger=False).strategy.layout.offload_parameters
+    offloaded = Trainer(accelerator="cpu", devices=2, strategy="zero3_offload", logger=False).strategy
+    assert offloaded.layout.offload_parameters and offloaded.layout.offload_optimizer
 
 
 def test_an_optimizer_that_cannot_be_partitioned_is_refused():

@@ -25,7 +25,8 @@ def test_state_bytes_per_rank_follow_the_zero_formula(runs, stage, name, n):
         predicted = zero_formula(stage, report["numel"], n)
         for category in ("parameters", "gradients", "optimizer_states"):
             measured = report["bytes"][category]
-            print(f"{name} rank {report['global_rank']} {category}: {measured} bytes, formula {predicted[category]:.0f}")
+            rank = report["global_rank"]
+            print(f"{name} rank {rank} {category}: {measured} bytes, formula {predicted[category]:.0f}")
             assert abs(measured / predicted[category] - 1) <= TOLERANCE, (category, measured, predicted[category])
 
 
@@ -41,7 +42,8 @@ def test_elements_sent_per_step_follow_the_zero_formula(runs, stage, name, n):
             one_pass = report["numel"] * (n - 1) / n
             predicted += 2 * (micro_batches - 1) * one_pass
             assert abs(report["sent"]["reduce_scatter"] / one_pass - 1) <= TOLERANCE
-        print(f"{name} rank {report['global_rank']}: sent {sent:.0f} elements {report['sent']}, formula {predicted:.0f}")
+        rank = report["global_rank"]
+        print(f"{name} rank {rank}: sent {sent:.0f} elements {report['sent']}, formula {predicted:.0f}")
         assert abs(sent / predicted - 1) <= TOLERANCE
         if stage in (1, 2):
             assert set(k for k, v in report["sent"].items() if v > 1000) == {"reduce_scatter", "all_gather"}
