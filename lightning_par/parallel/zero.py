@@ -72,9 +72,12 @@ class _Bucket:
     shard: nn.Parameter | None = None  # the optimizer's DTensor parameter (owned chunk)
     flat_grad: Tensor | None = None  # full gradient buffer while it is being filled / reduced
     reduced_chunk: Tensor | None = None  # reduce-scatter output
-    ready: int = 0
     work: dist.Work | None = None
-    ready_params: set[int] = field(default_factory=set)
+    ready_params: set[int] = field(default_factory=set)  # indices of params whose gradient is in flat_grad
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready_params) == len(self.params)
 
     @property
     def chunk(self) -> int:
@@ -133,15 +136,16 @@ class ZeroPartitioner:
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         # Reverse registration order approximates the order backward produces gradients in, so the first buckets
         # fill (and start reducing) early.
-        buckets, current = [], []
+        buckets, current, current_bytes = [], [], 0
         for p in reversed(params):
+            size = p.numel() * p.element_size()
             if current and (
-                sum(q.numel() * q.element_size() for q in current) + p.numel() * p.element_size() > cap_bytes
-                or (p.dtype, p.device) != (current[0].dtype, current[0].device)
+                current_bytes + size > cap_bytes or (p.dtype, p.device) != (current[0].dtype, current[0].device)
             ):
                 buckets.append(self._pack(current))
-                current = []
+                current, current_bytes = [], 0
             current.append(p)
+            current_bytes += size
         if current:
             buckets.append(self._pack(current))
         return buckets
@@ -176,7 +180,7 @@ class ZeroPartitioner:
             return  # accumulating: gradients stay in param.grad, no communication on non-final micro-steps
         bucket, index = self._bucket_of[id(param)]
         self._stage_grad(bucket, index)
-        if bucket.ready == len(bucket.params):
+        if bucket.complete:
             self._launch_reduce(bucket)
 
     def _stage_grad(self, bucket: _Bucket, index: int) -> None:
@@ -192,7 +196,6 @@ class ZeroPartitioner:
             region.zero_()  # stage 1 reuses the buffer: an unused parameter must not keep last step's gradient
         param.grad = None  # the bucket holds it now; stage 2 frees the bucket once reduced
         bucket.ready_params.add(index)
-        bucket.ready += 1
 
     def _launch_reduce(self, bucket: _Bucket) -> None:
         assert bucket.flat_grad is not None
@@ -225,7 +228,7 @@ class ZeroPartitioner:
             grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
             assert bucket.shard is not None
             bucket.shard.grad = self._dtensor(grad, bucket.flat.numel())
-            bucket.work, bucket.reduced_chunk, bucket.ready = None, None, 0
+            bucket.work, bucket.reduced_chunk = None, None
             bucket.ready_params.clear()
 
     # -- parameters ----------------------------------------------------------------------------------------------
