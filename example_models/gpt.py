@@ -177,7 +177,7 @@ class GPT(nn.Module):
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
         "embed": "vocab_parallel",
-        "head": "colwise_rep",
+        "head": "vocab_parallel",  # logits stay vocabulary-sharded for the vocab-parallel cross-entropy
     }
     # Pipeline plan (Hugging Face `base_model_pp_plan` form), in execution order: module -> (inputs, outputs).
     pp_plan = {
@@ -265,4 +265,7 @@ class GPT(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, computed in fp32. logits [B, T, V], targets [B, T] (-100 is ignored)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    # Vocabulary-sharded logits (a DTensor, under tensor parallelism) give a replicated DTensor loss; return its
+    # plain value, which callers such as Lightning's `self.log(sync_dist=True)` can all-reduce.
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

@@ -45,6 +45,7 @@ class GPTLightningModule(L.LightningModule):
         vocab_size: Vocabulary size; 256 for raw UTF-8 bytes.
         tie_embeddings: Share one weight matrix between the input embedding and the output head.
         n_layers: Override the preset's number of transformer blocks (None keeps the preset's).
+        n_kv_heads: Override the preset's number of key/value heads (tensor parallelism needs tp to divide it).
         lr: Peak learning rate, reached after the warmup.
         weight_decay: AdamW weight decay, applied only to matrices (>= 2-D parameters).
         betas: AdamW betas.
@@ -62,6 +63,7 @@ class GPTLightningModule(L.LightningModule):
         vocab_size: int = 256,
         tie_embeddings: bool = False,
         n_layers: int | None = None,
+        n_kv_heads: int | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -73,6 +75,8 @@ class GPTLightningModule(L.LightningModule):
         overrides = {"vocab_size": vocab_size, "tie_embeddings": tie_embeddings}
         if n_layers is not None:
             overrides["n_layers"] = n_layers
+        if n_kv_heads is not None:
+            overrides["n_kv_heads"] = n_kv_heads
         self.config = GPTConfig.from_preset(preset, **overrides)  # validates early, before any weights exist
         self.model: GPT | None = None
         self.train_ppl = TokenPerplexity()
@@ -86,10 +90,19 @@ class GPTLightningModule(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one (micro-)batch. A pipeline strategy calls it on the last stage, inside its schedule."""
+        return causal_lm_loss(logits, targets)
+
+    def compute_loss(self, batch) -> torch.Tensor:
+        """The batch's mean loss. Every step gets its loss here, so a pipeline strategy can answer it instead
+        (its schedule runs forward and backward across the stages) while the step's logging stays the same."""
+        inputs, targets = batch
+        return self.loss_fn(self(inputs), targets)
+
     def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
         inputs, targets = batch
-        loss = causal_lm_loss(self(inputs), targets)
-        return loss, (targets != -100).sum(), inputs.size(0)
+        return self.compute_loss(batch), (targets != -100).sum(), inputs.size(0)
 
     def training_step(self, batch, batch_idx):
         loss, n_tokens, batch_size = self._loss(batch)

@@ -7,7 +7,13 @@ Importing the package registers its strategy names with Lightning's ``StrategyRe
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par.parallel.layout import Layout
-from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy, ZeroStrategy
+from lightning_par.strategies import (
+    ALL_STRATEGIES,
+    LayoutStrategy,
+    MegatronTPStrategy,
+    PipelineStrategy,
+    ZeroStrategy,
+)
 from lightning_par.topology import LayoutError, ParallelDims
 
 __version__ = "0.1.0"
@@ -20,4 +26,13 @@ def _register_strategies() -> None:
 
 _register_strategies()
 
-__all__ = ["Layout", "LayoutError", "LayoutStrategy", "ParallelDims", "ZeroStrategy", "__version__"]
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "LayoutStrategy",
+    "MegatronTPStrategy",
+    "ParallelDims",
+    "PipelineStrategy",
+    "ZeroStrategy",
+    "__version__",
+]

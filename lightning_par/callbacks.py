@@ -50,3 +50,81 @@ class TokensPerSecond(pl.Callback):
             elapsed = time.perf_counter() - self._start
             pl_module.log("train/tokens_per_sec", self._tokens / max(elapsed, 1e-9), rank_zero_only=True)
             self._tokens, self._start = 0, None
+
+
+class PipelineTimeline(pl.Callback):
+    """Record one training step of a pipeline-parallel run: the executed schedule, its bubble, its memory.
+
+    At optimizer step ``step`` every pipeline rank records the compute actions its stages run (forward, backward,
+    weight-gradient backward) and the activation memory autograd holds. Global rank 0 then logs to TensorBoard
+    ``pipeline/bubble_fraction`` (idle share of the step, mean over pipeline ranks),
+    ``pipeline/peak_microbatches_in_flight`` (most micro-batches one stage holds activations for) and
+    ``pipeline/peak_activation_MiB`` (largest over pipeline ranks), and the timeline as the figure
+    ``pipeline/timeline``; it writes the same as ``pipeline_timeline.png`` and ``.json`` (per rank, per stage)
+    into the log directory. Does nothing when the strategy is not pipelined.
+
+    The bubble of a real model on a shared CPU includes contention between ranks; ``benchmarks/pipeline_bubble.py``
+    measures the schedules themselves against the formulas.
+
+    Args:
+        step: the optimizer step to record (a few steps in, after the first step's shape inference).
+    """
+
+    def __init__(self, step: int = 3) -> None:
+        self.step = step
+
+    @staticmethod
+    def _pipeline(trainer: pl.Trainer) -> Any:
+        return getattr(trainer.strategy, "_pipeline", None)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        pipeline = self._pipeline(trainer)
+        if pipeline is not None and trainer.global_step == self.step and \
+                batch_idx % trainer.accumulate_grad_batches == 0:
+            pipeline.record_next = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        pipeline = self._pipeline(trainer)
+        if pipeline is None or pipeline.recording is None:
+            return
+        import json
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        from lightning_par.parallel.pipeline.timeline import (
+            bubble_fraction,
+            draw_timeline,
+            gather_records,
+            peak_in_flight,
+        )
+
+        recording, pipeline.recording = pipeline.recording, None
+        records = gather_records(recording.records, group=pipeline.group, origin=recording.origin)
+        peak_bytes: list = [None] * pipeline.pp
+        dist.all_gather_object(peak_bytes, recording.peak_activation_bytes, group=pipeline.group)
+        out_dir = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is a collective: all ranks ask
+        if not trainer.is_global_zero:
+            return
+        bubble = bubble_fraction(records, pipeline.pp)
+        in_flight = peak_in_flight(records)
+        choice = pipeline.choice
+        summary = {"step": trainer.global_step, "schedule": choice.name, "pp": choice.pp,
+                   "n_microbatches": choice.n_microbatches, "virtual_stages": choice.virtual_stages,
+                   "bubble_fraction": bubble["mean"], "bubble_per_rank": bubble["per_rank"],
+                   "makespan_s": bubble["makespan"], "peak_in_flight": in_flight,
+                   "peak_activation_bytes": peak_bytes, "records": [r.__dict__ for r in records]}
+        metrics = {"pipeline/bubble_fraction": bubble["mean"],
+                   "pipeline/peak_microbatches_in_flight": max(in_flight.values()),
+                   "pipeline/peak_activation_MiB": max(peak_bytes) / 2**20}
+        title = (f"{choice.name}: p={choice.pp}, m={choice.n_microbatches}, v={choice.virtual_stages}, "
+                 f"step {trainer.global_step}, idle {bubble['mean']:.0%}")
+        figure = draw_timeline(records, out_dir / "pipeline_timeline.png", title, n_ranks=pipeline.pp)
+        (out_dir / "pipeline_timeline.json").write_text(json.dumps(summary, indent=1))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
+            if callable(add_figure):
+                add_figure("pipeline/timeline", figure, global_step=trainer.global_step)

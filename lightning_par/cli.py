@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_par  # noqa: F401  (registers the strategy names)
-from lightning_par.callbacks import TokensPerSecond
+from lightning_par.callbacks import PipelineTimeline, TokensPerSecond
 from lightning_par.strategies import ALL_STRATEGIES
 
 
@@ -46,16 +46,20 @@ class LightningParCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(TokensPerSecond, "tokens_per_sec")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
+        parser.add_lightning_class_args(PipelineTimeline, "pipeline_timeline")  # no-op unless pipelined
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        parser.add_argument("--sample_tokens", type=int, default=240,
+                            help="After fit: how many tokens to sample from a model with sample_text(); 0 skips it.")
 
     def after_fit(self) -> None:
         trainer, model = self.trainer, self.model
         if trainer.interrupted:
             return
-        if hasattr(model, "sample_text") and getattr(model, "model", None) is not None:
+        tokens = self.config[self.subcommand].get("sample_tokens", 240)
+        if tokens > 0 and hasattr(model, "sample_text") and getattr(model, "model", None) is not None:
             # every rank samples (a sharded model needs all of them for each forward), the same seed on each
             torch.manual_seed(0)
-            text = model.sample_text("def ", max_new_tokens=240)
+            text = model.sample_text("def ", max_new_tokens=tokens)
             if trainer.is_global_zero:
                 print("\nSampled from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
         self._print_log_dir()

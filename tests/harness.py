@@ -159,6 +159,19 @@ def launch_torchrun(
     return _finish(root, procs, logs, start, timeout)
 
 
+def launch_matrix(root: Path, cache_dir: Path, module: str, args: list[str], nproc: int,
+                  timeout: float = 600) -> Run:
+    """``python -m MODULE ARGS`` on ``nproc`` ranks of one torchrun agent: for scripts that run several fits."""
+    root.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, *args]
+    log = root / "launch.log"
+    start = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env=base_env(cache_dir), stdout=out, stderr=subprocess.STDOUT)
+        return _finish(root, [proc], [log], start, timeout)
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"different number of steps: {len(a)} vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

@@ -110,13 +110,18 @@ def test_draw_timeline_writes_a_png_and_returns_the_figure(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_measured_bubble_of_gpipe_and_1f1b_on_four_ranks(tmp_path):
+def test_measured_bubble_of_gpipe_1f1b_and_interleaved_on_four_ranks(tmp_path):
     """4 gloo ranks, sleep-timed stages (forward 50 ms, backward 100 ms per micro-batch), m = 8: the idle fraction
-    of the makespan is (p-1)/(m+p-1) = 3/11 for both; 1F1B holds at most p micro-batches per stage, GPipe all m."""
+    of the makespan is (p-1)/(m+p-1) = 3/11 for GPipe and 1F1B, 3/19 for interleaved 1F1B with 2 stages per rank;
+    1F1B holds at most p micro-batches per stage, GPipe all m."""
     from benchmarks.pipeline_bubble import run
 
     p, m = 4, 8
-    gpipe, one_f_one_b = run([("GPipe", m), ("1F1B", m)], p=p, t=0.05, repeats=2)
+    gpipe, one_f_one_b, interleaved = run([("GPipe", m), ("1F1B", m), ("Interleaved1F1B", m)], p=p, t=0.05,
+                                          repeats=2)
+    # interleaved, v = 2 stages per rank: (p-1)/(mv) of compute, so (p-1)/(mv+p-1) of the makespan
+    assert interleaved["formula"]["idle"] == pytest.approx((p - 1) / (2 * m + p - 1))
+    assert abs(interleaved["idle"] - interleaved["formula"]["idle"]) <= 0.03, interleaved["idle_per_step"]
     theory = (p - 1) / (m + p - 1)
     for result in (gpipe, one_f_one_b):
         assert sorted({(r.rank, r.kind) for r in result["records"]}) == [(i, k) for i in range(p) for k in "BF"]

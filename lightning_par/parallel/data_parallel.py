@@ -33,3 +33,33 @@ def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_m
         # formula for stage 0 counts (4 bytes per parameter), not two
         gradient_as_bucket_view=True,
     )
+
+
+def replicate_units(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
+    """Stage 0 for a model whose parameters are DTensors (tensor parallel): replicas, gradients all-reduced.
+
+    DistributedDataParallel's reducer takes only plain tensors. ``_pre_dp_module_transform`` would make it accept a
+    TP model by handing it the local shards -- but then the optimizer and gradient clipping see local shards too,
+    and the clipping norm would be each rank's own, not the global one. FSDP2's ``replicate`` (the DDP of the
+    composable API) keeps the parameters as DTensors on the (dp, tp) mesh -- replicated over dp, split over tp --
+    all-reduces gradients per unit as backward produces them (overlapping it, as DDP's buckets do) and stops
+    syncing with ``set_requires_gradient_sync(False)`` for gradient accumulation. Units are grouped as in
+    :func:`~lightning_par.parallel.zero.fully_shard_units`: each repeated block, then the rest of the model.
+    Returns the roots (empty with a single data-parallel rank: nothing to reduce).
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    from lightning_par.parallel.zero import declared_model
+
+    if dp_mesh.size() == 1:
+        return []
+    model = declared_model(module)
+    if model is None:
+        roots = [child for child in module.children() if any(True for _ in child.parameters())]
+        for child in roots:
+            replicate(child, mesh=dp_mesh)
+        return roots
+    for name in (unit for unit in model.pipeline_units() if "." in unit):
+        replicate(model.get_submodule(name), mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+    return [model]

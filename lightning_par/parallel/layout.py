@@ -45,10 +45,16 @@ class Layout:
                 "offload_optimizer=True needs zero_stage 1, 2 or 3 (got 0): offload moves the sharded optimizer "
                 "state to host memory. Use ZeroStrategy(stage=1, offload_optimizer=True) or higher."
             )
-        if self.tp > 1 or self.pp > 1:
+        if self.pp > 1 and self.zero_stage != 0:
             raise LayoutError(
-                f"tp={self.tp}, pp={self.pp}: tensor and pipeline parallelism are not available in this version; "
-                "use tp=1 and pp=1 (data parallel only)."
+                f"pp={self.pp} with zero_stage={self.zero_stage}: pipeline stages compose with plain data parallel "
+                "(zero_stage=0) in this version. Use zero_stage=0, or pp=1 for ZeRO stages 1-3."
+            )
+        if self.tp > 1 and self.zero_stage in (1, 2):
+            raise LayoutError(
+                f"tp={self.tp} with zero_stage={self.zero_stage}: ZeRO stages 1 and 2 pack parameters into flat "
+                "buckets, which tensor-parallel (DTensor) parameters do not allow in this version. Use zero_stage=0 "
+                "(replicas over data parallel) or zero_stage=3 (FSDP2 over data parallel, 2D with tp)."
             )
 
     def resolve(self, world_size: int) -> ParallelDims:

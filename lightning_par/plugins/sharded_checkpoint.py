@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -25,6 +26,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 META = "meta.pt"
+
+# Optimizer state flattened to one entry per parameter and field ("state.layers.0.attn.q_proj.weight.exp_avg",
+# "param_groups.layers.0.attn.q_proj.weight.lr"): ranks holding different parameters (pipeline stages) then write
+# different keys -- a nested "param_groups" list would be one key, written by one rank -- and a checkpoint loads
+# into another split of the parameters.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
@@ -34,7 +41,7 @@ def model_state(module: nn.Module) -> dict[str, Any]:
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state keyed by parameter FQNs (for optimizers over the module's own parameters)."""
-    return get_optimizer_state_dict(module, optimizer)
+    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -99,7 +106,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         module.load_state_dict(state["state_dict"])
     for index, optimizer in enumerate(optimizers):
         if fsdp:
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"])
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_FLAT)
         else:
             optimizer.load_state_dict(state[f"optimizer_{index}"])
     return torch.load(path / META, weights_only=False)

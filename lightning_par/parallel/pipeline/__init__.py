@@ -6,9 +6,11 @@ from lightning_par.parallel.pipeline.split import (
     assign_units,
     declared_units,
     plan_stages,
+    rank_module,
     split_model,
     stage_indices,
     stage_rank,
+    stage_view,
     tied_parameter_groups,
 )
 
@@ -18,8 +20,10 @@ __all__ = [
     "assign_units",
     "declared_units",
     "plan_stages",
+    "rank_module",
     "split_model",
     "stage_indices",
     "stage_rank",
+    "stage_view",
     "tied_parameter_groups",
 ]

@@ -327,6 +327,40 @@ def split_model(model: nn.Module, n_stages: int, stage_index: int | list[int], c
     return stages if isinstance(stage_index, list) else stages[0]
 
 
+def rank_module(model: nn.Module, units_by_stage: list[list[str]], stage_ids: list[int]) -> nn.Module:
+    """One module holding the units of all of ``stage_ids`` (one pipeline rank's stages), original names kept.
+
+    Unlike a list from :func:`split_model`, a parameter shared by two of these stages (the tied embedding and head
+    on rank 0 of a V layout) stays one ``Parameter``: autograd sums its gradients, and the optimizer steps it once.
+    Use :func:`stage_view` for each stage's own module over the same parameters.
+    """
+    units = declared_units(model)
+    _check_plan(units, [list(stage) for stage in units_by_stage])
+    return _build_stage(model, units, [u for i in stage_ids for u in units_by_stage[i]])
+
+
+def stage_view(module: nn.Module, keep: list[str]) -> nn.Module:
+    """A shallow copy of ``module`` without the declared units outside ``keep``: the kept units are shared with
+    ``module``, not copied, so a pipeline stage built on the view trains ``module``'s own parameters."""
+    drop = [u for u in declared_units(module) if u not in keep]
+    view = copy.copy(module)
+    view._modules = dict(module._modules)
+    for unit in drop:
+        parent_name, _, name = unit.rpartition(".")
+        parent = view
+        if parent_name:  # copy the chain of containers down to the unit, so `module` keeps its own
+            for part in parent_name.split("."):
+                child = copy.copy(parent._modules[part])
+                child._modules = dict(child._modules)
+                parent._modules[part] = child
+                parent = child
+        if isinstance(parent, nn.ModuleDict):
+            del parent._modules[name]
+        else:
+            parent._modules[name] = None
+    return view
+
+
 # -- parameters held by more than one stage ------------------------------------------------------------------------
 class TiedParameter(NamedTuple):
     """A parameter held by several stages, e.g. a tied embedding/head weight.

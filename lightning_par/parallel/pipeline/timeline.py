@@ -294,3 +294,65 @@ def draw_timeline(records: Sequence[ComputeRecord], path_png: str | Path | None,
         Path(path_png).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path_png, dpi=120)
     return fig
+
+
+class ActivationMeter:
+    """Context manager measuring the activation memory autograd holds for backward, live and at its peak.
+
+    Every tensor autograd saves (``saved_tensors_hooks``) is counted by the storage that holds it, once however
+    many times it is saved, from when it is first saved until the last saved reference to it is released (after
+    the backward that used it, or when the graph is dropped). Storages of ``exclude`` (pass the parameters) are not
+    counted: weights are model state, not activations. Over a pipeline step, ``peak_bytes`` is what the
+    micro-batches in flight hold at once: ``m`` of them for GPipe, at most ``p`` for 1F1B.
+    """
+
+    def __init__(self, exclude: Iterable[Any] = ()):
+        self._skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, list[int]] = {}  # storage -> [references held, bytes]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks: Any = None
+
+    def _pack(self, tensor: Any) -> Any:
+        key = tensor.untyped_storage().data_ptr()
+        if key in self._skip or tensor.device.type == "meta":
+            return tensor
+        entry = self._live.setdefault(key, [0, tensor.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.live_bytes += entry[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        return _Saved(self, key, tensor)
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self._live[key]
+
+    def __enter__(self) -> ActivationMeter:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._hooks.__exit__(*exc_info)
+
+
+class _Saved:
+    """One saved reference; releasing it (autograd drops it after use) is what frees the activation."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, meter: ActivationMeter, key: int, tensor: Any):
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _unpack(saved: Any) -> Any:
+    return saved.tensor if isinstance(saved, _Saved) else saved

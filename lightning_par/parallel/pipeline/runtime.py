@@ -1,0 +1,362 @@
+"""Run one pipeline rank: its stage modules, the training schedule, forward-only evaluation, tied gradients.
+
+Training uses the schedules of ``torch.distributed.pipelining`` (:data:`SCHEDULES`). Two things are written here
+because torch lacks them:
+
+* **forward-only passes with changing shapes** (:meth:`PipelineRuntime.forward_only`): a ``PipelineStage`` fixes
+  its activation shapes at its first step, but validation sees a short last batch and generation a growing
+  sequence. Evaluation therefore sends each activation with a small shape header, stage after stage;
+* **gradients of parameters held by several ranks** (a tied embedding and head on the first and last stage):
+  summed over the pipeline group before the optimizer step, so every copy takes the same update.
+
+Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
+checked in :func:`resolve_schedule`, which the strategy calls in the launching process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import pipelining
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_par.parallel.pipeline.split import (
+    Costs,
+    plan_stages,
+    rank_module,
+    stage_indices,
+    stage_rank,
+    stage_view,
+    tied_parameter_groups,
+)
+from lightning_par.parallel.pipeline.timeline import ActivationMeter, ComputeRecord, ScheduleRecorder
+from lightning_par.topology import LayoutError
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule users can name, and what it needs."""
+
+    torch_class: str  # in torch.distributed.pipelining
+    style: str  # stage placement: "loop" (rank r holds r, r+p, ...) or "v" (r and 2p-1-r)
+    default_virtual: int
+    fixed_virtual: int | None  # the only number of stages per rank the schedule runs, if it has one
+    summary: str
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec("ScheduleGPipe", "loop", 1, 1, "all forwards, then all backwards; holds m micro-batches"),
+    "1f1b": ScheduleSpec("Schedule1F1B", "loop", 1, 1, "PipeDream-Flush: GPipe's bubble, at most p in flight"),
+    "interleaved_1f1b": ScheduleSpec("ScheduleInterleaved1F1B", "loop", 2, None,
+                                     "v stages per rank: bubble (p-1)/(m v)"),
+    "looped_bfs": ScheduleSpec("ScheduleLoopedBFS", "loop", 2, None, "v stages per rank, breadth first"),
+    "zero_bubble": ScheduleSpec("ScheduleInterleavedZeroBubble", "loop", 2, None,
+                                "interleaved, backward split into input and weight gradients"),
+    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, 2, "zero-bubble V: 2 stages per rank in a V"),
+    "dualpipev": ScheduleSpec("ScheduleDualPipeV", "v", 2, 2, "DualPipe-V: 2 stages per rank, m >= 2p"),
+}
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """A schedule resolved against the pipeline size: what the runtime builds."""
+
+    name: str
+    spec: ScheduleSpec
+    pp: int
+    n_microbatches: int
+    virtual_stages: int
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+def default_microbatches(pp: int) -> int:
+    """Two micro-batches per pipeline rank: every schedule runs, and GPipe / 1F1B idle (p-1)/(2p) of compute."""
+    return 2 * pp
+
+
+def check_schedule_name(schedule: str) -> ScheduleSpec:
+    if schedule not in SCHEDULES:
+        valid = ", ".join(f"{name!r} ({spec.summary})" for name, spec in SCHEDULES.items())
+        raise LayoutError(f"unknown pipeline schedule {schedule!r}; valid schedules: {valid}.")
+    return SCHEDULES[schedule]
+
+
+def resolve_schedule(schedule: str, pp: int, n_microbatches: int | None = None,
+                     virtual_stages: int | None = None) -> ScheduleChoice:
+    """Check a schedule against the pipeline size; raise a :class:`LayoutError` that says what to change."""
+    spec = check_schedule_name(schedule)
+    m = default_microbatches(pp) if n_microbatches is None else n_microbatches
+    v = spec.default_virtual if virtual_stages is None else virtual_stages
+    for name, value in (("n_microbatches", m), ("virtual_stages", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{name}={value!r} is not valid: use a positive integer.")
+    if spec.fixed_virtual is not None and v != spec.fixed_virtual:
+        other = "interleaved_1f1b or zero_bubble" if v > 1 else "gpipe or 1f1b"
+        raise LayoutError(f"schedule {schedule!r} runs exactly {spec.fixed_virtual} stage(s) per rank, got "
+                          f"virtual_stages={v}; leave virtual_stages unset, or use {other}.")
+    n_stages = pp * v
+    # the same conditions torch checks when the schedule is built, here so that they fail before launch
+    if schedule == "1f1b" and m < pp:
+        raise LayoutError(f"1f1b needs at least as many micro-batches as pipeline stages: n_microbatches={m} < "
+                          f"pp={pp}. Use n_microbatches >= {pp}.")
+    if schedule == "dualpipev" and m < n_stages:
+        raise LayoutError(f"dualpipev needs n_microbatches >= 2 * pp = {n_stages}, got {m}.")
+    if spec.style == "loop" and v > 1:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise LayoutError(f"{schedule} runs micro-batches in rounds of pp={pp}: n_microbatches={m} is not a "
+                              f"multiple of its {rounds} rounds. Use a multiple of {pp}, e.g. {rounds * pp}.")
+    return ScheduleChoice(schedule, spec, pp, m, v)
+
+
+# -- point-to-point transfer of tensors whose shape the receiver does not know -------------------------------------
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+_HEADER = 8  # dtype, ndim, up to 6 dims
+
+
+def _header(t: Tensor) -> Tensor:
+    if t.dim() > _HEADER - 2:
+        raise ValueError(f"pipeline activations of {t.dim()} dimensions are not supported (at most {_HEADER - 2})")
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=t.device)
+
+
+def _isend(t: Tensor, dst: int, group: dist.ProcessGroup) -> list:
+    t = t.contiguous()
+    return [dist.isend(_header(t), dst=dst, group=group), dist.isend(t, dst=dst, group=group), t]
+
+
+def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    out = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
+    dist.recv(out, src=src, group=group)
+    return out
+
+
+@dataclass
+class Recording:
+    """One recorded training step on this rank: the executed actions and the peak saved activation bytes."""
+
+    records: list[ComputeRecord]
+    origin: float
+    peak_activation_bytes: int
+
+
+class PipelineRuntime:
+    """This rank's share of a pipeline: the module with its stages' units, the stages, the training schedule.
+
+    Args:
+        model: the full model, identical on every rank (it declares ``pipeline_units()``); it is not modified.
+        pp_mesh: the 1-D pipeline mesh this rank belongs to.
+        choice: from :func:`resolve_schedule`.
+        loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage.
+        loss_scale: the factor applied to each micro-batch loss before backward (1 / (m * accumulation)).
+        device: where the stages compute.
+        costs: per-unit costs for balancing the split (see :func:`plan_stages`), or None to balance by count.
+    """
+
+    def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, choice: ScheduleChoice,
+                 loss_fn: Callable[[Any, Any], Tensor], loss_scale: float, device: torch.device,
+                 costs: Costs = None) -> None:
+        self.choice = choice
+        self.group = pp_mesh.get_group()
+        self.pp_rank, self.pp = pp_mesh.get_local_rank(), pp_mesh.size()
+        self.global_ranks = dist.get_process_group_ranks(self.group)
+        self.device = device
+        style, v = choice.spec.style, choice.virtual_stages
+        self.units_by_stage = plan_stages(model, self.pp, v, style, costs)
+        self.stage_ids = stage_indices(self.pp_rank, self.pp, v, style)
+        self.module = rank_module(model, self.units_by_stage, self.stage_ids)
+        self.stage_modules = [stage_view(self.module, self.units_by_stage[i]) for i in self.stage_ids]
+        self.last_rank = self._rank_of(choice.n_stages - 1)  # pipeline rank that computes the loss
+        self._tied = self._tied_across_ranks(model)
+        self._loss_fn = loss_fn
+        self._micro_losses: list[Tensor] = []
+        self.record_next = False  # record the next training step's executed schedule and activation memory
+        self.recording: Recording | None = None
+
+        def scaled_loss(outputs: Any, targets: Any) -> Tensor:
+            loss = loss_fn(outputs, targets)
+            self._micro_losses.append(loss.detach())
+            return loss * loss_scale
+
+        n = choice.n_stages
+        self.stages = [pipelining.PipelineStage(mod, i, n, device, group=self.group)
+                       for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
+        schedule_cls = getattr(pipelining, choice.spec.torch_class)
+        stages = self.stages[0] if choice.spec.torch_class in ("ScheduleGPipe", "Schedule1F1B") else self.stages
+        try:
+            # scale_grads=False: torch would divide *all* gradients every step, which breaks accumulation over
+            # several Lightning batches; the loss is scaled instead
+            self.schedule = schedule_cls(stages, n_microbatches=choice.n_microbatches, loss_fn=scaled_loss,
+                                         scale_grads=False)
+        except ValueError as err:  # raised alike on every rank, before any communication
+            raise LayoutError(f"pipeline schedule {choice.name!r} with pp={self.pp}, n_microbatches="
+                              f"{choice.n_microbatches}, virtual_stages={v}: {err}") from err
+
+    def _rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.pp, self.choice.virtual_stages, self.choice.spec.style)
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.last_rank
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward and backward of one batch through the schedule; gradients accumulate in the parameters.
+
+        Returns the batch loss (mean of the micro-batch losses, unscaled) on every pipeline rank.
+        """
+        m = self.choice.n_microbatches
+        if inputs.size(0) % m:
+            raise LayoutError(f"the batch of {inputs.size(0)} samples does not split into n_microbatches={m} equal "
+                              f"micro-batches; use a batch size that is a multiple of {m}, or another n_microbatches.")
+        self._micro_losses = []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "return_outputs": False} if self.is_last else {}
+        if self.record_next:  # see lightning_par.callbacks.PipelineTimeline
+            self.record_next = False
+            with ScheduleRecorder(self.stages) as recorder, ActivationMeter(self.module.parameters()) as meter:
+                self.schedule.step(*args, **kwargs)
+            self.recording = Recording(recorder.records, recorder.origin, meter.peak_bytes)
+        else:
+            self.schedule.step(*args, **kwargs)
+        # the last m: on its first step torch also calls the loss function to infer the backward's shapes
+        micro = self._micro_losses[-m:]
+        loss = torch.stack(micro).float().mean() if self.is_last else torch.zeros((), device=self.device)
+        return self._from_last(loss)
+
+    def _from_last(self, tensor: Tensor) -> Tensor:
+        dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
+        return tensor
+
+    def _tied_across_ranks(self, model: nn.Module) -> list[tuple[dict[int, str], torch.Size, torch.dtype]]:
+        """Parameters whose copies live on more than one pipeline rank: (pipeline rank -> local name, shape)."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        out = []
+        for tied in tied_parameter_groups(model, self.units_by_stage):
+            by_rank: dict[int, str] = {}
+            for stage, name in tied.name_by_stage.items():
+                by_rank.setdefault(self._rank_of(stage), name)
+            if len(by_rank) > 1:
+                out.append((by_rank, params[tied.name].shape, params[tied.name].dtype))
+        return out
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of parameters held on several pipeline ranks, so their copies take the same step.
+
+        The all-reduce runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare
+        and this avoids extra process groups.
+        """
+        local = dict(self.module.named_parameters(remove_duplicate=False))
+        for by_rank, shape, dtype in self._tied:
+            name = by_rank.get(self.pp_rank)
+            param = local.get(name) if name is not None else None
+            if param is not None and param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad if param is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+            dist.all_reduce(grad, group=self.group)
+
+    def global_grad_norm(self) -> Tensor:
+        """The 2-norm of the whole model's gradient: squares summed over the pipeline ranks, a tied parameter
+        counted once (on the lowest pipeline rank holding it)."""
+        skip = {by_rank[self.pp_rank] for by_rank, _, _ in self._tied
+                if self.pp_rank in by_rank and min(by_rank) != self.pp_rank}
+        grads = [p.grad for n, p in self.module.named_parameters() if n not in skip and p.grad is not None]
+        square = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros((), device=self.device)
+        dist.all_reduce(square, group=self.group)
+        return square.sqrt()
+
+    def average_gradients(self, dp_group: dist.ProcessGroup) -> None:
+        """Average this rank's gradients over its data-parallel replicas (the same stages on other replicas).
+
+        One flat all-reduce after the schedule rather than DDP's buckets overlapped with backward: the schedule
+        runs backward in pieces (per micro-batch, and split into input and weight gradients for the zero-bubble
+        schedules), so there is no single backward to hook the overlap into.
+        """
+        n = dist.get_world_size(dp_group)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if n == 1 or not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        flat /= n
+        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(synced)
+
+    # -- forward only ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_only(self, inputs: Tensor, targets: Tensor | None = None, n_microbatches: int | None = None) -> Tensor:
+        """Run ``inputs`` through every stage in micro-batches, without a backward.
+
+        With ``targets``: the loss (mean of the micro-batch losses) on every pipeline rank. Without: the last
+        stage's output, on every pipeline rank. Every rank passes the same ``inputs`` (only the first stage reads
+        them); shapes may change from call to call.
+        """
+        m = math.gcd(inputs.size(0), n_microbatches or self.choice.n_microbatches)  # equal micro-batches
+        chunks = inputs.tensor_split(m)
+        last_stage = self.choice.n_stages - 1
+        handoff: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> input, between stages of this rank
+        pending: list = []
+        outputs: list[Tensor] = []
+        for stage, module in zip(self.stage_ids, self.stage_modules, strict=True):
+            # stages in increasing order, micro-batches in order, sends never wait: every receive is of an
+            # earlier (stage, micro-batch) pair, so no rank waits on one that waits on it
+            for k in range(m):
+                if stage == 0:
+                    x = chunks[k]
+                elif (stage, k) in handoff:
+                    x = handoff.pop((stage, k))
+                else:
+                    x = _recv(self.global_ranks[self._rank_of(stage - 1)], self.group, self.device)
+                y = module(x)
+                if stage == last_stage:
+                    outputs.append(y)
+                elif self._rank_of(stage + 1) == self.pp_rank:
+                    handoff[(stage + 1, k)] = y
+                else:
+                    pending += _isend(y, self.global_ranks[self._rank_of(stage + 1)], self.group)
+        for work in pending:
+            if not isinstance(work, Tensor):
+                work.wait()
+        if targets is not None:
+            if self.is_last:
+                losses = [self._loss_fn(y, t) for y, t in zip(outputs, targets.tensor_split(m), strict=True)]
+                loss = torch.stack([x.detach().float() for x in losses]).mean()
+            else:
+                loss = torch.zeros((), device=self.device)
+            return self._from_last(loss)
+        return self._broadcast_output(torch.cat(outputs) if self.is_last else None)
+
+    def _broadcast_output(self, output: Tensor | None) -> Tensor:
+        src = self.global_ranks[self.last_rank]
+        header = _header(output) if output is not None else torch.empty(_HEADER, dtype=torch.int64,
+                                                                         device=self.device)
+        dist.broadcast(header, src=src, group=self.group)
+        if output is None:
+            ndim = int(header[1])
+            output = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=_DTYPES[int(header[0])],
+                                 device=self.device)
+        dist.broadcast(output, src=src, group=self.group)
+        return output
+
+    def describe(self) -> str:
+        units = [u for i in self.stage_ids for u in self.units_by_stage[i]]
+        return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.choice.n_stages} "
+                f"({len(units)} units, {units[0]} .. {units[-1]}), schedule {self.choice.name}, "
+                f"{self.choice.n_microbatches} micro-batches")

@@ -1,0 +1,99 @@
+"""MegatronTPStrategy: tensor (and sequence) parallelism inside data-parallel replicas, a preset of the engine."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_par.strategies.engine import LayoutStrategy
+from lightning_par.topology import LayoutError, Size
+
+
+class MegatronTPStrategy(LayoutStrategy):
+    """Megatron-style tensor parallelism over ``tp`` ranks, data parallel (optionally ZeRO-3) across replicas.
+
+    The model declares its split in Hugging Face form (``tp_plan``: module-name patterns -> ``"colwise"``,
+    ``"rowwise"``, ``"vocab_parallel"``, ...; a ``transformers`` model's own published plan works unchanged) and
+    the engine applies it with DTensor. Attention q/k/v and MLP gate/up are column-parallel, the output projections
+    row-parallel; heads and key/value heads are divided over the tp ranks. A ``"vocab_parallel"`` head keeps the
+    logits split over the vocabulary and the cross-entropy runs on the shards. Per transformer block and step, on
+    the tp group (b batch, s sequence, h hidden; activations in elements):
+
+    ================== =================================== ===================================== =================
+    sequence_parallel  forward                             backward                              norm activations
+    ================== =================================== ===================================== =================
+    False              2 all-reduce (bsh)                  2 all-reduce (bsh)                    bsh per rank
+    True               2 all-gather + 2 reduce-scatter     2 all-gather + 2 reduce-scatter       bsh / tp per rank
+    ================== =================================== ===================================== =================
+
+    (An all-reduce moves the same bytes as an all-gather plus a reduce-scatter, so sequence parallelism costs no
+    extra traffic and divides the memory of the activations outside the split linears by tp.)
+
+    Args:
+        tp: tensor-parallel size; must divide the attention heads, key/value heads, hidden and FFN sizes and the
+            vocabulary (checked before training, with the allowed values in the error).
+        sequence_parallel: split norms and the residual stream over the sequence too; the sequence length must be
+            divisible by tp.
+        dp: data-parallel size, or ``"auto"`` for world size / tp.
+        zero_stage: across data parallel: 0 replicas (gradients all-reduced) or 3 (FSDP2, 2D with tp). Stages 1
+            and 2 are not available with tp > 1.
+        offload_optimizer: stage 3 only: keep the sharded optimizer state in host memory.
+        bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
+        timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
+
+    Example::
+
+        Trainer(accelerator="gpu", devices=8, strategy=MegatronTPStrategy(tp=4, sequence_parallel=True))
+        # or: lightning-par fit ... --trainer.strategy=megatron_tp2_sp
+    """
+
+    strategy_name = "megatron_tp"
+
+    def __init__(
+        self,
+        tp: int = 2,
+        sequence_parallel: bool = False,
+        dp: Size = "auto",
+        zero_stage: int = 0,
+        offload_optimizer: bool = False,
+        bucket_cap_mb: float = 25.0,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        if sequence_parallel and tp == 1:
+            raise LayoutError(
+                "sequence_parallel=True needs tp > 1: it splits the sequence over the tensor-parallel ranks. "
+                "Set tp to 2 or more, or sequence_parallel=False."
+            )
+        super().__init__(
+            dp=dp,
+            tp=tp,
+            pp=1,
+            zero_stage=zero_stage,
+            offload_optimizer=offload_optimizer,
+            sequence_parallel=sequence_parallel,
+            bucket_cap_mb=bucket_cap_mb,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **kwargs,
+        )
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets: dict[str, dict[str, Any]] = {}
+        for tp in (2, 4, 8):
+            presets[f"megatron_tp{tp}"] = {"tp": tp}
+            presets[f"megatron_tp{tp}_sp"] = {"tp": tp, "sequence_parallel": True}
+            presets[f"megatron_tp{tp}_zero3"] = {"tp": tp, "zero_stage": 3}
+        for name, init_args in presets.items():
+            strategy_registry.register(
+                name, cls, description=f"lightning-par MegatronTPStrategy({init_args})", **init_args
+            )
