@@ -152,3 +152,10 @@ def test_a_model_without_pipeline_units_is_refused():
 
     with pytest.raises(LayoutError, match=r"needs a submodule of Sequential that declares its pipeline units"):
         _declared_model_slot(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_tensor_and_pipeline_together_are_refused_for_now():
+    from lightning_par import LayoutStrategy
+
+    with pytest.raises(LayoutError, match=r"tp=2 with pp=2: tensor and pipeline parallel together \(3D\)"):
+        LayoutStrategy(tp=2, pp=2)

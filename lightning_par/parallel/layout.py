@@ -50,6 +50,11 @@ class Layout:
                 f"pp={self.pp} with zero_stage={self.zero_stage}: pipeline stages compose with plain data parallel "
                 "(zero_stage=0) in this version. Use zero_stage=0, or pp=1 for ZeRO stages 1-3."
             )
+        if self.tp > 1 and self.pp > 1:
+            raise LayoutError(
+                f"tp={self.tp} with pp={self.pp}: tensor and pipeline parallel together (3D) are not available in "
+                "this version. Use MegatronTPStrategy (tp, with dp) or PipelineStrategy (pp, with dp)."
+            )
         if self.tp > 1 and self.zero_stage in (1, 2):
             raise LayoutError(
                 f"tp={self.tp} with zero_stage={self.zero_stage}: ZeRO stages 1 and 2 pack parameters into flat "
