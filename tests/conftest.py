@@ -43,20 +43,21 @@ for _stage in (1, 2, 3):
         4, [*job(GLOBAL_BATCH // 8, accumulate=2, clip=True), f"--trainer.strategy=zero{_stage}"])
 RUNS["zero2_offload_dp2"] = (2, [*job(GLOBAL_BATCH // 2), "--trainer.strategy=zero2_offload"])
 
-# pipeline parallel: every schedule at pp=2 and pp=4 (one replica: each rank sees the whole batch of 8)
+# pipeline parallel: every schedule at pp=2 and pp=4 (one replica: each rank sees the whole batch of 8), and tied
+# embeddings on the two ends of 4 ranks (1f1b) and on one rank holding both ends of a V (zbv). The `runs` fixture
+# makes all of one size in one launch of tests/pipeline_matrix.py (the same job as `job`); the CLI arguments here
+# serve the launches that continue from their checkpoints.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
-# (the `runs` fixture makes these with tests/pipeline_matrix.py, all schedules of a size in one launch; the CLI
-# arguments here are the same job, for launches that continue from their checkpoints)
+PIPELINE_TIED = {2: "zbv", 4: "1f1b"}
+PIPELINE_MATRIX = {pp: [*(f"pp{pp}_{s}" for s in PIPELINE_SCHEDULES), f"pp{pp}_tied_{PIPELINE_TIED[pp]}"]
+                   for pp in (2, 4)}
 for _pp in (2, 4):
     for _schedule in PIPELINE_SCHEDULES:
         RUNS[f"pp{_pp}_{_schedule}"] = (_pp, [*job(GLOBAL_BATCH), f"--trainer.strategy=pipeline{_pp}_{_schedule}"])
-RUNS["dp2_pp2"] = (4, [*job(GLOBAL_BATCH // 2), "--trainer.strategy=pipeline2_1f1b"])
 RUNS["dp2_pp2_accum_clip"] = (4, [*job(GLOBAL_BATCH // 4, accumulate=2, clip=True),
                                   "--trainer.strategy=lightning_par.PipelineStrategy", "--trainer.strategy.pp=2",
                                   "--trainer.strategy.schedule=zero_bubble", "--trainer.strategy.n_microbatches=2"])
 RUNS["single_tied"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true"])
-RUNS["pp4_tied_1f1b"] = (4, [*job(GLOBAL_BATCH), "--trainer.strategy=pipeline4_1f1b", "--model.tie_embeddings=true"])
-RUNS["pp2_tied_zbv"] = (2, [*job(GLOBAL_BATCH), "--trainer.strategy=pipeline2_zbv", "--model.tie_embeddings=true"])
 
 # tensor parallel: the tp ranks of one replica all see the replica's batch (GLOBAL_BATCH / dp). tp=4 needs 4 kv heads
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation
@@ -75,7 +76,6 @@ RUNS["tp4"] = (4, tp_job(GLOBAL_BATCH, "megatron_tp4", *KV4))
 RUNS["tp2_sp"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2_sp", "--sample_tokens=24"))
 RUNS["tp4_sp"] = (4, tp_job(GLOBAL_BATCH, "megatron_tp4_sp", *KV4))
 RUNS["dp2_tp2_sp"] = (4, tp_job(GLOBAL_BATCH // 2, "megatron_tp2_sp"))
-RUNS["tp2_tied"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", "--model.tie_embeddings=true"))
 RUNS["tp2_sp_tied"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2_sp", "--model.tie_embeddings=true"))
 # dp x tp with accumulation and clipping, against single_accum_clip: replicas (stage 0) and FSDP2 2D (stage 3)
 RUNS["dp2_tp2_accum_clip"] = (4, tp_job(GLOBAL_BATCH // 4, "megatron_tp2", accumulate=2, clip=True))
@@ -95,15 +95,15 @@ def runs(tmp_path_factory, cache_dir):
     done: dict[str, Run] = {}
 
     def get(name: str, extra: list[str] | None = None) -> Run:
-        pp = next((p for p in (2, 4) if name in {f"pp{p}_{s}" for s in PIPELINE_SCHEDULES}), None)
+        pp = next((p for p, names in PIPELINE_MATRIX.items() if name in names), None)
         if pp is not None and name not in done:
-            # every schedule of one pipeline size in one launch: one start-up instead of seven
+            # every schedule of one pipeline size in one launch: one start-up instead of eight
             root = tmp_path_factory.mktemp(f"pipeline_matrix_pp{pp}")
             args = ["--root", str(root), "--cache", str(cache_dir), "--pp", str(pp),
-                    "--schedules", *PIPELINE_SCHEDULES, "--checkpoint", "1f1b"]
+                    "--schedules", *PIPELINE_SCHEDULES, "--checkpoint", "1f1b", "--tied", PIPELINE_TIED[pp]]
             matrix = launch_matrix(root, cache_dir, "tests.pipeline_matrix", args, nproc=pp).check()
-            for schedule in PIPELINE_SCHEDULES:
-                done[f"pp{pp}_{schedule}"] = Run(root / f"pp{pp}_{schedule}", 0, matrix.log, matrix.seconds)
+            for run_name in PIPELINE_MATRIX[pp]:
+                done[run_name] = Run(root / run_name, 0, matrix.log, matrix.seconds)
         if name not in done:
             devices, args = RUNS[name]
             root = tmp_path_factory.mktemp(name)

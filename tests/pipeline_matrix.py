@@ -22,9 +22,9 @@ from lightning_par.data import TextDataModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 
 
-def fit(root: Path, cache: str, pp: int, schedule: str, checkpoint: bool) -> None:
+def fit(root: Path, cache: str, pp: int, schedule: str, checkpoint: bool, tied: bool = False) -> None:
     pl.seed_everything(1234)
-    model = GPTLightningModule(preset="tiny", n_layers=8)
+    model = GPTLightningModule(preset="tiny", n_layers=8, tie_embeddings=tied)
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH,
                           cache_dir=cache)
     callbacks: list = [PipelineTimeline(step=3)]
@@ -46,9 +46,13 @@ def main() -> None:
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--schedules", nargs="+", required=True)
     parser.add_argument("--checkpoint", nargs="*", default=[], help="schedules that keep every checkpoint")
+    parser.add_argument("--tied", nargs="*", default=[], help="schedules to run again with tied embeddings")
     args = parser.parse_args()
+    root = Path(args.root)
     for schedule in args.schedules:
-        fit(Path(args.root) / f"pp{args.pp}_{schedule}", args.cache, args.pp, schedule, schedule in args.checkpoint)
+        fit(root / f"pp{args.pp}_{schedule}", args.cache, args.pp, schedule, schedule in args.checkpoint)
+    for schedule in args.tied:
+        fit(root / f"pp{args.pp}_tied_{schedule}", args.cache, args.pp, schedule, False, tied=True)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,10 @@ def test_schedule_matches_single_process(runs, pp, schedule):
     _assert_parity(runs(f"pp{pp}_{schedule}"), runs("single"), f"pp={pp} {schedule}")
 
 
-def test_data_parallel_times_pipeline_matches_single_process(runs):
-    _assert_parity(runs("dp2_pp2"), runs("single"), "dp=2 x pp=2 1f1b")
-
-
-def test_accumulation_and_clipping_by_the_global_norm(runs):
-    """dp=2 x pp=2 zero-bubble, 2 micro-batches, accumulate 2 batches, clip at 0.5: the loss is scaled (not the
-    gradients) and the norm clipped by sums every stage, so the run stays on one process's trajectory."""
+def test_data_parallel_pipeline_with_accumulation_and_clipping(runs):
+    """dp=2 x pp=2 zero-bubble, 2 micro-batches, accumulate 2 batches, clip at 0.5: gradients averaged over the
+    replicas, the loss scaled (not the gradients), and the norm clipped by sums every stage, so the run stays on one
+    process's trajectory."""
     reference = runs("single_accum_clip")
     assert min(reference.grad_norms()) > 0.5, "clipping must act for this test to mean anything"
     _assert_parity(runs("dp2_pp2_accum_clip"), reference, "dp=2 x pp=2 zero_bubble, accumulate 2, clip 0.5")

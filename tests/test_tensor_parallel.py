@@ -20,7 +20,6 @@ PARITY = {
     "tp2_sp": "single",
     "tp4_sp": "single_kv4",
     "dp2_tp2_sp": "single",
-    "tp2_tied": "single_tied",
     "tp2_sp_tied": "single_tied",
     "dp2_tp2_accum_clip": "single_accum_clip",
     "zero3_dp2_tp2_accum_clip": "single_accum_clip",
