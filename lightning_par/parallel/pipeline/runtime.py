@@ -238,8 +238,9 @@ class PipelineRuntime:
             self.schedule.step(*args, **kwargs)
         # the last m: on its first step torch also calls the loss function to infer the backward's shapes
         micro = self._micro_losses[-m:]
-        loss = torch.stack(micro).float().mean() if self.is_last else torch.zeros((), device=self.device)
-        return self._from_last(loss)
+        if self.is_last:
+            return self._from_last(torch.stack(micro).float().mean())
+        return self._from_last(torch.zeros((), dtype=torch.float32, device=self.device))
 
     def _from_last(self, tensor: Tensor) -> Tensor:
         dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
@@ -278,7 +279,10 @@ class PipelineRuntime:
         skip = {by_rank[self.pp_rank] for by_rank, _, _ in self._tied
                 if self.pp_rank in by_rank and min(by_rank) != self.pp_rank}
         grads = [p.grad for n, p in self.module.named_parameters() if n not in skip and p.grad is not None]
-        square = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros((), device=self.device)
+        # explicit fp32: under bf16-true the default dtype is bf16, and every rank must send the same bytes
+        square = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            square = torch.nn.utils.get_total_norm(grads).float() ** 2
         dist.all_reduce(square, group=self.group)
         return square.sqrt()
 
@@ -339,7 +343,7 @@ class PipelineRuntime:
                 losses = [self._loss_fn(y, t) for y, t in zip(outputs, targets.tensor_split(m), strict=True)]
                 loss = torch.stack([x.detach().float() for x in losses]).mean()
             else:
-                loss = torch.zeros((), device=self.device)
+                loss = torch.zeros((), dtype=torch.float32, device=self.device)
             return self._from_last(loss)
         return self._broadcast_output(torch.cat(outputs) if self.is_last else None)
 
