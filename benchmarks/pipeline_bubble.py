@@ -60,6 +60,7 @@ from torch.distributed import pipelining
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_par.measure import ActivationMeter  # noqa: E402
 from lightning_par.parallel.pipeline.timeline import (  # noqa: E402
     ComputeRecord,
     ScheduleRecorder,
@@ -196,9 +197,12 @@ def measure(name: str, m: int, t: float, repeats: int) -> dict:
     for stage in stages:
         stage.submod.timed = True
     steps = []
+    params = [w for stage in stages for w in stage.submod.parameters()]
     for _ in range(repeats):
-        with ScheduleRecorder(stages) as recorder:
+        with ScheduleRecorder(stages) as recorder, ActivationMeter(params) as meter:
             step()
+        peak_bytes: list = [None] * p
+        dist.all_gather_object(peak_bytes, meter.peak_bytes)
         # one host: align the ranks on the shared perf_counter clock rather than trust the barrier
         records = gather_records(recorder.records, origin=recorder.origin)
         origins: list = [None] * p
@@ -210,7 +214,7 @@ def measure(name: str, m: int, t: float, repeats: int) -> dict:
                       "replay_idle": ideal["mean"], "replay_makespan_s": ideal["makespan"],
                       # the measured durations, communication free: what is left of the idle time is the schedule's
                       "free_comm_idle": bubble_fraction(replay(records, lambda r: r.duration), p)["mean"],
-                      "clock_skew_s": max(origins) - min(origins)})
+                      "clock_skew_s": max(origins) - min(origins), "peak_activation_bytes": peak_bytes})
     # the step least disturbed by everything else the machine runs: the other processes only ever add idle time
     best = min(steps, key=lambda s: s["idle"])
     return {"schedule": name, "m": m, "p": p, "v": v, "t_forward_s": t,
@@ -219,6 +223,7 @@ def measure(name: str, m: int, t: float, repeats: int) -> dict:
             "makespan_s": best["makespan_s"], "replay_idle": best["replay_idle"],
             "replay_makespan_s": best["replay_makespan_s"], "free_comm_idle": best["free_comm_idle"],
             "formula": formula(schedule, p, m), "peak_in_flight": peak_in_flight(best["records"]),
+            "peak_activation_bytes": best["peak_activation_bytes"],
             "clock_skew_s": max(s["clock_skew_s"] for s in steps), "records": best["records"]}
 
 
@@ -246,7 +251,8 @@ definition (~: approximate). replay: torch's executed order re-timed with the no
 (the schedule's exact bubble). delta: measured - theory where the formula is exact, else measured - replay.
 free-comm: the measured durations replayed with free communication; measured - free-comm is the idle time due to
 communication and the schedule's own bookkeeping. bub/busy: idle time over busy time (the (p-1)/m definition).
-peak: most micro-batches forwarded but not yet backwarded on one stage."""
+peak: most micro-batches forwarded but not yet backwarded on one stage. act B r0: the most bytes autograd held for
+backward at once on rank 0 (lightning_par.measure.ActivationMeter), which the peak in flight sets."""
 
 
 def _row(r: dict) -> str:
@@ -258,7 +264,7 @@ def _row(r: dict) -> str:
     peak = max(r["peak_in_flight"].values())
     return (f"{r['schedule']:<22} {r['m']:>3} {r['idle']:8.3f} {theory:>7} {r['replay_idle']:7.3f} {delta:+7.3f} "
             f"{r['free_comm_idle']:9.3f} {r['bubble_ratio']:8.3f} {r['makespan_s'] * 1e3:8.0f} "
-            f"{r['replay_makespan_s'] * 1e3:8.0f} {peak:5d}")
+            f"{r['replay_makespan_s'] * 1e3:8.0f} {peak:5d} {r['peak_activation_bytes'][0]:8d}")
 
 
 def main() -> None:
@@ -282,7 +288,7 @@ def main() -> None:
     print(f"p={opts.ranks}; per micro-batch and rank: forward {t_ms:.0f} ms, input-gradient {t_ms:.0f} ms, "
           f"weight-gradient {t_ms:.0f} ms (full backward {2 * t_ms:.0f} ms)\n{_LEGEND}")
     print(f"{'schedule':<22} {'m':>3} {'measured':>8} {'theory':>7} {'replay':>7} {'delta':>7} {'free-comm':>9} "
-          f"{'bub/busy':>8} {'span ms':>8} {'ideal ms':>8} {'peak':>5}")
+          f"{'bub/busy':>8} {'span ms':>8} {'ideal ms':>8} {'peak':>5} {'act B r0':>8}")
     for r in results:
         print(_row(r))
     print(f"total {wall:.0f} s")

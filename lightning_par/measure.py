@@ -7,6 +7,7 @@ Lightning import: it works on any module, optimizer and process group.
   a comm hook) and converts them to elements sent per rank.
 - :func:`state_bytes` counts the memory held in parameters, gradients and optimizer states, by unique storage.
 - :func:`zero_formula` / :func:`traffic_formula` give what the paper predicts for fp32 Adam.
+- :class:`ActivationMeter` measures the bytes autograd saves for backward, live and at the peak.
 """
 
 import functools
@@ -302,3 +303,81 @@ def traffic_formula(stage: int, numel: int, n: int) -> float:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     return (3 if stage == 3 else 2) * float(numel) * (n - 1) / n
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations saved for backward
+# ----------------------------------------------------------------------------------------------------------------------
+def _storage_key(tensor: Tensor) -> tuple[str, int]:
+    local = _local(tensor)
+    return str(local.device), local.untyped_storage().data_ptr()
+
+
+class ActivationMeter:
+    """Context manager measuring the activation memory autograd holds for backward, live and at its peak.
+
+    Every tensor autograd saves (``saved_tensors_hooks``) is reduced to the storage that holds it (a DTensor's
+    local shard) and counted once however many times it is saved, from when it is first saved until the last saved
+    reference to it is released (after the backward that used it, or when the graph is dropped). Storages of
+    ``exclude`` (pass the parameters) are not counted: weights are model state, not activations.
+
+    ``peak_bytes``: the most held at once (over a pipeline step, what the micro-batches in flight hold: ``m`` of
+    them for GPipe, at most ``p`` for 1F1B). ``seen_bytes`` and ``entries``: every storage saved while inside, once
+    each (for one forward, the bytes its backward will need).
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()):
+        self._skip = {_storage_key(t) for t in exclude}
+        self._live: dict[tuple[str, int], list[int]] = {}  # storage -> [references held, bytes]
+        self._seen: set[tuple[str, int]] = set()
+        self.entries: list[dict] = []
+        self.live_bytes = self.peak_bytes = self.seen_bytes = 0
+        self._hooks: Any = None
+
+    def _pack(self, tensor: Tensor) -> Any:
+        key = _storage_key(tensor)
+        if key in self._skip or tensor.device.type == "meta":
+            return tensor
+        local = _local(tensor)
+        entry = self._live.setdefault(key, [0, local.untyped_storage().nbytes()])
+        if key not in self._seen:
+            self._seen.add(key)
+            self.seen_bytes += entry[1]
+            self.entries.append({"shape": tuple(local.shape), "dtype": str(local.dtype).removeprefix("torch."),
+                                 "bytes": entry[1], "dtensor": local is not tensor})
+        if entry[0] == 0:
+            self.live_bytes += entry[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        entry[0] += 1
+        return _Saved(self, key, tensor)
+
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self._live[key]
+
+    def __enter__(self) -> "ActivationMeter":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._hooks.__exit__(*exc_info)
+
+
+class _Saved:
+    """One saved reference; autograd dropping it (after use) is what frees the activation."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, meter: ActivationMeter, key: tuple[str, int], tensor: Tensor):
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _unpack(saved: Any) -> Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved

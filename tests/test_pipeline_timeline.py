@@ -131,4 +131,6 @@ def test_measured_bubble_of_gpipe_1f1b_and_interleaved_on_four_ranks(tmp_path):
         assert abs(result["idle"] - theory) <= 0.03, (result["schedule"], result["idle_per_step"])
     assert max(gpipe["peak_in_flight"].values()) == m
     assert max(one_f_one_b["peak_in_flight"].values()) <= p
+    # and in bytes autograd held: rank 0 holds m micro-batches under GPipe, p under 1F1B
+    assert gpipe["peak_activation_bytes"][0] == pytest.approx(m / p * one_f_one_b["peak_activation_bytes"][0])
     draw_timeline(one_f_one_b["records"], tmp_path / "1f1b.png", "1F1B")

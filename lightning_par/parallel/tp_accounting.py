@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.debug import CommDebugMode
 
+from lightning_par.measure import ActivationMeter
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 # Collective op (native functional collectives, which is what DTensor issues) -> kind. The legacy Python spellings
@@ -194,17 +196,6 @@ def megatron_traffic_formula(s: int, b: int, h: int, t: int, element_size: int =
 # ----------------------------------------------------------------------------------------------------------------------
 # Activations saved for backward
 # ----------------------------------------------------------------------------------------------------------------------
-def _local(tensor: Tensor) -> Tensor:
-    """The tensor that holds this rank's memory: a DTensor's local shard, else the tensor itself."""
-    local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, Tensor) else tensor
-
-
-def _storage_key(tensor: Tensor) -> tuple[str, int]:
-    local = _local(tensor)
-    return str(local.device), local.untyped_storage().data_ptr()
-
-
 @dataclass
 class SavedActivations:
     """What autograd saved during one forward: total bytes (each storage once) and one entry per storage."""
@@ -222,21 +213,9 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[Tensor] = ()
     parameters) are skipped: weights are model state, not activations. The block's input is an activation (it
     stays alive for backward) and is counted, as in Korthikanti et al.
     """
-    skip = {_storage_key(t) for t in exclude}
-    seen: dict[tuple[str, int], dict] = {}
-
-    def pack(tensor: Tensor) -> Tensor:
-        key = _storage_key(tensor)
-        if key not in skip and key not in seen:
-            local = _local(tensor)
-            seen[key] = {"shape": tuple(local.shape), "dtype": str(local.dtype).removeprefix("torch."),
-                         "bytes": local.untyped_storage().nbytes(), "dtensor": local is not tensor}
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with ActivationMeter(exclude) as meter:
         out = fn()
-    entries = list(seen.values())
-    return out, SavedActivations(sum(e["bytes"] for e in entries), entries)
+    return out, SavedActivations(meter.seen_bytes, meter.entries)
 
 
 def megatron_activation_formula(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:

@@ -130,7 +130,6 @@ class LayoutStrategy(ParallelStrategy):
         self._tensor_parallel: TensorParallelPlan | None = None  # tp > 1
         self._schedule_choice: ScheduleChoice | None = None
         self._pipeline: PipelineRuntime | None = None
-        self._pipeline_sync = True  # False while Lightning accumulates gradients (block_backward_sync)
         self.bucket_cap_mb = bucket_cap_mb
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -316,9 +315,8 @@ class LayoutStrategy(ParallelStrategy):
                     optimizer.zero_grad(set_to_none=True)
             inputs, targets = batch
             loss = self._pipeline.train_step(inputs, targets)
-            if self._pipeline_sync:  # the last batch before an optimizer step
-                self._pipeline.sum_tied_gradients()
-                self._pipeline.average_gradients(self.device_mesh["dp"].get_group())
+            if self._pipeline.require_sync:  # the last batch before an optimizer step
+                self._pipeline.sync_gradients(self.device_mesh["dp"].get_group())
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
 
@@ -394,17 +392,16 @@ class LayoutStrategy(ParallelStrategy):
             with self.model.no_sync():
                 yield None
             return
-        self._pipeline_sync = False
         self._set_gradient_sync(False)
         try:
             yield None
         finally:
-            self._pipeline_sync = True
             self._set_gradient_sync(True)
 
     def _set_gradient_sync(self, enabled: bool) -> None:
-        if self._partitioner is not None:
-            self._partitioner.require_sync = enabled
+        for owner in (self._partitioner, self._pipeline):  # both sync gradients themselves, when allowed
+            if owner is not None:
+                owner.require_sync = enabled
         for root in self._fsdp_roots:
             root.set_requires_gradient_sync(enabled)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed import pipelining
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.split import (
     Costs,
     plan_stages,
@@ -35,7 +36,7 @@ from lightning_par.parallel.pipeline.split import (
     stage_view,
     tied_parameter_groups,
 )
-from lightning_par.parallel.pipeline.timeline import ActivationMeter, ComputeRecord, ScheduleRecorder
+from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
 from lightning_par.topology import LayoutError
 
 
@@ -144,6 +145,15 @@ def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     return out
 
 
+class _Tied(NamedTuple):
+    """A parameter with copies on several pipeline ranks, seen from this rank."""
+
+    local: nn.Parameter | None  # this rank's copy, if it holds one
+    counted_here: bool  # whether this rank's copy counts in the global gradient norm
+    shape: torch.Size
+    dtype: torch.dtype
+
+
 @dataclass
 class Recording:
     """One recorded training step on this rank: the executed actions and the peak saved activation bytes."""
@@ -181,6 +191,9 @@ class PipelineRuntime:
         self.stage_modules = [stage_view(self.module, self.units_by_stage[i]) for i in self.stage_ids]
         self.last_rank = self._rank_of(choice.n_stages - 1)  # pipeline rank that computes the loss
         self._tied = self._tied_across_ranks(model)
+        counted_elsewhere = {id(t.local) for t in self._tied if t.local is not None and not t.counted_here}
+        self._norm_params = [p for p in self.module.parameters() if id(p) not in counted_elsewhere]
+        self.require_sync = True  # False while Lightning accumulates gradients: no sync before the last batch
         self._loss_fn = loss_fn
         self._micro_losses: list[Tensor] = []
         self.record_next = False  # record the next training step's executed schedule and activation memory
@@ -246,39 +259,44 @@ class PipelineRuntime:
         dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
         return tensor
 
-    def _tied_across_ranks(self, model: nn.Module) -> list[tuple[dict[int, str], torch.Size, torch.dtype]]:
-        """Parameters whose copies live on more than one pipeline rank: (pipeline rank -> local name, shape)."""
+    def _tied_across_ranks(self, model: nn.Module) -> list[_Tied]:
+        """Parameters whose copies live on more than one pipeline rank, with this rank's copy (if any)."""
         params = dict(model.named_parameters(remove_duplicate=False))
+        local = dict(self.module.named_parameters(remove_duplicate=False))
         out = []
         for tied in tied_parameter_groups(model, self.units_by_stage):
             by_rank: dict[int, str] = {}
             for stage, name in tied.name_by_stage.items():
                 by_rank.setdefault(self._rank_of(stage), name)
             if len(by_rank) > 1:
-                out.append((by_rank, params[tied.name].shape, params[tied.name].dtype))
+                name = by_rank.get(self.pp_rank)
+                counted_here = min(by_rank) == self.pp_rank
+                out.append(_Tied(local.get(name) if name else None, counted_here, params[tied.name].shape,
+                                 params[tied.name].dtype))
         return out
 
-    def sum_tied_gradients(self) -> None:
+    def sync_gradients(self, dp_group: dist.ProcessGroup) -> None:
+        """Before the optimizer step: sum the tied copies' gradients over the pipeline, average over replicas."""
+        self._sum_tied_gradients()
+        self._average_gradients(dp_group)
+
+    def _sum_tied_gradients(self) -> None:
         """Sum the gradients of parameters held on several pipeline ranks, so their copies take the same step.
 
         The all-reduce runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare
         and this avoids extra process groups.
         """
-        local = dict(self.module.named_parameters(remove_duplicate=False))
-        for by_rank, shape, dtype in self._tied:
-            name = by_rank.get(self.pp_rank)
-            param = local.get(name) if name is not None else None
+        for tied in self._tied:
+            param = tied.local
             if param is not None and param.grad is None:
                 param.grad = torch.zeros_like(param)
-            grad = param.grad if param is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+            grad = param.grad if param is not None else torch.zeros(tied.shape, dtype=tied.dtype, device=self.device)
             dist.all_reduce(grad, group=self.group)
 
     def global_grad_norm(self) -> Tensor:
         """The 2-norm of the whole model's gradient: squares summed over the pipeline ranks, a tied parameter
         counted once (on the lowest pipeline rank holding it)."""
-        skip = {by_rank[self.pp_rank] for by_rank, _, _ in self._tied
-                if self.pp_rank in by_rank and min(by_rank) != self.pp_rank}
-        grads = [p.grad for n, p in self.module.named_parameters() if n not in skip and p.grad is not None]
+        grads = [p.grad for p in self._norm_params if p.grad is not None]
         # explicit fp32: under bf16-true the default dtype is bf16, and every rank must send the same bytes
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
@@ -286,7 +304,7 @@ class PipelineRuntime:
         dist.all_reduce(square, group=self.group)
         return square.sqrt()
 
-    def average_gradients(self, dp_group: dist.ProcessGroup) -> None:
+    def _average_gradients(self, dp_group: dist.ProcessGroup) -> None:
         """Average this rank's gradients over its data-parallel replicas (the same stages on other replicas).
 
         One flat all-reduce after the schedule rather than DDP's buckets overlapped with backward: the schedule
