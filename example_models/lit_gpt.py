@@ -51,6 +51,8 @@ class GPTLightningModule(L.LightningModule):
         betas: AdamW betas.
         warmup_steps: Number of optimizer steps of linear warmup.
         min_lr_ratio: Final learning rate of the cosine decay, as a fraction of `lr`.
+        optimizer: "adamw" (with the warmup + cosine schedule) or "sgd" (plain SGD at a constant `lr`: no momentum,
+            no weight decay).
     """
 
     # predict_step: the first `predict_prompt_len` input tokens are the prompt for this many new tokens.
@@ -69,8 +71,11 @@ class GPTLightningModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        optimizer: str = "adamw",
     ):
         super().__init__()
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r} is not available; use 'adamw' or 'sgd'.")
         self.save_hyperparameters()
         overrides = {"vocab_size": vocab_size, "tie_embeddings": tie_embeddings}
         if n_layers is not None:
@@ -136,6 +141,10 @@ class GPTLightningModule(L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norm weights
         ]
+        if hp.optimizer == "sgd":
+            # plain SGD (no momentum, no weight decay, constant lr): its step is linear in the gradient, so a
+            # gradient off by a constant factor shows in the loss -- what parity tests need
+            return torch.optim.SGD(params, lr=hp.lr)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
 
         total_steps = self.trainer.estimated_stepping_batches

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 
@@ -15,8 +16,8 @@ def _count_tokens(batch: Any) -> int:
         return batch.numel()
     if isinstance(batch, (list, tuple)) and batch:
         return _count_tokens(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _count_tokens(next(iter(batch.values())))
+    if isinstance(batch, dict) and batch:  # a Hugging Face collator's batch: count its input_ids
+        return _count_tokens(batch.get("input_ids", next(iter(batch.values()))))
     return 0
 
 
@@ -75,7 +76,7 @@ class PipelineTimeline(pl.Callback):
 
     @staticmethod
     def _pipeline(trainer: pl.Trainer) -> Any:
-        return getattr(trainer.strategy, "_pipeline", None)
+        return getattr(trainer.strategy, "pipeline", None)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -83,6 +84,19 @@ class PipelineTimeline(pl.Callback):
         if pipeline is not None and trainer.global_step == self.step and \
                 batch_idx % trainer.accumulate_grad_batches == 0:
             pipeline.record_next = True
+
+    @staticmethod
+    def _draw(records: Any, path: Any, title: str, n_ranks: int) -> Any:
+        """The timeline figure, or None with a warning where matplotlib (an optional extra) is not installed: the
+        numbers are still logged and written to the JSON."""
+        try:
+            from lightning_par.parallel.pipeline.timeline import draw_timeline
+
+            return draw_timeline(records, path, title, n_ranks=n_ranks)
+        except ImportError as err:
+            rank_zero_warn(f"pipeline timeline: no figure ({err}); `pip install matplotlib` to draw it. The bubble "
+                           "fraction and activation memory are logged all the same.")
+            return None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -96,7 +110,6 @@ class PipelineTimeline(pl.Callback):
 
         from lightning_par.parallel.pipeline.timeline import (
             bubble_fraction,
-            draw_timeline,
             gather_records,
             peak_in_flight,
         )
@@ -121,10 +134,10 @@ class PipelineTimeline(pl.Callback):
                    "pipeline/peak_activation_MiB": max(peak_bytes) / 2**20}
         title = (f"{choice.name}: p={choice.pp}, m={choice.n_microbatches}, v={choice.virtual_stages}, "
                  f"step {trainer.global_step}, idle {bubble['mean']:.0%}")
-        figure = draw_timeline(records, out_dir / "pipeline_timeline.png", title, n_ranks=pipeline.pp)
+        figure = self._draw(records, out_dir / "pipeline_timeline.png", title, pipeline.pp)
         (out_dir / "pipeline_timeline.json").write_text(json.dumps(summary, indent=1))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
             add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
-            if callable(add_figure):
+            if figure is not None and callable(add_figure):
                 add_figure("pipeline/timeline", figure, global_step=trainer.global_step)

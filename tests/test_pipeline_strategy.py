@@ -142,13 +142,13 @@ def test_a_batch_that_does_not_split_into_microbatches_fails_clearly(tmp_path, c
     assert "the batch of 6 samples does not split into n_microbatches=4 equal micro-batches" in run.log
 
 
-def test_a_model_without_pipeline_units_is_refused():
+def test_a_model_without_blocks_is_refused_with_how_to_declare_them():
     from torch import nn
 
-    from lightning_par.strategies.engine import _declared_model_slot
+    from lightning_par.parallel.blocks import find_blocks
 
-    with pytest.raises(LayoutError, match=r"needs a submodule of Sequential that declares its pipeline units"):
-        _declared_model_slot(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(LayoutError, match=r"found no repeated blocks in Sequential.*block_types=\[YourBlock\]"):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)))
 
 
 def test_tensor_and_pipeline_together_are_refused_for_now():

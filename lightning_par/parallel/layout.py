@@ -1,9 +1,16 @@
-"""A layout: how one model is spread over ranks. Every strategy is a preset of this one description."""
+"""A layout: how one model is spread over ranks. Every strategy is a preset of this one description.
+
+All layout rules live here and are checked once: value types and ranges when the layout is made, sizes and the
+pipeline schedule against the world size in :meth:`Layout.resolve`, which runs in the launching process before any
+rank starts or waits on a collective.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_par.parallel.pipeline.runtime import ScheduleChoice, check_schedule_name, resolve_schedule
 from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size
 
 #: ZeRO stages: 0 replicas (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters.
@@ -12,10 +19,16 @@ SUPPORTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class Layout:
-    """What to apply to a model: parallel sizes and the ZeRO stage across data parallel.
+    """What to apply to a model: parallel sizes, the ZeRO stage across data parallel, the pipeline schedule.
 
-    Values are checked when the layout is made (types, ranges); sizes against the world size in :meth:`resolve`,
-    which runs in the launching process, before any rank starts.
+    Attributes:
+        dp, tp, pp: sizes (``dp="auto"``: world / (tp * pp)).
+        zero_stage: 0 replicas, 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP2).
+        offload_optimizer, offload_parameters: ZeRO offload to host memory.
+        schedule, n_microbatches, virtual_stages, stage_costs: the pipeline (pp > 1).
+        sequence_parallel: tp > 1: split norms and the residual stream over the sequence too.
+        block_types: the model's repeated block classes (or class names), where they cannot be found otherwise.
+        bucket_cap_mb: gradient bucket size for data-parallel reductions, in MiB.
     """
 
     dp: Size = "auto"
@@ -24,11 +37,19 @@ class Layout:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_parameters: bool = False
+    schedule: str = "1f1b"
+    n_microbatches: int | None = None
+    virtual_stages: int | None = None
+    stage_costs: Sequence[float] | dict[str, float] | None = None
+    sequence_parallel: bool = False
+    block_types: Sequence[type | str] | None = None
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         _check_size("dp", self.dp, allow_auto=True)
         _check_size("tp", self.tp, allow_auto=False)
         _check_size("pp", self.pp, allow_auto=False)
+        check_schedule_name(self.schedule)
         if self.zero_stage not in SUPPORTED_ZERO_STAGES:
             raise LayoutError(
                 f"zero_stage={self.zero_stage!r} is not available; this version supports "
@@ -45,6 +66,17 @@ class Layout:
                 "offload_optimizer=True needs zero_stage 1, 2 or 3 (got 0): offload moves the sharded optimizer "
                 "state to host memory. Use ZeroStrategy(stage=1, offload_optimizer=True) or higher."
             )
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError(
+                "sequence_parallel=True needs tp > 1: it splits the sequence over the tensor-parallel ranks. "
+                "Set tp to 2 or more, or sequence_parallel=False."
+            )
+        if not (isinstance(self.bucket_cap_mb, int | float) and self.bucket_cap_mb > 0):
+            raise LayoutError(f"bucket_cap_mb={self.bucket_cap_mb!r} is not valid: use a positive number of MiB.")
+        if self.block_types is not None and (isinstance(self.block_types, str | type) or not all(
+                isinstance(t, str | type) for t in self.block_types)):
+            raise LayoutError(f"block_types={self.block_types!r} is not valid: give a list of classes or class "
+                              "names, e.g. block_types=['Block'].")
         if self.pp > 1 and self.zero_stage != 0:
             raise LayoutError(
                 f"pp={self.pp} with zero_stage={self.zero_stage}: pipeline stages compose with plain data parallel "
@@ -61,7 +93,23 @@ class Layout:
                 "buckets, which tensor-parallel (DTensor) parameters do not allow in this version. Use zero_stage=0 "
                 "(replicas over data parallel) or zero_stage=3 (FSDP2 over data parallel, 2D with tp)."
             )
+        if self.pp > 1:
+            self.schedule_choice()  # micro-batches and virtual stages against pp: fails here, not on the ranks
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The concrete sizes for ``world_size`` ranks, or a :class:`LayoutError` that says how to fix them."""
         return ParallelDims.resolve(world_size, dp=self.dp, tp=self.tp, pp=self.pp)
+
+    def schedule_choice(self) -> ScheduleChoice:
+        """The pipeline schedule resolved against pp (micro-batches, virtual stages); pp > 1 only."""
+        return resolve_schedule(self.schedule, self.pp, self.n_microbatches, self.virtual_stages)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are split somewhere (tp, pp or ZeRO-3): states must be keyed by parameter name."""
+        return self.zero_stage == 3 or self.pp > 1 or self.tp > 1
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """Each rank writes its own part of a checkpoint (a DCP directory) rather than rank 0 one file."""
+        return self.zero_stage > 0 or self.pp > 1 or self.tp > 1

@@ -1,8 +1,11 @@
 """The engine's Lightning face: one ``ParallelStrategy`` that applies a :class:`~lightning_par.parallel.layout.Layout`.
 
-Every public strategy (``ZeroStrategy`` today) is a thin preset of :class:`LayoutStrategy`. This file holds only
-Lightning glue -- launcher, cluster environment, process group, mesh, sampler, collectives for logging, the
-wrap/unwrap of the model; the model transforms themselves live in :mod:`lightning_par.parallel`.
+Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy) is a thin preset of
+:class:`LayoutStrategy`. This file holds only Lightning glue -- launcher, cluster environment, process group, mesh,
+sampler, collectives for logging, the step takeover for pipelines, checkpoint hooks. The model transforms live in
+:mod:`lightning_par.parallel`, composed in :meth:`LayoutStrategy.setup` in a fixed order: pipeline split, replicas
+made identical, tensor parallel, then the one owner of data-parallel gradient sync
+(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`).
 """
 
 from __future__ import annotations
@@ -35,18 +38,13 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
+from lightning_par.parallel.blocks import ModelBlocks, find_blocks
+from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.pipeline.runtime import (
-    PipelineRuntime,
-    ScheduleChoice,
-    check_schedule_name,
-    resolve_schedule,
-)
+from lightning_par.parallel.pipeline.batches import split_batch
+from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
-from lightning_par.parallel.zero import ZeroPartitioner, check_partitionable, fully_shard_units
 from lightning_par.plugins import sharded_checkpoint
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
 
@@ -71,6 +69,9 @@ class LayoutStrategy(ParallelStrategy):
             default: balance by unit count.
         sequence_parallel: tp > 1: also split the sequence over the tensor-parallel ranks where activations would
             be replicated (norms, residual stream); each block's all-reduce becomes an all-gather + reduce-scatter.
+        block_types: the classes (or class names) of the model's repeated blocks, for a model whose blocks cannot
+            be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
+            data-parallel grouping and by the pipeline split.
         bucket_cap_mb: gradient bucket size for the data-parallel all-reduce, in MiB (as in DDP).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before the process group gives up, so a dead rank does not
@@ -97,6 +98,7 @@ class LayoutStrategy(ParallelStrategy):
         virtual_stages: int | None = None,
         stage_costs: list[float] | dict[str, float] | None = None,
         sequence_parallel: bool = False,
+        block_types: list[str] | None = None,
         bucket_cap_mb: float = 25.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -114,30 +116,30 @@ class LayoutStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.layout = Layout(
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            zero_stage=zero_stage,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
+            dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,
+            virtual_stages=virtual_stages, stage_costs=stage_costs, sequence_parallel=sequence_parallel,
+            block_types=block_types, bucket_cap_mb=bucket_cap_mb,
         )
-        check_schedule_name(schedule)
-        self.schedule = schedule
-        self.n_microbatches = n_microbatches
-        self.virtual_stages = virtual_stages
-        self.stage_costs = stage_costs
-        self.sequence_parallel = sequence_parallel
-        self._tensor_parallel: TensorParallelPlan | None = None  # tp > 1
-        self._schedule_choice: ScheduleChoice | None = None
-        self._pipeline: PipelineRuntime | None = None
-        self.bucket_cap_mb = bucket_cap_mb
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._partitioner: ZeroPartitioner | None = None  # ZeRO stages 1 and 2
-        self._fsdp_roots: list[torch.nn.Module] = []  # ZeRO stage 3
+        # the mode components this layout switched on (set in setup)
+        self._pipeline: PipelineRuntime | None = None
+        self._tensor_parallel: TensorParallelPlan | None = None
+        self._gradient_sync: NoSync = NoSync()
+
+    @property
+    def pipeline(self) -> PipelineRuntime | None:
+        """This rank's pipeline runtime (pp > 1, after setup): its stages, schedule and recording switch."""
+        return self._pipeline
+
+    @property
+    def gradient_sync(self) -> NoSync:
+        """The one owner of data-parallel gradient synchronisation for this layout (after setup)."""
+        return self._gradient_sync
 
     # ----------------------------------------------------------------------------------------------------------------
     # Sizes, ranks and the mesh
@@ -201,9 +203,6 @@ class LayoutStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self._dims = None
         _ = self.dims
-        if self.dims.pp > 1:
-            self._schedule_choice = resolve_schedule(self.schedule, self.dims.pp, self.n_microbatches,
-                                                     self.virtual_stages)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -232,54 +231,76 @@ class LayoutStrategy(ParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Applying the layout
+    # Applying the layout: pipeline split, identical replicas, tensor parallel, then the data-parallel owner
     # ----------------------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
+        assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._log_blocks()
         if self.dims.pp > 1:
             self._setup_pipeline(trainer, fitting)  # before moving: each rank moves only its own stages
         self.model_to_device()
+        self._make_replicas_identical()
         if self.dims.tp > 1:
             self._setup_tensor_parallel()  # before data parallel: FSDP2 / replicate then see DTensor parameters
-        stage = self.layout.zero_stage
-        dp_mesh = self.device_mesh["dp"]
-        if stage == 3:
-            # sharded for evaluation too: that is what lets a model larger than one device be evaluated
-            offload = self.layout.offload_parameters or self.layout.offload_optimizer
-            if offload and self.root_device.type == "cpu":
-                rank_zero_info("ZeRO-3 offload: on CPU the parameters already live in host memory; nothing to move.")
-                offload = False
-            self._fsdp_roots = fully_shard_units(self.model, dp_mesh, offload=offload)
-        elif fitting and stage == 0 and self._tensor_parallel is not None:
-            self._fsdp_roots = replicate_units(self.model, dp_mesh)  # DDP cannot take DTensor parameters
-        elif fitting and stage == 0 and self._pipeline is None:
-            self.model = replicate_data_parallel(self.model, dp_mesh, self.bucket_cap_mb)
-        elif not fitting:
-            # no gradients to reduce outside fit: keep the module bare, only make the replicas agree
-            self._broadcast_module_states(self.model)
+        self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting, self._pipeline)
+        self.model = self._gradient_sync.wrap(self.model)
         if fitting:
             self.setup_optimizers(trainer)
-            if stage == 3:
-                for optimizer in self.optimizers:
-                    check_partitionable(optimizer, stage)
-            if stage in (1, 2):
-                self._partitioner = ZeroPartitioner(
-                    self.model, self.optimizers, dp_mesh, stage, self.bucket_cap_mb, self.layout.offload_optimizer
-                )
+            self._gradient_sync.attach(self.lightning_module, self.optimizers)
+        self._scope_metrics_to_data_parallel()
+        rank_zero_info(f"data-parallel gradients: {self._gradient_sync.name} over dp={self.dims.dp}")
         self.setup_precision_plugin()
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _find_blocks(self) -> ModelBlocks:
+        assert self.lightning_module is not None
+        return find_blocks(self.lightning_module, self.layout.block_types)
+
+    def _log_blocks(self) -> None:
+        """Say which repeated blocks were found (ZeRO-3 and replicate groups, pipeline units are built from them)."""
+        try:
+            rank_zero_info(f"blocks: {self._find_blocks().describe()}")
+        except LayoutError:
+            if self.layout.zero_stage == 3 or self.dims.pp > 1:
+                raise  # these layouts need the blocks: the error says how to declare them
+            rank_zero_info("blocks: none found; data parallel treats the model as one unit")
+
+    def _make_replicas_identical(self) -> None:
+        """Broadcast the initial weights over data parallel (and tensor parallel, before the split), so replicas
+        agree by construction, seeded or not: DDP would do it at wrap time, FSDP2 and the ZeRO partitioner keep
+        each rank's own values."""
+        assert self.model is not None
+        for dim in ("dp", "tp"):
+            group = self.device_mesh[dim].get_group()
+            if dist.get_world_size(group) == 1:
+                continue
+            for tensor in self.model.state_dict().values():
+                if isinstance(tensor, Tensor):
+                    # a DTensor's shard goes to the replicas with the same tensor-parallel coordinate
+                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                    dist.broadcast(local, group=group, group_src=0)
+        if self._pipeline is not None and hasattr(self._pipeline, "make_tied_copies_equal"):
+            self._pipeline.make_tied_copies_equal()
+
+    def _scope_metrics_to_data_parallel(self) -> None:
+        """torchmetrics sync over the data-parallel group: the tp / pp ranks of one replica saw the same samples."""
+        from torchmetrics import Metric
+
+        assert self.lightning_module is not None
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.process_group = self.device_mesh["dp"].get_group()
 
     # ----------------------------------------------------------------------------------------------------------------
     # Pipeline parallel (pp > 1): the schedule runs forward and backward inside ``training_step``
     # ----------------------------------------------------------------------------------------------------------------
     def _setup_pipeline(self, trainer: Trainer, fitting: bool) -> None:
         lm = self.lightning_module
-        assert lm is not None and self._schedule_choice is not None
-        parent, attr, model = _declared_model_slot(lm)
+        assert lm is not None
         for hook in ("loss_fn", "compute_loss"):
             if not callable(getattr(lm, hook, None)):
                 raise LayoutError(
@@ -288,11 +309,22 @@ class LayoutStrategy(ParallelStrategy):
                     "micro-batch) and compute your step's loss through `compute_loss(batch)` (default: "
                     "`self.loss_fn(self(inputs), targets)`), as example_models.GPTLightningModule does."
                 )
+        blocks = self._find_blocks()
+        if blocks.units is None or not blocks.path:
+            raise LayoutError(
+                f"pipeline parallel needs the model inside {type(lm).__name__} as a submodule (build it in "
+                "`configure_model()` as e.g. `self.model`) whose units run in a known order: declare "
+                "`pipeline_units()` / a `pp_plan`, or keep the blocks in one nn.ModuleList next to the modules that "
+                f"run before and after them. Found: {blocks.describe()}."
+            )
+        parent_name, _, attr = blocks.path.rpartition(".")
+        parent = lm.get_submodule(parent_name) if parent_name else lm
         accumulate = trainer.accumulate_grad_batches if fitting else 1
-        choice = self._schedule_choice
-        self._pipeline = PipelineRuntime(model, self.device_mesh["pp"], choice, lm.loss_fn,
+        choice = self.layout.schedule_choice()
+        self._pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], choice, lm.loss_fn,
                                          loss_scale=1.0 / (choice.n_microbatches * accumulate),
-                                         device=self.root_device, costs=self.stage_costs)
+                                         device=self.root_device, costs=self.layout.stage_costs,
+                                         units=list(blocks.units))
         setattr(parent, attr, self._pipeline.module)
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
         self._pipeline.module.forward = self._pipeline.forward_only
@@ -304,7 +336,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            with self._tensor_parallel_loss():
+            with self._loss_context():
                 return super().training_step(*args, **kwargs)
         lm = self.lightning_module
         assert lm is not None
@@ -313,19 +345,17 @@ class LayoutStrategy(ParallelStrategy):
             if batch_idx % lm.trainer.accumulate_grad_batches == 0:  # where Lightning would zero the gradients
                 for optimizer in self.optimizers:
                     optimizer.zero_grad(set_to_none=True)
-            inputs, targets = batch
-            loss = self._pipeline.train_step(inputs, targets)
-            if self._pipeline.require_sync:  # the last batch before an optimizer step
-                self._pipeline.sync_gradients(self.device_mesh["dp"].get_group())
+            loss = self._pipeline.train_step(*split_batch(batch))
+            self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._pipeline_eval_loss(), self._tensor_parallel_loss():
+        with self._pipeline_eval_loss(), self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._pipeline_eval_loss(), self._tensor_parallel_loss():
+        with self._pipeline_eval_loss(), self._loss_context():
             return super().test_step(*args, **kwargs)
 
     @contextmanager
@@ -336,7 +366,7 @@ class LayoutStrategy(ParallelStrategy):
             return
         pipeline = self._pipeline
         assert self.lightning_module is not None
-        with _loss_given(self.lightning_module, lambda batch: pipeline.forward_only(batch[0], batch[1])):
+        with _loss_given(self.lightning_module, lambda batch: pipeline.forward_only(*split_batch(batch))):
             yield None
 
     def _clip_pipeline_grad_norm(self, optimizer: Any, clip_val: float) -> None:
@@ -351,15 +381,16 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     def _setup_tensor_parallel(self) -> None:
         assert self.model is not None
-        self._tensor_parallel = apply_tensor_parallel(self.model, self.device_mesh["tp"], self.sequence_parallel)
+        self._tensor_parallel = apply_tensor_parallel(self.model, self.device_mesh["tp"],
+                                                      self.layout.sequence_parallel)
         rank_zero_info(
             f"tensor parallel over tp={self.dims.tp}: plan applied to {len(self._tensor_parallel.styles)} modules"
-            f"{' with sequence parallelism' if self.sequence_parallel else ''}"
+            f"{' with sequence parallelism' if self.layout.sequence_parallel else ''}"
             f"{', vocab-parallel loss' if self._tensor_parallel.vocab_parallel_head else ''}"
         )
 
     @contextmanager
-    def _tensor_parallel_loss(self) -> Generator[None, None, None]:
+    def _loss_context(self) -> Generator[None, None, None]:
         """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here."""
         if self._tensor_parallel is None:
             yield None
@@ -368,19 +399,12 @@ class LayoutStrategy(ParallelStrategy):
             yield None
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self._tensor_parallel_loss():
+        with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _broadcast_module_states(self, module: torch.nn.Module) -> None:
-        group = self.device_mesh["dp"].get_group()
-        if dist.get_world_size(group) == 1:
-            return
-        for tensor in module.state_dict().values():
-            if isinstance(tensor, Tensor):
-                # a DTensor's shard goes to the replicas with the same tensor-parallel coordinate
-                tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                dist.broadcast(tensor, group=group, group_src=0)
-
+    # ----------------------------------------------------------------------------------------------------------------
+    # Data-parallel gradient sync: every hook goes to the one owner
+    # ----------------------------------------------------------------------------------------------------------------
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -388,32 +412,18 @@ class LayoutStrategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        if isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield None
-            return
-        self._set_gradient_sync(False)
+        self._gradient_sync.set_enabled(False)
         try:
             yield None
         finally:
-            self._set_gradient_sync(True)
-
-    def _set_gradient_sync(self, enabled: bool) -> None:
-        for owner in (self._partitioner, self._pipeline):  # both sync gradients themselves, when allowed
-            if owner is not None:
-                owner.require_sync = enabled
-        for root in self._fsdp_roots:
-            root.set_requires_gradient_sync(enabled)
+            self._gradient_sync.set_enabled(True)
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        # ZeRO-1/2: the last buckets are reduced and every shard gets its gradient before clipping and the step
-        if self._partitioner is not None:
-            self._partitioner.finish_gradient_sync()
+        self._gradient_sync.after_backward()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._partitioner is not None:
-            self._partitioner.gather_parameters()  # each rank stepped its chunk; everyone gets all of them
+        self._gradient_sync.after_step()
         return output
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -435,65 +445,59 @@ class LayoutStrategy(ParallelStrategy):
         return holder[0]
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses): the tensor- and
+        pipeline-parallel ranks of one replica hold the same value, so a ``sum`` over all ranks would count it
+        tp * pp times."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._device_mesh is not None:
+            group = self._device_mesh["dp"].get_group()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Checkpoints: stage 0 saves one file from rank 0 (Lightning's default); stages 1-3 a sharded DCP directory
+    # Checkpoints: one file from rank 0 (Lightning's default) unless the layout shards; then a DCP directory
     # ----------------------------------------------------------------------------------------------------------------
-    @property
-    def _sharded(self) -> bool:
-        # tp > 1: parameters are DTensor shards, which only torch.distributed.checkpoint saves and loads as such
-        return self.layout.zero_stage > 0 or self.layout.pp > 1 or self.layout.tp > 1
-
-    @property
-    def _fqn_states(self) -> bool:
-        # states keyed by parameter names (torch.distributed.checkpoint.state_dict): what lets each rank save only
-        # what it holds, and a checkpoint load into another layout
-        return self.layout.zero_stage == 3 or self.layout.pp > 1 or self.layout.tp > 1
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # sharded states load into the partitioned optimizer / sharded model, so they must exist first
-        return self._sharded
+        return self.layout.sharded_checkpoint
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return not self._sharded
+        return not self.layout.sharded_checkpoint
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._fqn_states:
+        if self.layout.shards_parameters:
             return sharded_checkpoint.model_state(self.lightning_module)
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._fqn_states:
+        if self.layout.shards_parameters:
             return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
         return super().optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._sharded:
+        if not self.layout.sharded_checkpoint:
             super().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._sharded:
+        if not self.layout.sharded_checkpoint:
             super().load_optimizer_state_dict(checkpoint)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if not self._sharded:
+        if not self.layout.sharded_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
         sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not self._sharded:
+        if not self.layout.sharded_checkpoint:
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, fsdp=self._fqn_states)
-        if self._partitioner is not None:
-            self._partitioner.refresh_shards()  # offloaded shards are copies: take the loaded parameters
+        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers,
+                                       fsdp=self.layout.shards_parameters)
+        self._gradient_sync.after_load()
         return meta
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -503,11 +507,8 @@ class LayoutStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._pipeline is not None and self.lightning_module is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
-        if isinstance(self.model, DistributedDataParallel):
-            self.model = self.model.module
-        if self._partitioner is not None:
-            self._partitioner.remove()
-            self._partitioner = None
+        if self.model is not None:
+            self.model = self._gradient_sync.unwrap(self.model)
         super().teardown()
 
     @classmethod
@@ -518,19 +519,6 @@ class LayoutStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout})"
-
-
-def _declared_model_slot(lm: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.Module]:
-    """(parent, attribute, module) of the submodule that declares pipeline units, e.g. ``(lm, "model", gpt)``."""
-    for name, module in lm.named_modules():
-        if name and callable(getattr(module, "pipeline_units", None)):
-            parent_name, _, attr = name.rpartition(".")
-            return (lm.get_submodule(parent_name) if parent_name else lm), attr, module
-    raise LayoutError(
-        f"pipeline parallel needs a submodule of {type(lm).__name__} that declares its pipeline units "
-        "(`pipeline_units()` listing embedding, blocks, final norm and head in execution order, as example_models.GPT "
-        "does); none was found. Build the model in `configure_model()` and declare its units."
-    )
 
 
 @contextmanager

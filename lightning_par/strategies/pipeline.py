@@ -44,6 +44,8 @@ class PipelineStrategy(LayoutStrategy):
         dp: data-parallel size, or ``"auto"`` for world size / pp.
         stage_costs: relative cost per pipeline unit (list in unit order, or dict by unit name) to balance the
             stages; default: equal units per stage.
+        block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
+            model itself (see ``lightning_par.parallel.blocks.find_blocks``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
 
@@ -62,6 +64,7 @@ class PipelineStrategy(LayoutStrategy):
         virtual_stages: int | None = None,
         dp: Size = "auto",
         stage_costs: list[float] | dict[str, float] | None = None,
+        block_types: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
@@ -74,6 +77,7 @@ class PipelineStrategy(LayoutStrategy):
             n_microbatches=n_microbatches,
             virtual_stages=virtual_stages,
             stage_costs=stage_costs,
+            block_types=block_types,
             process_group_backend=process_group_backend,
             timeout=timeout,
             **kwargs,

@@ -8,7 +8,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_par.strategies.engine import LayoutStrategy
-from lightning_par.topology import LayoutError, Size
+from lightning_par.topology import Size
 
 
 class MegatronTPStrategy(LayoutStrategy):
@@ -41,6 +41,8 @@ class MegatronTPStrategy(LayoutStrategy):
             and 2 are not available with tp > 1.
         offload_optimizer: stage 3 only: keep the sharded optimizer state in host memory.
         bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
+        block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
+            model itself (see ``lightning_par.parallel.blocks.find_blocks``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
 
@@ -60,15 +62,11 @@ class MegatronTPStrategy(LayoutStrategy):
         zero_stage: int = 0,
         offload_optimizer: bool = False,
         bucket_cap_mb: float = 25.0,
+        block_types: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        if sequence_parallel and tp == 1:
-            raise LayoutError(
-                "sequence_parallel=True needs tp > 1: it splits the sequence over the tensor-parallel ranks. "
-                "Set tp to 2 or more, or sequence_parallel=False."
-            )
         super().__init__(
             dp=dp,
             tp=tp,
@@ -77,6 +75,7 @@ class MegatronTPStrategy(LayoutStrategy):
             offload_optimizer=offload_optimizer,
             sequence_parallel=sequence_parallel,
             bucket_cap_mb=bucket_cap_mb,
+            block_types=block_types,
             process_group_backend=process_group_backend,
             timeout=timeout,
             **kwargs,

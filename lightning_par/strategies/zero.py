@@ -30,6 +30,8 @@ class ZeroStrategy(LayoutStrategy):
         offload_optimizer: stages 1-3: keep the optimizer's shard and state in host memory, step there.
         offload_parameters: stage 3 only: keep the resting parameter shards in host memory as well.
         bucket_cap_mb: gradient bucket size for the all-reduce / reduce-scatter, in MiB.
+        block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
+            model itself (see ``lightning_par.parallel.blocks.find_blocks``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
 
@@ -46,6 +48,7 @@ class ZeroStrategy(LayoutStrategy):
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         bucket_cap_mb: float = 25.0,
+        block_types: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
@@ -58,6 +61,7 @@ class ZeroStrategy(LayoutStrategy):
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
             bucket_cap_mb=bucket_cap_mb,
+            block_types=block_types,
             process_group_backend=process_group_backend,
             timeout=timeout,
             **kwargs,

@@ -1,0 +1,195 @@
+"""Who synchronises data-parallel gradients: exactly one owner per layout, chosen in one place.
+
+Five mechanisms can average gradients over the ``dp`` mesh, and a layout needs exactly one of them:
+
+=====================  ===================================================================================
+owner                  when
+=====================  ===================================================================================
+:class:`NoSync`        one data-parallel rank, or not fitting (evaluation has no gradients)
+:class:`DDPSync`       ZeRO-0, plain tensors: PyTorch DDP's bucketed all-reduce, overlapped with backward
+:class:`FSDPSync`      ZeRO-3 (FSDP2 ``fully_shard``), or ZeRO-0 with DTensor parameters (FSDP2 ``replicate``)
+:class:`ZeroSync`      ZeRO-1/2: :class:`~lightning_par.parallel.zero.ZeroPartitioner` reduce-scatters buckets
+:class:`PipelineSync`  ZeRO-0 with pp > 1: one flat all-reduce after the schedule's last backward
+=====================  ===================================================================================
+
+Each owner has the same hooks, called by the strategy: ``wrap`` (before the optimizers exist), ``attach``
+(after), ``set_enabled`` (off on the non-final micro-batches of gradient accumulation), ``after_backward``
+(before clipping and the step), ``after_step``, ``after_load`` (a checkpoint was loaded) and ``unwrap``. Nothing
+here imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_par.parallel.blocks import BlockTypes
+from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
+from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.zero import ZeroPartitioner, check_partitionable, fully_shard_units
+
+
+class NoSync:
+    """Nothing to synchronise: a single data-parallel rank, or no gradients (evaluation)."""
+
+    name = "none"
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        pass
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def after_load(self) -> None:
+        pass
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+
+class DDPSync(NoSync):
+    """ZeRO-0 with plain tensors: PyTorch DDP (buckets all-reduced as backward produces them)."""
+
+    name = "ddp"
+
+    def __init__(self, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> None:
+        super().__init__()
+        self.dp_mesh, self.bucket_cap_mb = dp_mesh, bucket_cap_mb
+        self.ddp: DistributedDataParallel | None = None
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        wrapped = replicate_data_parallel(module, self.dp_mesh, self.bucket_cap_mb)
+        self.ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+        return wrapped
+
+    def set_enabled(self, enabled: bool) -> None:
+        super().set_enabled(enabled)
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = enabled  # what DDP.no_sync() toggles
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+class FSDPSync(NoSync):
+    """FSDP2 over the dp mesh: ``fully_shard`` per block (ZeRO-3) or ``replicate`` per block (ZeRO-0 on DTensors)."""
+
+    def __init__(self, dp_mesh: DeviceMesh, shard: bool, offload: bool = False,
+                 block_types: BlockTypes = None) -> None:
+        super().__init__()
+        self.name = "fsdp2_shard" if shard else "fsdp2_replicate"
+        self.dp_mesh, self.shard, self.offload, self.block_types = dp_mesh, shard, offload, block_types
+        self.roots: list[nn.Module] = []
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        if self.shard:
+            self.roots = fully_shard_units(module, self.dp_mesh, offload=self.offload, block_types=self.block_types)
+        else:
+            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types)
+        return module
+
+    def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if self.shard:
+            for optimizer in optimizers:
+                check_partitionable(optimizer, 3)
+
+    def set_enabled(self, enabled: bool) -> None:
+        super().set_enabled(enabled)
+        for root in self.roots:
+            root.set_requires_gradient_sync(enabled)
+
+
+class ZeroSync(NoSync):
+    """ZeRO-1/2: gradients reduce-scattered into the optimizer's shards, parameters all-gathered after the step."""
+
+    def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_cap_mb: float, offload: bool) -> None:
+        super().__init__()
+        self.name = f"zero{stage}"
+        self.dp_mesh, self.stage, self.bucket_cap_mb, self.offload = dp_mesh, stage, bucket_cap_mb, offload
+        self.partitioner: ZeroPartitioner | None = None
+
+    def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.partitioner = ZeroPartitioner(module, optimizers, self.dp_mesh, self.stage, self.bucket_cap_mb,
+                                           self.offload)
+
+    def set_enabled(self, enabled: bool) -> None:
+        super().set_enabled(enabled)
+        if self.partitioner is not None:
+            self.partitioner.require_sync = enabled
+
+    def after_backward(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.finish_gradient_sync()  # the last buckets, and each shard's gradient
+
+    def after_step(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.gather_parameters()  # each rank stepped its chunk; everyone gets all of them
+
+    def after_load(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.refresh_shards()  # offloaded shards are copies: take the loaded parameters
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        if self.partitioner is not None:
+            self.partitioner.remove()
+            self.partitioner = None
+        return module
+
+
+class PipelineSync(NoSync):
+    """ZeRO-0 under pipeline parallel: tied copies summed over the pipeline, then one flat all-reduce over dp.
+
+    The schedule runs backward in pieces (per micro-batch, and split into input and weight gradients in the
+    zero-bubble schedules), so there is no single backward for DDP's reducer to overlap with.
+    """
+
+    name = "pipeline_allreduce"
+
+    def __init__(self, runtime: Any, dp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.runtime, self.dp_mesh = runtime, dp_mesh
+
+    def after_backward(self) -> None:
+        if self.enabled:
+            self.runtime.sync_gradients(self.dp_mesh.get_group())
+
+
+def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pipeline: Any = None) -> NoSync:
+    """The one owner of data-parallel gradient synchronisation for this layout (see the table above).
+
+    ZeRO-3 shards parameters for evaluation too (that is what lets a model larger than one device be evaluated);
+    every other owner exists only while fitting.
+    """
+    stage = layout.zero_stage
+    if stage == 3:
+        offload = layout.offload_parameters or layout.offload_optimizer
+        return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types)
+    if pipeline is not None:
+        # the tied copies are summed over the pipeline even with a single replica
+        return PipelineSync(pipeline, dp_mesh) if fitting else NoSync()
+    if not fitting:
+        return NoSync()
+    if stage in (1, 2):  # also with one replica: the optimizer state keeps one format for any dp size
+        return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer)
+    if dp_mesh.size() == 1:
+        return NoSync()
+    if layout.tp > 1:
+        return FSDPSync(dp_mesh, shard=False, block_types=layout.block_types)  # DDP cannot take DTensors
+    return DDPSync(dp_mesh, layout.bucket_cap_mb)
