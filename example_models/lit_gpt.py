@@ -137,14 +137,14 @@ class GPTLightningModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norm weights
-        ]
         if hp.optimizer == "sgd":
             # plain SGD (no momentum, no weight decay, constant lr): its step is linear in the gradient, so a
             # gradient off by a constant factor shows in the loss -- what parity tests need
             return torch.optim.SGD(params, lr=hp.lr)
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norm weights
+        ]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
 
         total_steps = self.trainer.estimated_stepping_batches

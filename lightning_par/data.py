@@ -171,11 +171,27 @@ def collate_pairs(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch
     return torch.stack(inputs), torch.stack(targets)
 
 
+def collate_hf_dict(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack ``(inputs, targets)`` pairs into a batch as Hugging Face collators make it for causal LMs:
+    ``{"input_ids", "labels", "attention_mask"}`` of shape ``[B, seq_len + 1]``.
+
+    ``input_ids`` and ``labels`` are the whole block (inputs plus the last target byte), since a Hugging Face model
+    shifts the labels itself: the loss covers the same ``seq_len`` next-byte targets as the tuple form.
+    """
+    inputs, targets = collate_pairs(batch)
+    blocks = torch.cat([inputs, targets[:, -1:]], dim=1)
+    return {"input_ids": blocks, "labels": blocks.clone(), "attention_mask": torch.ones_like(blocks)}
+
+
+BATCH_FORMATS = {"tuple": collate_pairs, "dict": collate_hf_dict}
+
+
 class TextDataModule(L.LightningDataModule):
     """Byte-level language-modelling data: documents packed into fixed-length blocks of bytes.
 
     Batches are tuples ``(inputs, targets)`` of int64 tensors of shape ``[batch_size, seq_len]`` where
-    ``targets`` is ``inputs`` shifted by one byte. Validation documents are held out whole (the last
+    ``targets`` is ``inputs`` shifted by one byte; with ``batch_format="dict"``, dicts as Hugging Face collators
+    make them (see :func:`collate_hf_dict`). Validation documents are held out whole (the last
     ``ceil(val_fraction * n)`` documents), so no text is shared between the splits; a corpus of a single
     document is split by blocks instead (the last blocks form the validation split).
 
@@ -194,6 +210,8 @@ class TextDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         cache_dir: Where ``datasets`` caches the loaded and packed data; ``None`` uses its default
             (``~/.cache/huggingface/datasets`` or ``$HF_DATASETS_CACHE``).
+        batch_format: ``"tuple"``: ``(inputs, targets)``; ``"dict"``: ``{"input_ids", "labels",
+            "attention_mask"}`` with labels in Hugging Face's convention (the model shifts them).
     """
 
     def __init__(
@@ -208,8 +226,11 @@ class TextDataModule(L.LightningDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         cache_dir: str | None = None,
+        batch_format: str = "tuple",
     ) -> None:
         super().__init__()
+        if batch_format not in BATCH_FORMATS:
+            raise ValueError(f"batch_format must be one of {sorted(BATCH_FORMATS)}, got {batch_format!r}")
         if data_files is not None and dataset_name is not None:
             raise ValueError("pass either data_files or dataset_name, not both")
         if seq_len <= 0:
@@ -233,6 +254,7 @@ class TextDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.cache_dir = cache_dir
+        self.batch_format = batch_format
         self.tokenizer = ByteTokenizer()
         # Resolve local files now so a typo fails at construction, not after the trainer has started.
         self.files: list[str] | None = None
@@ -343,7 +365,7 @@ class TextDataModule(L.LightningDataModule):
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            collate_fn=collate_pairs,
+            collate_fn=BATCH_FORMATS[self.batch_format],
         )
 
     def _data_parallel_sampler(self, dataset: Dataset, shuffle: bool) -> DistributedSampler | None:

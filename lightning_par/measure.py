@@ -8,6 +8,8 @@ Lightning import: it works on any module, optimizer and process group.
 - :func:`state_bytes` counts the memory held in parameters, gradients and optimizer states, by unique storage.
 - :func:`zero_formula` / :func:`traffic_formula` give what the paper predicts for fp32 Adam.
 - :class:`ActivationMeter` measures the bytes autograd saves for backward, live and at the peak.
+- :class:`GatheredParamMeter` measures the parameter bytes ZeRO-3 (FSDP2) holds gathered during forward, at the peak;
+  :class:`GradientMeter` the gradient bytes held during backward (ZeRO-1/2 buckets included).
 """
 
 import functools
@@ -381,3 +383,153 @@ class _Saved:
 
 def _unpack(saved: Any) -> Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ZeRO-3: parameters gathered during forward; ZeRO-1/2: gradients held during backward
+# ----------------------------------------------------------------------------------------------------------------------
+def _storage_nbytes(tensors: Iterable[Tensor], seen: set[tuple[str, int]]) -> int:
+    total = 0
+    for tensor in tensors:
+        local = _local(tensor)
+        if local.device.type == "meta":
+            continue
+        storage = local.untyped_storage()
+        key = (str(local.device), storage.data_ptr())
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def fsdp_groups(module: nn.Module) -> dict[str, list[Any]]:
+    """The FSDP2 parameter groups inside ``module``: ``{name of the fully_shard-ed module: [FSDPParam, ...]}``.
+
+    FSDP2 keeps a group's gathered (unsharded) parameters in per-parameter buffers (``FSDPParam.all_gather_outputs``
+    and, with all-gather extensions, ``_unsharded_inner_tensors``) whose storage it allocates for the all-gather and
+    resizes to 0 when it reshards; this reads them through those (private) attributes of torch 2.13.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[str, list[Any]] = {}
+    for name, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        param_groups = getattr(state, "_fsdp_param_groups", None)
+        if param_groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            param_groups = [single] if single is not None else []
+        out[name] = [p for group in param_groups for p in group.fsdp_params]
+    return out
+
+
+def _gathered_tensors(fsdp_params: Iterable[Any]) -> list[Tensor]:
+    return [t for p in fsdp_params
+            for t in (*getattr(p, "all_gather_outputs", ()), *getattr(p, "_unsharded_inner_tensors", ()))]
+
+
+class GatheredParamMeter:
+    """Context manager measuring the parameter bytes ZeRO-3 (FSDP2) holds gathered during forward, at its peak.
+
+    While inside, every module of ``module`` samples, when its forward starts and ends, the storage allocated for
+    the unsharded parameters of every FSDP2 group (each storage once, padding included). A hook added later than
+    FSDP2's runs after it: at a module's start its group is already gathered, at its end already freed, so the
+    samples inside a block see that block gathered. The all-gather's transient flat receive buffer is not counted.
+
+    ``peak_bytes``: the most gathered at once; ``peak_groups``: which groups were gathered then (names of the
+    ``fully_shard``-ed modules, ``""`` for ``module`` itself); ``group_bytes``: each group's full size (its
+    parameters' global element count x element size, without padding) -- the formula for one forward is the
+    largest block plus the root group(s) kept gathered.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.groups = fsdp_groups(module)
+        self.group_bytes = {
+            name: sum(p.sharded_param.numel() * p.sharded_param.element_size() for p in params)
+            for name, params in self.groups.items()
+        }
+        self.peak_bytes = 0
+        self.peak_groups: list[str] = []
+        self.samples = 0
+        self._handles: list[Any] = []
+
+    def live(self) -> tuple[int, list[str]]:
+        """Bytes gathered now, and the groups holding any."""
+        seen: set[tuple[str, int]] = set()
+        total, holding = 0, []
+        for name, params in self.groups.items():
+            n = _storage_nbytes(_gathered_tensors(params), seen)
+            if n:
+                total += n
+                holding.append(name)
+        return total, holding
+
+    def _sample(self, *_: Any) -> None:
+        total, holding = self.live()
+        self.samples += 1
+        if total > self.peak_bytes:
+            self.peak_bytes, self.peak_groups = total, holding
+
+    def __enter__(self) -> "GatheredParamMeter":
+        for sub in self.module.modules():
+            self._handles.append(sub.register_forward_pre_hook(self._sample))
+            self._handles.append(sub.register_forward_hook(self._sample))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class GradientMeter:
+    """Context manager measuring the gradient bytes held during backward, at the peak.
+
+    Counted, each storage once: the ``.grad`` of ``module``'s parameters and of the optimizers' parameters (ZeRO-1/2
+    shards), the gradient arriving for a parameter (before autograd stores it), and ``extra()`` -- buffers a
+    gradient owner keeps aside, e.g. :meth:`ZeroPartitioner.gradient_buffers
+    <lightning_par.parallel.zero.ZeroPartitioner.gradient_buffers>` (full bucket gradients, reduce-scatter outputs).
+    Samples are taken whenever a parameter's gradient arrives (a tensor hook: before it is accumulated) and after it
+    has been accumulated and handed on (a post-accumulate hook registered after the owner's), so the moments when
+    buffers are allocated and before they are freed are both seen. Hooks sit on the parameters registered when the
+    meter is made (not on FSDP2's unsharded parameters).
+    """
+
+    def __init__(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (),
+                 extra: Callable[[], Iterable[Tensor]] | None = None) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizers = list(optimizers)
+        self.extra = extra
+        self.peak_bytes = 0
+        self.samples = 0
+        self._handles: list[Any] = []
+
+    def live_bytes(self, arriving: Tensor | None = None) -> int:
+        opt_params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        tensors = [p.grad for p in (*self.params, *opt_params) if p.grad is not None]
+        tensors += list(self.extra()) if self.extra is not None else []
+        if arriving is not None:
+            tensors.append(arriving)
+        return _storage_nbytes(tensors, set())
+
+    def _sample(self, arriving: Tensor | None = None) -> None:
+        self.samples += 1
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes(arriving))
+
+    def _on_grad(self, grad: Tensor) -> None:
+        self._sample(grad)
+
+    def __enter__(self) -> "GradientMeter":
+        self._sample()
+        for p in self.params:
+            self._handles.append(p.register_hook(self._on_grad))
+            self._handles.append(p.register_post_accumulate_grad_hook(lambda _p: self._sample()))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

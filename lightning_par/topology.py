@@ -113,6 +113,24 @@ class ParallelDims:
     def describe(self) -> str:
         return f"dp={self.dp} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp innermost, pp outermost)"
 
+    def rank_table(self) -> str:
+        """Every global rank's coordinates and the groups along each dimension, for the start-up log."""
+        shown = range(self.world_size) if self.world_size <= 64 else [*range(32), *range(self.world_size - 32,
+                                                                                          self.world_size)]
+        lines = ["rank -> (pp, dp, tp)"]
+        for rank in shown:
+            if rank == self.world_size - 32 and self.world_size > 64:
+                lines.append(f"  ... ({self.world_size - 64} more)")
+            c = self.coordinates(rank)
+            lines.append(f"  {rank:>4} -> ({c['pp']}, {c['dp']}, {c['tp']})")
+        for dim in MESH_DIMS:
+            if getattr(self, dim) > 1:
+                groups = self.groups(dim)
+                listed = " ".join(str(g) for g in groups[:8]) + (f" ... ({len(groups) - 8} more)" if len(groups) > 8
+                                                                 else "")
+                lines.append(f"{dim} groups: {listed}")
+        return "\n".join(lines)
+
 
 def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """Create the one DeviceMesh every strategy works on (needs an initialized process group).

@@ -26,7 +26,7 @@ from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 
-SGD_LR = 0.5
+SGD_LR = 0.2
 #: name -> (strategy arguments, batch size per rank)
 LAYOUTS: dict[str, tuple[dict, int]] = {
     "zero0_dp4": (dict(zero_stage=0), GLOBAL_BATCH // 4),
@@ -35,7 +35,11 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
     "zero3_dp4": (dict(zero_stage=3), GLOBAL_BATCH // 4),
     "tp2_dp2": (dict(tp=2), GLOBAL_BATCH // 2),
     "pp2_dp2": (dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH // 2),
+    # every rank draws the same weights: each pipeline stage then holds the single process's values for its units
+    "pp2_dp2_seeded": (dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH // 2),
 }
+#: layouts whose stages are drawn by different ranks: replicas agree, but the model is not the single process's
+PER_STAGE_DRAWS = ("pp2_dp2",)
 
 
 def _checksums(module: torch.nn.Module) -> dict[str, float]:
@@ -51,14 +55,15 @@ class RankSeededGPT(GPTLightningModule):
     """The tiny GPT, its weights drawn from seed ``1234 + global rank``, counting its steps in a SumMetric."""
 
     def __init__(self, preset: str = "tiny", n_layers: int | None = None, optimizer: str = "sgd",
-                 lr: float = SGD_LR):
+                 lr: float = SGD_LR, same_seed: bool = False):
         super().__init__(preset=preset, n_layers=n_layers, optimizer=optimizer, lr=lr)
+        self.same_seed = same_seed
         self.steps_seen = torchmetrics.SumMetric()
         self.initial: dict[str, float] = {}
 
     def configure_model(self):
         if self.model is None:
-            torch.manual_seed(1234 + int(os.environ.get("RANK", "0")))
+            torch.manual_seed(1234 + (0 if self.same_seed else int(os.environ.get("RANK", "0"))))
             super().configure_model()
             self.initial = _checksums(self)
 
@@ -85,7 +90,7 @@ class ReplicaCheck(pl.Callback):
         coords = strategy.coordinates
         source = strategy.dims.rank_of(pp=coords["pp"], dp=0, tp=0)  # where the engine broadcasts from
         errors = [abs(now[n] - initial[source][n]) / max(abs(initial[source][n]), 1e-12) for n in now]
-        differs = sum(initial[0][n] != initial[1][n] for n in initial[0])  # the test could fail: inits differ
+        differs = sum(initial[0][n] != initial[1][n] for n in initial[0])  # whether the ranks drew different weights
         self.report.update(max_rel_err=max(errors), n_params=len(errors), params_differing_at_init=differs,
                            coordinates=coords, gradient_sync=strategy.gradient_sync.name)
 
@@ -102,11 +107,12 @@ class ReplicaCheck(pl.Callback):
 
 def fit(root: Path, cache: str, name: str) -> None:
     strategy_args, batch = LAYOUTS[name]
-    model = RankSeededGPT(preset="tiny", n_layers=8)
+    model = RankSeededGPT(preset="tiny", n_layers=8, same_seed=name.endswith("_seeded"))
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=batch, cache_dir=cache)
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=LayoutStrategy(**strategy_args), max_steps=PARITY_STEPS,
-        limit_train_batches=EPOCH_STEPS, limit_val_batches=2, log_every_n_steps=1, logger=TensorBoardLogger(save_dir=root / name / "tb"),
+        limit_train_batches=EPOCH_STEPS, limit_val_batches=2, log_every_n_steps=1,
+        logger=TensorBoardLogger(save_dir=root / name / "tb"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ReplicaCheck(root / name)], default_root_dir=root / name,
     )

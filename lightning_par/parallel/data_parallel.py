@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_par.parallel.blocks import BlockTypes
+
 
 def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> nn.Module:
     """Wrap ``module`` so its gradients are all-reduced (averaged) over ``dp_mesh`` during backward.
@@ -35,31 +37,34 @@ def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_m
     )
 
 
-def replicate_units(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
+def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTypes = None) -> list[nn.Module]:
     """Stage 0 for a model whose parameters are DTensors (tensor parallel): replicas, gradients all-reduced.
 
     DistributedDataParallel's reducer takes only plain tensors. ``_pre_dp_module_transform`` would make it accept a
     TP model by handing it the local shards -- but then the optimizer and gradient clipping see local shards too,
     and the clipping norm would be each rank's own, not the global one. FSDP2's ``replicate`` (the DDP of the
     composable API) keeps the parameters as DTensors on the (dp, tp) mesh -- replicated over dp, split over tp --
-    all-reduces gradients per unit as backward produces them (overlapping it, as DDP's buckets do) and stops
-    syncing with ``set_requires_gradient_sync(False)`` for gradient accumulation. Units are grouped as in
-    :func:`~lightning_par.parallel.zero.fully_shard_units`: each repeated block, then the rest of the model.
+    all-reduces gradients per group as backward produces them (overlapping it, as DDP's buckets do) and stops
+    syncing with ``set_requires_gradient_sync(False)`` for gradient accumulation. Groups are those of
+    :func:`~lightning_par.parallel.zero.fully_shard_units` (each repeated block found by
+    :func:`~lightning_par.parallel.blocks.find_blocks`, then the blocks' root, then what lies outside it). A model
+    without blocks is one unit: each direct child holding parameters is replicated as its own root.
     Returns the roots (empty with a single data-parallel rank: nothing to reduce).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    from lightning_par.parallel.zero import declared_model
+    from lightning_par.parallel.zero import _apply_groups, data_parallel_groups
+    from lightning_par.topology import LayoutError
 
     if dp_mesh.size() == 1:
         return []
-    model = declared_model(module)
-    if model is None:
+    try:
+        groups = data_parallel_groups(module, block_types)
+    except LayoutError:
+        if block_types:
+            raise  # the user named block types that match nothing: say so
         roots = [child for child in module.children() if any(True for _ in child.parameters())]
         for child in roots:
             replicate(child, mesh=dp_mesh)
         return roots
-    for name in (unit for unit in model.pipeline_units() if "." in unit):
-        replicate(model.get_submodule(name), mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
-    return [model]
+    return _apply_groups(module, groups, lambda m: replicate(m, mesh=dp_mesh))

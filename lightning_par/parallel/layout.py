@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_par.parallel.pipeline.runtime import ScheduleChoice, check_schedule_name, resolve_schedule
+from lightning_par.parallel.recompute import check_recompute
 from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size
 
 #: ZeRO stages: 0 replicas (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters.
@@ -27,6 +28,7 @@ class Layout:
         offload_optimizer, offload_parameters: ZeRO offload to host memory.
         schedule, n_microbatches, virtual_stages, stage_costs: the pipeline (pp > 1).
         sequence_parallel: tp > 1: split norms and the residual stream over the sequence too.
+        recompute: activation recompute per block: "none", "selective" (the attention core) or "full".
         block_types: the model's repeated block classes (or class names), where they cannot be found otherwise.
         bucket_cap_mb: gradient bucket size for data-parallel reductions, in MiB.
     """
@@ -42,6 +44,7 @@ class Layout:
     virtual_stages: int | None = None
     stage_costs: Sequence[float] | dict[str, float] | None = None
     sequence_parallel: bool = False
+    recompute: str = "none"
     block_types: Sequence[type | str] | None = None
     bucket_cap_mb: float = 25.0
 
@@ -50,6 +53,7 @@ class Layout:
         _check_size("tp", self.tp, allow_auto=False)
         _check_size("pp", self.pp, allow_auto=False)
         check_schedule_name(self.schedule)
+        check_recompute(self.recompute)
         if self.zero_stage not in SUPPORTED_ZERO_STAGES:
             raise LayoutError(
                 f"zero_stage={self.zero_stage!r} is not available; this version supports "

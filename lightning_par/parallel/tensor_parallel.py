@@ -9,17 +9,29 @@ strings into ``torch.distributed.tensor.parallel`` styles and applies them with 
 
 What the engine adds to a plan, so that a published plan trains unchanged:
 
-* ``block_input`` on the parent of each group of column-parallel linears (attention, MLP): the block's input is
-  made a replicated DTensor once, so q/k/v (or gate/up) share one backward all-reduce -- Megatron's "f" -- instead
-  of one each; with sequence parallelism the same place all-gathers the sequence shards once per block;
-* ``replicate`` on every other module that holds parameters (norms without sequence parallelism): its parameters
-  become replicated DTensors too, so every parameter is a DTensor and ``clip_grad_norm_`` computes the true
-  global norm (a mix of plain tensors and DTensors cannot be stacked);
-* with ``sequence_parallel``: ``sequence_parallel`` on norms (they run on sequence shards; their weight gradients
-  are all-reduced over tp), row-parallel outputs and the vocab-parallel embedding reduce-scatter to sequence
-  shards, the head gathers them. Training needs tp to divide the sequence length (checked each batch); without
-  gradients (generation) the tokens are padded on the right instead, which a causal decoder does not notice;
-* tied weights (embedding = head) are tied again after the parameters were replaced by DTensors.
+* ``block_input`` on the parent of each group of column-parallel linears: their input is made a replicated
+  DTensor once, so q/k/v (or gate/up) share one backward all-reduce -- Megatron's "f" -- instead of one each; with
+  sequence parallelism the same place all-gathers the sequence shards once. For a parent that is one region
+  (attention, an MLP module: every parameter inside is split) that is the parent's own input; for a parent that
+  also holds other layers (a GPT-2 block, whose ``c_fc``/``c_proj`` sit next to ``ln_1``/``ln_2``) it is the input
+  of each column-parallel child, once per distinct tensor, and the parent's own code keeps plain tensors;
+* ``replicate`` on every other module that holds parameters (norms, position embeddings): its parameters become
+  replicated DTensors too, so every parameter is a DTensor and ``clip_grad_norm_`` computes the true global norm
+  (a mix of plain tensors and DTensors cannot be stacked);
+* with ``sequence_parallel``: ``sequence_parallel`` on norms and replicated embeddings such as learned positions
+  (they run on sequence shards; their weight gradients are all-reduced over tp), row-parallel outputs and the
+  vocab-parallel embedding reduce-scatter to sequence shards, the head gathers them. Training needs tp to divide
+  the sequence length (checked each batch); without gradients (generation) the tokens are padded on the right
+  instead, which a causal decoder does not notice;
+* tied weights (embedding = head) are tied again after the parameters were replaced by DTensors; a plan that
+  splits the two differently is refused before any collective;
+* dropout: a :class:`~lightning_par.parallel.rng.TensorParallelRNG` gives each tp rank its own random stream from
+  a column-parallel output to the row-parallel input (where the ranks hold different heads or features), and
+  leaves the default generator, identical on the tp ranks, to the replicated activations.
+
+Biases need nothing extra: a column-parallel bias is split with the output features, a row-parallel bias is
+replicated and added once to the reduced sum (DTensor adds a ``Replicate`` bias to a ``Partial`` matmul as
+``bias / tp`` per rank).
 
 Style strings (Hugging Face meaning kept for Hugging Face names):
 
@@ -32,8 +44,11 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
                                      logits stay a ``Shard(-1)`` DTensor for the vocab-parallel cross-entropy
                                      inside :meth:`TensorParallelPlan.loss_context`, full tensor outside it
 ``embedding_rowwise``                Embedding with vocabulary rows sharded (Hugging Face's name)
-``sequence_parallel``                norm on sequence shards (with sequence parallelism), else replicated
-``replicate``, ``replicated_with_grad_allreduce``  parameters replicated on every TP rank
+``sequence_parallel``                norm (or position embedding: output cut to this rank's positions) on sequence
+                                     shards with sequence parallelism, else replicated
+``replicate``                        parameters replicated on every TP rank
+``replicated_with_grad_allreduce``   replicated, gradients summed over tp: for parameters used inside a region,
+                                     on this rank's heads only (e.g. a q/k norm)
 ==================================== ============================================================================
 """
 
@@ -57,6 +72,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_par.parallel.rng import TensorParallelRNG
 from lightning_par.topology import LayoutError
 
 #: Styles of a resolved plan (see the module docstring); a declared plan may name all but ``block_input``, which
@@ -78,12 +94,12 @@ PLAN_STYLES: tuple[str, ...] = (
 _COLUMN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
 _ROW_STYLES = ("rowwise", "rowwise_rep", "rowwise_split_input")
 _REPLICATE_STYLES = ("replicate", "replicated_with_grad_allreduce")
-#: Config fields that tp must divide, with their meaning: ours (GPTConfig) and Hugging Face's.
+#: Config fields that tp must divide, with their meaning: ours (GPTConfig, GPT2Config) and Hugging Face's.
 _CONFIG_SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("n_heads", "num_attention_heads"), "attention head count"),
+    (("n_heads", "num_attention_heads", "n_head"), "attention head count"),
     (("n_kv_heads", "num_key_value_heads"), "key/value head count"),
-    (("dim", "hidden_size"), "hidden size"),
-    (("ffn_dim", "intermediate_size"), "FFN size"),
+    (("dim", "hidden_size", "n_embd"), "hidden size"),
+    (("ffn_dim", "intermediate_size", "n_inner"), "FFN size"),
     (("vocab_size",), "vocabulary size"),
 )
 
@@ -222,40 +238,85 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False)
             additions[parent] = "block_input"
     covered = set(resolved)
     for name, sub in model.named_modules():
-        if not name or name in covered or any(name.startswith(c + ".") for c in covered):
-            continue
+        if not name or name in covered or name in additions or any(name.startswith(c + ".") for c in covered):
+            continue  # (a block_input parent replicates its own parameters, if it has any)
         if any(True for _ in sub.parameters(recurse=False)):
-            additions[name] = "sequence_parallel" if sequence_parallel and _is_norm(sub) else "replicate"
+            additions[name] = "sequence_parallel" if sequence_parallel and _runs_on_shards(sub) else "replicate"
     if sequence_parallel:
         for name, style in list(resolved.items()):
-            if style in _REPLICATE_STYLES and _is_norm(model.get_submodule(name)):
+            if style == "replicate" and _runs_on_shards(model.get_submodule(name)):
                 resolved[name] = "sequence_parallel"
     # block inputs before their children so both the hooks and the listing read top-down
     ordered = {**additions, **resolved}
+    _check_tied(model_name, model, ordered)
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
+
+
+def _runs_on_shards(module: nn.Module) -> bool:
+    """Replicated modules that sequence parallelism runs on sequence shards: norms and embeddings (positions)."""
+    return _is_norm(module) or isinstance(module, nn.Embedding)
+
+
+def _planned_split(style: str, module: nn.Module, param: str) -> str:
+    """How ``style`` will place ``module``'s parameter ``param``: "Shard(d)" or "Replicate()"."""
+    if style in _COLUMN_STYLES or (style == "vocab_parallel" and isinstance(module, nn.Linear)):
+        return "Shard(0)"  # weight [out, in] and bias [out] split over the output features
+    if style in _ROW_STYLES:
+        return "Shard(1)" if param == "weight" else "Replicate()"
+    if style in ("vocab_parallel", "embedding_rowwise"):
+        return "Shard(0)"  # embedding rows
+    return "Replicate()"
+
+
+def _check_tied(model_name: str, model: nn.Module, plan: dict[str, str]) -> None:
+    """Tied parameters must be split the same way by their owners' styles (checked before any collective)."""
+    for names in _tied_parameters(model):
+        splits = {}
+        for fqn in names:
+            owner, _, param = fqn.rpartition(".")
+            if owner in plan:
+                splits[fqn] = _planned_split(plan[owner], model.get_submodule(owner), param)
+        if len(set(splits.values())) > 1:
+            (first, a), *rest = splits.items()
+            other, b = next((n, split) for n, split in rest if split != a)
+            raise LayoutError(
+                f"{model_name}: {first} and {other} are one tied parameter, but the plan splits them differently "
+                f"({a} as {plan[first.rpartition('.')[0]]!r} vs {b} as {plan[other.rpartition('.')[0]]!r}). Give "
+                "both the same split, e.g. 'vocab_parallel' for the embedding and the head, or untie them."
+            )
 
 
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
+def _not_splittable(where: str, style: str, module: nn.Module, what: str) -> LayoutError:
+    has_params = any(True for _ in module.parameters(recurse=False))
+    return LayoutError(
+        f"{where} is planned {style!r}, which splits {what}; {type(module).__name__} cannot be split that way"
+        + (" (it holds no parameters of its own: name the linear layers inside it instead)." if not has_params else
+           " (a convolution, or a Conv1D that stores its weight transposed, has another weight layout).")
+        + " Change its plan entry: e.g. 'replicate', or rewrite the layer as an nn.Linear."
+    )
+
+
 def _check_module(model_name: str, name: str, module: nn.Module, style: str, tp: int) -> None:
     where = f"{model_name}.{name} ({type(module).__name__})"
     if style in _COLUMN_STYLES or (style == "vocab_parallel" and isinstance(module, nn.Linear)):
         if not isinstance(module, nn.Linear):
-            raise LayoutError(f"{where} is planned {style!r}, which splits an nn.Linear; change its plan entry.")
+            raise _not_splittable(where, style, module, "an nn.Linear over its output features")
         _check_divisible(f"{where}: out_features", module.out_features, tp,
                          f"{style!r} splits the output features over tp ranks. Use a tp that divides "
                          f"{module.out_features} or resize the layer.")
     elif style in _ROW_STYLES:
         if not isinstance(module, nn.Linear):
-            raise LayoutError(f"{where} is planned {style!r}, which splits an nn.Linear; change its plan entry.")
+            raise _not_splittable(where, style, module, "an nn.Linear over its input features")
         _check_divisible(f"{where}: in_features", module.in_features, tp,
                          f"{style!r} splits the input features over tp ranks. Use a tp that divides "
                          f"{module.in_features} or resize the layer.")
     elif style in ("vocab_parallel", "embedding_rowwise"):
         if not isinstance(module, nn.Embedding):
-            raise LayoutError(f"{where} is planned {style!r}, which splits an nn.Embedding or head nn.Linear.")
+            raise _not_splittable(where, style, module, "an nn.Embedding or a head nn.Linear over the vocabulary")
         _check_divisible(f"{where}: the vocabulary (num_embeddings)", module.num_embeddings, tp,
                          f"vocabulary rows are split over tp ranks. Pad the vocabulary to a multiple of {tp} "
                          "or use a tp that divides it.")
@@ -281,37 +342,6 @@ def _first_tensor(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] |
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return "hidden_states", kwargs["hidden_states"]
     return None
-
-
-class BlockInput(ParallelStyle):
-    """Make a block's hidden-state input one replicated DTensor that its column-parallel linears share.
-
-    Forward: nothing to do without sequence parallelism; an all-gather of the sequence shards with it. Backward:
-    the linears' partial input gradients add up locally and are reduced once (all-reduce; reduce-scatter with
-    sequence parallelism), as Megatron-LM does, instead of once per linear.
-    """
-
-    def __init__(self, sequence_parallel: bool = False) -> None:
-        super().__init__()
-        self.input_layout: Placement = Shard(1) if sequence_parallel else Replicate()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        layout = self.input_layout
-
-        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            found = _first_tensor(args, kwargs)
-            if found is None:
-                return args, kwargs
-            key, tensor = found
-            if not isinstance(tensor, DTensor):
-                tensor = DTensor.from_local(tensor, device_mesh, (layout,), run_check=False)
-            tensor = tensor.redistribute(device_mesh, (Replicate(),))
-            if isinstance(key, int):
-                return (tensor, *args[1:]), kwargs
-            return args, {**kwargs, key: tensor}
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
 
 
 class ReplicateParameters(ParallelStyle):
@@ -343,7 +373,35 @@ class ReplicateParameters(ParallelStyle):
         return module
 
 
-class SequenceShardedNorm(ReplicateParameters):
+class ReplicateWithGradAllReduce(ReplicateParameters):
+    """Replicated parameters whose gradients are summed over the tp group on their way back to the parameter.
+
+    For modules that see only this rank's part of the activations: a norm on a sequence shard (sequence
+    parallelism), or a q/k norm inside the attention region (this rank's heads; Hugging Face's
+    ``replicated_with_grad_allreduce``). Each rank's gradient covers its part only; the sum is the whole.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        group = device_mesh.get_group()
+
+        def sum_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+            total = grad.clone()
+            torch.distributed.all_reduce(total, group=group)
+            return total
+
+        def reduce_weight_grads(mod: nn.Module, _args: Any) -> None:
+            if torch.is_grad_enabled():
+                for local in mod._parameters.values():
+                    if local is not None and local.requires_grad and not isinstance(local, DTensor):
+                        local.register_hook(sum_over_ranks)
+
+        # runs after ReplicateParameters' swap (hooks run in registration order)
+        module.register_forward_pre_hook(reduce_weight_grads)
+        return module
+
+
+class SequenceShardedNorm(ReplicateWithGradAllReduce):
     """A norm on this rank's sequence shard (sequence parallelism), with replicated DTensor parameters.
 
     Like torch's ``SequenceParallel`` it takes and returns sequence shards; unlike it, the norm runs on plain local
@@ -353,29 +411,143 @@ class SequenceShardedNorm(ReplicateParameters):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        group = device_mesh.get_group()
-
-        def sum_over_shards(grad: torch.Tensor) -> torch.Tensor:
-            total = grad.clone()
-            torch.distributed.all_reduce(total, group=group)
-            return total
-
-        def reduce_weight_grads(mod: nn.Module, _args: Any) -> None:
-            if torch.is_grad_enabled():
-                for local in mod._parameters.values():
-                    if local is not None and local.requires_grad and not isinstance(local, DTensor):
-                        local.register_hook(sum_over_shards)
 
         def unwrap(_mod: nn.Module, args: tuple) -> tuple:
             return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
 
-        # runs after ReplicateParameters' swap (hooks run in registration order)
-        module.register_forward_pre_hook(reduce_weight_grads)
         module.register_forward_pre_hook(unwrap)
         return module
 
 
-class VocabParallelHead(ColwiseParallel):
+@dataclass
+class _SequenceLength:
+    """The sequence length of the current forward of the declared model (sequence parallelism, padded)."""
+
+    length: int | None = None
+
+
+class SequenceShardedEmbedding(ReplicateWithGradAllReduce):
+    """A replicated embedding indexed by position (GPT-2's ``wpe``) under sequence parallelism.
+
+    The model looks up all ``T`` positions, but the residual stream it is added to holds this rank's ``T / tp``:
+    the output is cut to this rank's positions (the sequence is dimension -2 of the output: ``[T, h]`` or
+    ``[B, T, h]``). Each rank's weight gradient then covers its positions only and is summed over tp.
+    """
+
+    def __init__(self, sequence: _SequenceLength) -> None:
+        super().__init__()
+        self.sequence = sequence
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        tp, rank, sequence = device_mesh.size(), device_mesh.get_local_rank(), self.sequence
+
+        def this_ranks_positions(mod: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+            full = sequence.length
+            if output.dim() < 2 or output.size(-2) != full:
+                raise LayoutError(
+                    f"sequence_parallel=True: the replicated embedding {type(mod).__name__} returned shape "
+                    f"{tuple(output.shape)}, but it is taken for a position embedding whose output (dimension -2: "
+                    f"the sequence, {full} tokens) is cut to this rank's share. Split it in the plan "
+                    "('vocab_parallel'), or use sequence_parallel=False."
+                )
+            return output.chunk(tp, dim=-2)[rank]
+
+        module.register_forward_hook(this_ranks_positions)
+        return module
+
+
+class BlockInput(ReplicateParameters):
+    """One replicated DTensor input for a block's column-parallel children, so they share its collectives.
+
+    Forward: the input becomes a replicated DTensor -- nothing to do without sequence parallelism, an all-gather
+    of the sequence shards with it. Backward: the column-parallel linears' partial input gradients add up locally
+    and are reduced once (all-reduce; reduce-scatter with sequence parallelism), as Megatron-LM does, instead of
+    once per linear. Where that happens depends on the block:
+
+    * a **region** (``whole_block``: every parameter inside is split by the plan -- attention, a gate/up/down MLP):
+      the block's own input is converted, so its forward sees the whole sequence under sequence parallelism
+      (``B, T, _ = x.shape`` stays right);
+    * any other block (a GPT-2 block holding ``ln_2``, ``c_fc`` and ``c_proj`` next to each other): the inputs of
+      its column-parallel ``children`` are converted, once per distinct tensor (q/k/v of one ``x`` share it), and
+      the block's own forward keeps plain tensors, so its norms and residual adds run as written.
+
+    A block that holds parameters of its own gets them replicated.
+    """
+
+    def __init__(self, sequence_parallel: bool = False, children: tuple[str, ...] = (),
+                 whole_block: bool = True) -> None:
+        super().__init__()
+        self.input_layout: Placement = Shard(1) if sequence_parallel else Replicate()
+        self.children = children
+        self.whole_block = whole_block
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if any(True for _ in module.parameters(recurse=False)):
+            module = super()._apply(module, device_mesh)
+        layout = self.input_layout
+
+        def replicated(tensor: torch.Tensor) -> DTensor:
+            if not isinstance(tensor, DTensor):
+                tensor = DTensor.from_local(tensor, device_mesh, (layout,), run_check=False)
+            return tensor.redistribute(device_mesh, (Replicate(),))
+
+        if self.whole_block:
+            def block_input(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+                found = _first_tensor(args, kwargs)
+                if found is None:
+                    return args, kwargs
+                key, tensor = found
+                if isinstance(key, int):
+                    return (replicated(tensor), *args[1:]), kwargs
+                return args, {**kwargs, key: replicated(tensor)}
+
+            module.register_forward_pre_hook(block_input, with_kwargs=True)
+            return module
+
+        shared: list[tuple[torch.Tensor, DTensor]] = []  # (plain input, its DTensor), during one block forward
+
+        def clear(*_: Any) -> None:
+            shared.clear()
+
+        def child_input(_child: nn.Module, args: tuple) -> tuple | None:
+            if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
+                return None
+            x = args[0]
+            dx = next((d for local, d in shared if local is x), None)
+            if dx is None:
+                dx = replicated(x)
+                shared.append((x, dx))
+            return (dx, *args[1:])
+
+        module.register_forward_pre_hook(clear)
+        module.register_forward_hook(clear, always_call=True)
+        for name in self.children:
+            # prepend: before the child's own ColwiseParallel input hook, whichever was registered first
+            module.get_submodule(name).register_forward_pre_hook(child_input, prepend=True)
+        return module
+
+
+class ColumnParallel(ColwiseParallel):
+    """torch's ``ColwiseParallel`` that reads a plain input as ``input_layouts`` (a sequence shard with sequence
+    parallelism) but takes a DTensor input -- the block input it shares with its siblings -- as it is.
+
+    torch's version redistributes whenever the *declared* input layout differs from the one it needs, even for a
+    DTensor already in that layout: a no-op forward whose backward all-reduces each linear's input gradient on its
+    own, instead of the one reduce-scatter the shared block input does for all of them.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # same signature as torch
+        tensor = inputs[0]
+        if not isinstance(tensor, DTensor):
+            tensor = DTensor.from_local(tensor, device_mesh, input_layouts, run_check=False)
+        if tuple(tensor.placements) != tuple(desired_input_layouts):
+            tensor = tensor.redistribute(placements=desired_input_layouts, async_op=True)
+        return tensor
+
+
+class VocabParallelHead(ColumnParallel):
     """Output head split over the vocabulary: logits stay ``Shard(-1)`` for the vocab-parallel cross-entropy.
 
     Inside :meth:`TensorParallelPlan.loss_context` the logits are a DTensor and ``F.cross_entropy`` runs on the
@@ -399,15 +571,21 @@ class VocabParallelHead(ColwiseParallel):
         return module
 
 
-def parallel_style(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle:
-    """The torch ``ParallelStyle`` for one resolved plan entry."""
+def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, children: tuple[str, ...] = (),
+                   whole_block: bool = True, sequence: _SequenceLength | None = None) -> ParallelStyle:
+    """The torch ``ParallelStyle`` for one resolved plan entry.
+
+    ``children``, ``whole_block``: for ``block_input``, see :class:`BlockInput`. ``sequence``: with sequence
+    parallelism, where the current sequence length is kept (for position embeddings).
+    """
     seq = Shard(1) if sequence_parallel else Replicate()
     if style == "colwise":
-        return ColwiseParallel()
+        # a plain input is a sequence shard with sequence parallelism (a shared block input is a DTensor already)
+        return ColumnParallel(input_layouts=seq)
     if style == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if style in ("colwise_rep", "colwise_gather_output"):
-        return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        return ColumnParallel(input_layouts=seq, output_layouts=Replicate())
     if style in ("rowwise_rep", "rowwise_split_input"):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if style in ("vocab_parallel", "embedding_rowwise"):
@@ -415,11 +593,15 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool) -> Pa
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         return VocabParallelHead(sequence_parallel)
     if style == "sequence_parallel" and sequence_parallel:
+        if isinstance(module, nn.Embedding):
+            return SequenceShardedEmbedding(sequence or _SequenceLength())
         return SequenceShardedNorm()
-    if style in (*_REPLICATE_STYLES, "sequence_parallel"):
+    if style == "replicated_with_grad_allreduce":
+        return ReplicateWithGradAllReduce()
+    if style in ("replicate", "sequence_parallel"):
         return ReplicateParameters()
     if style == "block_input":
-        return BlockInput(sequence_parallel)
+        return BlockInput(sequence_parallel, children, whole_block)
     raise LayoutError(f"unknown tensor-parallel style {style!r}; use one of {', '.join(PLAN_STYLES)}.")
 
 
@@ -436,6 +618,7 @@ class TensorParallelPlan:
     sequence_parallel: bool
     vocab_parallel_head: bool
     tied: list[list[str]] = field(default_factory=list)
+    rng: TensorParallelRNG | None = None
 
     @contextmanager
     def loss_context(self) -> Iterator[None]:
@@ -466,17 +649,20 @@ def _set_parameter(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
     setattr(module.get_submodule(owner) if owner else module, name, param)
 
 
-def _check_or_pad_sequence(model: nn.Module, tp: int) -> None:
+def _check_or_pad_sequence(model: nn.Module, tp: int, sequence: _SequenceLength) -> None:
     """Sequence parallelism needs tp to divide the sequence length: check every batch before any collective.
 
     Training with another length is an error. Without gradients (generation, whose length grows one token at a
     time) the tokens are padded on the right to a multiple of tp and the output cut back: exact for the causal
-    decoders sequence parallelism is applied to here, where no position sees a later one.
+    decoders sequence parallelism is applied to here, where no position sees a later one. The (padded) length is
+    kept in ``sequence`` for the position embeddings.
     """
     padded: list[int] = []
 
     def before(_model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         found = _first_tensor(args, kwargs)
+        if found is not None and found[1].dim() >= 2:
+            sequence.length = found[1].size(1)
         if found is None or found[1].dim() < 2 or found[1].size(1) % tp == 0:
             padded.append(0)
             return None
@@ -485,6 +671,7 @@ def _check_or_pad_sequence(model: nn.Module, tp: int) -> None:
             check_sequence_length(tokens.size(1), tp)
         pad = tp - tokens.size(1) % tp
         padded.append(pad)
+        sequence.length = tokens.size(1) + pad
         tokens = torch.nn.functional.pad(tokens, (0, pad) if tokens.dim() == 2 else (0, 0, 0, pad))
         if isinstance(key, int):
             return (tokens, *args[1:]), kwargs
@@ -498,21 +685,43 @@ def _check_or_pad_sequence(model: nn.Module, tp: int) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
+def _is_region(module: nn.Module, name: str, plan: dict[str, str]) -> bool:
+    """Every parameter inside ``name`` belongs to a module the plan splits (or replicates for use on this rank's
+    heads): the block is one tensor-parallel region, e.g. attention, not a block that also holds its norms."""
+    for sub_name, sub in module.get_submodule(name).named_modules(prefix=name):
+        if any(True for _ in sub.parameters(recurse=False)):
+            if plan.get(sub_name) not in (*_COLUMN_STYLES, *_ROW_STYLES, "replicated_with_grad_allreduce"):
+                return False
+    return True
+
+
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, rng: bool = True
 ) -> TensorParallelPlan:
     """Split ``module`` (in place) over the 1-D ``tp_mesh`` by its declared plan; see :func:`resolve_tp_plan`.
 
     Parameters become DTensors on ``tp_mesh`` (sharded where the plan splits them, replicated elsewhere); tied
     parameters stay tied. With ``sequence_parallel`` a forward pre-hook on the declared model checks each batch's
-    sequence length. Returns the :class:`TensorParallelPlan`; run the loss inside its ``loss_context()``.
+    sequence length. With ``rng`` (default) dropout draws per-tp-rank masks inside the tensor-parallel regions and
+    equal masks outside (:class:`~lightning_par.parallel.rng.TensorParallelRNG`; it first makes the default
+    generator equal on the tp ranks). The plan is checked completely before the first collective, so a bad plan
+    raises the same :class:`LayoutError` on every rank. Returns the :class:`TensorParallelPlan`; run the loss
+    inside its ``loss_context()``.
     """
     tp = tp_mesh.size()
     plan = resolve_tp_plan(module, tp, sequence_parallel)
     root_name, model, _ = find_tp_plan(module)  # type: ignore[misc]
+    prefix = f"{root_name}." if root_name else ""
     tied = _tied_parameters(module)
-    styles = {name: parallel_style(style, module.get_submodule(name), sequence_parallel) for name, style in
-              plan.items()}
+    sequence = _SequenceLength()
+    styles = {}
+    for name, style in plan.items():
+        children, whole = (), True
+        if style == "block_input":
+            children = tuple(n[len(name) + 1:] for n, s in plan.items()
+                             if s == "colwise" and n.rpartition(".")[0] == name)
+            whole = _is_region(module, name, plan)
+        styles[name] = parallel_style(style, module.get_submodule(name), sequence_parallel, children, whole, sequence)
     parallelize_module(module, tp_mesh, styles)
     for names in tied:
         first = module.get_parameter(names[0])
@@ -526,7 +735,11 @@ def apply_tensor_parallel(
                 )
             _set_parameter(module, other, first)
     if sequence_parallel:
-        _check_or_pad_sequence(model, tp)
+        _check_or_pad_sequence(model, tp, sequence)
+    tracker = None
+    if rng:
+        tracker = TensorParallelRNG(tp_mesh)
+        tracker.install(model, {n[len(prefix):]: s for n, s in plan.items()}, sequence_parallel)
     vocab_head = any(isinstance(s, VocabParallelHead) for s in styles.values())
     return TensorParallelPlan(plan=plan, styles=styles, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel,
-                              vocab_parallel_head=vocab_head, tied=tied)
+                              vocab_parallel_head=vocab_head, tied=tied, rng=tracker)

@@ -1,7 +1,8 @@
 """ZeRO across the data-parallel mesh: stages 1 and 2 by hand, stage 3 on FSDP2.
 
-Stage 3 is PyTorch's FSDP2 (``fully_shard`` on each declared unit): parameters, gradients and optimizer states are
-DTensor shards; parameters are gathered per unit for forward and again for backward, gradients reduce-scattered.
+Stage 3 is PyTorch's FSDP2 (``fully_shard`` on each repeated block that ``find_blocks`` finds, on any model):
+parameters, gradients and optimizer states are DTensor shards; parameters are gathered per block for forward and
+again for backward, gradients reduce-scattered.
 
 Stages 1 and 2 are written here because PyTorch has no component for them that keeps parameters replicated and
 composes with DTensor: FSDP2 with ``reshard_after_forward=False`` has stage 2's traffic but keeps parameters
@@ -15,7 +16,9 @@ then discards 1 - 1/N of them). :class:`ZeroPartitioner` does what the ZeRO pape
   bucket wrapping the owned chunk -- an elementwise optimizer then keeps state for 1/N of the model, and Lightning's
   gradient clipping computes the global norm through DTensor without knowing about shards;
 * gradients are reduce-scattered bucket by bucket as backward produces them (overlapping backward), averaged;
-  stage 1 keeps the full gradient buffer, stage 2 keeps only its chunk and frees the rest;
+  stage 1 keeps the full gradient buffers until the step; stage 2 completes each bucket's reduce-scatter when the
+  next bucket is launched and frees its full gradient then, keeping only its chunk (4 Psi / N + two buckets at the
+  peak of backward, not 4 Psi);
 * after the step each bucket is all-gathered (``all_gather_single``) back into the parameters.
 """
 
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.topology import LayoutError
 
 #: Optimizers whose update of an element depends only on that element's own history, so a flat chunk of a
@@ -73,6 +77,7 @@ class _Bucket:
     flat_grad: Tensor | None = None  # full gradient buffer while it is being filled / reduced
     reduced_chunk: Tensor | None = None  # reduce-scatter output
     work: dist.Work | None = None
+    reduced: bool = False  # this step's reduce-scatter completed; the shard holds the gradient
     ready_params: set[int] = field(default_factory=set)  # indices of params whose gradient is in flat_grad
 
     @property
@@ -97,6 +102,13 @@ class ZeroPartitioner:
         stage: 1 (optimizer states sharded) or 2 (+ gradients sharded).
         bucket_cap_mb: bucket size in MiB; smaller buckets overlap communication with backward more finely.
         offload_optimizer: keep the shard parameters and optimizer state in host memory and step there.
+        overlap: stage 2: let a bucket's reduce-scatter run while backward fills the next bucket (at most two
+            full buckets of gradients at once); ``False``: complete each as soon as it is launched (one bucket).
+
+    Gradient memory during backward, for Psi parameters in fp32 and bucket size B bytes: stage 1 keeps every
+    bucket's full gradient (4 Psi, plus the 4 Psi / N reduce-scatter outputs); stage 2 frees each bucket's full
+    gradient as soon as its reduce-scatter completes and keeps only its chunk, so it holds 4 Psi / N plus at most
+    2 B (``overlap=False``: B).
     """
 
     def __init__(
@@ -107,6 +119,7 @@ class ZeroPartitioner:
         stage: int,
         bucket_cap_mb: float = 25.0,
         offload_optimizer: bool = False,
+        overlap: bool = True,
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
@@ -116,6 +129,8 @@ class ZeroPartitioner:
         self.world = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
         self.offload = offload_optimizer
+        self.overlap = overlap
+        self._in_flight: list[_Bucket] = []  # stage 2: launched, not yet completed
         self.require_sync = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
@@ -202,34 +217,60 @@ class ZeroPartitioner:
         bucket.reduced_chunk = torch.empty(bucket.chunk, dtype=bucket.flat.dtype, device=bucket.flat.device)
         bucket.work = dist.reduce_scatter_single(bucket.reduced_chunk, bucket.flat_grad, group=self.group,
                                                  async_op=True)
+        if self.stage == 1:
+            return  # the full buffers are kept anyway: everything is completed in finish_gradient_sync
+        # Stage 2: complete the buckets launched before this one and free their full gradients, so at most two
+        # full buckets exist at once -- this one, being reduced, and the next one, being filled by backward
+        # (``overlap=False``: this one is completed now too, one full bucket at most, no overlap).
+        earlier, self._in_flight = self._in_flight, []
+        for done in earlier:
+            self._complete(done)
+        if self.overlap:
+            self._in_flight.append(bucket)
+        else:
+            self._complete(bucket)
+
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s reduce-scatter, average, and make the result its shard's gradient."""
+        assert bucket.work is not None and bucket.reduced_chunk is not None and bucket.flat_grad is not None
+        bucket.work.wait()
+        chunk = bucket.reduced_chunk.div_(self.world)
+        if self.stage == 1:
+            # keep the full gradient buffer (stage 1 partitions only optimizer state); the shard's gradient is a
+            # view of its own chunk of it
+            own = bucket.own(bucket.flat_grad)
+            own.copy_(chunk)
+            chunk = own
+        else:
+            bucket.flat_grad = None  # stage 2: only the reduced chunk is kept
+        grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
+        assert bucket.shard is not None
+        bucket.shard.grad = self._dtensor(grad, bucket.flat.numel())
+        bucket.work, bucket.reduced_chunk = None, None
+        bucket.reduced = True
 
     def finish_gradient_sync(self) -> None:
         """After the last backward of an optimizer step: reduce what is left, wait, hand the shards their grads."""
         if not self.require_sync:
             return
         for bucket in self.buckets:
-            if bucket.work is None:
+            if bucket.work is None and not bucket.reduced:
                 # parameters that got no gradient this step (unused) still take part, with zeros
                 for index in range(len(bucket.params)):
                     self._stage_grad(bucket, index)
                 self._launch_reduce(bucket)
         for bucket in self.buckets:
-            assert bucket.work is not None and bucket.reduced_chunk is not None and bucket.flat_grad is not None
-            bucket.work.wait()
-            chunk = bucket.reduced_chunk.div_(self.world)
-            if self.stage == 1:
-                # keep the full gradient buffer (stage 1 partitions only optimizer state); the shard's gradient
-                # is a view of its own chunk of it
-                own = bucket.own(bucket.flat_grad)
-                own.copy_(chunk)
-                chunk = own
-            else:
-                bucket.flat_grad = None
-            grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
-            assert bucket.shard is not None
-            bucket.shard.grad = self._dtensor(grad, bucket.flat.numel())
-            bucket.work, bucket.reduced_chunk = None, None
+            if bucket.work is not None:
+                self._complete(bucket)
+        self._in_flight = []
+        for bucket in self.buckets:
             bucket.ready_params.clear()
+            bucket.reduced = False
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """The gradient memory the partitioner holds besides the shards' ``.grad``: full bucket buffers and
+        reduce-scatter outputs in flight (for :class:`~lightning_par.measure.GradientMeter`)."""
+        return [t for b in self.buckets for t in (b.flat_grad, b.reduced_chunk) if t is not None]
 
     # -- parameters ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -261,33 +302,114 @@ class ZeroPartitioner:
 
 
 # -- stage 3 ------------------------------------------------------------------------------------------------------
-def declared_model(module: nn.Module) -> nn.Module | None:
-    """The sub-module that declares its pipeline units (``pipeline_units()``), e.g. a LightningModule's GPT."""
-    return next((m for m in module.modules() if callable(getattr(m, "pipeline_units", None))), None)
+@dataclass
+class DataParallelGroups:
+    """How the searched module's parameters are grouped for FSDP2 (``fully_shard`` or ``replicate``).
+
+    Attributes:
+        found: the blocks, from :func:`~lightning_par.parallel.blocks.find_blocks`.
+        blocks: ``(name, module)`` of each repeated block, one group each, in execution order.
+        root: ``(name, module)`` of ``found.root``: the root group, with what is left of it once the blocks are
+            grouped (embedding, final norm, head), kept gathered from forward into backward.
+        outside: ``(name, module)`` of each module outside ``found.root`` that holds parameters (an auxiliary head
+            of a LightningModule, say): one group each. Containers without a ``forward`` (``nn.ModuleList`` /
+            ``nn.ModuleDict``) are replaced by their items.
+        loose: names of the parameters held directly by an ancestor of ``found.root`` (an ``nn.Parameter`` set on
+            the LightningModule itself). They go into one group on the searched module, the outermost.
+    """
+
+    found: ModelBlocks
+    blocks: list[tuple[str, nn.Module]]
+    root: tuple[str, nn.Module]
+    outside: list[tuple[str, nn.Module]] = field(default_factory=list)
+    loose: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        text = f"{len(self.blocks)} block groups + root group `{self.root[0] or '.'}`"
+        if self.outside:
+            text += f" + {len(self.outside)} outside the root ({', '.join(n for n, _ in self.outside)})"
+        if self.loose:
+            text += f" + one outermost group for the parameters held directly by it ({', '.join(self.loose)})"
+        return text
 
 
-def fully_shard_units(module: nn.Module, dp_mesh: DeviceMesh, offload: bool = False) -> list[nn.Module]:
-    """ZeRO-3 with FSDP2: shard each repeated block (``layers.N`` of the declared units), then the model itself.
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
-    Each block is gathered just before its forward and again for its backward, and freed after, so peak parameter
-    memory is about one block. The remaining units (embedding, final norm, head -- a small share of a real model)
-    form the root group, which FSDP2 keeps gathered from forward into backward: the same grouping torchtitan and a
-    hand-written Lightning ``ModelParallelStrategy`` use, with fewer, larger collectives than one group per unit.
-    Traffic is therefore 3 Psi_blocks + 2 Psi_root elements (x (N-1)/N) rather than exactly 3 Psi. A tied
-    embedding and head stay together in the root group. A module that declares no units has each direct child
-    with parameters sharded as its own root. Returns the FSDP2 roots.
+
+def data_parallel_groups(module: nn.Module, block_types: BlockTypes = None) -> DataParallelGroups:
+    """Group ``module``'s parameters for FSDP2: each block, then the blocks' root, then whatever lies outside it.
+
+    Raises the :class:`~lightning_par.topology.LayoutError` of ``find_blocks`` (it says how to pass
+    ``block_types=``) where no blocks are found.
+    """
+    found = find_blocks(module, block_types)
+    root_path = found.path
+    blocks = [(_join(root_path, name), found.root.get_submodule(name)) for name in found.blocks]
+    groups = DataParallelGroups(found, blocks, (root_path, found.root))
+
+    def add_unit(path: str, child: nn.Module) -> None:
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # no forward of its own: its items are called
+            groups.loose += [_join(path, n) for n, _ in child.named_parameters(recurse=False)]
+            for name, item in child.named_children():
+                if any(True for _ in item.parameters()):
+                    add_unit(_join(path, name), item)
+        else:
+            groups.outside.append((path, child))
+
+    def visit(prefix: str, ancestor: nn.Module) -> None:
+        """``ancestor`` is ``module`` or a module on the way down to ``found.root``."""
+        groups.loose += [_join(prefix, n) for n, _ in ancestor.named_parameters(recurse=False)]
+        for name, child in ancestor.named_children():
+            path = _join(prefix, name)
+            if child is found.root:
+                continue
+            if root_path.startswith(path + "."):
+                visit(path, child)
+            elif any(True for _ in child.parameters()):
+                add_unit(path, child)
+
+    if root_path:
+        visit("", module)
+    return groups
+
+
+def _apply_groups(module: nn.Module, groups: DataParallelGroups, apply) -> list[nn.Module]:
+    """``apply`` (``fully_shard`` or ``replicate`` with its options bound) to each group, innermost first; the
+    FSDP2 roots (the outermost groups) are returned."""
+    for _, block in groups.blocks:
+        apply(block)
+    apply(groups.root[1])
+    for _, unit in groups.outside:
+        apply(unit)
+    if groups.loose:
+        # what is left (parameters set directly on the LightningModule or a container on the way to the root)
+        # becomes the outermost group; it is gathered by the searched module's forward, so that forward must run
+        apply(module)
+        return [module]
+    return [groups.root[1]] + [unit for _, unit in groups.outside]
+
+
+def fully_shard_units(
+    module: nn.Module, dp_mesh: DeviceMesh, offload: bool = False, block_types: BlockTypes = None
+) -> list[nn.Module]:
+    """ZeRO-3 with FSDP2: shard each repeated block as its own group, then the blocks' root, on any model.
+
+    The blocks come from :func:`~lightning_par.parallel.blocks.find_blocks` (a model's own declaration, a
+    Hugging Face model's plan, ``block_types``, or the ``nn.ModuleList`` of blocks it keeps); without blocks this
+    raises find_blocks' :class:`~lightning_par.topology.LayoutError`, which says how to pass ``block_types=``.
+    Each block is gathered just before its forward and again for its backward, and freed after, so the gathered
+    parameters peak at about one block plus the root group. The rest of the root (embedding, final norm, head -- a
+    small share of a real model) forms the root group, which FSDP2 keeps gathered from forward into backward: the
+    same grouping torchtitan and a hand-written Lightning ``ModelParallelStrategy`` use, with fewer, larger
+    collectives than one group per unit. Traffic is therefore 3 Psi_blocks + 2 Psi_root elements (x (N-1)/N)
+    rather than exactly 3 Psi. A tied embedding and head stay together in the root group. Modules with parameters
+    outside the root (e.g. next to it in a LightningModule) are groups of their own; parameters set directly on
+    the LightningModule go into an outermost group around everything, gathered by its ``forward``.
+    Returns the FSDP2 roots.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-    model = declared_model(module)
-    if model is None:
-        roots = [child for child in module.children() if any(True for _ in child.parameters())]
-        for child in roots:
-            fully_shard(child, mesh=dp_mesh, offload_policy=policy)
-        return roots
-    blocks = [name for name in model.pipeline_units() if "." in name]  # items of a repeated container
-    for name in blocks:
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, offload_policy=policy)
-    fully_shard(model, mesh=dp_mesh, offload_policy=policy)
-    return [model]
+    groups = data_parallel_groups(module, block_types)
+    return _apply_groups(module, groups, lambda m: fully_shard(m, mesh=dp_mesh, offload_policy=policy))

@@ -44,6 +44,7 @@ from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
+from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
 from lightning_par.plugins import sharded_checkpoint
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
@@ -69,6 +70,8 @@ class LayoutStrategy(ParallelStrategy):
             default: balance by unit count.
         sequence_parallel: tp > 1: also split the sequence over the tensor-parallel ranks where activations would
             be replicated (norms, residual stream); each block's all-reduce becomes an all-gather + reduce-scatter.
+        recompute: activation recompute per block: ``"none"``, ``"selective"`` (the attention core, Megatron's
+            selective recompute) or ``"full"`` (each block keeps only its input and runs forward again in backward).
         block_types: the classes (or class names) of the model's repeated blocks, for a model whose blocks cannot
             be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
             data-parallel grouping and by the pipeline split.
@@ -98,6 +101,7 @@ class LayoutStrategy(ParallelStrategy):
         virtual_stages: int | None = None,
         stage_costs: list[float] | dict[str, float] | None = None,
         sequence_parallel: bool = False,
+        recompute: str = "none",
         block_types: list[str] | None = None,
         bucket_cap_mb: float = 25.0,
         process_group_backend: str | None = None,
@@ -119,7 +123,7 @@ class LayoutStrategy(ParallelStrategy):
             dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, stage_costs=stage_costs, sequence_parallel=sequence_parallel,
-            block_types=block_types, bucket_cap_mb=bucket_cap_mb,
+            recompute=recompute, block_types=block_types, bucket_cap_mb=bucket_cap_mb,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -218,11 +222,23 @@ class LayoutStrategy(ParallelStrategy):
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._agree_on_rng_state()
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         # LightningModule.device_mesh reads this, as under Lightning's ModelParallelStrategy.
         self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(f"{type(self).__name__}: {self.dims.describe()}, backend {self._process_group_backend}")
+        rank_zero_info(f"{type(self).__name__}: {self.dims.describe()}, backend {self._process_group_backend}\n"
+                       f"{self.dims.rank_table()}")
+
+    def _agree_on_rng_state(self) -> None:
+        """Every rank continues from global rank 0's RNG state, as ``seed_everything`` would leave them: a model that
+        ``configure_model`` draws from the global RNG is then the same on every rank, seeded or not, and so is each
+        pipeline stage's share of it. (``setup`` broadcasts the weights over data parallel all the same.)"""
+        states = [torch.get_rng_state(), torch.cuda.get_rng_state() if self.root_device.type == "cuda" else None]
+        dist.broadcast_object_list(states, src=0)
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1])
 
     def _share_cpu_threads(self) -> None:
         # Several CPU ranks on one machine each default to one thread per core and fight over the cores; split
@@ -245,6 +261,9 @@ class LayoutStrategy(ParallelStrategy):
         self._make_replicas_identical()
         if self.dims.tp > 1:
             self._setup_tensor_parallel()  # before data parallel: FSDP2 / replicate then see DTensor parameters
+        if self.layout.recompute != "none":
+            n = apply_recompute(self._find_blocks().block_modules(), self.layout.recompute)
+            rank_zero_info(f"activation recompute ({self.layout.recompute}) on {n} blocks")
         self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting, self._pipeline)
         self.model = self._gradient_sync.wrap(self.model)
         if fitting:

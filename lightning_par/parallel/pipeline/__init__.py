@@ -1,10 +1,17 @@
-"""Pipeline parallelism without Lightning: which units each stage holds, and the stage modules themselves."""
+"""Pipeline parallelism without Lightning: which units each stage holds, the stage modules themselves, how a stage
+calls any model (ours, Hugging Face, a plain nn.ModuleList model), and the batch forms a pipeline accepts."""
 
+from lightning_par.parallel.pipeline.adapter import PipelineOutput, StageIO, stage_forward, stage_io
+from lightning_par.parallel.pipeline.batches import ACCEPTED_FORMS, next_token_targets, split_batch
 from lightning_par.parallel.pipeline.split import (
     STAGE_STYLES,
+    KeptModuleList,
+    RemovedUnit,
     TiedParameter,
     assign_units,
+    block_units,
     declared_units,
+    model_units,
     plan_stages,
     rank_module,
     split_model,
@@ -15,14 +22,25 @@ from lightning_par.parallel.pipeline.split import (
 )
 
 __all__ = [
+    "ACCEPTED_FORMS",
     "STAGE_STYLES",
+    "KeptModuleList",
+    "PipelineOutput",
+    "RemovedUnit",
+    "StageIO",
     "TiedParameter",
     "assign_units",
+    "block_units",
     "declared_units",
+    "model_units",
+    "next_token_targets",
     "plan_stages",
     "rank_module",
+    "split_batch",
     "split_model",
+    "stage_forward",
     "stage_indices",
+    "stage_io",
     "stage_rank",
     "stage_view",
     "tied_parameter_groups",

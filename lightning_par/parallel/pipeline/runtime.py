@@ -7,7 +7,13 @@ because torch lacks them:
   its activation shapes at its first step, but validation sees a short last batch and generation a growing
   sequence. Evaluation therefore sends each activation with a small shape header, stage after stage;
 * **gradients of parameters held by several ranks** (a tied embedding and head on the first and last stage):
-  summed over the pipeline group before the optimizer step, so every copy takes the same update.
+  summed over the pipeline group before the optimizer step, so every copy takes the same update;
+* **stages of any model** (:mod:`.split` and :mod:`.adapter`): torch's tracing frontend cannot split a Hugging Face
+  model, so each stage is the model with the other stages' units removed, called through a small adapter.
+
+The model's inputs are token ids, or a dict ``{"input_ids": ..., "attention_mask": ...}`` (from
+:func:`~lightning_par.parallel.pipeline.batches.split_batch`, for a padded batch): the mask is cut into micro-batches
+like the ids and given to every stage, since each stage's attention needs it.
 
 Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
 checked in :func:`resolve_schedule`, which the strategy calls in the launching process.
@@ -16,7 +22,7 @@ checked in :func:`resolve_schedule`, which the strategy calls in the launching p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,10 +33,13 @@ from torch.distributed import pipelining
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.measure import ActivationMeter
+from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
 from lightning_par.parallel.pipeline.split import (
     Costs,
+    model_units,
     plan_stages,
     rank_module,
+    removes_to_none,
     stage_indices,
     stage_rank,
     stage_view,
@@ -167,28 +176,38 @@ class PipelineRuntime:
     """This rank's share of a pipeline: the module with its stages' units, the stages, the training schedule.
 
     Args:
-        model: the full model, identical on every rank (it declares ``pipeline_units()``); it is not modified.
+        model: the full model, identical on every rank; it is not modified.
         pp_mesh: the 1-D pipeline mesh this rank belongs to.
         choice: from :func:`resolve_schedule`.
         loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage.
         loss_scale: the factor applied to each micro-batch loss before backward (1 / (m * accumulation)).
         device: where the stages compute.
         costs: per-unit costs for balancing the split (see :func:`plan_stages`), or None to balance by count.
+        units: the model's pipeline units in execution order (``find_blocks(lm).units``: names relative to
+            ``model``, items of an ``nn.ModuleList`` allowed); default: ``model.pipeline_units()``.
     """
 
     def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, choice: ScheduleChoice,
                  loss_fn: Callable[[Any, Any], Tensor], loss_scale: float, device: torch.device,
-                 costs: Costs = None) -> None:
+                 costs: Costs = None, units: Sequence[str] | None = None) -> None:
         self.choice = choice
         self.group = pp_mesh.get_group()
         self.pp_rank, self.pp = pp_mesh.get_local_rank(), pp_mesh.size()
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.device = device
         style, v = choice.spec.style, choice.virtual_stages
-        self.units_by_stage = plan_stages(model, self.pp, v, style, costs)
+        self.units = model_units(model, units)
+        self.io = stage_io(model)
+        self.units_by_stage = plan_stages(model, self.pp, v, style, costs, units=self.units)
         self.stage_ids = stage_indices(self.pp_rank, self.pp, v, style)
-        self.module = rank_module(model, self.units_by_stage, self.stage_ids)
-        self.stage_modules = [stage_view(self.module, self.units_by_stage[i]) for i in self.stage_ids]
+        self.module = rank_module(model, self.units_by_stage, self.stage_ids, units=self.units)
+        to_none = removes_to_none(model)
+        self.stage_modules = [stage_view(self.module, self.units_by_stage[i], units=self.units, to_none=to_none)
+                              for i in self.stage_ids]
+        for i, view in zip(self.stage_ids, self.stage_modules, strict=True):
+            # an instance attribute, so the stage keeps the model's class and parameter names
+            view.forward = stage_forward(view, self.io, first=i == 0,
+                                         entry=view.get_submodule(self.units_by_stage[i][0]))
         self.last_rank = self._rank_of(choice.n_stages - 1)  # pipeline rank that computes the loss
         self._tied = self._tied_across_ranks(model)
         counted_elsewhere = {id(t.local) for t in self._tied if t.local is not None and not t.counted_here}
@@ -230,18 +249,44 @@ class PipelineRuntime:
         return self.pp_rank == self.last_rank
 
     # -- training ----------------------------------------------------------------------------------------------
-    def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+    def _model_inputs(self, inputs: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(ids, {"attention_mask": mask})`` of the inputs: a tensor, or a dict from ``split_batch``."""
+        if isinstance(inputs, Tensor):
+            return inputs, {}
+        if not isinstance(inputs, Mapping) or not isinstance(inputs.get("input_ids"), Tensor):
+            raise LayoutError(f"pipeline inputs must be a tensor or a dict with 'input_ids' (and 'attention_mask'), "
+                              f"got {type(inputs).__name__}; see lightning_par.parallel.pipeline.batches.split_batch.")
+        unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+        if unknown:
+            raise LayoutError(f"pipeline inputs may hold only 'input_ids' and 'attention_mask', got also {unknown}.")
+        mask = inputs.get("attention_mask")
+        if mask is None or bool(mask.bool().all()):  # nothing masked: the same as no mask
+            return inputs["input_ids"], {}
+        if not self.io.takes_mask:
+            raise LayoutError(
+                f"this batch has an attention_mask with zeros (padding), but {type(self.module).__name__}.forward "
+                "takes no `attention_mask`, so the pipeline cannot give it to the stages. Pack the sequences "
+                "without padding, or give the model's forward an attention_mask argument."
+            )
+        return inputs["input_ids"], {"attention_mask": mask}
+
+    def train_step(self, inputs: Tensor | Mapping[str, Tensor], targets: Tensor) -> Tensor:
         """Forward and backward of one batch through the schedule; gradients accumulate in the parameters.
 
-        Returns the batch loss (mean of the micro-batch losses, unscaled) on every pipeline rank.
+        ``inputs`` are the model's input ids, or a dict with ``input_ids`` and ``attention_mask`` (every stage gets
+        the mask). Returns the batch loss (mean of the micro-batch losses, unscaled) on every pipeline rank.
         """
         m = self.choice.n_microbatches
-        if inputs.size(0) % m:
-            raise LayoutError(f"the batch of {inputs.size(0)} samples does not split into n_microbatches={m} equal "
+        ids, extra = self._model_inputs(inputs)
+        if ids.size(0) % m:
+            raise LayoutError(f"the batch of {ids.size(0)} samples does not split into n_microbatches={m} equal "
                               f"micro-batches; use a batch size that is a multiple of {m}, or another n_microbatches.")
         self._micro_losses = []
-        args = (inputs,) if self.is_first else ()
+        args = (ids,) if self.is_first else ()
         kwargs = {"target": targets, "return_outputs": False} if self.is_last else {}
+        kwargs.update(extra)  # cut into micro-batches by the schedule and given to every stage
+        if self.io.inject:  # later stages run the forward on the model's input (see adapter.py)
+            kwargs["model_inputs"] = ids
         if self.record_next:  # see lightning_par.callbacks.PipelineTimeline
             self.record_next = False
             with ScheduleRecorder(self.stages) as recorder, ActivationMeter(self.module.parameters()) as meter:
@@ -264,7 +309,7 @@ class PipelineRuntime:
         params = dict(model.named_parameters(remove_duplicate=False))
         local = dict(self.module.named_parameters(remove_duplicate=False))
         out = []
-        for tied in tied_parameter_groups(model, self.units_by_stage):
+        for tied in tied_parameter_groups(model, self.units_by_stage, units=self.units):
             by_rank: dict[int, str] = {}
             for stage, name in tied.name_by_stage.items():
                 by_rank.setdefault(self._rank_of(stage), name)
@@ -323,15 +368,36 @@ class PipelineRuntime:
 
     # -- forward only ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_only(self, inputs: Tensor, targets: Tensor | None = None, n_microbatches: int | None = None) -> Tensor:
+    def forward_only(self, inputs: Tensor | Mapping[str, Tensor] | None = None, targets: Tensor | None = None,
+                     n_microbatches: int | None = None, **model_kwargs: Any) -> Any:
         """Run ``inputs`` through every stage in micro-batches, without a backward.
 
         With ``targets``: the loss (mean of the micro-batch losses) on every pipeline rank. Without: the last
         stage's output, on every pipeline rank. Every rank passes the same ``inputs`` (only the first stage reads
         them); shapes may change from call to call.
+
+        It is also the forward of the rank's module (the engine installs it), so it takes a Hugging Face model's
+        call too: ``model(input_ids=..., attention_mask=..., use_cache=False)`` returns a :class:`PipelineOutput`
+        with the last stage's output under the model's output name (``.logits``).
         """
-        m = math.gcd(inputs.size(0), n_microbatches or self.choice.n_microbatches)  # equal micro-batches
-        chunks = inputs.tensor_split(m)
+        called_like_model = inputs is None and self.io.input_key is not None and self.io.input_key in model_kwargs
+        if called_like_model:
+            inputs = model_kwargs.pop(self.io.input_key)
+        mask = model_kwargs.pop("attention_mask", None)
+        if mask is not None:
+            inputs = {"input_ids": inputs, "attention_mask": mask} if isinstance(inputs, Tensor) else inputs
+        # a pipeline stage keeps no cache, and the output is read by name either way
+        for key, ignored in (("use_cache", (None, False)), ("return_dict", (None, True))):
+            if key in model_kwargs and model_kwargs[key] in ignored:
+                del model_kwargs[key]
+        if inputs is None or model_kwargs:
+            raise TypeError(f"the pipeline's forward takes the model's inputs (a tensor, or "
+                            f"{self.io.input_key or 'input_ids'}= and attention_mask=) and targets; it got "
+                            f"{'no inputs' if inputs is None else 'also ' + str(sorted(model_kwargs))}.")
+        ids, extra = self._model_inputs(inputs)
+        m = math.gcd(ids.size(0), n_microbatches or self.choice.n_microbatches)  # equal micro-batches
+        chunks = ids.tensor_split(m)
+        masks = extra["attention_mask"].tensor_split(m) if extra else [None] * m
         last_stage = self.choice.n_stages - 1
         handoff: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> input, between stages of this rank
         pending: list = []
@@ -346,7 +412,10 @@ class PipelineRuntime:
                     x = handoff.pop((stage, k))
                 else:
                     x = _recv(self.global_ranks[self._rank_of(stage - 1)], self.group, self.device)
-                y = module(x)
+                kwargs = {} if masks[k] is None else {"attention_mask": masks[k]}
+                if self.io.inject:
+                    kwargs["model_inputs"] = chunks[k]
+                y = module(x, **kwargs)
                 if stage == last_stage:
                     outputs.append(y)
                 elif self._rank_of(stage + 1) == self.pp_rank:
@@ -363,7 +432,8 @@ class PipelineRuntime:
             else:
                 loss = torch.zeros((), dtype=torch.float32, device=self.device)
             return self._from_last(loss)
-        return self._broadcast_output(torch.cat(outputs) if self.is_last else None)
+        output = self._broadcast_output(torch.cat(outputs) if self.is_last else None)
+        return PipelineOutput({self.io.output_key or "logits": output}) if called_like_model else output
 
     def _broadcast_output(self, output: Tensor | None) -> Tensor:
         src = self.global_ranks[self.last_rank]

@@ -1,10 +1,29 @@
 """Split a model into pipeline stages by removing the units a stage does not own.
 
-A model declares its pipeline units in execution order with ``pipeline_units()``, e.g. ``["embed", "layers.0", ...,
-"layers.7", "norm", "head"]`` for :class:`example_models.GPT`. A stage is a contiguous run of those units, and the
-stage's module is the model with every other unit removed: top-level units are set to ``None`` and entries of a
-``ModuleDict`` are deleted, never re-indexed. The parameters that remain therefore keep their original names
-(FQNs), so a checkpoint written with one pipeline size loads with another.
+The units are the model's parts in execution order, e.g. ``["embed", "layers.0", ..., "layers.7", "norm", "head"]``
+for :class:`example_models.GPT` (its ``pipeline_units()``), or ``["model.embed_tokens", "model.layers.0", ...,
+"model.norm", "lm_head"]`` for a Hugging Face ``LlamaForCausalLM`` (from its ``base_model_pp_plan``, found by
+:func:`lightning_par.parallel.blocks.find_blocks` and passed here as ``units=``). A stage is a contiguous run of those
+units, and the stage's module is the model with every other unit removed, so that the parameters that remain keep
+their original names (FQNs): a checkpoint written with one pipeline size loads with another, and the names stay
+those ``from_pretrained`` reads.
+
+How a unit is removed (hand-written: ``torch.distributed.pipelining`` splits by tracing the model with
+``torch.export``, which fails on Hugging Face forwards with data-dependent masks and caches, and its manual
+``PipelineStage`` takes an already-split module):
+
+* an item of an ``nn.ModuleDict`` is deleted;
+* an item of an ``nn.ModuleList`` is deleted *without re-indexing the rest*: the list becomes a
+  :class:`KeptModuleList` that keeps the original keys (``layers.2``, ``layers.3``), iterates over the kept items,
+  and returns itself for a slice that covers all of them (Hugging Face forwards run
+  ``for layer in self.layers[: self.config.num_hidden_layers]``);
+* any other unit of a model that declares ``pipeline_units()`` is set to ``None`` (such a model's forward skips
+  ``None`` units, as ``GPT`` does); of any other model it becomes a parameter-free :class:`RemovedUnit`, so the
+  model's own forward runs unchanged on every stage: a unit after the stage's units passes its input through (the
+  stage returns its hidden states), a unit before them returns zeros of its output shape when the stage's input is
+  injected into its first unit (see :mod:`.adapter`).
+
+Modules outside every unit (a rotary embedding without parameters) stay on every stage.
 
 Everything here is single-process arithmetic and module surgery: all validation raises a
 :class:`~lightning_par.topology.LayoutError` before any rank waits on a collective.
@@ -14,11 +33,15 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import torch
 import torch.nn as nn
+from torch import Tensor
 
+from lightning_par.parallel.blocks import is_hf_model
 from lightning_par.topology import LayoutError
 
 #: How virtual stages are laid out over the pipeline ranks (see :func:`stage_indices`).
@@ -41,13 +64,205 @@ def _check_positive_int(name: str, value: object) -> None:
         raise LayoutError(f"{name}={value!r} is not valid: use a positive integer.")
 
 
+# -- removed units -------------------------------------------------------------------------------------------------
+class KeptModuleList(nn.ModuleList):
+    """An ``nn.ModuleList`` some of whose items were removed, the rest keeping their original indices.
+
+    ``nn.ModuleList`` re-indexes on deletion (``layers.2`` would become ``layers.0``), which renames the parameters;
+    this one keeps the keys, so ``layers.2.mlp.up_proj.weight`` stays its name on the stage holding it. It behaves
+    like the full list seen from one stage:
+
+    * iteration and ``len`` cover the kept items, in order;
+    * ``lst[i]`` is the item that had index ``i`` in the full list (an ``IndexError`` names the kept ones when this
+      stage does not hold it);
+    * a slice returns the kept items it covers, and the list itself when it covers all of them (Hugging Face
+      forwards run ``for layer in self.layers[: self.config.num_hidden_layers]``);
+    * deleting an item never re-indexes the others; ``append`` continues after the full list's last index.
+    """
+
+    _n_slots: int  # the length of the full list
+
+    @classmethod
+    def convert(cls, module_list: nn.ModuleList) -> KeptModuleList:
+        """Turn ``module_list`` (in place) into a ``KeptModuleList``; its current indices become the kept keys."""
+        if not isinstance(module_list, cls):
+            n_slots = len(module_list._modules)
+            module_list.__class__ = cls
+            module_list._n_slots = n_slots
+        return module_list  # type: ignore[return-value]
+
+    def kept_indices(self) -> list[int]:
+        return [int(k) for k in self._modules]
+
+    def _get_abs_string_index(self, idx) -> str:
+        idx = operator.index(idx)
+        absolute = idx + self._n_slots if idx < 0 else idx
+        if str(absolute) not in self._modules:
+            raise IndexError(f"index {idx} is not held by this pipeline stage: of the {self._n_slots} items it "
+                             f"holds those with indices {self.kept_indices()}")
+        return str(absolute)
+
+    def __getitem__(self, idx):  # type: ignore[override]
+        if isinstance(idx, slice):
+            keys = [str(i) for i in range(self._n_slots)[idx] if str(i) in self._modules]
+            if keys == list(self._modules):
+                return self
+            out = type(self)()
+            out._n_slots = self._n_slots
+            for key in keys:
+                out.add_module(key, self._modules[key])
+            return out
+        return self._modules[self._get_abs_string_index(idx)]
+
+    def __delitem__(self, idx) -> None:  # type: ignore[override]
+        if isinstance(idx, slice):
+            for key in [str(i) for i in range(self._n_slots)[idx] if str(i) in self._modules]:
+                del self._modules[key]
+        else:
+            del self._modules[self._get_abs_string_index(idx)]
+
+    def append(self, module: nn.Module) -> KeptModuleList:  # type: ignore[override]
+        self.add_module(str(self._n_slots), module)
+        self._n_slots += 1
+        return self
+
+    def extend(self, modules: Iterable[nn.Module]) -> KeptModuleList:  # type: ignore[override]
+        for module in modules:
+            self.append(module)
+        return self
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        raise TypeError("a pipeline stage's KeptModuleList cannot insert: that would re-index the items after it "
+                        "and rename their parameters")
+
+    def __repr__(self) -> str:
+        lines = [f"({key}): {nn.modules.module._addindent(repr(m), 2)}" for key, m in self._modules.items()]
+        body = "".join(f"\n  {line}" for line in lines)
+        return f"{self._get_name()}(of {self._n_slots}{body}\n)" if lines else f"{self._get_name()}(of {self._n_slots})"
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` on the meta device (shapes only), made without allocating its parameters."""
+    memo: dict[int, object] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for _, b in module.named_buffers(remove_duplicate=False):
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def _on_meta(value: object) -> object:
+    if isinstance(value, Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
+
+
+def _zeros_like_meta(value: object, device: torch.device) -> object:
+    if isinstance(value, Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_zeros_like_meta(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _zeros_like_meta(v, device) for k, v in value.items()}
+    return value
+
+
+class RemovedUnit(nn.Module):
+    """What a removed unit of a model without ``pipeline_units()`` becomes: a module without parameters.
+
+    Every stage runs the model's own forward, so the removed units of a stage are still called, in one of two ways:
+
+    * ``"pass"``, a unit **after** the stage's units (the final norm and head on a stage before the last): it passes
+      its input through, so the stage returns its hidden states. It refuses integer input (token or position ids):
+      an identity cannot stand in for a unit called on ids, and the result would be wrong.
+    * ``"shape"``, a unit **before** the stage's units (the embeddings, on a stage after the first, when the stage is
+      fed by injecting the received activation into its first unit, see :mod:`.adapter`): it returns zeros of the
+      shape and dtype the unit would return, worked out on a parameter-free copy on the meta device. The forward
+      then runs up to the stage's first unit whatever it does with those outputs (``tok_emb(ids) + pos_emb(pos)``,
+      scaling, dropout), and that unit's input is replaced by the received activation.
+    """
+
+    def __init__(self, name: str, mode: str = "pass", meta: nn.Module | None = None) -> None:
+        super().__init__()
+        if mode not in ("pass", "shape") or (mode == "shape" and meta is None):
+            raise ValueError(f"RemovedUnit mode {mode!r}: use 'pass', or 'shape' with a meta copy of the unit")
+        self.unit, self.mode = name, mode
+        self.__dict__["meta"] = meta  # not a submodule: no parameters, names or device moves
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        if self.mode == "shape":
+            device = next((a.device for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), torch.device("cpu"))
+            with torch.no_grad():
+                out = self.meta(*_on_meta(args), **_on_meta(kwargs))
+            return _zeros_like_meta(out, device)
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, Tensor) and not (x.is_floating_point() or x.is_complex()):
+            raise LayoutError(
+                f"pipeline unit {self.unit!r} is held by another stage but was called here with a {x.dtype} tensor: "
+                "a removed unit after a stage's own units passes its input through, which only works when the "
+                "model's forward runs those units as a chain (blocks -> norm -> head). Keep such a module out of "
+                "the units (it then stays on every stage), or declare pipeline_units() and handle removed (None) "
+                "units in forward."
+            )
+        return x
+
+    def extra_repr(self) -> str:
+        how = "zeros of its output shape" if self.mode == "shape" else "input passed through"
+        return f"{self.unit!r}: held by another pipeline stage; {how}"
+
+
+def removes_to_none(model: nn.Module) -> bool:
+    """Whether ``model`` removes units by setting them to ``None``: it declares ``pipeline_units()`` (and so
+    follows that protocol, as ``example_models.GPT`` does); other models get :class:`RemovedUnit` stand-ins."""
+    return callable(getattr(model, "pipeline_units", None))
+
+
 # -- which units a model has ---------------------------------------------------------------------------------------
+def _check_units(model: nn.Module, units: list[str], where: str, containers: tuple[type, ...]) -> list[str]:
+    if not units:
+        raise LayoutError(f"{where} returned no units; a stage needs at least one.")
+    bad = [u for u in units if not isinstance(u, str) or not u]
+    if bad:
+        raise LayoutError(f"pipeline units must be non-empty submodule names, got {bad!r}.")
+    duplicates = sorted({u for u in units if units.count(u) > 1})
+    if duplicates:
+        raise LayoutError(f"{where} lists {duplicates} more than once; each unit must appear once.")
+    for unit in units:
+        try:
+            module = model.get_submodule(unit)
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.Module):
+            raise LayoutError(
+                f"pipeline unit {unit!r} is not a submodule of {type(model).__name__}; {where} must name "
+                "submodules by their dotted path (e.g. 'layers.0')."
+            )
+        parent_name = unit.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and not isinstance(parent, containers):
+            kinds = " or ".join(f"nn.{c.__name__}" for c in containers)
+            raise LayoutError(
+                f"pipeline unit {unit!r} sits in an {type(parent).__name__}; removing it would re-index the others "
+                f"and rename their parameters. Hold repeated blocks in an {kinds} keyed '0', '1', ... like "
+                "example_models.GPT."
+            )
+    for unit in units:
+        inner = [u for u in units if u.startswith(unit + ".")]
+        if inner:
+            raise LayoutError(f"pipeline unit {unit!r} contains the units {inner}; units may not nest.")
+    return units
+
+
 def declared_units(model: nn.Module) -> list[str]:
     """The model's pipeline units (``model.pipeline_units()``), checked so that each one can be removed.
 
     Each unit must name an existing submodule; units may not nest; a unit inside a container must sit in an
-    ``nn.ModuleDict`` (deleting from an ``nn.ModuleList`` or ``nn.Sequential`` re-indexes the rest and would rename
-    their parameters).
+    ``nn.ModuleDict``, which is what the ``pipeline_units()`` protocol asks of a model (units given explicitly,
+    see :func:`model_units`, may also be items of an ``nn.ModuleList``).
     """
     declare = getattr(model, "pipeline_units", None)
     if not callable(declare):
@@ -57,40 +272,29 @@ def declared_units(model: nn.Module) -> list[str]:
             hint = f" Its submodule `{inner}` declares them: split that module instead."
         raise LayoutError(
             f"{type(model).__name__} declares no pipeline units, so it cannot be split into pipeline stages; add a "
-            "`pp_plan` / `pipeline_units()` that lists its units in execution order like example_models.GPT." + hint
+            "`pp_plan` / `pipeline_units()` that lists its units in execution order like example_models.GPT, or "
+            "pass the units found by lightning_par.parallel.blocks.find_blocks as `units=`." + hint
         )
-    units = list(declare())
-    if not units:
-        raise LayoutError(f"{type(model).__name__}.pipeline_units() returned no units; a stage needs at least one.")
-    bad = [u for u in units if not isinstance(u, str) or not u]
-    if bad:
-        raise LayoutError(f"pipeline units must be non-empty submodule names, got {bad!r}.")
-    duplicates = sorted({u for u in units if units.count(u) > 1})
-    if duplicates:
-        raise LayoutError(f"pipeline_units() lists {duplicates} more than once; each unit must appear once.")
+    return _check_units(model, list(declare()), f"{type(model).__name__}.pipeline_units()", (nn.ModuleDict,))
+
+
+def model_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str]:
+    """The ordered pipeline units of ``model``: ``units`` when given (e.g. ``find_blocks(...).units``), checked
+    against the model, else its own :func:`declared_units`. Explicit units may be items of an ``nn.ModuleList``
+    (removed without re-indexing, see :class:`KeptModuleList`) or an ``nn.ModuleDict``."""
+    if units is None:
+        return declared_units(model)
+    return _check_units(model, list(units), "the pipeline units", (nn.ModuleDict, nn.ModuleList))
+
+
+def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
+    """The units that are items of a container (``layers.3``, ``model.layers.3``): the repeated blocks."""
+    out = []
     for unit in units:
-        try:
-            module = model.get_submodule(unit)
-        except AttributeError:
-            module = None
-        if not isinstance(module, nn.Module):
-            raise LayoutError(
-                f"pipeline unit {unit!r} is not a submodule of {type(model).__name__}; pipeline_units() must name "
-                "submodules by their dotted path (e.g. 'layers.0')."
-            )
-        parent_name = unit.rpartition(".")[0]
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            raise LayoutError(
-                f"pipeline unit {unit!r} sits in an {type(parent).__name__}; removing it would re-index the others "
-                "and rename their parameters. Hold repeated blocks in an nn.ModuleDict keyed '0', '1', ... like "
-                "example_models.GPT."
-            )
-    for unit in units:
-        inner = [u for u in units if u.startswith(unit + ".")]
-        if inner:
-            raise LayoutError(f"pipeline unit {unit!r} contains the units {inner}; units may not nest.")
-    return units
+        parent = unit.rpartition(".")[0]
+        if parent and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict)):
+            out.append(unit)
+    return out
 
 
 # -- which stage holds which units ---------------------------------------------------------------------------------
@@ -121,20 +325,23 @@ def _even_chunks(n_items: int, n_chunks: int) -> list[int]:
     return [base + (i < extra) for i in range(n_chunks)]
 
 
-def _split_by_count(units: list[str], n_stages: int) -> list[list[str]]:
+def _split_by_count(units: list[str], n_stages: int, blocks: Sequence[str] | None) -> list[list[str]]:
     # Repeated blocks ("layers.3": an item of a container) carry the compute; every other unit rides with its
     # neighbour: the ones before the first block join it (the embedding goes to stage 0), the others join the block
     # before them (final norm and head go to the last stage).
+    is_block = (lambda u: "." in u) if blocks is None else set(blocks).__contains__
     groups: list[list[str]] = []
     leading: list[str] = []
     for unit in units:
-        if "." in unit:
+        if is_block(unit):
             groups.append([*leading, unit])
             leading = []
         elif groups:
             groups[-1].append(unit)
         else:
             leading.append(unit)
+    if leading:  # no block at all
+        groups.append(leading)
     if len(groups) < n_stages:  # too few blocks to give every stage one: balance the units themselves
         groups = [[u] for u in units]
     stages, start = [], 0
@@ -171,13 +378,15 @@ def _split_by_cost(units: list[str], costs: list[float], n_stages: int) -> list[
     return [units[a:b] for a, b in reversed(bounds)]
 
 
-def assign_units(units: list[str], n_stages: int, costs: Costs = None) -> list[list[str]]:
+def assign_units(units: list[str], n_stages: int, costs: Costs = None, *,
+                 blocks: Sequence[str] | None = None) -> list[list[str]]:
     """Split ordered pipeline units into ``n_stages`` contiguous, non-empty, balanced stages.
 
-    Without ``costs`` the repeated blocks (units with a dot, like ``layers.3``) are spread as evenly as possible by
-    count, the earlier stages taking one more when they do not divide evenly (the last stage also runs the head and
-    the loss). Other units go with their neighbouring block: the ones before the first block to stage 0, the others
-    to the stage of the block before them. With fewer blocks than stages, all units are balanced by count.
+    Without ``costs`` the repeated blocks are spread as evenly as possible by count, the earlier stages taking one
+    more when they do not divide evenly (the last stage also runs the head and the loss). The blocks are
+    ``blocks`` when given (see :func:`block_units`), else the units with a dot (``layers.3``). Other units go with
+    their neighbouring block: the ones before the first block to stage 0, the others to the stage of the block
+    before them. With fewer blocks than stages, all units are balanced by count.
 
     With ``costs`` (one per unit, in unit order, or a dict unit -> cost) the split minimises the largest stage cost
     exactly. Stage 0 always holds the first unit and the last stage the last one.
@@ -192,27 +401,34 @@ def assign_units(units: list[str], n_stages: int, costs: Costs = None) -> list[l
         raise LayoutError(f"{n_stages} pipeline stages but only {len(units)} pipeline units ({_short(units)}); "
                           f"use at most {len(units)} stages.")
     if costs is None:
-        return _split_by_count(units, n_stages)
+        return _split_by_count(units, n_stages, blocks)
     return _split_by_cost(units, _unit_costs(units, costs), n_stages)
 
 
 def plan_stages(model_or_units: nn.Module | list[str], pp_size: int, virtual_stages: int = 1, style: str = "loop",
-                costs: Costs = None) -> list[list[str]]:
+                costs: Costs = None, *, units: Sequence[str] | None = None) -> list[list[str]]:
     """Units of each of the ``pp_size * virtual_stages`` stages, validated in terms of the pipeline layout.
 
-    Call this in the launching process: every error says which setting to change.
+    ``model_or_units`` is the model (its units are ``units`` when given, else its ``pipeline_units()``; the blocks
+    are the units inside a container) or the ordered unit names themselves. Call this in the launching process:
+    every error says which setting to change.
     """
     _check_positive_int("pp", pp_size)
     _check_positive_int("virtual_stages", virtual_stages)
     _check_style(style, virtual_stages)
-    units = declared_units(model_or_units) if isinstance(model_or_units, nn.Module) else list(model_or_units)
+    blocks = None
+    if isinstance(model_or_units, nn.Module):
+        units = model_units(model_or_units, units)
+        blocks = block_units(model_or_units, units)
+    else:
+        units = list(model_or_units)
     n_stages = pp_size * virtual_stages
     if n_stages > len(units):
         raise LayoutError(
             f"pp={pp_size} x virtual_stages={virtual_stages} = {n_stages} stages but the model declares only "
             f"{len(units)} pipeline units ({_short(units)}); use at most {len(units)} stages."
         )
-    return assign_units(units, n_stages, costs)
+    return assign_units(units, n_stages, costs, blocks=blocks)
 
 
 # -- which rank holds which stages ---------------------------------------------------------------------------------
@@ -269,14 +485,42 @@ def _check_plan(units: list[str], units_by_stage: list[list[str]]) -> None:
                           f"order, each unit once; got {units_by_stage}. Build it with assign_units().")
 
 
-def _remove_unit(module: nn.Module, unit: str) -> None:
-    """Remove a unit by its dotted name without renaming anything else."""
+def _remove_unit(module: nn.Module, unit: str, to_none: bool, replacement: RemovedUnit | None = None) -> None:
+    """Remove a unit by its dotted name without renaming anything else (see the module docstring): delete it from
+    its container, set it to None, or put ``replacement`` in its place."""
     parent_name, _, name = unit.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     if isinstance(parent, nn.ModuleDict):
         del parent[name]
-    else:
+    elif isinstance(parent, nn.ModuleList):
+        del KeptModuleList.convert(parent)._modules[name]
+    elif to_none:
         setattr(parent, name, None)
+    else:
+        assert replacement is not None
+        parent._modules[name] = replacement
+
+
+def feeds_by_injection(model: nn.Module) -> bool:
+    """Whether a later stage of ``model`` runs the forward on the model's input with its activation injected into
+    its first unit (see :mod:`.adapter`): models that neither declare ``pipeline_units()`` nor have a Hugging Face
+    ``base_model_pp_plan`` (those take hidden states themselves: a ``None`` embedding, or ``inputs_embeds=``)."""
+    if removes_to_none(model):
+        return False
+    return not (is_hf_model(model) and getattr(getattr(model, "config", None), "base_model_pp_plan", None))
+
+
+def _is_item(model: nn.Module, unit: str) -> bool:
+    """Whether ``unit`` is an item of an ``nn.ModuleList`` / ``nn.ModuleDict`` (removed by deleting it)."""
+    parent_name = unit.rpartition(".")[0]
+    return bool(parent_name) and isinstance(model.get_submodule(parent_name), (nn.ModuleList, nn.ModuleDict))
+
+
+def _removed_unit(unit: str, index: int, first_kept: int, original: nn.Module, inject: bool) -> RemovedUnit:
+    """The stand-in for ``unit`` (``index`` in the unit order) on a stage whose first unit has ``first_kept``: before
+    it, zeros of its output shape when the stage is fed by injection; else its input passed through."""
+    meta = original.meta if isinstance(original, RemovedUnit) else meta_copy(original)
+    return RemovedUnit(unit, "shape" if inject and index < first_kept else "pass", meta)
 
 
 def _build_stage(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
@@ -289,29 +533,36 @@ def _build_stage(model: nn.Module, units: list[str], keep: list[str]) -> nn.Modu
         if unit not in keep and id(module) not in kept_modules:
             memo[id(module)] = None
     stage = copy.deepcopy(model, memo)
-    for unit in units:
+    to_none, inject = removes_to_none(model), feeds_by_injection(model)
+    first_kept = min(units.index(u) for u in keep)
+    for index, unit in enumerate(units):
         if unit not in keep:
-            _remove_unit(stage, unit)
+            stand_in = None
+            if not (to_none or _is_item(model, unit)):
+                stand_in = _removed_unit(unit, index, first_kept, model.get_submodule(unit), inject)
+            _remove_unit(stage, unit, to_none, stand_in)
     return stage
 
 
 def split_model(model: nn.Module, n_stages: int, stage_index: int | list[int], costs: Costs = None, *,
-                units_by_stage: list[list[str]] | None = None) -> nn.Module | list[nn.Module]:
+                units_by_stage: list[list[str]] | None = None,
+                units: Sequence[str] | None = None) -> nn.Module | list[nn.Module]:
     """The module(s) of pipeline stage ``stage_index`` out of ``n_stages``; the model itself is left unchanged.
 
     Each stage is a copy of the model without the units of the other stages; the parameters that remain keep
     their original names. Pass a list of indices (virtual stages, see :func:`stage_indices`) to get one module per
-    index. The units come from ``units_by_stage`` when given (e.g. from :func:`plan_stages`, so all ranks use the
-    same plan), else from :func:`assign_units` with ``costs``.
+    index. The model's units are ``units`` when given, else its ``pipeline_units()``; which stage holds which comes
+    from ``units_by_stage`` when given (e.g. from :func:`plan_stages`, so all ranks use the same plan), else from
+    :func:`assign_units` with ``costs``.
 
     A parameter shared by units of different stages (a tied embedding and head) becomes a separate copy in each
     stage module, including two stages on the same rank; :func:`tied_parameter_groups` lists them so their
     gradients can be summed. Within one stage module a shared parameter stays one ``Parameter``.
     """
-    units = declared_units(model)
+    units = model_units(model, units)
     _check_positive_int("n_stages", n_stages)
     if units_by_stage is None:
-        units_by_stage = assign_units(units, n_stages, costs)
+        units_by_stage = assign_units(units, n_stages, costs, blocks=block_units(model, units))
     else:
         if len(units_by_stage) != n_stages:
             raise LayoutError(f"units_by_stage has {len(units_by_stage)} stages but n_stages={n_stages}.")
@@ -327,26 +578,43 @@ def split_model(model: nn.Module, n_stages: int, stage_index: int | list[int], c
     return stages if isinstance(stage_index, list) else stages[0]
 
 
-def rank_module(model: nn.Module, units_by_stage: list[list[str]], stage_ids: list[int]) -> nn.Module:
+def rank_module(model: nn.Module, units_by_stage: list[list[str]], stage_ids: list[int], *,
+                units: Sequence[str] | None = None) -> nn.Module:
     """One module holding the units of all of ``stage_ids`` (one pipeline rank's stages), original names kept.
 
     Unlike a list from :func:`split_model`, a parameter shared by two of these stages (the tied embedding and head
     on rank 0 of a V layout) stays one ``Parameter``: autograd sums its gradients, and the optimizer steps it once.
     Use :func:`stage_view` for each stage's own module over the same parameters.
     """
-    units = declared_units(model)
+    units = model_units(model, units)
     _check_plan(units, [list(stage) for stage in units_by_stage])
     return _build_stage(model, units, [u for i in stage_ids for u in units_by_stage[i]])
 
 
-def stage_view(module: nn.Module, keep: list[str]) -> nn.Module:
-    """A shallow copy of ``module`` without the declared units outside ``keep``: the kept units are shared with
-    ``module``, not copied, so a pipeline stage built on the view trains ``module``'s own parameters."""
-    drop = [u for u in declared_units(module) if u not in keep]
+def stage_view(module: nn.Module, keep: list[str], *, units: Sequence[str] | None = None,
+               to_none: bool | None = None) -> nn.Module:
+    """A shallow copy of ``module`` without the units outside ``keep``: the kept units are shared with ``module``,
+    not copied, so a pipeline stage built on the view trains ``module``'s own parameters.
+
+    ``units`` are all the pipeline units (default: ``module.pipeline_units()``); ``to_none`` says how to remove the
+    others (default: :func:`removes_to_none`). A unit ``module`` holds as a :class:`RemovedUnit` gets one for this
+    stage (its mode depends on whether it comes before or after the stage's units).
+    """
+    units = declared_units(module) if units is None else list(units)
+    to_none = removes_to_none(module) if to_none is None else to_none
+    first_kept = min(units.index(u) for u in keep)
     view = copy.copy(module)
     view._modules = dict(module._modules)
-    for unit in drop:
+    for index, unit in enumerate(units):
+        if unit in keep:
+            continue
         parent_name, _, name = unit.rpartition(".")
+        current = module.get_submodule(parent_name)._modules.get(name) if parent_name else module._modules.get(name)
+        if current is None:  # deleted from its container, or None: nothing to remove
+            continue
+        stand_in = None
+        if not (to_none or _is_item(module, unit)):
+            stand_in = _removed_unit(unit, index, first_kept, current, feeds_by_injection(module))
         parent = view
         if parent_name:  # copy the chain of containers down to the unit, so `module` keeps its own
             for part in parent_name.split("."):
@@ -354,10 +622,7 @@ def stage_view(module: nn.Module, keep: list[str]) -> nn.Module:
                 child._modules = dict(child._modules)
                 parent._modules[part] = child
                 parent = child
-        if isinstance(parent, nn.ModuleDict):
-            del parent._modules[name]
-        else:
-            parent._modules[name] = None
+        _remove_unit(parent, name, to_none, stand_in)
     return view
 
 
@@ -375,7 +640,8 @@ class TiedParameter(NamedTuple):
     name_by_stage: dict[int, str]
 
 
-def tied_parameter_groups(model: nn.Module, units_by_stage: list[list[str]]) -> list[TiedParameter]:
+def tied_parameter_groups(model: nn.Module, units_by_stage: list[list[str]], *,
+                          units: Sequence[str] | None = None) -> list[TiedParameter]:
     """Every parameter that more than one stage holds a copy of, in model order.
 
     After :func:`split_model` each of these stages trains its own copy. To keep them one parameter, sum their
@@ -383,9 +649,10 @@ def tied_parameter_groups(model: nn.Module, units_by_stage: list[list[str]]) -> 
     optimizer step; equal initial values and equal updates then keep the copies equal.
 
     Two cases: a tensor shared by units in different stages (``GPT(tie_embeddings=True)``: ``head.weight`` is
-    ``embed.weight``), and a parameter outside every unit, which every stage keeps.
+    ``embed.weight``), and a parameter outside every unit, which every stage keeps. ``units`` as for
+    :func:`split_model`.
     """
-    units = declared_units(model)
+    units = model_units(model, units)
     _check_plan(units, [list(stage) for stage in units_by_stage])
     stage_of_unit = {u: s for s, stage in enumerate(units_by_stage) for u in stage}
     every_stage = list(range(len(units_by_stage)))

@@ -1,0 +1,70 @@
+"""Activation recompute per block: trade compute for the activation memory a block holds for backward.
+
+* ``"full"``: a block keeps only its input; its forward runs again inside backward (2sbh bytes per block in 16-bit,
+  Korthikanti et al. Table 2).
+* ``"selective"``: only the attention core (``scaled_dot_product_attention``: QK^T, softmax, dropout, times V) is
+  recomputed -- Megatron's selective recompute: the part whose saved tensors grow with the sequence squared (the
+  5as/h term of Table 2) while costing few FLOPs to redo. It keeps q, k and v and drops what the attention kernel
+  would save besides (its output, and the score matrix where the kernel is not a fused one).
+
+The block's ``forward`` is replaced on the instance (not wrapped in another module), so parameter names stay those
+of the unsplit model -- what checkpoints, the pipeline split and ZeRO-3 grouping all rely on. Apply it after tensor
+parallel and before data parallel (FSDP2's hooks then wrap the recomputed forward), as torchtitan orders them.
+Written here because torch's ``checkpoint_wrapper`` inserts a module (and a name component), and torch's selective
+checkpointing policies cache every saved op output, which holds more than plain autograd for the ops kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_par.topology import LayoutError
+
+RECOMPUTE_KINDS: tuple[str, ...] = ("none", "selective", "full")
+
+
+def check_recompute(kind: str) -> None:
+    if kind not in RECOMPUTE_KINDS:
+        raise LayoutError(f"recompute={kind!r} is not available; use one of {list(RECOMPUTE_KINDS)} (none keeps "
+                          "every activation; selective recomputes the attention core; full recomputes each block).")
+
+
+_sdpa = F.scaled_dot_product_attention
+
+
+def _recomputed_sdpa(*args: Any, **kwargs: Any) -> Any:
+    return checkpoint(_sdpa, *args, use_reentrant=False, **kwargs)
+
+
+@contextmanager
+def _attention_recomputed() -> Iterator[None]:
+    F.scaled_dot_product_attention = _recomputed_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _sdpa
+
+
+def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with _attention_recomputed():
+        return forward(*args, **kwargs)
+
+
+def apply_recompute(blocks: Sequence[nn.Module], kind: str) -> int:
+    """Make each block recompute activations in backward (``kind`` "full" or "selective"); returns how many."""
+    check_recompute(kind)
+    if kind == "none":
+        return 0
+    for block in blocks:
+        if kind == "full":
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        else:
+            block.forward = functools.partial(_selective, block.forward)
+    return len(blocks)

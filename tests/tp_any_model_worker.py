@@ -1,0 +1,237 @@
+"""Tensor parallelism on 2 gloo ranks without Lightning, for tests/test_tp_any_model.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tp_any_model_worker OUT_DIR
+
+Each rank writes ``OUT_DIR/rank{N}.json`` with what it measured:
+
+* ``gradients``: the GPT-2-style model (non-zero biases, tied and untied, with and without sequence parallelism)
+  split over the 2 ranks against the same model in one piece in the same process: loss and every gradient;
+* ``rng``: a dropout MLP whose middle dropout is inside the tensor-parallel region: which masks agree over the
+  ranks, with the RNG tracker (the ranks seeded differently on purpose) and without it (seeded the same);
+* ``gpt2_dropout``: the GPT-2-style model with dropout: embedding-dropout masks and residual stream across ranks;
+* ``block_traffic``: the collectives of one GPT-2 block's forward and backward (kind, elements);
+* ``bad_plans``: rank 0 applies bad plans while rank 1 issues no collective at all, so a plan that got as far as
+  a collective would block rank 0 (until the process-group timeout) instead of raising at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from example_models.gpt import causal_lm_loss
+from example_models.gpt2 import GPT2, GPT2Config
+from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_par.topology import LayoutError
+
+
+class DropoutMLP(nn.Module):
+    """x -> dropout -> up (column-parallel) -> gelu -> dropout -> down (row-parallel) -> dropout."""
+
+    tp_plan = {"up": "colwise", "down": "rowwise"}
+
+    def __init__(self, dim: int = 32, hidden: int = 128, p: float = 0.5):
+        super().__init__()
+        self.drop_in = nn.Dropout(p)  # replicated input: masks must agree over tp
+        self.up = nn.Linear(dim, hidden)
+        self.drop_mid = nn.Dropout(p)  # inside the region, each rank's own features: masks must differ
+        self.down = nn.Linear(hidden, dim)
+        self.drop_out = nn.Dropout(p)  # after the row-parallel all-reduce, replicated: masks must agree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_out(self.down(self.drop_mid(F.gelu(self.up(self.drop_in(x))))))
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _record_masks(model: nn.Module, names: list[str]) -> dict[str, list[torch.Tensor]]:
+    masks: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for name in names:
+        def hook(_m, inputs, output, name=name):
+            masks[name].append(((output == 0) & (inputs[0] != 0)).flatten())
+        model.get_submodule(name).register_forward_hook(hook)
+    return masks
+
+
+def _agreement(local: list[torch.Tensor]) -> dict:
+    """Over the ranks: are the masks equal, and which fraction of the elements differs (rank 0 vs rank 1)."""
+    mask = torch.cat(local)
+    masks = _gather(mask)
+    return {"equal": all(torch.equal(masks[0], m) for m in masks[1:]),
+            "differing_fraction": float((masks[0] != masks[1]).float().mean()),
+            "dropped_fraction": float(mask.float().mean())}
+
+
+def rng_masks(mesh: DeviceMesh, tracker: bool) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    x = torch.randn(4, 16, 32)
+    # with the tracker the ranks are seeded differently on purpose: it makes the default generator agree over tp
+    torch.manual_seed(100 + rank if tracker else 100)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = apply_tensor_parallel(model, mesh, rng=tracker)
+    names = ["drop_in", "drop_mid", "drop_out"]
+    masks = _record_masks(model, names)
+    outputs = [model(x) for _ in range(3)]
+    result = {name: _agreement(masks[name]) for name in names}
+    result["outputs_equal"] = all(torch.equal(a, b) for a, b in zip(*_gather(outputs), strict=True))
+    result["default_generator_equal"] = len({bytes(s.numpy()) for s in _gather(torch.get_rng_state())}) == 1
+    result["sync_warning"] = any("differed from tp rank 0" in str(w.message) for w in caught)
+    if plan.rng is not None:
+        result["region_seed"] = plan.rng.seed
+        with plan.rng.region():
+            inside = torch.rand(8)
+        outside = torch.rand(8)
+        result["region_rand_equal"] = torch.equal(*_gather(inside))
+        result["outside_rand_equal"] = torch.equal(*_gather(outside))
+    return result
+
+
+def gpt2_dropout(mesh: DeviceMesh, sequence_parallel: bool) -> dict:
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_layer=2, dropout=0.2))
+    plan = apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    masks = _record_masks(model, ["drop"])
+    residual = []
+    model.ln_f.register_forward_hook(lambda _m, inputs, _out: residual.append(inputs[0].detach()))
+    tokens = torch.randint(0, 256, (2, 33))
+    with plan.loss_context():
+        loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    return {"embedding_dropout": _agreement(masks["drop"]),
+            "residual_equal": torch.equal(*_gather(residual[0])),
+            "loss": float(loss.detach())}
+
+
+def _gpt2_with_biases(config: GPT2Config) -> GPT2:
+    torch.manual_seed(0)
+    model = GPT2(config)
+    with torch.no_grad():  # GPT-2 starts its biases at zero; make them count, so a bias added twice would show
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
+    return model
+
+
+def gradients(mesh: DeviceMesh, tied: bool, sequence_parallel: bool) -> dict:
+    config = GPT2Config(n_layer=2, tie_word_embeddings=tied)
+    reference, model = _gpt2_with_biases(config), _gpt2_with_biases(config)
+    plan = apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 256, (4, 33))
+    ref_loss = causal_lm_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
+    with plan.loss_context():
+        loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    # relative to the largest gradient entry of the model: attention's k_proj bias has a gradient of exactly zero in
+    # exact arithmetic (softmax ignores a constant added to a row's scores), so its own scale is rounding noise
+    scale = max(g.abs().max() for g in ref_grads.values())
+    worst, worst_name = 0.0, ""
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        diff = float((grad - ref_grads[name]).abs().max() / scale)
+        if diff >= worst:
+            worst, worst_name = diff, name
+    split = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()]
+    loss, ref_loss = float(loss.detach()), float(ref_loss.detach())
+    return {"loss_rel": abs(loss - ref_loss) / ref_loss, "grad_rel": worst, "worst": worst_name,
+            "n_params": len(ref_grads), "n_split": len(split), "tied": model.lm_head.weight is model.wte.weight}
+
+
+def block_traffic(mesh: DeviceMesh, sequence_parallel: bool) -> dict:
+    """One block: q/k/v share one input collective (attention is a region), c_fc has its own (a direct child of the
+    block, next to its norms)."""
+    from lightning_par.parallel.tp_accounting import layer_traffic
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_layer=1))
+    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    x = torch.randn(2, 16, model.config.n_embd)
+    if sequence_parallel:
+        x = x.chunk(mesh.size(), dim=1)[mesh.get_local_rank()].contiguous()
+    summary = layer_traffic(model.h[0], x.requires_grad_(True)).summary()
+    return {phase: [(kind, nbytes // 4) for kind, nbytes in summary[f"{phase}_ops"]]  # fp32: elements
+            for phase in ("forward", "backward")}
+
+
+class ConvBlock(nn.Module):
+    tp_plan = {"conv": "colwise", "proj": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 3)
+        self.proj = nn.Linear(8, 8)
+
+
+class OddLinear(nn.Module):
+    tp_plan = {"fc": "colwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 7)
+
+
+def _bad_models() -> dict[str, nn.Module]:
+    tied_apart = GPT2(GPT2Config(n_layer=1))
+    tied_apart.tp_plan = {**GPT2.tp_plan, "wte": "replicate"}
+    return {"conv": ConvBlock(), "odd_linear": OddLinear(), "tied_apart": tied_apart,
+            "heads": GPT2(GPT2Config(n_layer=1, n_embd=96, n_head=3))}
+
+
+def bad_plans(mesh: DeviceMesh) -> dict:
+    store = dist.distributed_c10d._get_default_store()
+    out = {}
+    if dist.get_rank() == 0:
+        for name, model in _bad_models().items():
+            start = time.perf_counter()
+            try:
+                apply_tensor_parallel(model, mesh)
+                out[name] = {"error": None}
+            except LayoutError as error:
+                out[name] = {"error": str(error), "seconds": time.perf_counter() - start}
+        store.set("bad_plans_done", "1")
+    else:
+        store.wait(["bad_plans_done"])  # no collective until rank 0 is through
+    dist.barrier()
+    return out
+
+
+def main(out_dir: str) -> None:
+    # a collective that rank 1 never joins fails after this long instead of hanging the test
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    result = {
+        "gradients": {f"tied={tied},sp={sp}": gradients(mesh, tied, sp) for tied in (False, True)
+                      for sp in (False, True)},
+        "rng": {"tracker": rng_masks(mesh, tracker=True), "no_tracker": rng_masks(mesh, tracker=False)},
+        "gpt2_dropout": {f"sp={sp}": gpt2_dropout(mesh, sp) for sp in (False, True)},
+        "block_traffic": {f"sp={sp}": block_traffic(mesh, sp) for sp in (False, True)},
+        "bad_plans": bad_plans(mesh),
+    }
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
