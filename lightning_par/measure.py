@@ -280,15 +280,22 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] |
 # ----------------------------------------------------------------------------------------------------------------------
 # What the ZeRO paper predicts
 # ----------------------------------------------------------------------------------------------------------------------
-def zero_formula(stage: int, numel: int, n: int) -> dict[str, float]:
+def zero_formula(stage: int, numel: int, n: int, tp: int = 1) -> dict[str, float]:
     """Bytes per rank for ``numel`` (Psi) fp32 parameters trained with Adam over ``n`` data-parallel ranks.
 
     Parameters 4 Psi (stage 3: 4 Psi/N), gradients 4 Psi (stages 2, 3: 4 Psi/N), optimizer states 8 Psi (two fp32
     moments; stages 1-3: 8 Psi/N). Padding of shards is not included.
+
+    ``tp``: tensor-parallel ranks splitting the model below data parallel: every term is divided by ``tp`` too
+    (params 4 Psi/tp; Adam states 8 Psi/(tp N) from stage 1; gradients 4 Psi/tp, or 4 Psi/(tp N) from stage 2).
+    Parameters replicated over tp (norms) make the true share slightly larger; pass this rank's local element count
+    (:func:`local_numel`) with ``tp=1`` for the exact figure.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    psi = float(numel)
+    if tp < 1:
+        raise ValueError(f"tp must be at least 1, got {tp}")
+    psi = float(numel) / tp
     out = {
         "parameters": 4 * psi / (n if stage >= 3 else 1),
         "gradients": 4 * psi / (n if stage >= 2 else 1),
@@ -296,6 +303,12 @@ def zero_formula(stage: int, numel: int, n: int) -> dict[str, float]:
     }
     out["total"] = sum(out.values())
     return out
+
+
+def local_numel(module: nn.Module) -> int:
+    """Elements of ``module``'s parameters this rank computes with: a DTensor's local tensor (its tensor-parallel
+    shard, or its whole value where it is replicated), a plain parameter whole; each parameter once."""
+    return sum(_local(p).numel() for p in module.parameters())
 
 
 def traffic_formula(stage: int, numel: int, n: int) -> float:

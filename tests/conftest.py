@@ -82,6 +82,10 @@ RUNS["dp2_tp2_accum_clip"] = (4, tp_job(GLOBAL_BATCH // 4, "megatron_tp2", accum
 RUNS["zero3_dp2_tp2_accum_clip"] = (4, tp_job(GLOBAL_BATCH // 4, "megatron_tp2_zero3", accumulate=2, clip=True))
 RUNS["hf_single"] = (1, tp_job(GLOBAL_BATCH, "auto", *HF_LLAMA))
 RUNS["hf_tp2"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", *HF_LLAMA))
+# batches as Hugging Face collators make them ({input_ids, labels, attention_mask}), against the tuple-batch reference
+HF_DICT = [*HF_LLAMA, "--data.batch_format=dict"]
+RUNS["hf_zero3_dict"] = (2, tp_job(GLOBAL_BATCH // 2, "zero3", *HF_DICT))
+RUNS["hf_tp2_dict"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", *HF_DICT))
 
 
 @pytest.fixture(scope="session")

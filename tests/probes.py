@@ -89,6 +89,9 @@ class GradNorms(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step < self.steps:
+            if hasattr(trainer.strategy, "global_grad_norm"):  # a lightning-par strategy: any layout
+                self.norms.append(float(trainer.strategy.global_grad_norm(optimizer)))
+                return
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -66,3 +66,11 @@ def test_plain_sgd_matches_one_process(matrix, sgd_reference, name):
     # the loss moves: a gradient off by a constant factor would show
     reference = sgd_reference.losses()
     assert reference[0] - reference[-1] > 0.3
+
+
+@pytest.mark.parametrize("name", ["hf_zero3_dict", "hf_tp2_dict"])
+def test_hugging_face_dict_batches_under_zero3_and_tensor_parallel(runs, name):
+    """{input_ids, labels, attention_mask} batches (HF's label shift inside) train as the tuple-batch single process."""
+    diff = max_rel_diff(runs(name).losses(), runs("hf_single").losses())
+    print(f"{name}: max relative per-step loss difference {diff:.2e}")
+    assert len(runs(name).losses()) == PARITY_STEPS and diff <= PARITY_RTOL

@@ -108,12 +108,21 @@ def test_dropout_masks_differ_inside_the_region_and_agree_outside(two_ranks):
         assert 0.4 <= rank["drop_mid"]["differing_fraction"] <= 0.6  # independent masks at p = 0.5
         assert rank["outputs_equal"] and rank["default_generator_equal"]
         assert not rank["region_rand_equal"] and rank["outside_rand_equal"]
-    # the ranks were seeded 100 and 101: rank 1 took rank 0's default generator (and said so); region seeds differ
+        assert rank["region_left_default_unadvanced"] and rank["region_replayed"]
+    # the ranks were seeded 100 and 101: rank 1 took rank 0's default generator (and said so) and its seed
     assert [r["sync_warning"] for r in tracked] == [False, True]
-    assert [r["region_seed"] for r in tracked] == [100 + 2718, 100 + 2718 + 1]
+    assert [r["common_seed"] for r in tracked] == [100 + 2718] * 2
     # without the tracker (ranks seeded alike) the ranks draw the same mask for different features
     untracked = two_ranks[0]["rng"]["no_tracker"]
     assert untracked["drop_mid"]["equal"] and untracked["drop_in"]["equal"]
+
+
+def test_recomputed_blocks_replay_their_dropout_masks(two_ranks):
+    # activation recompute restores the default generator before re-running a block; the region states are made
+    # from it, so the masks inside the regions repeat too, and the gradients equal those without recompute
+    for rank in two_ranks:
+        print(f"recompute: {rank['recompute']}")
+        assert rank["recompute"]["input_grad_equal"] and rank["recompute"]["max_grad_diff"] == 0.0
 
 
 def test_gpt2_style_dropout_keeps_the_replicas_equal(two_ranks):

@@ -16,6 +16,7 @@ Each rank writes ``OUT_DIR/rank{N}.json`` with what it measured:
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -51,6 +52,10 @@ class DropoutMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop_out(self.down(self.drop_mid(F.gelu(self.up(self.drop_in(x))))))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _gather(obj):
@@ -95,13 +100,56 @@ def rng_masks(mesh: DeviceMesh, tracker: bool) -> dict:
     result["default_generator_equal"] = len({bytes(s.numpy()) for s in _gather(torch.get_rng_state())}) == 1
     result["sync_warning"] = any("differed from tp rank 0" in str(w.message) for w in caught)
     if plan.rng is not None:
-        result["region_seed"] = plan.rng.seed
+        result["common_seed"] = plan.rng.seed
+        state = torch.get_rng_state()
         with plan.rng.region():
             inside = torch.rand(8)
+        result["region_left_default_unadvanced"] = torch.equal(state, torch.get_rng_state())
+        with plan.rng.region():
+            again = torch.rand(8)  # the same region, step and default state: the same draw (what recompute needs)
+        result["region_replayed"] = torch.equal(inside, again)
         outside = torch.rand(8)
         result["region_rand_equal"] = torch.equal(*_gather(inside))
         result["outside_rand_equal"] = torch.equal(*_gather(outside))
     return result
+
+
+class DropoutStack(nn.Module):
+    """Residual blocks of :class:`DropoutMLP`."""
+
+    tp_plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList([DropoutMLP(p=0.3) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def recompute(mesh: DeviceMesh) -> dict:
+    """Each block's forward recomputed in backward (torch.utils.checkpoint, as lightning_par.parallel.recompute's
+    "full" does): the recomputed masks, inside the regions too, must be the ones of the forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    results = []
+    for recomputed in (False, True):
+        torch.manual_seed(0)
+        model = DropoutStack()
+        apply_tensor_parallel(model, mesh)
+        if recomputed:
+            for block in model.blocks:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        x = torch.randn(4, 16, 32, requires_grad=True)
+        for _ in range(2):  # the second step draws other masks than the first
+            model(x).square().sum().backward()
+        grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        results.append((x.grad, grads))
+    (x_plain, plain), (x_recomputed, recomputed_grads) = results
+    return {"input_grad_equal": torch.equal(x_plain, x_recomputed),
+            "max_grad_diff": max(float((plain[n] - recomputed_grads[n]).abs().max()) for n in plain)}
 
 
 def gpt2_dropout(mesh: DeviceMesh, sequence_parallel: bool) -> dict:
@@ -147,7 +195,7 @@ def gradients(mesh: DeviceMesh, tied: bool, sequence_parallel: bool) -> dict:
     scale = max(g.abs().max() for g in ref_grads.values())
     worst, worst_name = 0.0, ""
     for name, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grad = _full(param.grad)
         diff = float((grad - ref_grads[name]).abs().max() / scale)
         if diff >= worst:
             worst, worst_name = diff, name
@@ -226,6 +274,7 @@ def main(out_dir: str) -> None:
         "rng": {"tracker": rng_masks(mesh, tracker=True), "no_tracker": rng_masks(mesh, tracker=False)},
         "gpt2_dropout": {f"sp={sp}": gpt2_dropout(mesh, sp) for sp in (False, True)},
         "block_traffic": {f"sp={sp}": block_traffic(mesh, sp) for sp in (False, True)},
+        "recompute": recompute(mesh),
         "bad_plans": bad_plans(mesh),
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -5,29 +5,33 @@ each tp rank holds different heads or FFN features, so their dropout masks must 
 default generator in the same state on every rank (the same seed, consumed alike) every rank would draw the
 *same* mask for its different slice. Outside the regions the activations are replicated (the residual stream after
 the row-parallel reduction), and there the masks must be *equal* on every tp rank, or the replicas silently drift
-apart. Megatron-LM solves this with a "model-parallel" RNG state forked inside the regions; this module does the
-same: :class:`TensorParallelRNG` keeps one generator state per tp rank (seeded from the tp group's common seed + an
-offset + the tp rank) and swaps it in as the default generator's state while a region is open. The default
+apart. Megatron-LM forks a "model-parallel" RNG state inside the regions; :class:`TensorParallelRNG` does the same
+with forward hooks from the plan: entering a region (a column-parallel module's output) swaps a per-tp-rank state
+into the default generator, leaving it (the row-parallel module's input) swaps the default state back. The default
 generator is not advanced inside a region, so it stays identical on the tp ranks.
 
+The region's state is made afresh at each entry from a seed that mixes the tp group's common seed, the tp rank, the
+region (which module opened it), a count of the model's forwards and the default generator's state at that moment.
+So it is different per rank, per block and per step, and it is a function of the default generator's state:
+activation recomputation (``torch.utils.checkpoint``, which restores the default generator before it runs a block
+again) replays the very same masks, and nothing about the default generator's own stream changes -- a tensor-parallel
+run draws exactly what one process would outside the regions.
+
 With sequence parallelism the residual stream is split over the sequence too, so every activation a dropout sees is
-this rank's own; the whole forward then runs on the per-rank state.
+this rank's own; the whole forward of the model is then one region.
 
 Why hand-written rather than DTensor's tracker (``torch.distributed.tensor._random.OffsetBasedRNGTracker``): that
-tracker only acts on random ops applied to a *DTensor*, and inside our regions the activations are plain local
-tensors (the styles return local outputs, so model code such as ``view(B, T, -1, head_dim)`` runs unchanged);
-it refuses CPU meshes (``is_rng_supported_mesh`` is False for CPU, and the tracker raises); and it works by Philox
-offsets, i.e. it needs to know each shard's global position, which a region's local tensor does not carry. Here
-only the generator state is swapped, which works for any device whose default generator state can be read and
-written, and for ``F.dropout``, ``nn.Dropout`` and ``scaled_dot_product_attention(dropout_p=...)`` alike.
-
-Limits: the per-rank states are not saved in checkpoints (after resuming, the in-region masks continue from the
-seed, not from where they were), and activation recomputation (``torch.utils.checkpoint``) restores only the
-default generator, so a recomputed region would draw new masks; neither is used with tensor parallelism here.
+tracker acts only on random ops applied to a *DTensor*, and inside our regions the activations are plain local
+tensors (the styles return local outputs, so model code such as ``view(B, T, -1, head_dim)`` runs unchanged); it
+refuses CPU meshes (``is_rng_supported_mesh`` is False there and the tracker raises); and it works by Philox
+offsets into one global stream, which needs each shard's global position, which a region's local tensor does not
+carry. Swapping the default generator's state works for any device whose state can be read and written, and for
+``F.dropout``, ``nn.Dropout`` and ``scaled_dot_product_attention(dropout_p=...)`` alike.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,13 +42,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-#: Added to the common seed for the in-region generators (Megatron-LM uses the same offset), so the region's
-#: stream is not the default generator's own stream shifted by the tp rank.
+#: Mixed into the region seeds (Megatron-LM offsets its model-parallel seed by the same number).
 REGION_SEED_OFFSET = 2718
 
 
 def _device_module(device_type: str) -> Any:
     return torch if device_type == "cpu" else torch.get_device_module(device_type)
+
+
+def _device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, _device_module(device_type).current_device())
 
 
 def get_rng_state(device_type: str) -> torch.Tensor:
@@ -57,14 +66,14 @@ def set_rng_state(device_type: str, state: torch.Tensor) -> None:
 
 
 class TensorParallelRNG:
-    """Per-tp-rank generator state for the tensor-parallel regions; see the module docstring.
+    """Per-tp-rank generator states for the tensor-parallel regions; see the module docstring.
 
     Args:
         tp_mesh: the 1-D tensor-parallel mesh.
         sync: make the default generator equal on the tp ranks first (tp rank 0's state and seed are broadcast
-            over the tp group, one collective each), so the replicated region agrees even if the ranks were
-            seeded differently. Set False where the caller guarantees it.
-        offset: added to the common seed before the tp rank.
+            over the tp group, one collective each), so the replicated activations get equal masks even if the
+            ranks were seeded differently (with a warning on the ranks that differed).
+        offset: mixed into the region seeds.
     """
 
     def __init__(self, tp_mesh: DeviceMesh, sync: bool = True, offset: int = REGION_SEED_OFFSET) -> None:
@@ -73,14 +82,13 @@ class TensorParallelRNG:
         base_seed = _device_module(self.device_type).initial_seed()
         if sync and tp_mesh.size() > 1:
             base_seed = self._sync_default_generator(tp_mesh, base_seed)
-        self.seed = base_seed + offset + self.tp_rank
-        device = torch.device(self.device_type) if self.device_type == "cpu" else _current_device(self.device_type)
-        self._state = torch.Generator(device=device).manual_seed(self.seed).get_state()
+        #: the tp group's common seed: the region seeds differ by the tp rank (and region, step, state)
+        self.seed = base_seed + offset
+        self.forwards = 0  # forwards of the model so far: regions differ from step to step
         self._outer: torch.Tensor | None = None  # the default generator's state, saved while a region is open
 
     def _sync_default_generator(self, tp_mesh: DeviceMesh, base_seed: int) -> int:
-        group = tp_mesh.get_group()
-        device = torch.device("cpu") if self.device_type == "cpu" else _current_device(self.device_type)
+        group, device = tp_mesh.get_group(), _device(self.device_type)
         state = get_rng_state(self.device_type)
         common = state.to(device, copy=True)  # the broadcast writes into it: keep `state` to compare
         seed = torch.tensor([base_seed % 2**63], dtype=torch.int64, device=device)
@@ -101,24 +109,32 @@ class TensorParallelRNG:
     def in_region(self) -> bool:
         return self._outer is not None
 
-    def enter(self) -> None:
-        """Swap in this rank's region state (nothing if a region is already open)."""
+    def region_seed(self, region: str, state: torch.Tensor) -> int:
+        """The seed of ``region``'s generator on this rank, given the default generator's ``state`` at entry."""
+        key = f"{self.seed}/{self.tp_rank}/{region}/{self.forwards}/".encode()
+        digest = hashlib.blake2b(key + state.numpy().tobytes(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    def enter(self, region: str = "") -> None:
+        """Swap in a state for ``region`` on this rank (nothing if a region is already open)."""
         if self._outer is None:
-            self._outer = get_rng_state(self.device_type)
-            set_rng_state(self.device_type, self._state)
+            outer = get_rng_state(self.device_type)
+            generator = torch.Generator(device=_device(self.device_type))
+            generator.manual_seed(self.region_seed(region, outer))
+            set_rng_state(self.device_type, generator.get_state())
+            self._outer = outer
 
     def exit(self) -> None:
-        """Keep the advanced region state and give the default generator its own state back (nothing if closed)."""
+        """Give the default generator its own state back, unadvanced (nothing if no region is open)."""
         if self._outer is not None:
-            self._state = get_rng_state(self.device_type)
             set_rng_state(self.device_type, self._outer)
             self._outer = None
 
     @contextmanager
-    def region(self) -> Iterator[None]:
-        """Run a block of code on this rank's region state, e.g. a hand-written sharded dropout."""
+    def region(self, name: str = "user") -> Iterator[None]:
+        """Run a block of code on a per-rank state, e.g. a hand-written dropout on sharded activations."""
         opened = not self.in_region
-        self.enter()
+        self.enter(name)
         try:
             yield
         finally:
@@ -126,34 +142,30 @@ class TensorParallelRNG:
                 self.exit()
 
     def install(self, model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> list[Any]:
-        """Open and close the regions with forward hooks; returns the hook handles.
+        """Open and close the regions with forward hooks on ``model``'s modules; returns the hook handles.
 
         ``plan`` is the resolved plan relative to ``model``. Without sequence parallelism a region opens at each
         ``colwise`` module's output (sharded, local) and closes at each ``rowwise`` module's input; with it, the
-        whole forward of ``model`` is one region. ``model``'s own forward always closes a region left open (a
-        colwise output that never reaches a rowwise linear, or an exception).
+        whole forward of ``model`` is one region. ``model``'s own forward closes a region left open (a colwise
+        output that never reaches a row-parallel linear, or an exception) and counts the forwards.
         """
-        handles = []
 
-        def enter_hook(*_: Any) -> None:
-            self.enter()
+        def start(*_: Any) -> None:
+            self.exit()
+            self.forwards += 1
+            if sequence_parallel:
+                self.enter("model")
 
-        def exit_hook(*_: Any) -> None:
+        def close(*_: Any) -> None:
             self.exit()
 
-        if sequence_parallel:
-            handles.append(model.register_forward_pre_hook(exit_hook))
-            handles.append(model.register_forward_pre_hook(enter_hook))
-        else:
-            handles.append(model.register_forward_pre_hook(exit_hook))
+        handles = [model.register_forward_pre_hook(start)]
+        if not sequence_parallel:
             for name, style in plan.items():
                 if style == "colwise":
-                    handles.append(model.get_submodule(name).register_forward_hook(enter_hook))
+                    handles.append(model.get_submodule(name).register_forward_hook(
+                        lambda *_, name=name: self.enter(name)))
                 elif style == "rowwise":
-                    handles.append(model.get_submodule(name).register_forward_pre_hook(exit_hook))
-        handles.append(model.register_forward_hook(exit_hook, always_call=True))
+                    handles.append(model.get_submodule(name).register_forward_pre_hook(close))
+        handles.append(model.register_forward_hook(close, always_call=True))
         return handles
-
-
-def _current_device(device_type: str) -> torch.device:
-    return torch.device(device_type, _device_module(device_type).current_device())

@@ -24,14 +24,15 @@ then discards 1 - 1/N of them). :class:`ZeroPartitioner` does what the ZeRO pape
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.topology import LayoutError
@@ -64,15 +65,44 @@ def check_partitionable(optimizer: torch.optim.Optimizer, stage: int) -> None:
     )
 
 
+#: What a bucket holds, which decides how its gradient enters the global norm: ``"plain"`` parameters (no tensor
+#: parallel), ``"tp_shard"`` (each tp rank holds a different piece: squares are summed over tp) or
+#: ``"tp_replicate"`` (every tp rank holds the same value: counted once).
+PLAIN, TP_SHARD, TP_REPLICATE = "plain", "tp_shard", "tp_replicate"
+
+
+def _local_data(param: Tensor) -> Tensor:
+    """The memory a parameter computes with on this rank: a DTensor's local tensor (its tp shard, or its whole value
+    where it is replicated over tp), else the tensor's own data."""
+    return param._local_tensor if isinstance(param, DTensor) else param.data  # type: ignore[attr-defined]
+
+
+def _kind(param: Tensor, tensor_parallel: bool) -> str:
+    if not isinstance(param, DTensor):
+        return TP_REPLICATE if tensor_parallel else PLAIN
+    return TP_SHARD if any(p.is_shard() for p in param.placements) else TP_REPLICATE
+
+
 @dataclass
 class _Bucket:
-    """Parameters of one param group packed into one flat buffer, split into N chunks."""
+    """Parameters of one param group packed into one flat buffer, split into N chunks.
+
+    Under tensor parallel the buffer holds each parameter's *local* tensor (its tp shard, or its whole value where it
+    is replicated over tp), so the buckets of the tp ranks have the same layout but different contents; a bucket
+    holds only ``"tp_shard"`` or only ``"tp_replicate"`` parameters (``kind``). The owned chunk is a DTensor on the
+    (dp, tp) mesh: ``Shard(0)`` over dp and, over tp, ``Shard(0)`` for a tp_shard bucket (the tp ranks' chunks are
+    different elements of the model) or ``Replicate()`` for a tp_replicate one; without tp it lives on the dp mesh.
+    """
 
     params: list[nn.Parameter]
     offsets: list[int]
     flat: Tensor  # parameter storage, padded to a multiple of N
     rank: int
     world: int
+    kind: str = PLAIN
+    mesh: DeviceMesh | None = None  # where the shard DTensor lives: dp, or (dp, tp)
+    placements: tuple[Placement, ...] = ()
+    global_numel: int = 0  # the shard DTensor's global size
     shard: nn.Parameter | None = None  # the optimizer's DTensor parameter (owned chunk)
     flat_grad: Tensor | None = None  # full gradient buffer while it is being filled / reduced
     reduced_chunk: Tensor | None = None  # reduce-scatter output
@@ -88,8 +118,23 @@ class _Bucket:
     def chunk(self) -> int:
         return self.flat.numel() // self.world
 
+    @property
+    def reduce_over_tp(self) -> bool:
+        """The global gradient norm sums this bucket's squares over the tp ranks (they hold different elements)."""
+        return self.kind == TP_SHARD
+
     def own(self, flat: Tensor) -> Tensor:
         return flat[self.rank * self.chunk : (self.rank + 1) * self.chunk]
+
+    def dtensor(self, local: Tensor) -> DTensor:
+        assert self.mesh is not None
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=(self.global_numel,),
+                                  stride=(1,))
+
+    def region(self, index: int) -> tuple[int, int]:
+        """``(start, end)`` of parameter ``index``'s local values in ``flat``."""
+        start = self.offsets[index]
+        return start, start + _local_data(self.params[index]).numel()
 
 
 class ZeroPartitioner:
@@ -104,11 +149,32 @@ class ZeroPartitioner:
         offload_optimizer: keep the shard parameters and optimizer state in host memory and step there.
         overlap: stage 2: let a bucket's reduce-scatter run while backward fills the next bucket (at most two
             full buckets of gradients at once); ``False``: complete each as soon as it is launched (one bucket).
+        defer_reduction: reduce nothing during backward; :meth:`finish_gradient_sync` stages every parameter's
+            accumulated ``.grad`` and reduce-scatters every bucket once. For pipeline schedules, which run many
+            micro-batch backwards inside one optimizer step (also settable later as an attribute).
+
+    Tensor parallel: parameters that are DTensors on a 1-D tp mesh (a sibling of ``dp_mesh`` in one DeviceMesh, as
+    :func:`~lightning_par.parallel.tensor_parallel.apply_tensor_parallel` makes them) are packed by their local
+    tensors; they stay DTensors whose local tensor is a view into the bucket, so DTensor ops, ``state_dict`` and
+    ``load_state_dict`` work on them as before, and the all-gather after the step updates them in place. Buckets
+    never mix tp-split and tp-replicated parameters; the shard parameters are DTensors on the (dp, tp) mesh whose
+    placements say how to sum them (see :meth:`norm_groups`), so a norm computed from DTensor placements -- and
+    ``clip_grad_norm_`` -- is the whole model's. Communication stays over dp only: each tp rank's reduce-scatter and
+    all-gather carry its own local tensors, 1/tp of the model.
+
+    When gradients are reduced: by default a bucket's reduce-scatter starts in backward as soon as its last
+    parameter's gradient has been accumulated (overlapping backward). ``require_sync = False`` (Lightning's
+    gradient accumulation, non-final batches) stops all communication: gradients accumulate in ``param.grad``, and
+    :meth:`finish_gradient_sync` does nothing. ``defer_reduction = True`` leaves everything to
+    :meth:`finish_gradient_sync`. A parameter whose gradient arrives twice in one step while buckets are reduced in
+    backward is an error (its first gradient is already on its way), not a silently lost gradient.
 
     Gradient memory during backward, for Psi parameters in fp32 and bucket size B bytes: stage 1 keeps every
     bucket's full gradient (4 Psi, plus the 4 Psi / N reduce-scatter outputs); stage 2 frees each bucket's full
     gradient as soon as its reduce-scatter completes and keeps only its chunk, so it holds 4 Psi / N plus at most
-    2 B (``overlap=False``: B).
+    2 B (``overlap=False``: B). With ``defer_reduction`` the full gradients stay in ``param.grad`` until
+    :meth:`finish_gradient_sync` (4 Psi during the schedule, for either stage); at rest stage 2 holds 4 Psi / N.
+    Under tensor parallel every Psi here is this rank's local share (about Psi / tp).
     """
 
     def __init__(
@@ -120,9 +186,12 @@ class ZeroPartitioner:
         bucket_cap_mb: float = 25.0,
         offload_optimizer: bool = False,
         overlap: bool = True,
+        defer_reduction: bool = False,
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
+        if dp_mesh.ndim != 1:
+            raise LayoutError(f"ZeroPartitioner needs the 1-D data-parallel mesh, got a {dp_mesh.ndim}-D mesh.")
         self.stage = stage
         self.mesh = dp_mesh
         self.group = dp_mesh.get_group()
@@ -130,17 +199,22 @@ class ZeroPartitioner:
         self.rank = dp_mesh.get_local_rank()
         self.offload = offload_optimizer
         self.overlap = overlap
+        self.defer_reduction = defer_reduction
         self._in_flight: list[_Bucket] = []  # stage 2: launched, not yet completed
         self.require_sync = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
-        cap = max(1, int(bucket_cap_mb * 2**20))
+        optimizers = list(optimizers)
         for optimizer in optimizers:
             check_partitionable(optimizer, stage)
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        self.tp_mesh = _tensor_parallel_mesh(params)
+        self.shard_mesh = _shard_mesh(dp_mesh, self.tp_mesh)
+        cap = max(1, int(bucket_cap_mb * 2**20))
+        for optimizer in optimizers:
             optimizer.state.clear()
             for group in optimizer.param_groups:
-                params = [p for p in group["params"] if p.requires_grad]
-                buckets = self._make_buckets(params, cap)
+                buckets = self._make_buckets([p for p in group["params"] if p.requires_grad], cap)
                 group["params"] = [b.shard for b in buckets]
                 self.buckets += buckets
         self._hooks = [
@@ -148,52 +222,77 @@ class ZeroPartitioner:
         ]
 
     # -- building ------------------------------------------------------------------------------------------------
+    def _slot(self, param: Tensor) -> int:
+        """Elements a parameter takes in its bucket: its local size, or for a tp-split parameter the largest local
+        size over the tp ranks (an uneven split), so every tp rank's buckets have the same layout."""
+        if not isinstance(param, DTensor) or self.tp_mesh is None:
+            return _local_data(param).numel()
+        shape = list(param.shape)
+        for placement in param.placements:
+            if isinstance(placement, Shard):
+                shape[placement.dim] = -(-shape[placement.dim] // self.tp_mesh.size())
+        return math.prod(shape)
+
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         # Reverse registration order approximates the order backward produces gradients in, so the first buckets
-        # fill (and start reducing) early.
-        buckets, current, current_bytes = [], [], 0
+        # fill (and start reducing) early. One bucket is filled at a time per (dtype, device, kind): tp-split and
+        # tp-replicated parameters (attention and MLP weights vs norms) alternate in a block, and never share one.
+        buckets: list[_Bucket] = []
+        filling: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+        tensor_parallel = self.tp_mesh is not None
         for p in reversed(params):
-            size = p.numel() * p.element_size()
-            if current and (
-                current_bytes + size > cap_bytes or (p.dtype, p.device) != (current[0].dtype, current[0].device)
-            ):
-                buckets.append(self._pack(current))
+            key = (p.dtype, p.device, _kind(p, tensor_parallel))
+            size = self._slot(p) * p.element_size()
+            current, current_bytes = filling.get(key, ([], 0))
+            if current and current_bytes + size > cap_bytes:
+                buckets.append(self._pack(current, key[2]))
                 current, current_bytes = [], 0
-            current.append(p)
-            current_bytes += size
-        if current:
-            buckets.append(self._pack(current))
+            filling[key] = ([*current, p], current_bytes + size)
+        buckets += [self._pack(current, key[2]) for key, (current, _) in filling.items() if current]
         return buckets
 
-    def _pack(self, params: list[nn.Parameter]) -> _Bucket:
-        numel = sum(p.numel() for p in params)
-        padded = -(-numel // self.world) * self.world
+    def _pack(self, params: list[nn.Parameter], kind: str) -> _Bucket:
+        slots = [self._slot(p) for p in params]
+        padded = -(-sum(slots) // self.world) * self.world
         flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
         offsets, offset = [], 0
-        for p in params:
-            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-            # the model's parameter now lives in the bucket: the all-gather after the step updates it in place
-            p.data = flat[offset : offset + p.numel()].view_as(p)
+        for p, slot in zip(params, slots, strict=True):
+            local = _local_data(p)
+            view = flat[offset : offset + local.numel()]
+            view.copy_(local.detach().reshape(-1))
+            # the model's parameter now lives in the bucket: the all-gather after the step updates it in place. A
+            # DTensor keeps its wrapper (placements, global shape) and computes on the new local tensor, as FSDP2
+            # does with its sharded parameters.
+            if isinstance(p, DTensor):
+                p._local_tensor = view.view_as(local)  # type: ignore[attr-defined]
+            else:
+                p.data = view.view_as(p)
             offsets.append(offset)
-            offset += p.numel()
-        bucket = _Bucket(params=params, offsets=offsets, flat=flat, rank=self.rank, world=self.world)
+            offset += slot
+        mesh, placements, global_numel = self.shard_mesh.layout(kind, padded)
+        bucket = _Bucket(params=params, offsets=offsets, flat=flat, rank=self.rank, world=self.world, kind=kind,
+                         mesh=mesh, placements=placements, global_numel=global_numel)
         local = bucket.own(flat)
         local = local.detach().to("cpu", copy=True) if self.offload else local
         if self.offload and torch.cuda.is_available() and flat.is_cuda:
             local = local.pin_memory()
-        bucket.shard = nn.Parameter(self._dtensor(local, padded))
+        bucket.shard = nn.Parameter(bucket.dtensor(local))
         for i, p in enumerate(params):
             self._bucket_of[id(p)] = (bucket, i)
         return bucket
 
-    def _dtensor(self, local: Tensor, global_numel: int) -> DTensor:
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=(global_numel,), stride=(1,))
-
     # -- gradients -----------------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: Tensor) -> None:
-        if not self.require_sync or param.grad is None:
-            return  # accumulating: gradients stay in param.grad, no communication on non-final micro-steps
+        if self.defer_reduction or not self.require_sync or param.grad is None:
+            return  # accumulating, or a pipeline schedule: gradients stay in param.grad until finish_gradient_sync
         bucket, index = self._bucket_of[id(param)]
+        if index in bucket.ready_params:
+            raise RuntimeError(
+                f"ZeroPartitioner: a gradient arrived a second time in one optimizer step for a parameter of shape "
+                f"{tuple(param.shape)}, whose gradient was already handed to its bucket's reduce-scatter. With several "
+                "backward passes per step (a pipeline schedule's micro-batches) set `defer_reduction = True` (or "
+                "`require_sync = False` until the last backward) and call `finish_gradient_sync()` once."
+            )
         self._stage_grad(bucket, index)
         if bucket.complete:
             self._launch_reduce(bucket)
@@ -203,10 +302,11 @@ class ZeroPartitioner:
             return
         if bucket.flat_grad is None:
             bucket.flat_grad = torch.zeros_like(bucket.flat)
-        param, offset = bucket.params[index], bucket.offsets[index]
-        region = bucket.flat_grad[offset : offset + param.numel()]
+        param = bucket.params[index]
+        start, end = bucket.region(index)
+        region = bucket.flat_grad[start:end]
         if param.grad is not None:
-            region.copy_(param.grad.reshape(-1))
+            region.copy_(_local_grad(param).reshape(-1))
         else:
             region.zero_()  # stage 1 reuses the buffer: an unused parameter must not keep last step's gradient
         param.grad = None  # the bucket holds it now; stage 2 frees the bucket once reduced
@@ -245,12 +345,18 @@ class ZeroPartitioner:
             bucket.flat_grad = None  # stage 2: only the reduced chunk is kept
         grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
         assert bucket.shard is not None
-        bucket.shard.grad = self._dtensor(grad, bucket.flat.numel())
+        bucket.shard.grad = bucket.dtensor(grad)
         bucket.work, bucket.reduced_chunk = None, None
         bucket.reduced = True
 
     def finish_gradient_sync(self) -> None:
-        """After the last backward of an optimizer step: reduce what is left, wait, hand the shards their grads."""
+        """After the last backward of an optimizer step: reduce what is left, wait, hand the shards their grads.
+
+        Every bucket is reduce-scattered exactly once per call: those that backward already launched are waited
+        for; the others (all of them with ``defer_reduction``, or the parameters that got no gradient) are staged
+        from their parameters' accumulated ``.grad`` (zeros where there is none) and launched here. Does nothing
+        while ``require_sync`` is False (a non-final batch of gradient accumulation).
+        """
         if not self.require_sync:
             return
         for bucket in self.buckets:
@@ -271,6 +377,42 @@ class ZeroPartitioner:
         """The gradient memory the partitioner holds besides the shards' ``.grad``: full bucket buffers and
         reduce-scatter outputs in flight (for :class:`~lightning_par.measure.GradientMeter`)."""
         return [t for b in self.buckets for t in (b.flat_grad, b.reduced_chunk) if t is not None]
+
+    # -- the global gradient norm --------------------------------------------------------------------------------
+    def norm_groups(self) -> list[tuple[nn.Parameter, bool]]:
+        """``(shard parameter, reduce_over_tp)`` for every bucket, in the optimizers' order.
+
+        A shard's ``.grad`` (after :meth:`finish_gradient_sync`) is this rank's chunk of its bucket's averaged
+        gradient. The whole model's squared norm is the sum of ``grad.to_local()``'s squares over the dp ranks,
+        and also over the tp ranks where ``reduce_over_tp`` (a bucket of tp-split parameters), not where it is
+        False (parameters replicated over tp: counted once) -- what the shard's DTensor placements on the (dp, tp)
+        mesh say too. Bucket padding is zero and adds nothing.
+        """
+        return [(b.shard, b.reduce_over_tp) for b in self.buckets if b.shard is not None]
+
+    @torch.no_grad()
+    def norm_grads(self, exclude: Collection[int] = ()) -> list[Tensor]:
+        """The shards' gradients for the global norm (DTensors: their placements say where to sum), leaving out
+        the parameters whose ids are in ``exclude`` (e.g. the tied pipeline copies another pipeline rank counts,
+        ``PipelineRuntime.counted_elsewhere()``): a bucket holding one gets a copy of its gradient with that
+        parameter's elements zeroed. Use after :meth:`finish_gradient_sync`."""
+        out = []
+        for bucket in self.buckets:
+            grad = bucket.shard.grad if bucket.shard is not None else None
+            if grad is None:
+                continue
+            skipped = [i for i, p in enumerate(bucket.params) if id(p) in exclude]
+            if skipped:
+                local = grad.to_local().clone()
+                lo = bucket.rank * bucket.chunk
+                for index in skipped:
+                    start, end = bucket.region(index)
+                    start, end = max(start - lo, 0), min(end - lo, bucket.chunk)
+                    if start < end:
+                        local[start:end] = 0
+                grad = bucket.dtensor(local)
+            out.append(grad)
+        return out
 
     # -- parameters ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -299,6 +441,81 @@ class ZeroPartitioner:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _local_grad(param: Tensor) -> Tensor:
+    """A parameter's gradient on this rank, laid out as its local tensor. A DTensor gradient whose placements differ
+    from its parameter's (``Partial`` for a replicated norm weight under sequence parallel) is redistributed to the
+    parameter's first (an all-reduce over tp), as FSDP2 does."""
+    grad = param.grad
+    assert grad is not None
+    if isinstance(grad, DTensor):
+        if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        grad = grad.to_local()
+    local = _local_data(param)
+    if grad.numel() != local.numel():
+        raise RuntimeError(f"ZeroPartitioner: a gradient of {grad.numel()} elements for a parameter holding "
+                           f"{local.numel()} here (shape {tuple(param.shape)}).")
+    return grad
+
+
+def _tensor_parallel_mesh(params: list[Tensor]) -> DeviceMesh | None:
+    """The 1-D mesh the DTensor parameters live on (tensor parallel), or None when there are none."""
+    mesh = None
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        if p.device_mesh.ndim != 1:
+            raise LayoutError(
+                f"ZeRO stages 1/2 pack tensor-parallel parameters split over one 1-D mesh; a parameter of shape "
+                f"{tuple(p.shape)} is a DTensor on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names} "
+                "(already data-parallel sharded, e.g. by FSDP2?). Apply ZeRO-1/2 after tensor parallel only."
+            )
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh is not mesh and p.device_mesh != mesh:
+            raise LayoutError("ZeRO stages 1/2: the tensor-parallel parameters live on different meshes "
+                              f"({mesh} and {p.device_mesh}); put them all on the one tp mesh.")
+    return mesh
+
+
+@dataclass
+class _ShardMesh:
+    """Where the shard DTensors live: the dp mesh, or the (dp, tp) mesh under tensor parallel."""
+
+    mesh: DeviceMesh
+    dp_dim: int
+    tp_dim: int | None = None
+
+    def layout(self, kind: str, padded: int) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
+        """``(mesh, placements, global numel)`` of the shard DTensor of a bucket of ``padded`` elements."""
+        placements: list[Placement] = [Shard(0)] * self.mesh.ndim
+        global_numel = padded
+        if self.tp_dim is not None:
+            if kind == TP_SHARD:
+                global_numel *= self.mesh.size(self.tp_dim)  # the tp ranks' buckets are different elements
+            else:
+                placements[self.tp_dim] = Replicate()
+        return self.mesh, tuple(placements), global_numel
+
+
+def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
+    if tp_mesh is None:
+        return _ShardMesh(dp_mesh, 0)
+    root = dp_mesh._get_root_mesh()
+    dp_name = (dp_mesh.mesh_dim_names or (None,))[0]
+    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    names = root.mesh_dim_names or ()
+    if (root is not tp_mesh._get_root_mesh() or dp_name is None or tp_name is None or dp_name == tp_name
+            or dp_name not in names or tp_name not in names):
+        raise LayoutError(
+            "ZeRO stages 1/2 with tensor parallel need the dp mesh and the tensor-parallel parameters' mesh to be "
+            f"two named dimensions of one DeviceMesh (got dp {dp_mesh.mesh_dim_names}, tp "
+            f"{tp_mesh.mesh_dim_names}); build them as init_device_mesh(..., mesh_dim_names=(..., 'dp', 'tp'))."
+        )
+    order = sorted((dp_name, tp_name), key=names.index)
+    return _ShardMesh(root[tuple(order)], order.index(dp_name), order.index(tp_name))
 
 
 # -- stage 3 ------------------------------------------------------------------------------------------------------

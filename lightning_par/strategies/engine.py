@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
+from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.batches import split_batch
@@ -269,6 +270,8 @@ class LayoutStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._gradient_sync.attach(self.lightning_module, self.optimizers)
+            # Lightning's clipping computes the norm of what this rank holds; clip by the whole model's instead
+            self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
         self._scope_metrics_to_data_parallel()
         rank_zero_info(f"data-parallel gradients: {self._gradient_sync.name} over dp={self.dims.dp}")
         self.setup_precision_plugin()
@@ -351,7 +354,6 @@ class LayoutStrategy(ParallelStrategy):
         if fitting:
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
             trainer.fit_loop._skip_backward = True
-            self.precision_plugin.clip_grad_by_norm = self._clip_pipeline_grad_norm
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
@@ -388,12 +390,30 @@ class LayoutStrategy(ParallelStrategy):
         with _loss_given(self.lightning_module, lambda batch: pipeline.forward_only(*split_batch(batch))):
             yield None
 
-    def _clip_pipeline_grad_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the global norm over all stages (each rank holds only its stages' gradients)."""
-        assert self._pipeline is not None
-        total = self._pipeline.global_grad_norm()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+    # ----------------------------------------------------------------------------------------------------------------
+    # Gradient norm and clipping over the whole model, on any layout
+    # ----------------------------------------------------------------------------------------------------------------
+    def global_grad_norm(self, optimizer: Any = None) -> Tensor:
+        """The 2-norm of the whole model's gradient (what a single process would compute), on every rank.
+
+        Sums squares over tensor- and data-parallel shards (DTensor placements) and over pipeline stages, a
+        parameter held by several pipeline ranks counted once. ``optimizer``: only its parameters (default: all).
+        """
+        optimizers = [optimizer] if optimizer is not None else self.optimizers
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        skip: set[int] = set()
+        pp_group = None
+        if self._pipeline is not None:
+            skip = self._pipeline.counted_elsewhere()
+            pp_group = self._pipeline.group
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+        return global_grad_norm(grads, pp_group, device=self.root_device)
+
+    def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        total = self.global_grad_norm(optimizer)
+        clip_grads_(
+            [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_val,
+            total)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Tensor parallel (tp > 1): the model's declared plan, applied by lightning_par.parallel.tensor_parallel

@@ -7,13 +7,24 @@ because torch lacks them:
   its activation shapes at its first step, but validation sees a short last batch and generation a growing
   sequence. Evaluation therefore sends each activation with a small shape header, stage after stage;
 * **gradients of parameters held by several ranks** (a tied embedding and head on the first and last stage):
-  summed over the pipeline group before the optimizer step, so every copy takes the same update;
+  summed over the pipeline group before the optimizer step, so every copy takes the same update
+  (:meth:`PipelineRuntime.sum_tied_gradients`; :meth:`PipelineRuntime.make_tied_copies_equal` makes the copies
+  equal at the start);
 * **stages of any model** (:mod:`.split` and :mod:`.adapter`): torch's tracing frontend cannot split a Hugging Face
   model, so each stage is the model with the other stages' units removed, called through a small adapter.
 
 The model's inputs are token ids, or a dict ``{"input_ids": ..., "attention_mask": ...}`` (from
 :func:`~lightning_par.parallel.pipeline.batches.split_batch`, for a padded batch): the mask is cut into micro-batches
 like the ids and given to every stage, since each stage's attention needs it.
+
+Transforming the stages (tensor parallel, recompute, data parallel) happens in the ``prepare`` callback of
+:class:`PipelineRuntime`, after the split and before torch's ``PipelineStage`` and schedule objects are built. With
+ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`) torch's schedules
+reduce-scatter each FSDP group's gradient once per step, after the last micro-batch's backward, and the
+stages keep their parameters gathered from the first forward to that reduce-scatter (see :mod:`.fsdp` for the
+counts). The runtime does not synchronise data-parallel gradients itself, except in
+:meth:`PipelineRuntime.sync_gradients` (ZeRO-0: tied sum, then one flat all-reduce over data parallel), which only
+the ZeRO-0 owner calls.
 
 Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
 checked in :func:`resolve_schedule`, which the strategy calls in the launching process.
@@ -31,11 +42,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import pipelining
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
 from lightning_par.parallel.pipeline.split import (
     Costs,
+    block_units,
     model_units,
     plan_stages,
     rank_module,
@@ -154,13 +168,48 @@ def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     return out
 
 
-class _Tied(NamedTuple):
-    """A parameter with copies on several pipeline ranks, seen from this rank."""
+def _no_reduce(grad_scale_factor: int) -> None:
+    """Stands in for ``PipelineStage.perform_reduce_grad`` while gradients accumulate (the schedule is built with
+    ``scale_grads=False``, so there is nothing to scale either)."""
 
-    local: nn.Parameter | None  # this rank's copy, if it holds one
+
+class _Tied(NamedTuple):
+    """A parameter with copies on several pipeline ranks, seen from this rank.
+
+    The copy is found by name each time (:meth:`PipelineRuntime._tied_copy`): tensor parallel and FSDP2 replace the
+    ``Parameter`` objects after the split."""
+
+    name: str | None  # this rank's copy's name in the rank module, if it holds one
+    source: int  # the lowest pipeline rank holding a copy: it counts in the global norm and is broadcast from
     counted_here: bool  # whether this rank's copy counts in the global gradient norm
     shape: torch.Size
     dtype: torch.dtype
+
+
+#: ``prepare(rank_module, stage_modules) -> stage_modules`` (see :class:`PipelineRuntime`).
+Prepare = Callable[[nn.Module, list[nn.Module]], Sequence[nn.Module] | None]
+
+
+def _plain(tensor: Tensor) -> Tensor:
+    """The value of a loss: a DTensor's full tensor (a vocabulary-parallel loss is a replicated DTensor)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard (sharded alike on every copy), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def fsdp_modules(modules: Sequence[nn.Module]) -> list[FSDPModule]:
+    """The FSDP2 modules inside ``modules`` (each once), outermost first within each module."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule) and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+    return out
 
 
 @dataclass
@@ -185,11 +234,25 @@ class PipelineRuntime:
         costs: per-unit costs for balancing the split (see :func:`plan_stages`), or None to balance by count.
         units: the model's pipeline units in execution order (``find_blocks(lm).units``: names relative to
             ``model``, items of an ``nn.ModuleList`` allowed); default: ``model.pipeline_units()``.
+        prepare: ``prepare(rank_module, stage_modules) -> stage_modules``, called once after the split and
+            before torch's ``PipelineStage`` and schedule objects are built: the place to apply tensor parallel
+            (to ``rank_module``, which holds every stage of this rank), activation recompute and data parallel
+            (e.g. :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages` for ZeRO-3). ``stage_modules``
+            are this rank's stage modules in stage order (views of ``rank_module`` sharing its units). It returns
+            the modules the stages run: the same ones, transformed in place, or replacements (wrappers); ``None``
+            means the same ones. Hooks it registers on ``rank_module`` run only when ``rank_module`` itself is
+            called (evaluation through :meth:`forward_only`), hooks registered on a stage module only when that
+            stage runs.
+
+    Attributes after construction: ``module`` (the rank module: all of this rank's units, original names),
+    ``stage_modules`` (what ``prepare`` returned), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
+    ``units_by_stage``, ``stage_ids``, ``block_units`` (the units that are repeated blocks),
+    ``require_sync`` (see :meth:`train_step`).
     """
 
     def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, choice: ScheduleChoice,
                  loss_fn: Callable[[Any, Any], Tensor], loss_scale: float, device: torch.device,
-                 costs: Costs = None, units: Sequence[str] | None = None) -> None:
+                 costs: Costs = None, units: Sequence[str] | None = None, prepare: Prepare | None = None) -> None:
         self.choice = choice
         self.group = pp_mesh.get_group()
         self.pp_rank, self.pp = pp_mesh.get_local_rank(), pp_mesh.size()
@@ -199,6 +262,7 @@ class PipelineRuntime:
         self.units = model_units(model, units)
         self.io = stage_io(model)
         self.units_by_stage = plan_stages(model, self.pp, v, style, costs, units=self.units)
+        self.block_units = block_units(model, self.units)
         self.stage_ids = stage_indices(self.pp_rank, self.pp, v, style)
         self.module = rank_module(model, self.units_by_stage, self.stage_ids, units=self.units)
         to_none = removes_to_none(model)
@@ -210,9 +274,9 @@ class PipelineRuntime:
                                          entry=view.get_submodule(self.units_by_stage[i][0]))
         self.last_rank = self._rank_of(choice.n_stages - 1)  # pipeline rank that computes the loss
         self._tied = self._tied_across_ranks(model)
-        counted_elsewhere = {id(t.local) for t in self._tied if t.local is not None and not t.counted_here}
-        self._norm_params = [p for p in self.module.parameters() if id(p) not in counted_elsewhere]
-        self.require_sync = True  # False while Lightning accumulates gradients: no sync before the last batch
+        self._tied_grad_meta: list[tuple[list[int], torch.dtype]] | None = None  # local shapes, after the 1st sum
+        # False while Lightning accumulates gradients: FSDP stage modules keep their gradients unreduced
+        self.require_sync = True
         self._loss_fn = loss_fn
         self._micro_losses: list[Tensor] = []
         self.record_next = False  # record the next training step's executed schedule and activation memory
@@ -220,9 +284,17 @@ class PipelineRuntime:
 
         def scaled_loss(outputs: Any, targets: Any) -> Tensor:
             loss = loss_fn(outputs, targets)
-            self._micro_losses.append(loss.detach())
+            self._micro_losses.append(_plain(loss.detach()))
             return loss * loss_scale
 
+        if prepare is not None:
+            prepared = prepare(self.module, list(self.stage_modules))
+            if prepared is not None:
+                prepared = list(prepared)
+                if len(prepared) != len(self.stage_modules) or not all(isinstance(m, nn.Module) for m in prepared):
+                    raise TypeError(f"prepare must return this rank's {len(self.stage_modules)} stage modules (or "
+                                    f"None), got {prepared!r}")
+                self.stage_modules = prepared
         n = choice.n_stages
         self.stages = [pipelining.PipelineStage(mod, i, n, device, group=self.group)
                        for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
@@ -275,6 +347,11 @@ class PipelineRuntime:
 
         ``inputs`` are the model's input ids, or a dict with ``input_ids`` and ``attention_mask`` (every stage gets
         the mask). Returns the batch loss (mean of the micro-batch losses, unscaled) on every pipeline rank.
+
+        FSDP2 stage modules (ZeRO-3): torch's schedule accumulates the micro-batches' gradients unreduced and
+        reduce-scatters each FSDP group once after the last backward of the step. With ``require_sync = False``
+        (the non-final batches of gradient accumulation) that reduce-scatter is skipped too: the gradients stay
+        unreduced (and the parameters gathered) until the step whose ``require_sync`` is True.
         """
         m = self.choice.n_microbatches
         ids, extra = self._model_inputs(inputs)
@@ -287,13 +364,20 @@ class PipelineRuntime:
         kwargs.update(extra)  # cut into micro-batches by the schedule and given to every stage
         if self.io.inject:  # later stages run the forward on the model's input (see adapter.py)
             kwargs["model_inputs"] = ids
-        if self.record_next:  # see lightning_par.callbacks.PipelineTimeline
-            self.record_next = False
-            with ScheduleRecorder(self.stages) as recorder, ActivationMeter(self.module.parameters()) as meter:
+        deferred = [] if self.require_sync else [s for s in self.stages if isinstance(s.submod, FSDPModule)]
+        for stage in deferred:  # keep the gradients unreduced: an instance attribute shadows the method
+            stage.perform_reduce_grad = _no_reduce
+        try:
+            if self.record_next:  # see lightning_par.callbacks.PipelineTimeline
+                self.record_next = False
+                with ScheduleRecorder(self.stages) as recorder, ActivationMeter(self.module.parameters()) as meter:
+                    self.schedule.step(*args, **kwargs)
+                self.recording = Recording(recorder.records, recorder.origin, meter.peak_bytes)
+            else:
                 self.schedule.step(*args, **kwargs)
-            self.recording = Recording(recorder.records, recorder.origin, meter.peak_bytes)
-        else:
-            self.schedule.step(*args, **kwargs)
+        finally:
+            for stage in deferred:
+                del stage.perform_reduce_grad
         # the last m: on its first step torch also calls the loss function to infer the backward's shapes
         micro = self._micro_losses[-m:]
         if self.is_last:
@@ -305,43 +389,108 @@ class PipelineRuntime:
         return tensor
 
     def _tied_across_ranks(self, model: nn.Module) -> list[_Tied]:
-        """Parameters whose copies live on more than one pipeline rank, with this rank's copy (if any)."""
+        """Parameters whose copies live on more than one pipeline rank, with this rank's copy's name (if any)."""
         params = dict(model.named_parameters(remove_duplicate=False))
-        local = dict(self.module.named_parameters(remove_duplicate=False))
         out = []
         for tied in tied_parameter_groups(model, self.units_by_stage, units=self.units):
             by_rank: dict[int, str] = {}
             for stage, name in tied.name_by_stage.items():
                 by_rank.setdefault(self._rank_of(stage), name)
             if len(by_rank) > 1:
-                name = by_rank.get(self.pp_rank)
-                counted_here = min(by_rank) == self.pp_rank
-                out.append(_Tied(local.get(name) if name else None, counted_here, params[tied.name].shape,
-                                 params[tied.name].dtype))
+                source = min(by_rank)
+                out.append(_Tied(by_rank.get(self.pp_rank), source, source == self.pp_rank,
+                                 params[tied.name].shape, params[tied.name].dtype))
         return out
 
+    def _tied_copy(self, tied: _Tied) -> nn.Parameter | None:
+        return self.module.get_parameter(tied.name) if tied.name is not None else None
+
     def sync_gradients(self, dp_group: dist.ProcessGroup) -> None:
-        """Before the optimizer step: sum the tied copies' gradients over the pipeline, average over replicas."""
-        self._sum_tied_gradients()
+        """ZeRO-0 (plain replicas) only: before the optimizer step, sum the tied copies' gradients over the pipeline
+        (:meth:`sum_tied_gradients`), then average every gradient over the replicas with one flat all-reduce.
+
+        Other data-parallel owners synchronise the replicas themselves and call only :meth:`sum_tied_gradients`."""
+        self.sum_tied_gradients()
         self._average_gradients(dp_group)
 
-    def _sum_tied_gradients(self) -> None:
+    def _exchange_meta(self, tied: _Tied, local: Tensor | None) -> tuple[list[int], torch.dtype]:
+        """The shape and dtype of this rank's part of ``tied``, broadcast from its source rank: ranks without a
+        copy learn what to send; ranks with one check that their copy is split like the source's (a collective
+        flag, so every rank raises alike)."""
+        header = _header(local) if self.pp_rank == tied.source else torch.empty(_HEADER, dtype=torch.int64,
+                                                                                 device=self.device)
+        dist.broadcast(header, src=self.global_ranks[tied.source], group=self.group)
+        ndim = int(header[1])
+        shape, dtype = [int(d) for d in header[2:2 + ndim]], _DTYPES[int(header[0])]
+        bad = torch.zeros((), dtype=torch.int64, device=self.device)
+        if local is not None and (list(local.shape) != shape or local.dtype != dtype):
+            bad += 1
+        dist.all_reduce(bad, group=self.group)
+        if int(bad):
+            mine = f"{list(local.shape)} {local.dtype}" if local is not None else "no copy"
+            raise LayoutError(
+                f"the copies of a parameter held on several pipeline ranks ({tied.name or 'a tied weight'}) are split "
+                f"differently over the other parallel dimensions (this rank holds {mine}, pipeline rank "
+                f"{tied.source} holds {shape} {dtype}): shard / split both copies alike (the same tensor-parallel "
+                "style, the same data-parallel sharding).")
+        return shape, dtype
+
+    @torch.no_grad()
+    def make_tied_copies_equal(self) -> None:
+        """Copy each parameter held on several pipeline ranks from the lowest pipeline rank holding it to the
+        other copies (what this rank holds of it: a DTensor's local shard). Call on every pipeline rank together,
+        at setup; the split copies are equal already when every rank built the model alike."""
+        for tied in self._tied:
+            param = self._tied_copy(tied)
+            local = _local(param) if param is not None else None
+            shape, dtype = self._exchange_meta(tied, local)
+            buffer = local.detach().contiguous() if local is not None else torch.empty(shape, dtype=dtype,
+                                                                                        device=self.device)
+            dist.broadcast(buffer, src=self.global_ranks[tied.source], group=self.group)
+            if local is not None and buffer.data_ptr() != local.data_ptr():
+                local.copy_(buffer)
+
+    def sum_tied_gradients(self) -> None:
         """Sum the gradients of parameters held on several pipeline ranks, so their copies take the same step.
 
-        The all-reduce runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare
-        and this avoids extra process groups.
+        Call on every pipeline rank together, after the data-parallel reduction of the step (a sharded gradient
+        is summed shard by shard: the copies must be sharded alike, which the first call checks). The all-reduce
+        runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this avoids
+        extra process groups.
         """
-        for tied in self._tied:
-            param = tied.local
+        if self._tied_grad_meta is None:
+            meta = []
+            for tied in self._tied:
+                param = self._tied_copy(tied)
+                meta.append(self._exchange_meta(tied, _local(param) if param is not None else None))
+            self._tied_grad_meta = meta
+        for tied, (shape, dtype) in zip(self._tied, self._tied_grad_meta, strict=True):
+            param = self._tied_copy(tied)
             if param is not None and param.grad is None:
                 param.grad = torch.zeros_like(param)
-            grad = param.grad if param is not None else torch.zeros(tied.shape, dtype=tied.dtype, device=self.device)
-            dist.all_reduce(grad, group=self.group)
+            grad = _local(param.grad) if param is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+            buffer = grad if grad.is_contiguous() else grad.contiguous()
+            dist.all_reduce(buffer, group=self.group)
+            if buffer is not grad:
+                grad.copy_(buffer)
+
+    def counted_elsewhere(self) -> set[int]:
+        """ids of this rank's parameter copies whose gradient another pipeline rank counts in the global norm (the
+        tied copies not on the lowest pipeline rank holding them). Looked up now: valid for the current
+        ``Parameter`` objects (after tensor parallel and FSDP2 replaced them)."""
+        out = set()
+        for tied in self._tied:
+            param = self._tied_copy(tied)
+            if param is not None and not tied.counted_here:
+                out.add(id(param))
+        return out
 
     def global_grad_norm(self) -> Tensor:
         """The 2-norm of the whole model's gradient: squares summed over the pipeline ranks, a tied parameter
-        counted once (on the lowest pipeline rank holding it)."""
-        grads = [p.grad for p in self._norm_params if p.grad is not None]
+        counted once (on the lowest pipeline rank holding it). Plain (unsplit) gradients only; the engine's
+        :func:`lightning_par.parallel.grad_norm.global_grad_norm` handles DTensors."""
+        skip = self.counted_elsewhere()
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
         # explicit fp32: under bf16-true the default dtype is bf16, and every rank must send the same bytes
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
@@ -357,7 +506,8 @@ class PipelineRuntime:
         schedules), so there is no single backward to hook the overlap into.
         """
         n = dist.get_world_size(dp_group)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # tensor-parallel gradients: each rank averages its own shard with the replicas of the same tp coordinate
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
         if n == 1 or not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -425,10 +575,14 @@ class PipelineRuntime:
         for work in pending:
             if not isinstance(work, Tensor):
                 work.wait()
+        # FSDP2 stage modules gathered their parameters in their forward and, not resharding after forward in a
+        # pipeline, still hold them: free them now (the optimizer may step the shards before the next call)
+        for module in fsdp_modules(self.stage_modules):
+            module.reshard()
         if targets is not None:
             if self.is_last:
                 losses = [self._loss_fn(y, t) for y, t in zip(outputs, targets.tensor_split(m), strict=True)]
-                loss = torch.stack([x.detach().float() for x in losses]).mean()
+                loss = torch.stack([_plain(x.detach()).float() for x in losses]).mean()
             else:
                 loss = torch.zeros((), dtype=torch.float32, device=self.device)
             return self._from_last(loss)

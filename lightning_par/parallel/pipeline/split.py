@@ -591,10 +591,26 @@ def rank_module(model: nn.Module, units_by_stage: list[list[str]], stage_ids: li
     return _build_stage(model, units, [u for i in stage_ids for u in units_by_stage[i]])
 
 
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its submodules, parameters and buffers, with its own submodule dictionary and
+    its own hook registries (copies of the current ones)."""
+    view = copy.copy(module)
+    view._modules = dict(module._modules)
+    for key, value in module.__dict__.items():
+        if "hook" in key and isinstance(value, dict):
+            view.__dict__[key] = type(value)(value)
+    return view
+
+
 def stage_view(module: nn.Module, keep: list[str], *, units: Sequence[str] | None = None,
                to_none: bool | None = None) -> nn.Module:
     """A shallow copy of ``module`` without the units outside ``keep``: the kept units are shared with ``module``,
     not copied, so a pipeline stage built on the view trains ``module``'s own parameters.
+
+    The view shares ``module``'s parameter and buffer dictionaries (a parameter replaced on one, by tensor parallel
+    or FSDP2, is replaced on both) but has its own hook registries, holding the hooks ``module`` had when the view
+    was made: a hook registered later on the view (FSDP2's ``fully_shard`` of the stage) runs only when the view is
+    called, and one registered later on ``module`` only when ``module`` is called.
 
     ``units`` are all the pipeline units (default: ``module.pipeline_units()``); ``to_none`` says how to remove the
     others (default: :func:`removes_to_none`). A unit ``module`` holds as a :class:`RemovedUnit` gets one for this
@@ -603,8 +619,7 @@ def stage_view(module: nn.Module, keep: list[str], *, units: Sequence[str] | Non
     units = declared_units(module) if units is None else list(units)
     to_none = removes_to_none(module) if to_none is None else to_none
     first_kept = min(units.index(u) for u in keep)
-    view = copy.copy(module)
-    view._modules = dict(module._modules)
+    view = _shallow_copy(module)
     for index, unit in enumerate(units):
         if unit in keep:
             continue
@@ -618,8 +633,7 @@ def stage_view(module: nn.Module, keep: list[str], *, units: Sequence[str] | Non
         parent = view
         if parent_name:  # copy the chain of containers down to the unit, so `module` keeps its own
             for part in parent_name.split("."):
-                child = copy.copy(parent._modules[part])
-                child._modules = dict(child._modules)
+                child = _shallow_copy(parent._modules[part])
                 parent._modules[part] = child
                 parent = child
         _remove_unit(parent, name, to_none, stand_in)

@@ -1,0 +1,142 @@
+"""What one device can do: the hardware model the planner times a layout with.
+
+A device is described by a handful of numbers, each used in one place of :mod:`lightning_par.planner.cost`:
+
+- ``peak_flops`` by compute dtype and ``matmul_efficiency``: how fast matrix products run (an op costs
+  ``flops / (peak * efficiency)``, or the time to move its bytes, whichever is longer: a roofline per op);
+- ``memory_bandwidth``: how fast the other ops (norms, activations, softmax, the optimizer step) move bytes;
+- ``op_overhead_s``: the fixed cost of launching one op (eager PyTorch: one kernel per op);
+- ``intra_node_bandwidth`` / ``inter_node_bandwidth``: collective bus bandwidth per device (NCCL's "busbw": a ring
+  all-reduce of ``n`` bytes over ``k`` devices takes ``2 n (k-1)/k / bandwidth``), inside a node (NVLink) and
+  across nodes (InfiniBand), and ``latency_s`` per collective;
+- ``devices_per_node``: which groups stay inside a node (ranks are laid out tp innermost, pp outermost);
+- ``memory_gib`` and ``reserved_gib``: device memory, and what the runtime takes before any tensor (CUDA context,
+  NCCL buffers, allocator fragmentation).
+
+Presets: ``h100-sxm``, ``a100`` (80 GB SXM, as in Megatron's Selene runs) and ``cpu`` (this 2-core CPU with gloo,
+measured); or a JSON / YAML file with the same fields (``--hardware FILE``), missing fields taken from ``base``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from lightning_par.topology import LayoutError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and how devices are connected (see the module docstring for what each field does)."""
+
+    name: str
+    peak_flops: dict[str, float] = field(default_factory=dict)  # compute dtype ("fp32", "bf16") -> FLOP/s
+    matmul_efficiency: float = 0.7
+    memory_bandwidth: float = 2e12  # bytes/s
+    op_overhead_s: float = 5e-6
+    intra_node_bandwidth: float = 200e9  # bytes/s per device, collective bus bandwidth
+    inter_node_bandwidth: float = 25e9
+    latency_s: float = 2e-5
+    devices_per_node: int = 8
+    memory_gib: float = 80.0
+    reserved_gib: float = 2.0
+    notes: str = ""
+
+    def flops(self, compute_dtype: str) -> float:
+        """Achievable matmul FLOP/s for a compute dtype ("fp32" or "bf16")."""
+        if compute_dtype not in self.peak_flops:
+            raise LayoutError(f"hardware {self.name!r} gives no peak FLOP/s for {compute_dtype}; add it to peak_flops.")
+        return self.peak_flops[compute_dtype] * self.matmul_efficiency
+
+    def bandwidth(self, span_nodes: bool) -> float:
+        return self.inter_node_bandwidth if span_nodes else self.intra_node_bandwidth
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.reserved_gib) * GiB
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, Hardware] = {
+    "h100-sxm": Hardware(
+        name="h100-sxm",
+        # dense bf16 989 TFLOP/s; fp32 without TF32 (PyTorch's default for float32 matmuls) 67 TFLOP/s
+        peak_flops={"bf16": 989e12, "fp32": 67e12},
+        matmul_efficiency=0.6,
+        memory_bandwidth=3.35e12 * 0.8,
+        op_overhead_s=4e-6,
+        intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
+        inter_node_bandwidth=40e9,  # one 400 Gb/s NDR port per GPU
+        latency_s=1.5e-5,
+        devices_per_node=8,
+        memory_gib=79.6,
+        reserved_gib=3.0,
+        notes="H100 SXM5 80 GB, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
+    ),
+    "a100": Hardware(
+        name="a100",
+        peak_flops={"bf16": 312e12, "fp32": 19.5e12},
+        matmul_efficiency=0.6,
+        memory_bandwidth=2.039e12 * 0.8,
+        op_overhead_s=5e-6,
+        intra_node_bandwidth=230e9,  # NVLink 3 (600 GB/s both ways): all-reduce bus bandwidth of nccl-tests
+        inter_node_bandwidth=22e9,  # one 200 Gb/s HDR port per GPU (Selene: 8 per DGX node)
+        latency_s=2e-5,
+        devices_per_node=8,
+        memory_gib=79.2,
+        reserved_gib=3.0,
+        notes="A100 SXM4 80 GB, 8 per DGX node on NVSwitch, one 200 Gb/s HDR InfiniBand port per GPU (Selene)",
+    ),
+    "cpu": Hardware(
+        name="cpu",
+        # measured on this machine, one thread per rank (as the tests run): a 1024^3 fp32 matmul 90 GFLOP/s; bf16
+        # matmuls have no native kernel on this CPU and run at about 1 GFLOP/s
+        peak_flops={"fp32": 90e9, "bf16": 0.9e9},
+        matmul_efficiency=1.0,
+        memory_bandwidth=12e9,  # one core copying 64 MiB
+        op_overhead_s=1e-5,  # eager dispatch of one op with autograd
+        intra_node_bandwidth=0.75e9,  # gloo all-reduce of 16 MiB between 2 processes on loopback
+        inter_node_bandwidth=0.75e9,
+        latency_s=5e-4,
+        devices_per_node=2,  # ranks beyond the 2 cores share them
+        memory_gib=11.5,  # 23 GiB of host memory shared by the 2 ranks
+        reserved_gib=0.5,
+        notes="this machine: 2 AMD EPYC cores, one rank per core, gloo over loopback",
+    ),
+}
+
+
+def load_hardware(spec: str | Path | Hardware) -> Hardware:
+    """A preset by name, or a JSON / YAML file of :class:`Hardware` fields (``base: PRESET`` fills the rest)."""
+    if isinstance(spec, Hardware):
+        return spec
+    text = str(spec)
+    if text in PRESETS:
+        return PRESETS[text]
+    path = Path(text)
+    if not path.is_file():
+        raise LayoutError(f"unknown hardware {text!r}: use a preset ({', '.join(PRESETS)}) or a JSON / YAML file "
+                          "with the fields of lightning_par.planner.hardware.Hardware.")
+    raw = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(raw)
+    else:
+        import yaml
+
+        data = yaml.safe_load(raw)
+    if not isinstance(data, dict):
+        raise LayoutError(f"{path}: expected a mapping of Hardware fields, got {type(data).__name__}.")
+    base = PRESETS.get(data.pop("base", ""), Hardware(name=path.stem))
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise LayoutError(f"{path}: unknown hardware fields {unknown}; the fields are {sorted(known)}.")
+    data.setdefault("name", path.stem)
+    if "peak_flops" in data:
+        data["peak_flops"] = {**base.peak_flops, **{k: float(v) for k, v in data["peak_flops"].items()}}
+    return replace(base, **data)

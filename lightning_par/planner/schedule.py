@@ -1,0 +1,219 @@
+"""The order a pipeline schedule runs its actions in, and what that order costs: makespan, bubble, memory in flight.
+
+The order is the one the runtime executes (:mod:`lightning_par.parallel.pipeline.runtime` builds torch's
+schedule classes):
+
+- ``gpipe`` and ``1f1b`` are torch's single-stage schedules, whose order lives in their ``_step_microbatches``
+  loops: GPipe runs every forward, then every backward; 1F1B runs ``min(m, p - rank)`` forwards, then alternates one
+  backward and one forward, then the remaining backwards;
+- the multi-stage schedules (interleaved 1F1B, looped BFS, interleaved zero bubble, ZBV, DualPipeV) build a
+  ``pipeline_order`` when they are made; it is read from torch's classes here, made on stand-in stages (no process
+  group, no model), so the planner follows torch's order exactly.
+
+:func:`simulate` then runs the order with a cost per action and a transfer time between ranks, as
+:func:`lightning_par.parallel.pipeline.timeline.replay` re-times a recorded one: the makespan, each rank's idle
+fraction (the bubble) and the most bytes of activations each rank holds at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from lightning_par.parallel.pipeline.runtime import SCHEDULES, resolve_schedule
+from lightning_par.parallel.pipeline.split import stage_indices, stage_rank
+
+
+class Action(NamedTuple):
+    """One compute action: ``kind`` "F" (forward), "B" (full backward), "I" (input-gradient backward of the
+    zero-bubble schedules) or "W" (their deferred weight-gradient backward)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+
+class _StandInStage:
+    """What torch's schedule constructors read from a ``PipelineStage``."""
+
+    def __init__(self, index: int, n_stages: int, pp: int, rank: int) -> None:
+        import torch
+
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, n_stages, pp, rank
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.has_backward = True
+        self.submod = torch.nn.Identity()
+
+
+def _single_stage_order(name: str, pp: int, m: int) -> dict[int, list[Action]]:
+    out = {}
+    for rank in range(pp):
+        if name == "gpipe":
+            out[rank] = [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
+            continue
+        warmup = min(m, pp - rank)  # torch's Schedule1F1B: the last stage warms up with 1, the first with p
+        actions = [Action(rank, "F", i) for i in range(warmup)]
+        forward, backward = warmup, 0
+        while backward < m:
+            actions.append(Action(rank, "B", backward))
+            backward += 1
+            if forward < m:
+                actions.append(Action(rank, "F", forward))
+                forward += 1
+        out[rank] = actions
+    return out
+
+
+@lru_cache(maxsize=256)
+def _order(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    spec = SCHEDULES[name]
+    if spec.torch_class in ("ScheduleGPipe", "Schedule1F1B"):
+        order = _single_stage_order(name, pp, m)
+    else:
+        from torch.distributed import pipelining
+
+        stages = [_StandInStage(i, pp * v, pp, 0) for i in stage_indices(0, pp, v, spec.style)]
+        schedule = getattr(pipelining, spec.torch_class)(stages, n_microbatches=m, loss_fn=lambda out, target: out,
+                                                         scale_grads=False)
+        order = {}
+        for rank, actions in schedule.pipeline_order.items():
+            out: list[Action] = []
+            for action in actions:
+                if action is None:
+                    continue
+                parts = getattr(action, "sub_actions", None) or (action,)  # DualPipeV's overlapped F and B
+                for part in parts:
+                    kind = part.computation_type.value
+                    if kind in ("F", "B", "I", "W"):
+                        out.append(Action(part.stage_index, kind, part.microbatch_index))
+            order[rank] = out
+    return tuple(tuple(order[rank]) for rank in range(pp))
+
+
+def action_order(name: str, pp: int, n_microbatches: int | None = None,
+                 virtual_stages: int | None = None) -> dict[int, list[Action]]:
+    """Each pipeline rank's compute actions, in the order the runtime runs them."""
+    choice = resolve_schedule(name, pp, n_microbatches, virtual_stages)
+    order = _order(name, pp, choice.n_microbatches, choice.virtual_stages)
+    return {rank: list(actions) for rank, actions in enumerate(order)}
+
+
+def rank_of_stage(name: str, pp: int, virtual_stages: int) -> Callable[[int], int]:
+    style = SCHEDULES[name].style
+    return lambda stage: stage_rank(stage, pp, virtual_stages, style)
+
+
+@dataclass
+class Simulation:
+    """A schedule run with given costs.
+
+    Attributes:
+        makespan: from the first action's start to the last action's end.
+        busy: per rank, the summed duration of its actions.
+        bubble: per rank, the idle fraction of the makespan; ``mean_bubble`` averages them (what the runtime's
+            ``pipeline/bubble_fraction`` reports).
+        peak_held: per rank, the most bytes of activations held at once.
+        peak_in_flight: per stage, the most micro-batches forwarded and not yet released.
+        timeline: ``(rank, action, start, end)`` of every action.
+    """
+
+    makespan: float
+    busy: list[float]
+    bubble: list[float]
+    peak_held: list[float]
+    peak_in_flight: dict[int, int]
+    timeline: list[tuple[int, Action, float, float]]
+
+    @property
+    def mean_bubble(self) -> float:
+        return sum(self.bubble) / len(self.bubble)
+
+
+def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[int], int],
+             cost: Callable[[Action], float], transfer: Callable[[int, int], float] | None = None,
+             held: Callable[[int], float] | None = None) -> Simulation:
+    """Run ``order``: each rank runs its actions in order; an action starts when its rank is free and its inputs
+    exist -- F of stage s needs F of s-1; B / I of s needs F of s and B / I of s+1; W needs I of s.
+
+    ``cost(action)``: its duration. ``transfer(src_stage, dst_stage)``: time to move an activation or a gradient
+    between the two stages when they sit on different ranks. ``held(stage)``: the bytes one micro-batch's forward
+    of the stage keeps for backward; they are released by its full backward (B) or, in the zero-bubble schedules,
+    by its weight-gradient backward (W): the input-gradient backward keeps the graph for W.
+    """
+    transfer = transfer or (lambda a, b: 0.0)
+    held = held or (lambda s: 0.0)
+    last = n_stages - 1
+    position = dict.fromkeys(order, 0)
+    free = dict.fromkeys(order, 0.0)
+    done: dict[tuple[str, int, int], float] = {}
+    live = dict.fromkeys(order, 0.0)
+    peak = dict.fromkeys(order, 0.0)
+    in_flight: dict[int, int] = {}
+    peak_flight: dict[int, int] = {}
+    timeline: list[tuple[int, Action, float, float]] = []
+
+    def ready(action: Action) -> float | None:
+        s, mb = action.stage, action.microbatch
+        if action.kind == "F":
+            needs = [("F", s - 1, mb)] if s > 0 else []
+        elif action.kind in ("B", "I"):
+            needs = [("F", s, mb)] + ([("G", s + 1, mb)] if s < last else [])
+        else:
+            needs = [("G", s, mb)]
+        start = 0.0
+        for kind, stage, micro in needs:
+            end = done.get((kind, stage, micro))
+            if end is None:
+                return None
+            if stage != s:
+                end += transfer(stage, s) if rank_of(stage) != rank_of(s) else 0.0
+            start = max(start, end)
+        return start
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in order.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                start = ready(action)
+                if start is None:
+                    break
+                start = max(start, free[rank])
+                end = start + cost(action)
+                free[rank] = end
+                key = ("G" if action.kind in ("B", "I") else action.kind, action.stage, action.microbatch)
+                done[key] = end
+                timeline.append((rank, action, start, end))
+                s = action.stage
+                if action.kind == "F":
+                    live[rank] += held(s)
+                    in_flight[s] = in_flight.get(s, 0) + 1
+                    peak_flight[s] = max(peak_flight.get(s, 0), in_flight[s])
+                    peak[rank] = max(peak[rank], live[rank])
+                elif action.kind in ("B", "W"):
+                    live[rank] -= held(s)
+                    in_flight[s] -= 1
+                position[rank] += 1
+                progress = True
+    stuck = {r: order[r][position[r]] for r in order if position[r] < len(order[r])}
+    if stuck:
+        raise RuntimeError(f"the schedule cannot proceed: the next actions wait on actions it never runs: {stuck}")
+    start = min(t[2] for t in timeline)
+    makespan = max(t[3] for t in timeline) - start
+    busy = [sum(t[3] - t[2] for t in timeline if t[0] == rank) for rank in sorted(order)]
+    bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
+    return Simulation(makespan, busy, bubble, [peak[r] for r in sorted(order)], dict(sorted(peak_flight.items())),
+                      timeline)
+
+
+def formula_bubble(name: str, pp: int, m: int, v: int) -> float | None:
+    """The closed-form idle fraction of the makespan for uniform stages with B = 2F: ``(p-1)/(m+p-1)`` for GPipe
+    and 1F1B, ``(p-1)/(mv+p-1)`` for interleaved 1F1B and looped BFS; None for the zero-bubble schedules."""
+    if name in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    if name in ("interleaved_1f1b", "looped_bfs"):
+        return (pp - 1) / (m * v + pp - 1)
+    return None

@@ -1,0 +1,415 @@
+"""Run the model's units forward and backward on fake tensors: the bytes each saves for backward, and its ops.
+
+A fake tensor (``torch._subclasses.fake_tensor.FakeTensorMode``) has a shape, a dtype and a device but no memory,
+so a unit of an 8B model runs in milliseconds and allocates nothing. Its device is the CPU, so PyTorch picks the
+kernels it would pick here (the flash attention of the CPU, RMSNorm unfused), and autograd saves exactly what it
+saves in a real run: the counts below equal :class:`lightning_par.measure.ActivationMeter` on real tensors
+(``tests/test_planner.py``).
+
+For one configuration -- tensor-parallel size, sequence parallel, recompute, precision, micro-batch ``b`` and
+sequence ``s`` -- :func:`trace_model`:
+
+1. copies the short model (one block per kind, :func:`lightning_par.planner.model.short_model`), splits its
+   parameters as tensor parallelism splits them on one rank (column-parallel linears keep ``out/tp`` features,
+   row-parallel ones ``in/tp``, the vocabulary ``V/tp`` rows; the TP plan of
+   :func:`~lightning_par.parallel.tensor_parallel.resolve_tp_plan`), applies the recompute of
+   :func:`~lightning_par.parallel.recompute.apply_recompute` to the blocks, and casts it for ``bf16-true``;
+2. runs the model once on fake token ids to capture every unit's inputs;
+3. runs each unit again by itself, forward then backward with a gradient of ones, counting each storage autograd
+   saves once (parameters excluded) and recording every op: FLOPs (``torch.utils.flop_counter``'s formulas) and
+   bytes read and written;
+4. does the same for the loss (the LightningModule's ``loss_fn``, else cross-entropy) on the logits.
+
+With sequence parallelism the norms run on ``s/tp`` tokens: the bytes they save (and, in a block, its input)
+and the time of their ops are divided by tp afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from lightning_par.parallel.recompute import apply_recompute
+from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_plan
+from lightning_par.planner.model import ModelInfo, short_model
+from lightning_par.topology import LayoutError
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16-true")
+
+
+def compute_dtype(precision: str) -> str:
+    return "fp32" if precision == "fp32" else "bf16"
+
+
+@dataclass
+class Ops:
+    """The ops of one phase ("F" forward, "B" backward, with any recompute) of one unit, kept as arrays."""
+
+    flops: list[float] = field(default_factory=list)
+    nbytes: list[float] = field(default_factory=list)
+    low_precision: list[bool] = field(default_factory=list)
+    seq: list[bool] = field(default_factory=list)  # runs on sequence shards under sequence parallelism
+    weight_grad: list[bool] = field(default_factory=list)  # produces a weight gradient (zero bubble's W)
+
+    def add(self, flops: float, nbytes: float, low: bool, seq: bool, weight_grad: bool) -> None:
+        self.flops.append(flops)
+        self.nbytes.append(nbytes)
+        self.low_precision.append(low)
+        self.seq.append(seq)
+        self.weight_grad.append(weight_grad)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops)
+
+    def time(self, hw: Any, tp_seq: int = 1, weight_grad: bool | None = None) -> float:
+        """Seconds on ``hw``: per op the longer of its FLOPs at the matmul rate and its bytes at the memory
+        bandwidth, plus the launch overhead; ops on sequence shards take 1/``tp_seq``. ``weight_grad`` True / False
+        keeps only the ops that do / do not produce weight gradients."""
+        fast, slow, bw, overhead = hw.flops("bf16"), hw.flops("fp32"), hw.memory_bandwidth, hw.op_overhead_s
+        total = 0.0
+        for f, b, low, seq, w in zip(self.flops, self.nbytes, self.low_precision, self.seq, self.weight_grad,
+                                     strict=True):
+            if weight_grad is not None and w != weight_grad:
+                continue
+            t = max(f / (fast if low else slow), b / bw)
+            total += (t / tp_seq if seq else t) + overhead
+        return total
+
+
+@dataclass
+class UnitTrace:
+    """What one unit does for one micro-batch on one tensor-parallel rank."""
+
+    name: str
+    saved_bytes: float  # saved for backward, each storage once
+    saved_seq_bytes: float  # the part held on sequence shards under sequence parallelism (divided by tp)
+    forward: Ops
+    backward: Ops
+    output_bytes: float  # the activation sent to the next pipeline stage
+
+    def saved(self, tp_seq: int = 1) -> float:
+        return self.saved_bytes - self.saved_seq_bytes * (1 - 1 / tp_seq)
+
+
+@dataclass
+class ModelTrace:
+    """Per unit of the full model (a block's trace stands for every block of its kind), and the loss."""
+
+    units: dict[str, UnitTrace]
+    loss: UnitTrace
+    tp: int
+    sequence_parallel: bool
+    recompute: str
+    precision: str
+    micro_batch: int
+    seq_len: int
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Counting
+# ----------------------------------------------------------------------------------------------------------------------
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _is_view(func: Any) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _attention_flops(q: Tensor, k: Tensor, v: Tensor) -> float:
+    b, h, s_q, d = q.shape
+    s_k, d_v = k.shape[-2], v.shape[-1]
+    return 2.0 * b * h * s_q * s_k * d + 2.0 * b * h * s_q * s_k * d_v
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        return float(flop_registry[packet](*args, **kwargs, out_val=out))
+    name = packet.__name__
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        return _attention_flops(*args[:3])
+    if name == "_scaled_dot_product_flash_attention_for_cpu_backward":  # (grad_out, q, k, v, out, lse, ...)
+        return 2.5 * _attention_flops(*args[1:4])
+    return 0.0
+
+
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+               "detach", "lift_fresh"}
+
+
+def _nbytes(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+    name = func._overloadpacket.__name__
+    if name in _NO_TRAFFIC:
+        return 0.0
+    outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+    if name == "embedding":  # a gather: reads the rows it returns, not the table
+        return 2.0 * sum(t.nbytes for t in outs) + args[1].nbytes
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    return float(sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs))
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every non-view op: FLOPs, bytes moved, precision, and whether it runs on sequence shards or makes a
+    weight gradient."""
+
+    def __init__(self, ops: Ops, in_seq: Callable[[], bool], weight_shapes: set[tuple[int, ...]],
+                 backward: bool) -> None:
+        super().__init__()
+        self.ops, self.in_seq, self.weight_shapes, self.backward = ops, in_seq, weight_shapes, backward
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _is_view(func):
+            flops = _flops(func, args, kwargs, out)
+            low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tree_leaves(args) if isinstance(t, Tensor))
+            weight_grad = bool(self.backward and flops and isinstance(out, Tensor)
+                               and tuple(out.shape) in self.weight_shapes)
+            self.ops.add(flops, _nbytes(func, args, kwargs, out), low, self.in_seq(), weight_grad)
+        return out
+
+
+class _SavedCounter:
+    """Bytes autograd saves, each storage once, parameters and buffers excluded; the part saved on sequence
+    shards (by a norm under sequence parallelism, or a block's own input) counted apart."""
+
+    def __init__(self, skip: set[int], on_shards: Callable[[Tensor], bool]) -> None:
+        self.skip, self.on_shards = skip, on_shards
+        self.seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in self.skip and key not in self.seen:
+            self.seen[key] = (t.untyped_storage().nbytes(), self.on_shards(t))
+        return t
+
+    @property
+    def total(self) -> float:
+        return float(sum(n for n, _ in self.seen.values()))
+
+    @property
+    def on_seq(self) -> float:
+        return float(sum(n for n, seq in self.seen.values() if seq))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Preparing the copy
+# ----------------------------------------------------------------------------------------------------------------------
+def _split_like_tp(root: nn.Module, tp: int, sequence_parallel: bool) -> dict[str, str]:
+    """Shrink ``root``'s (meta) parameters to one tensor-parallel rank's shards; returns the resolved plan."""
+    styles = resolve_tp_plan(root, tp, sequence_parallel)
+    for name, style in styles.items():
+        module = root.get_submodule(name)
+        changed = False
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            split = _planned_split(style, module, p_name)
+            if split == "Replicate()":
+                continue
+            dim = int(split[6:-1])
+            shape = list(p.shape)
+            if shape[dim] % tp:
+                raise LayoutError(f"{name}.{p_name} has {shape[dim]} rows along dim {dim}, which tp={tp} does not "
+                                  "divide.")
+            shape[dim] //= tp
+            setattr(module, p_name, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                                 requires_grad=p.requires_grad))
+            changed = True
+        if changed and isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+        elif changed and isinstance(module, nn.Embedding):
+            module.num_embeddings = module.weight.shape[0]
+    return styles
+
+
+def _leaves(args: tuple, kwargs: dict) -> tuple[tuple, dict, Tensor | None]:
+    """Detached copies of a unit's captured inputs; the activation (the first floating tensor argument, or
+    ``hidden_states``) becomes a leaf that requires grad, as a pipeline stage's received input is."""
+    activation: list[Tensor] = []
+
+    def detach(t: Any) -> Any:
+        return t.detach() if isinstance(t, Tensor) else t
+
+    args, kwargs = tree_map(detach, args), tree_map(detach, kwargs)
+    candidates = [(i, a) for i, a in enumerate(args) if isinstance(a, Tensor)]
+    if not candidates and isinstance(kwargs.get("hidden_states"), Tensor):
+        kwargs = {**kwargs, "hidden_states": kwargs["hidden_states"].requires_grad_(True)}
+        return args, kwargs, kwargs["hidden_states"]
+    for i, a in candidates:
+        if a.is_floating_point():
+            args = (*args[:i], a.requires_grad_(True), *args[i + 1:])
+            activation.append(args[i])
+            break
+    return args, kwargs, activation[0] if activation else None
+
+
+def _logits(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    raise LayoutError(f"the model's forward returned {type(out).__name__}; the planner needs logits (a tensor, "
+                      "or an output with .logits).")
+
+
+def _default_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@contextlib.contextmanager
+def _module_stack(modules: dict[str, nn.Module]) -> Iterator[list[str]]:
+    stack: list[str] = []
+    handles = []
+    for name, module in modules.items():
+        handles.append(module.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n)))
+        handles.append(module.register_forward_hook(lambda _m, _a, _o, n=name: _pop(stack, n)))
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _pop(stack: list[str], name: str) -> None:
+    if stack and stack[-1] == name:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def _as_in_a_real_run() -> Iterator[None]:
+    """Hugging Face's mask code treats a fake tensor as a graph being traced and then builds an explicit causal
+    mask (and repeats the KV heads) where a real run without padding passes ``is_causal=True`` to SDPA: skip the
+    mask as a real run does when there is no padding mask and the queries cover the keys, and read the positions
+    (an ``arange`` here) as one sequence per row, not packed ones."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "_ignore_causal_mask_sdpa", None)
+    packed = getattr(masking, "find_packed_sequence_indices", None)
+    if original is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+        def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+            if padding_mask is None and (local_attention_size is None or kv_length < local_attention_size) and (
+                    isinstance(q_length, int) and isinstance(kv_length, int) and (q_length == 1 or q_length == kv_length)):
+                return True
+            return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+
+        masking._ignore_causal_mask_sdpa = ignore
+    try:
+        yield
+    finally:
+        if original is not None:
+            masking._ignore_causal_mask_sdpa = original
+            masking.find_packed_sequence_indices = packed
+
+
+def _forward(model: nn.Module, tokens: Tensor) -> Any:
+    try:
+        return model(tokens)
+    except TypeError:
+        return model(input_ids=tokens, use_cache=False)
+
+
+def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                precision: str = "fp32", micro_batch: int = 1, seq_len: int = 128) -> ModelTrace:
+    """Saved bytes and ops of every unit (and the loss) for one micro-batch on one tensor-parallel rank."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if precision not in PRECISIONS:
+        raise LayoutError(f"precision={precision!r}: use one of {list(PRECISIONS)}.")
+    short = short_model(info)
+    model = copy.deepcopy(short.obj)
+    root = model.get_submodule(short.root_path) if short.root_path else model
+    styles = _split_like_tp(root, tp, sequence_parallel) if tp > 1 else {}
+    blocks = [root.get_submodule(b) for b in short.blocks]
+    apply_recompute(blocks, recompute)
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+    seq_modules = {id(root.get_submodule(n)) for n, s in styles.items() if s == "sequence_parallel"} \
+        if sequence_parallel else set()
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16-mixed" else \
+        contextlib.nullcontext
+    loss_fn = info.loss_fn if info.loss_fn is not None else _default_loss
+    if info.loss_fn is not None and getattr(info.loss_fn, "__self__", None) is info.obj:
+        loss_fn = getattr(model, info.loss_fn.__name__)  # the copy's bound method
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        skip = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+        unit_modules = {u: root.get_submodule(u) for u in short.units}
+        captured: dict[str, tuple[tuple, dict]] = {}
+        handles = [m.register_forward_pre_hook(lambda _m, a, k, u=u: captured.setdefault(u, (a, k)),
+                                               with_kwargs=True) for u, m in unit_modules.items()]
+        tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        try:
+            with torch.no_grad(), autocast(), _as_in_a_real_run():
+                logits = _logits(_forward(model, tokens))
+        finally:
+            for h in handles:
+                h.remove()
+        missing = [u for u in short.units if u not in captured]
+        if missing:
+            raise LayoutError(f"the forward of {type(model).__name__} never called the units {missing}.")
+
+        traces: dict[str, UnitTrace] = {}
+        for unit, module in unit_modules.items():
+            args, kwargs, x = _leaves(*captured[unit])
+            is_block = unit in short.blocks
+            sub = {f"{unit}.{n}" if n else unit: m for n, m in module.named_modules()}
+
+            def run(module=module, args=args, kwargs=kwargs) -> Any:
+                return module(*args, **kwargs)
+
+            traces[unit] = _trace_unit(unit, run, sub, seq_modules, skip, x, is_block, autocast, module)
+        logits_leaf = logits.detach().requires_grad_(True)
+        targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        loss = _trace_unit("loss", lambda: loss_fn(logits_leaf, targets), {}, set(), skip, None, False, autocast,
+                           None)
+
+    full = {u: traces[short.represents[u]] for u in info.units}
+    return ModelTrace(full, loss, tp, sequence_parallel, recompute, precision, micro_batch, seq_len)
+
+
+def _trace_unit(name: str, run: Callable[[], Any], modules: dict[str, nn.Module], seq_modules: set[int],
+                skip: set[int], x: Tensor | None, is_block: bool, autocast: Callable,
+                owner: nn.Module | None) -> UnitTrace:
+    forward, backward = Ops(), Ops()
+    weight_shapes = {tuple(p.shape) for p in owner.parameters()} if owner is not None else set()
+    input_key = _storage_key(x) if x is not None else None
+    with _module_stack(modules) as stack:
+        def innermost_on_shards() -> bool:
+            return bool(stack) and id(modules[stack[-1]]) in seq_modules
+
+        def on_shards(t: Tensor) -> bool:
+            if not seq_modules:
+                return False
+            if innermost_on_shards():
+                return True
+            # a block's own input (saved by full recompute before any submodule runs) is a sequence shard too
+            return is_block and len(stack) == 1 and _storage_key(t) == input_key
+
+        counter = _SavedCounter(skip, on_shards)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), autocast(), \
+                _OpRecorder(forward, innermost_on_shards, weight_shapes, backward=False):
+            out = run()
+        outs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+        grads = [torch.ones_like(t) for t in outs]
+        if outs:
+            with _OpRecorder(backward, lambda: False, weight_shapes, backward=True):
+                torch.autograd.backward(outs, grads)
+    first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
+    return UnitTrace(name, counter.total, counter.on_seq, forward, backward,
+                     float(first.nbytes) if first is not None else 0.0)
