@@ -306,8 +306,9 @@ def zero_formula(stage: int, numel: int, n: int, tp: int = 1) -> dict[str, float
 
 
 def local_numel(module: nn.Module) -> int:
-    """Elements of ``module``'s parameters this rank computes with: a DTensor's local tensor (its tensor-parallel
-    shard, or its whole value where it is replicated), a plain parameter whole; each parameter once."""
+    """Elements of ``module``'s parameters this rank holds: a DTensor's local tensor (under tensor parallel its shard,
+    or its whole value where it is replicated -- the Psi/tp of the ZeRO formulas, exactly), a plain parameter whole;
+    each parameter once."""
     return sum(_local(p).numel() for p in module.parameters())
 
 

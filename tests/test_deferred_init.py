@@ -72,8 +72,30 @@ class Tricky(nn.Module):
         assert not self.copied.is_meta and self.copied.device.type == "cpu"
 
 
+class RandomFactories(nn.Module):
+    """Parameters made by random factory ops (randn, rand, randint, randperm, normal, randn_like), not init calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(300, 200) * 0.02)
+        self.b = nn.Parameter(torch.rand(300, 200, dtype=torch.float64))
+        self.c = nn.Parameter(torch.randint(0, 10, (300, 100)).float())
+        self.register_buffer("perm", torch.randperm(30000))
+        self.d = nn.Parameter(torch.normal(0.5, 2.0, (300, 100)))
+        self.e = nn.Parameter(torch.randn_like(self.a))
+
+
 def gpt(tie: bool = False) -> GPT:
     return GPT(GPTConfig.from_preset("tiny", tie_embeddings=tie))
+
+
+def gpt_float64() -> GPT:
+    """Built under another default dtype (as a precision plugin's init context does); materialised outside it."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        return GPT(GPTConfig.from_preset("tiny"))
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 def llama(tie: bool = False) -> nn.Module:
@@ -87,10 +109,12 @@ def llama(tie: bool = False) -> nn.Module:
 MODELS = {
     "gpt": gpt,
     "gpt_tied": lambda: gpt(tie=True),
+    "gpt_float64": gpt_float64,
     "llama": llama,
     "llama_tied": lambda: llama(tie=True),
     "plain": PlainLM,
     "tricky": Tricky,
+    "random_factories": RandomFactories,
 }
 
 
@@ -146,7 +170,10 @@ def test_materialize_all_equals_eager(name, threshold):
 def test_materialize_subset_into_a_stage_copy():
     reference, _ = eager(PlainLM)
     model, record = deferred(PlainLM, threshold=1024)
-    stage = copy.deepcopy(model)  # a pipeline stage: a copy of the meta model, other ranks' blocks removed
+    # a pipeline stage: a copy of the model with every tensor on meta (small real ones too), other ranks' blocks gone
+    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) if isinstance(t, nn.Parameter)
+                    else torch.empty_like(t, device="meta")) for t in tensors(model).values()}
+    stage = copy.deepcopy(model, memo)
     stage.blocks[0] = nn.Identity()
     stage.blocks[1] = nn.Identity()
     stage.tok = stage.pos = None

@@ -17,7 +17,10 @@ for tests/test_zero_3d.py. Every rank writes ``OUT_DIR/rank{N}.json``:
 * ``pp_tied``: a real pipeline (``PipelineRuntime``, 1F1B, pp2 x dp2) of the tiny GPT with tied embeddings (the
   embedding on the first stage, its copy as the head on the last), ZeRO-1 and ZeRO-2 with ``defer_reduction``,
   the tied copies' gradients summed over pp before the dp reduce-scatter, 10 AdamW steps: parity, copies equal;
-* ``errors``: a second micro-batch backward with buckets reduced in backward is refused, not silently lost.
+* ``errors``: a second micro-batch backward with buckets reduced in backward is refused, not silently lost;
+* ``checkpoint``: dp2 x tp2 ZeRO-2 AdamW saved after 3 steps with ``plugins.sharded_checkpoint`` (DCP), loaded into
+  a differently initialised model: the next 3 losses equal those of the run that went on. The shards being DTensors
+  on the (dp, tp) mesh is what keeps the two tp ranks' optimizer states apart in the checkpoint.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ LAYERS = 4
 SEQ = 32
 BATCH = 8  # global batch: 4 samples per data-parallel rank
 STEPS = 20
-ACC_STEPS = 5
+ACC_STEPS = 2
 PP_STEPS = 10
 BUCKET_MB = 0.25  # several buckets of each kind in the tiny model
 MEASURED = 3  # state bytes and collectives of this step (1-based)
-OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.5),
+OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.2),  # plain: no momentum, no weight decay
               "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1)}
 
 
@@ -55,7 +58,13 @@ def config(tied: bool = False) -> GPTConfig:
 
 
 def batches(n: int) -> torch.Tensor:
-    return torch.randint(0, 256, (n, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    """``n`` global batches of byte sequences from the embedded corpus (the Python standard library's sources), in
+    order: text, so the model trains and the gradient norm is not rounding noise."""
+    from lightning_par.data import default_corpus_files
+
+    raw = b"".join(Path(f).read_bytes() for f in default_corpus_files(n * BATCH * (SEQ + 1)))
+    tokens = torch.frombuffer(bytearray(raw[:n * BATCH * (SEQ + 1)]), dtype=torch.uint8).long()
+    return tokens.view(n, BATCH, SEQ + 1)
 
 
 def make_model(tied: bool = False) -> GPT:
@@ -208,6 +217,41 @@ def second_backward_is_refused(mesh: DeviceMesh) -> str:
     return message
 
 
+def checkpoint_case(mesh: DeviceMesh, data: torch.Tensor, path: Path) -> dict:
+    from lightning_par.plugins import sharded_checkpoint
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = GPT(config())
+        plan = apply_tensor_parallel(model, mesh["tp"])
+        optimizer = OPTIMIZERS["adamw"](model.parameters())
+        return model, plan, optimizer, ZeroPartitioner(model, [optimizer], mesh["dp"], 2, BUCKET_MB)
+
+    def step(model, plan, optimizer, partitioner, batch) -> float:
+        tokens = local_batch(batch, mesh["dp"].get_local_rank(), mesh["dp"].size())
+        optimizer.zero_grad(set_to_none=True)
+        with plan.loss_context():
+            loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+        partitioner.finish_gradient_sync()
+        optimizer.step()
+        partitioner.gather_parameters()
+        return mean_over_dp(loss, mesh)
+
+    first = build(0)
+    for batch in data[:3]:
+        step(*first, batch)
+    model, _, optimizer, _ = first
+    sharded_checkpoint.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, path,
+                            is_writer=dist.get_rank() == 0, barrier=dist.barrier)
+    continued = [step(*first, batch) for batch in data[3:6]]
+    second = build(1)
+    sharded_checkpoint.load(path, second[0], [second[2]], fsdp=False)
+    second[3].refresh_shards()
+    resumed = [step(*second, batch) for batch in data[3:6]]
+    return {"continued": continued, "resumed": resumed}
+
+
 # -- a real pipeline with tied copies ------------------------------------------------------------------------------
 def pipeline_case(mesh: DeviceMesh, stage: int, data: torch.Tensor) -> dict:
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
@@ -270,6 +314,7 @@ def main() -> None:
                             for stage in (1, 2)}
     result["toggle"] = {"zero2": accumulate_case(mesh, 2, data[:ACC_STEPS], defer=False)}
     result["errors"] = {"second_backward": second_backward_is_refused(mesh)}
+    result["checkpoint"] = checkpoint_case(mesh, data, out_dir / "ckpt")
     result["accumulate_seconds"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -20,35 +20,40 @@ How it works. Two modes are active while the constructor runs:
   ...) whose output has at least ``threshold`` elements makes a ``meta`` tensor instead: a *deferred* tensor. Every
   op that writes a deferred tensor (``normal_``, ``uniform_``, ``fill_``, ``copy_``, ``mul_``, writes through views
   such as ``p.data[...]``), and every op that reads one to make a new tensor (``w * 2``, ``.to(bf16)``, ``clone``),
-  is appended to a log, whose tensor arguments are kept as (storage, dtype, size, stride, offset) and whose real
-  tensor arguments (a ``copy_`` source) are kept as values. Such ops are not computed; their outputs are deferred
-  too. Small tensors are real and every op on them runs eagerly, so constructors that compute buffers (rotary
-  ``inv_freq`` from ``arange``) keep working.
+  is appended to a log, whose deferred tensor arguments are kept as (storage, dtype, size, stride, offset) and whose
+  real tensor arguments (a ``copy_`` source) as values. Their results are deferred too. Small tensors are real, and
+  every op that only touches real tensors runs eagerly, as usual, so constructors that compute buffers (rotary
+  ``inv_freq`` from ``arange``) keep working and small tensors simply have their final values.
 * a ``TorchFunctionMode`` makes deferred tensors look real to the constructor: ``is_meta`` is False, ``device`` is
-  the device the tensor would have had. (Otherwise ``nn.init.trunc_normal_``/``orthogonal_`` skip meta tensors.)
+  the device the tensor would have had, ``.to(that device)`` is the tensor itself. (Otherwise
+  ``nn.init.trunc_normal_`` and ``orthogonal_`` would skip them as meta tensors.)
 
 Random ops are the crux. A random op on a deferred tensor runs once, during construction, on a temporary of the same
-dtype, size and strides, so the RNG stream advances exactly as in a single process; the generator's state before the
-op is saved in the log. Replaying the op later from that state gives the same values, independently of which other
-tensors are replayed. So :meth:`DeferredInit.materialize` replays only the log entries the kept tensors depend on,
-allocating just those tensors (plus, while they are needed, deferred intermediates they were computed from), and
-non-owned tensors cost nothing. Construction holds at most one temporary at a time.
+dtype, size and strides (one reused buffer), so the RNG stream advances exactly as in a single process, and the
+generator's state before the op is saved in the log. Replaying the op later from that state gives the same values
+whichever other tensors are replayed, so :meth:`DeferredInit.materialize` replays only the log entries the kept
+tensors depend on: it allocates just those tensors (plus, while needed, deferred intermediates they are computed
+from, e.g. the fp32 original of a tensor cast to bf16), and non-owned tensors cost nothing. (Consuming the RNG at
+materialisation instead, by replaying every random op from the state at the start, would cost the same RNG time, but
+could not serve a constructor that must see random values, like ``trunc_normal_``'s rejection loop in torch 2.13.)
 
-Data-dependent construction is handled too: when the constructor needs a value of a deferred tensor (``.item()``,
+Data-dependent construction is handled: when the constructor needs a value of a deferred tensor (``.item()``,
 ``bool(t)``, ``tolist()``, an op with a data-dependent shape, an in-place op on a real tensor reading a deferred
-one, the rejection loop of ``nn.init.trunc_normal_``), the value is computed from the log on the spot ("forced"),
-at the cost of temporaries of that size. What is refused, with :class:`DeferredInitError`: growing a deferred
-tensor with ``resize_``; an op that writes deferred and real tensors at once, or writes a deferred tensor and also
-returns a new one; modifying, after construction, a large real tensor that the log captured by reference.
+one, the rejection loop of ``nn.init.trunc_normal_``), that value is computed from the log on the spot ("forced"),
+with temporaries of its size. Refused, with :class:`DeferredInitError`: growing a deferred tensor's storage
+(``resize_``); an op that writes deferred and real tensors at once, or writes a deferred tensor and also returns a
+new one; modifying, after it was used, a large real tensor that the log keeps by reference (e.g. a ``copy_`` source).
 
-Why not torchdistx. Its ``deferred_init`` is the same idea, but it is a C++ extension that has not been maintained
-since 2022 (no wheels for current torch), records every op (so a non-owned tensor is rebuilt to advance the RNG),
-and needs its fake tensors to stay fake until all are materialised. Current torch gives us meta tensors and Python
-dispatch/function modes; with the per-op RNG snapshot above, the whole mechanism is this file.
+Why our own and not torchdistx's ``deferred_init`` (the same idea): torchdistx is a C++ extension with its own
+dispatch keys whose last release (0.2.0) dates from June 2022 and its nightlies from October 2022, so there are no
+builds for the torch we use. Current torch gives us meta tensors and Python dispatch and function modes; with the
+per-op RNG snapshot, the whole mechanism fits in this file.
 
 Limits. Tensor subclasses (DTensor, quantised tensors) must not be created inside the context. Storage-level
-identity checks (``untyped_storage().data_ptr()``) see 0 for deferred tensors. Generators are restored with
-``get_state``/``set_state`` (CPU, CUDA and other accelerators with ``default_generators``).
+identity checks (``untyped_storage().data_ptr()``) see 0 for deferred tensors. Generators are saved and restored with
+``get_state``/``set_state``: CPU, and accelerators with ``default_generators`` (CUDA; tested on CPU only). The global
+default dtype at each logged op is replayed with it. Values that construction leaves in ``empty`` memory are, as
+eagerly, undefined.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ _TEMPLATE_OPS = frozenset({_aten.empty_like, _aten.zeros_like, _aten.ones_like, 
                            _aten.new_zeros, _aten.new_ones, _aten.new_full})
 _RESIZE_OPS = frozenset({_aten.resize_, _aten.resize_as_})
 _FAKED_GETTERS = frozenset({"is_meta", "device", "is_cpu", "is_cuda"})
+_FACTORY_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory", "memory_format"})
 _FORCING_METHODS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
 
 
@@ -133,6 +139,7 @@ class _Op:
     writes: tuple[int, ...]  # storages it writes: mutated arguments, or the fresh storages of its outputs
     outputs: tuple[tuple[int, int, _Ref], ...]  # (leaf index in the flattened result, sid, ref) of fresh outputs
     rng: tuple[torch.Generator, torch.Tensor] | None  # generator and its state before a random op
+    default_dtype: torch.dtype  # what a factory's dtype=None meant (torch.set_default_dtype, precision contexts)
 
 
 @dataclass
@@ -377,7 +384,8 @@ class DeferredInit:
                     sid = self._new_storage(t, device)
                     outputs.append((i, sid, self._ref(t)))
             writes = tuple(sid for _, sid, _ in outputs)
-        self._ops.append(_Op(func, eargs, ekwargs, reads, tuple(writes), tuple(outputs), rng))
+        self._ops.append(_Op(func, eargs, ekwargs, reads, tuple(writes), tuple(outputs), rng,
+                             torch.get_default_dtype()))
         self.stats["ops"] += 1
 
     # ------------------------------------------------------------------ the modes' handlers
@@ -474,7 +482,7 @@ class DeferredInit:
             if all(t.numel() < self.threshold for t in leaves):
                 rargs, rkwargs = self._realize_template(func, args, kwargs, device)
                 return func(*rargs, **rkwargs)
-            rng = self._consume(func, args, kwargs, template_device=device) if random else None
+            rng = self._consume(func, args, kwargs, template_device=device, meta_out=out) if random else None
             self._record(func, args, kwargs, device, out=out, rng=rng)
             return out
 
@@ -516,9 +524,14 @@ class DeferredInit:
         module = torch.get_device_module(device.type)
         return module.default_generators[device.index if device.index is not None else module.current_device()]
 
-    def _consume(self, func, args, kwargs, temporaries=(), template_device=None):
+    def _consume(self, func, args, kwargs, temporaries=(), template_device=None, meta_out=None):
         """Run a random op now, on temporaries, so the RNG advances as in a single process; return its RNG state."""
         template = args[0] if func.overloadpacket in _TEMPLATE_OPS else None
+        out_overload = _out_overload(func) if meta_out is not None and template is None else None
+        if out_overload is not None:  # a factory (randn, rand, randint, ...): into the scratch buffer, via its out=
+            kwargs = {k: v for k, v in kwargs.items() if k not in _FACTORY_OPTIONS}
+            kwargs["out"] = self._scratch_tensor(meta_out, template_device)
+            func = out_overload
 
         scratch_used = []
 
@@ -529,7 +542,7 @@ class DeferredInit:
                 if scratch_used:
                     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=self._device_of(x))
                 scratch_used.append(x)
-                return self._scratch_tensor(x)
+                return self._scratch_tensor(x, self._device_of(x))
             return self._force(x) if self._is_deferred(x) else x
 
         if template_device is not None:
@@ -547,13 +560,12 @@ class DeferredInit:
         self.stats["max_temporary_bytes"] = max(self.stats["max_temporary_bytes"], temp_bytes)
         return gen, state
 
-    def _scratch_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """A temporary with the layout of deferred ``t``, in a buffer reused by all random ops of the construction.
+    def _scratch_tensor(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A temporary with the layout of meta ``t`` on ``device``, in a buffer reused by all random ops.
 
         Reusing one buffer, rather than allocating and freeing one per op, keeps the allocator from holding on to the
         freed temporaries (glibc keeps freed heap memory resident), so construction's memory stays one temporary.
         """
-        device = self._device_of(t)
         extent = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
         nbytes = extent * t.element_size()
         storage = self._scratch.get(device)
@@ -594,6 +606,7 @@ class DeferredInit:
                     last_use[sid] = i
         generators = {id(op.rng[0]): op.rng[0] for i, op in enumerate(ops) if run[i] and op.rng is not None}
         saved = {key: gen.get_state() for key, gen in generators.items()}
+        default_dtype = torch.get_default_dtype()
         stores: dict[int, torch.UntypedStorage] = {}
         live = peak = replayed = 0
         try:
@@ -606,6 +619,8 @@ class DeferredInit:
                     args, kwargs = tree_map(resolve, (op.args, op.kwargs))
                     if op.rng is not None:
                         op.rng[0].set_state(op.rng[1])
+                    if op.default_dtype != torch.get_default_dtype():
+                        torch.set_default_dtype(op.default_dtype)
                     out = tree_flatten(op.func(*args, **kwargs))[0]
                     for leaf, sid, ref in op.outputs:
                         stores[sid] = _conform(out[leaf], ref, self._storages[sid].nbytes)
@@ -615,6 +630,7 @@ class DeferredInit:
                         if last_use[sid] == i and sid not in wanted and sid in stores:
                             live -= stores.pop(sid).nbytes()
         finally:
+            torch.set_default_dtype(default_dtype)
             for key, gen in generators.items():
                 gen.set_state(saved[key])
         if stats:
@@ -686,6 +702,13 @@ def _inplace_result(func, args, kwargs):
     if not results:
         return None
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _out_overload(func):
+    """The ``out=`` overload of a factory op (``randn.default`` -> ``randn.out``), or None."""
+    name = func._overloadname
+    out = getattr(func.overloadpacket, "out" if name == "default" else f"{name}_out", None)
+    return out if out is not None and any(a.name == "out" for a in out._schema.arguments) else None
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:

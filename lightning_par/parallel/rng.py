@@ -18,7 +18,8 @@ again) replays the very same masks, and nothing about the default generator's ow
 run draws exactly what one process would outside the regions.
 
 With sequence parallelism the residual stream is split over the sequence too, so every activation a dropout sees is
-this rank's own; the whole forward of the model is then one region.
+this rank's own; the whole forward of the model is then one region. (The forward count starts at 0 in each process:
+a resumed run draws other masks than the uninterrupted one would have, as it does for the default generator.)
 
 Why hand-written rather than DTensor's tracker (``torch.distributed.tensor._random.OffsetBasedRNGTracker``): that
 tracker acts only on random ops applied to a *DTensor*, and inside our regions the activations are plain local

@@ -610,7 +610,8 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, child
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class TensorParallelPlan:
-    """What :func:`apply_tensor_parallel` did: the resolved plan, the torch styles, and how to compute the loss."""
+    """What :func:`apply_tensor_parallel` did: the resolved plan, the torch styles, how to compute the loss, and the
+    dropout RNG tracker (``rng``; its ``region()`` runs hand-written code on this rank's own random stream)."""
 
     plan: dict[str, str]
     styles: dict[str, ParallelStyle]
@@ -723,7 +724,7 @@ def apply_tensor_parallel(
             whole = _is_region(module, name, plan)
         styles[name] = parallel_style(style, module.get_submodule(name), sequence_parallel, children, whole, sequence)
     parallelize_module(module, tp_mesh, styles)
-    for names in tied:
+    for names in tied:  # (differing planned splits were refused by resolve_tp_plan; this checks the actual ones)
         first = module.get_parameter(names[0])
         for other in names[1:]:
             replaced = module.get_parameter(other)

@@ -20,6 +20,17 @@ then discards 1 - 1/N of them). :class:`ZeroPartitioner` does what the ZeRO pape
   next bucket is launched and frees its full gradient then, keeping only its chunk (4 Psi / N + two buckets at the
   peak of backward, not 4 Psi);
 * after the step each bucket is all-gathered (``all_gather_single``) back into the parameters.
+
+With tensor parallel (DTensor parameters on a tp mesh beside the dp mesh) each bucket packs the parameters' *local*
+tensors (a tp shard, or the whole value where a parameter is replicated over tp) and every collective stays on the
+dp group; the parameters remain DTensors whose local tensor is a view into the bucket. tp-split and tp-replicated
+parameters go into different buckets, and the shard parameters are DTensors on the (dp, tp) mesh -- ``Shard(0)``
+over dp and ``Shard(0)`` or ``Replicate()`` over tp -- so the global gradient norm, clipping and a DCP checkpoint
+count every element once (:meth:`ZeroPartitioner.norm_groups` says the same explicitly).
+
+With pipeline parallel the schedule runs many micro-batch backwards per optimizer step: ``defer_reduction=True``
+keeps them from communicating, and :meth:`ZeroPartitioner.finish_gradient_sync` then reduce-scatters every bucket
+once, after the pipeline summed its tied copies' gradients.
 """
 
 from __future__ import annotations
@@ -238,17 +249,21 @@ class ZeroPartitioner:
         # fill (and start reducing) early. One bucket is filled at a time per (dtype, device, kind): tp-split and
         # tp-replicated parameters (attention and MLP weights vs norms) alternate in a block, and never share one.
         buckets: list[_Bucket] = []
-        filling: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+        filling: dict[tuple, list[nn.Parameter]] = {}
+        filled: dict[tuple, int] = {}  # bytes in each bucket being filled
         tensor_parallel = self.tp_mesh is not None
         for p in reversed(params):
             key = (p.dtype, p.device, _kind(p, tensor_parallel))
             size = self._slot(p) * p.element_size()
-            current, current_bytes = filling.get(key, ([], 0))
-            if current and current_bytes + size > cap_bytes:
+            current = filling.setdefault(key, [])
+            if current and filled[key] + size > cap_bytes:
                 buckets.append(self._pack(current, key[2]))
-                current, current_bytes = [], 0
-            filling[key] = ([*current, p], current_bytes + size)
-        buckets += [self._pack(current, key[2]) for key, (current, _) in filling.items() if current]
+                current = filling[key] = []
+            if not current:
+                filled[key] = 0
+            current.append(p)
+            filled[key] += size
+        buckets += [self._pack(current, key[2]) for key, current in filling.items() if current]
         return buckets
 
     def _pack(self, params: list[nn.Parameter], kind: str) -> _Bucket:

@@ -67,7 +67,7 @@ PRESETS: dict[str, Hardware] = {
         name="h100-sxm",
         # dense bf16 989 TFLOP/s; fp32 without TF32 (PyTorch's default for float32 matmuls) 67 TFLOP/s
         peak_flops={"bf16": 989e12, "fp32": 67e12},
-        matmul_efficiency=0.6,
+        matmul_efficiency=0.58,
         memory_bandwidth=3.35e12 * 0.8,
         op_overhead_s=4e-6,
         intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
@@ -81,7 +81,7 @@ PRESETS: dict[str, Hardware] = {
     "a100": Hardware(
         name="a100",
         peak_flops={"bf16": 312e12, "fp32": 19.5e12},
-        matmul_efficiency=0.6,
+        matmul_efficiency=0.58,
         memory_bandwidth=2.039e12 * 0.8,
         op_overhead_s=5e-6,
         intra_node_bandwidth=230e9,  # NVLink 3 (600 GB/s both ways): all-reduce bus bandwidth of nccl-tests

@@ -92,14 +92,24 @@ class UnitTrace:
     """What one unit does for one micro-batch on one tensor-parallel rank."""
 
     name: str
-    saved_bytes: float  # saved for backward, each storage once
+    saved_bytes: float  # saved for backward, each storage once (tensors shared by several units apart)
     saved_seq_bytes: float  # the part held on sequence shards under sequence parallelism (divided by tp)
     forward: Ops
     backward: Ops
     output_bytes: float  # the activation sent to the next pipeline stage
+    shared: dict[int, float] = field(default_factory=dict)  # saved inputs every block gets (rotary tables): once
 
     def saved(self, tp_seq: int = 1) -> float:
         return self.saved_bytes - self.saved_seq_bytes * (1 - 1 / tp_seq)
+
+
+def saved_bytes(traces: list[UnitTrace], tp_seq: int = 1) -> float:
+    """Bytes a sequence of units saves for one micro-batch, a tensor they share (e.g. the rotary tables a Hugging
+    Face model hands every layer) counted once."""
+    shared: dict[int, float] = {}
+    for t in traces:
+        shared.update(t.shared)
+    return sum(t.saved(tp_seq) for t in traces) + sum(shared.values())
 
 
 @dataclass
@@ -147,7 +157,7 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
 
 
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
-               "detach", "lift_fresh"}
+               "detach", "lift_fresh", "_unsafe_view", "alias"}
 
 
 def _nbytes(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
@@ -173,7 +183,8 @@ class _OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not _is_view(func):
+        produces_tensor = any(isinstance(t, Tensor) for t in tree_leaves(out))
+        if produces_tensor and not _is_view(func) and func._overloadpacket.__name__ not in _NO_TRAFFIC:
             flops = _flops(func, args, kwargs, out)
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tree_leaves(args) if isinstance(t, Tensor))
             weight_grad = bool(self.backward and flops and isinstance(out, Tensor)
@@ -186,13 +197,16 @@ class _SavedCounter:
     """Bytes autograd saves, each storage once, parameters and buffers excluded; the part saved on sequence
     shards (by a norm under sequence parallelism, or a block's own input) counted apart."""
 
-    def __init__(self, skip: set[int], on_shards: Callable[[Tensor], bool]) -> None:
-        self.skip, self.on_shards = skip, on_shards
+    def __init__(self, skip: set[int], on_shards: Callable[[Tensor], bool], shared: set[int] = frozenset()) -> None:
+        self.skip, self.on_shards, self.shared_keys = skip, on_shards, shared
         self.seen: dict[int, tuple[int, bool]] = {}
+        self.shared: dict[int, float] = {}
 
     def pack(self, t: Tensor) -> Tensor:
         key = _storage_key(t)
-        if key not in self.skip and key not in self.seen:
+        if key in self.shared_keys:
+            self.shared[key] = float(t.untyped_storage().nbytes())
+        elif key not in self.skip and key not in self.seen:
             self.seen[key] = (t.untyped_storage().nbytes(), self.on_shards(t))
         return t
 
@@ -302,8 +316,9 @@ def _as_in_a_real_run() -> Iterator[None]:
     if original is not None:
         masking.find_packed_sequence_indices = lambda position_ids: None
         def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-            if padding_mask is None and (local_attention_size is None or kv_length < local_attention_size) and (
-                    isinstance(q_length, int) and isinstance(kv_length, int) and (q_length == 1 or q_length == kv_length)):
+            plain = isinstance(q_length, int) and isinstance(kv_length, int) and q_length in (1, kv_length)
+            local_ok = local_attention_size is None or kv_length < local_attention_size
+            if padding_mask is None and local_ok and plain:
                 return True
             return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
 
@@ -373,7 +388,9 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
             def run(module=module, args=args, kwargs=kwargs) -> Any:
                 return module(*args, **kwargs)
 
-            traces[unit] = _trace_unit(unit, run, sub, seq_modules, skip, x, is_block, autocast, module)
+            inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+            shared = inputs - ({_storage_key(x)} if x is not None else set())
+            traces[unit] = _trace_unit(unit, run, sub, seq_modules, skip, x, is_block, autocast, module, shared)
         logits_leaf = logits.detach().requires_grad_(True)
         targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         loss = _trace_unit("loss", lambda: loss_fn(logits_leaf, targets), {}, set(), skip, None, False, autocast,
@@ -385,7 +402,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
 
 def _trace_unit(name: str, run: Callable[[], Any], modules: dict[str, nn.Module], seq_modules: set[int],
                 skip: set[int], x: Tensor | None, is_block: bool, autocast: Callable,
-                owner: nn.Module | None) -> UnitTrace:
+                owner: nn.Module | None, shared: set[int] = frozenset()) -> UnitTrace:
     forward, backward = Ops(), Ops()
     weight_shapes = {tuple(p.shape) for p in owner.parameters()} if owner is not None else set()
     input_key = _storage_key(x) if x is not None else None
@@ -401,7 +418,7 @@ def _trace_unit(name: str, run: Callable[[], Any], modules: dict[str, nn.Module]
             # a block's own input (saved by full recompute before any submodule runs) is a sequence shard too
             return is_block and len(stack) == 1 and _storage_key(t) == input_key
 
-        counter = _SavedCounter(skip, on_shards)
+        counter = _SavedCounter(skip, on_shards, shared)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), autocast(), \
                 _OpRecorder(forward, innermost_on_shards, weight_shapes, backward=False):
             out = run()
@@ -412,4 +429,4 @@ def _trace_unit(name: str, run: Callable[[], Any], modules: dict[str, nn.Module]
                 torch.autograd.backward(outs, grads)
     first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
     return UnitTrace(name, counter.total, counter.on_seq, forward, backward,
-                     float(first.nbytes) if first is not None else 0.0)
+                     float(first.nbytes) if first is not None else 0.0, counter.shared)

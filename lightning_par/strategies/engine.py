@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
+from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
@@ -135,6 +136,7 @@ class LayoutStrategy(ParallelStrategy):
         self._pipeline: PipelineRuntime | None = None
         self._tensor_parallel: TensorParallelPlan | None = None
         self._gradient_sync: NoSync = NoSync()
+        self._deferred: DeferredInit | None = None  # pp > 1: the model's construction, replayed per rank
 
     @property
     def pipeline(self) -> PipelineRuntime | None:
@@ -258,6 +260,7 @@ class LayoutStrategy(ParallelStrategy):
         self._log_blocks()
         if self.dims.pp > 1:
             self._setup_pipeline(trainer, fitting)  # before moving: each rank moves only its own stages
+        self._materialize_own_share()
         self.model_to_device()
         self._make_replicas_identical()
         if self.dims.tp > 1:
@@ -277,6 +280,32 @@ class LayoutStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Under pipeline parallel, ``configure_model`` builds the model without memory (deferred: large tensors
+        on the meta device, their initialisation recorded); after the split each rank materialises only its own
+        stages, with the values a single process would have drawn. The full model never exists on any rank."""
+        if self.dims.pp == 1:
+            yield None
+            return
+        with deferred_init() as record:
+            yield None
+        assert self.lightning_module is not None
+        record.capture(self.lightning_module)
+        self._deferred = record
+
+    def _materialize_own_share(self) -> None:
+        if self._deferred is None:
+            return
+        lm = self.lightning_module
+        assert lm is not None
+        own = [name for name, _ in lm.named_parameters(remove_duplicate=False)]
+        own += [name for name, _ in lm.named_buffers(remove_duplicate=False)]
+        self._deferred.materialize(lm, keep=set(own) & set(self._deferred.fqns))
+        kept = self._deferred.stats.get("kept_bytes", 0)
+        rank_zero_info(f"deferred init: rank 0 materialised its share of the model, {kept / 2**20:.1f} MiB")
+        self._deferred = None
 
     def _find_blocks(self) -> ModelBlocks:
         assert self.lightning_module is not None

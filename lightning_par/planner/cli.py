@@ -1,0 +1,199 @@
+"""``lightning-par plan``: will it fit, and which layout is fastest -- answered before launching.
+
+    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8
+    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 16 --hardware a100 \\
+        --gpu-memory 40 --seq 4096 --global-batch 256 --json plan.json
+    lightning-par plan --model=example_models.HFLlamaLightningModule --model.n_layers=8 --world 4 --hardware cpu
+    lightning-par plan --hf-config path/to/config.json --world 8
+    lightning-par plan --model=example_models.GPTLightningModule --model.preset=1b --layout dp=2,tp=2,pp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from lightning_par.parallel.pipeline.runtime import SCHEDULES
+from lightning_par.parallel.recompute import RECOMPUTE_KINDS
+from lightning_par.planner.hardware import PRESETS, load_hardware
+from lightning_par.planner.model import build_model, inspect_model
+from lightning_par.planner.plan import Candidate, Planner, Workload, rank_table
+from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
+from lightning_par.planner.trace import PRECISIONS
+from lightning_par.topology import LayoutError
+
+_LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "schedule", "v", "sp", "recompute", "precision", "m")
+
+
+def _csv(kind: type, allowed: Any = None):
+    def parse(text: str) -> list:
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        bad = [v for v in values if allowed is not None and v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        return values
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-par plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Plan a layout before launching: bytes per rank (parameters, gradients, optimizer states, "
+                    "activations), traffic per group, bubble and predicted step time of every layout of a model on "
+                    "N ranks. The model is built on the meta device (no weights are allocated).",
+        epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", help="class path of a LightningModule or nn.Module, e.g. "
+                                   "example_models.GPTLightningModule; init arguments as --model.NAME=VALUE")
+    p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) instead of --model")
+    p.add_argument("--world", type=int, help="number of ranks (devices); default: the product of --layout")
+    p.add_argument("--layout", help="one layout, e.g. dp=2,tp=2,pp=2 (prints its rank table) or with "
+                                    "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8")
+    p.add_argument("--hardware", default="h100-sxm", help=f"a preset ({', '.join(PRESETS)}) or a JSON/YAML file "
+                                                          "of lightning_par.planner.hardware.Hardware fields")
+    p.add_argument("--gpu-memory", type=float, help="device memory in GiB (overrides the hardware's)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's longest, at most 8192)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 8 x world x micro-batch)")
+    p.add_argument("--optimizer", help="adamw (2 states, the default), sgd (none), sgd_momentum (1)")
+    p.add_argument("--zero", type=_csv(int, (0, 1, 2, 3)), default=[0, 1, 2, 3], help="ZeRO stages to consider")
+    p.add_argument("--schedules", type=_csv(str, SCHEDULES), default=list(SCHEDULES), help="pipeline schedules")
+    p.add_argument("--virtual", type=_csv(int), default=[2, 4], help="virtual stages of the interleaved schedules")
+    p.add_argument("--recompute", type=_csv(str, RECOMPUTE_KINDS), default=list(RECOMPUTE_KINDS))
+    p.add_argument("--precision", type=_csv(str, PRECISIONS), default=list(PRECISIONS))
+    p.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default: devices per node)")
+    p.add_argument("--top", type=int, default=15, help="rows to print (default 15)")
+    p.add_argument("--all", action="store_true", help="print every layout")
+    p.add_argument("--runnable", action="store_true", help="only layouts this version of lightning-par runs")
+    p.add_argument("--json", dest="json_out", help="write every estimate to this JSON file")
+    p.add_argument("--block-types", help="comma-separated class names of the repeated blocks, where they cannot be "
+                                         "found from the model")
+    return p
+
+
+def _split_model_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    rest, model_args = [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--model."):
+            key, eq, value = arg[len("--model."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise LayoutError(f"{arg} needs a value")
+                value = argv[i + 1]
+                i += 1
+            model_args[key] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, model_args
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, eq, value = item.strip().partition("=")
+        if not eq or key not in _LAYOUT_KEYS:
+            raise LayoutError(f"--layout item {item!r}: use KEY=VALUE with KEY in {list(_LAYOUT_KEYS)}, e.g. "
+                              "dp=2,tp=2,pp=2.")
+        if key in ("schedule", "recompute", "precision"):
+            out[key] = value
+        elif key == "sp":
+            out[key] = value.lower() in ("1", "true", "yes", "y")
+        else:
+            out[key] = int(value)
+    return out
+
+
+def _default_seq(info) -> int:
+    for holder in (getattr(info.root, "config", None), info.root):
+        for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and value > 0:
+                return min(value, 8192)
+    return 2048
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except LayoutError as err:
+        print(f"lightning-par plan: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    rest, model_args = _split_model_args(argv)
+    args = parser().parse_args(rest)
+    if not args.model and not args.hf_config:
+        parser().error("give --model=CLASS (with --model.NAME=VALUE init arguments) or --hf-config PATH")
+    layout = parse_layout(args.layout) if args.layout else {}
+    world = args.world
+    if world is None:
+        if not {"dp", "tp", "pp"} & set(layout):
+            parser().error("give --world N (or a --layout with dp, tp and pp)")
+        world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    hw = load_hardware(args.hardware)
+    if args.gpu_memory is not None:
+        from dataclasses import replace
+
+        hw = replace(hw, memory_gib=args.gpu_memory)
+    print(f"building {args.model or args.hf_config} on the meta device ...", file=sys.stderr)
+    obj = build_model(args.model, model_args, hf_config=args.hf_config)
+    info = inspect_model(obj, args.block_types.split(",") if args.block_types else None)
+    seq = args.seq or _default_seq(info)
+    global_batch = args.global_batch or 8 * world * args.micro_batch
+    if "m" in layout:  # micro-batches per step given: the global batch follows
+        global_batch = layout["m"] * (world // (layout.get("tp", 1) * layout.get("pp", 1))) * args.micro_batch
+    work = Workload(args.micro_batch, seq, global_batch)
+    planner = Planner(info, hw, work, args.optimizer, max_tp=args.max_tp or max(hw.devices_per_node, 1))
+    print(header(info.description, hw, work, world, planner.optimizer))
+
+    if layout:
+        dp = layout.get("dp", "auto")
+        tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+        print("\n" + rank_table(world, dp, tp, pp))
+        dp = world // (tp * pp)
+        fixed = {k: layout[k] for k in ("zero", "schedule", "v", "sp", "recompute", "precision") if k in layout}
+        estimates, skipped = planner.plan(
+            world, zero_stages=[fixed["zero"]] if "zero" in fixed else args.zero,
+            schedules=[fixed["schedule"]] if "schedule" in fixed else args.schedules,
+            recompute=[fixed["recompute"]] if "recompute" in fixed else args.recompute,
+            precisions=[fixed["precision"]] if "precision" in fixed else args.precision,
+            virtual=[fixed["v"]] if "v" in fixed else args.virtual,
+            sequence_parallel=[fixed["sp"]] if "sp" in fixed else (False, True),
+            sizes=[(dp, tp, pp)])
+    else:
+        print(f"planning every layout of {world} ranks ...", file=sys.stderr)
+        estimates, skipped = planner.plan(world, zero_stages=args.zero, schedules=args.schedules,
+                                          recompute=args.recompute, precisions=args.precision, virtual=args.virtual)
+    if args.runnable:
+        estimates = [e for e in estimates if e.runs_today]
+    shown = estimates if args.all else estimates[:args.top]
+    print()
+    if shown:
+        print(table(shown))
+        if len(shown) < len(estimates):
+            print(f"   ... {len(estimates) - len(shown)} more (--all prints them, --json writes them)")
+    print()
+    print(summary(estimates, skipped, hw))
+    if layout and estimates:
+        print()
+        print(rank_breakdown(estimates[0]))
+    if args.json_out:
+        write_json(args.json_out, estimates, {
+            "model": info.description, "hardware": hw.to_dict(), "world": world,
+            "workload": {"micro_batch": work.micro_batch, "seq_len": work.seq_len,
+                         "global_batch": work.global_batch}, "optimizer": planner.optimizer,
+            "left_out": skipped,
+        })
+        print(f"\nwrote {len(estimates)} layouts to {args.json_out}")
+    return 0
+
+
+__all__ = ["Candidate", "main", "parse_layout"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""Every layout of a model on N ranks, and for each: bytes per rank, traffic per group, bubble, step time.
+
+A layout here is what :class:`lightning_par.parallel.layout.Layout` describes, plus the precision: data, tensor and
+pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence parallel, recompute. For each one
+:func:`estimate` predicts, per rank:
+
+- **model state**: parameters, gradients and optimizer states, counted per tensor as the engine holds them: the
+  tensor-parallel shard of each parameter (:meth:`ModelInfo.tp_split`), only the units of the rank's pipeline stages
+  (a tied embedding/head once per rank holding it), then the ZeRO stage across data parallel (1: optimizer states
+  ``/dp``; 2: + gradients; 3: + parameters, each tensor split on dim 0 with padding as FSDP2 does). Bytes per
+  element: 4 for fp32 and bf16-mixed (fp32 master weights), 2 for bf16-true; Adam keeps 2 states, SGD none;
+- **activations**: the bytes each unit saves for one micro-batch (:mod:`lightning_par.planner.trace`) times the
+  micro-batches the schedule holds at once, from the schedule's own action order
+  (:mod:`lightning_par.planner.schedule`): GPipe all ``m``, 1F1B ``p - rank`` on rank ``rank``, the others as torch
+  orders them; plus what lives only for a moment (ZeRO-3's gathered blocks, the flat gradient buffer of the
+  pipeline's data-parallel all-reduce);
+- **traffic per step**, bytes each rank sends with ring algorithms, by group: ``dp`` (the ZeRO formulas on the
+  rank's own parameters), ``tp`` (an all-reduce -- or with sequence parallelism a reduce-scatter plus an
+  all-gather -- per row-parallel output in forward and per column-parallel input in backward, again in the
+  recomputed forward), ``pp`` (each micro-batch's activation to the next stage and its gradient back);
+- **time**: each stage's forward and backward per micro-batch from the traced ops on the hardware model
+  (:mod:`lightning_par.planner.hardware`), tensor-parallel collectives on the critical path, the schedule run with
+  those costs and the transfer time between stages (makespan and bubble), then the data-parallel reduction
+  (overlapped with the last backward when pp = 1), the optimizer step (memory bound).
+
+Whether the engine runs a layout today is :class:`Layout`'s own check (3D, ZeRO 1-3 with pp and ZeRO 1/2 with tp are
+refused at the time of writing); such layouts are planned and marked, not dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.pipeline.runtime import SCHEDULES, resolve_schedule
+from lightning_par.parallel.pipeline.split import plan_stages, stage_indices
+from lightning_par.parallel.recompute import RECOMPUTE_KINDS
+from lightning_par.planner.hardware import GiB, Hardware
+from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
+from lightning_par.planner.schedule import action_order, rank_of_stage, simulate
+from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved_bytes, trace_model
+from lightning_par.topology import LayoutError, ParallelDims
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and precision to estimate."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int = 0
+    schedule: str | None = None  # pp > 1
+    virtual_stages: int = 1
+    n_microbatches: int = 1  # per optimizer step: pipeline micro-batches (pp > 1) or accumulation steps (pp = 1)
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    precision: str = "bf16-mixed"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        sched = "-" if self.pp == 1 else self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1
+                                                         and self.schedule not in ("zbv", "dualpipev") else "")
+        return (f"dp{self.dp} tp{self.tp}{'+sp' if self.sequence_parallel else ''} pp{self.pp} z{self.zero_stage} "
+                f"{sched} rc={self.recompute} {self.precision}")
+
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
+                      schedule=self.schedule or "1f1b", n_microbatches=self.n_microbatches if self.pp > 1 else None,
+                      virtual_stages=self.virtual_stages if self.pp > 1 else None,
+                      sequence_parallel=self.sequence_parallel, recompute=self.recompute)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes: ``global_batch`` sequences of ``seq_len`` tokens in micro-batches of
+    ``micro_batch`` sequences per data-parallel replica."""
+
+    micro_batch: int = 1
+    seq_len: int = 2048
+    global_batch: int = 8
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds (the pipeline rank ``pp_rank``; all its tp and dp peers hold the same)."""
+
+    pp_rank: int
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    transient: float
+    numel: int  # parameters of this rank (its tp shard of its stages), before ZeRO
+
+    @property
+    def state(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.transient
+
+
+@dataclass
+class Estimate:
+    """What a layout costs; see the module docstring."""
+
+    candidate: Candidate
+    ranks: list[RankMemory]
+    comm_bytes: dict[str, float]  # group -> bytes each rank sends per step (the busiest rank)
+    bubble: float
+    step_time: float
+    tokens_per_s: float
+    model_tflops_per_device: float
+    mfu: float
+    fits: bool
+    runs_today: bool
+    engine_note: str = ""
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp exposed, optimizer
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def to_dict(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            "layout": asdict(self.candidate), "label": self.candidate.label(),
+            "bytes_per_rank": {"parameters": worst.parameters, "gradients": worst.gradients,
+                               "optimizer_states": worst.optimizer_states, "activations": worst.activations,
+                               "transient": worst.transient, "total": worst.total, "pp_rank": worst.pp_rank},
+            "by_pp_rank": [asdict(r) for r in self.ranks],
+            "comm_bytes_per_step": self.comm_bytes, "bubble": self.bubble, "step_time_s": self.step_time,
+            "tokens_per_s": self.tokens_per_s, "model_tflops_per_device": self.model_tflops_per_device,
+            "mfu": self.mfu, "fits": self.fits, "runs_today": self.runs_today, "engine_note": self.engine_note,
+            "time_breakdown_s": self.breakdown,
+        }
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the training runtime overlaps communication; the defaults describe lightning-par.
+
+    Attributes:
+        dp_overlap: with pp = 1, data-parallel gradients are reduced in buckets during the last backward (DDP,
+            ZeRO-1/2 reduce-scatter); the pipeline runtime reduces them after the schedule either way.
+        p2p_split_over_tp: a stage sends 1/tp of its activation to the next stage and the tp ranks there gather it
+            (Megatron's scatter/gather); lightning-par sends the whole activation from every tp rank.
+    """
+
+    dp_overlap: bool = True
+    p2p_split_over_tp: bool = False
+
+
+#: Megatron-LM as measured in Narayanan et al. 2021 (seed 004, Table 1): gradients all-reduced after the backward
+#: pass, activations between stages split over the tp ranks.
+MEGATRON_2021 = Runtime(dp_overlap=False, p2p_split_over_tp=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The planner
+# ----------------------------------------------------------------------------------------------------------------------
+def _elt(precision: str) -> int:
+    return 2 if precision == "bf16-true" else 4
+
+
+def _act_elt(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _ring(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring collective over ``n`` ranks on a buffer of ``nbytes``."""
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all_reduce" else 1.0) * nbytes * (n - 1) / n
+
+
+class Planner:
+    """Estimates layouts of one model on one hardware; traces are made once per configuration and reused."""
+
+    def __init__(self, info: ModelInfo, hardware: Hardware, workload: Workload, optimizer: str | None = None,
+                 max_tp: int | None = None, runtime: Runtime | None = None) -> None:
+        self.info, self.hw, self.work = info, hardware, workload
+        self.runtime = runtime or Runtime()
+        self.optimizer = (optimizer or info.optimizer).lower()
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise LayoutError(f"optimizer {self.optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}.")
+        self.max_tp = max_tp
+        self._traces: dict[tuple, ModelTrace] = {}
+        self._tp_comm: dict[tuple, dict[str, tuple[list[float], list[float]]]] = {}
+        self._stages: dict[tuple, list[list[str]]] = {}
+
+    # -- pieces that are shared between layouts ------------------------------------------------------------------
+    def trace(self, tp: int, recompute: str, precision: str) -> ModelTrace:
+        """Unit traces for this tp size; with sequence-parallel attribution where the model allows it."""
+        key = (tp, recompute, precision)
+        if key not in self._traces:
+            sp = False
+            if tp > 1:
+                try:
+                    self.info.tp_split(tp, True)
+                    sp = True
+                except LayoutError:
+                    sp = False
+            self._traces[key] = trace_model(self.info, tp, sp, recompute, precision, self.work.micro_batch,
+                                            self.work.seq_len)
+        return self._traces[key]
+
+    def stages(self, pp: int, v: int, style: str) -> list[list[str]]:
+        key = (pp, v, style)
+        if key not in self._stages:
+            self._stages[key] = plan_stages(list(self.info.units), pp, v, style) if pp > 1 else [list(self.info.units)]
+        return self._stages[key]
+
+    def tp_collectives(self, split: TPSplit) -> dict[str, tuple[list[tuple[str, float]], list[tuple[str, float]]]]:
+        """Per unit: the activation collectives of one micro-batch as ``(kind, elements of the full buffer)``, in
+        forward and in backward. A row-parallel output is all-reduced in forward; the input of a group of
+        column-parallel linears (once per ``block_input``) in backward; a column-parallel layer that gathers its
+        output (a Hugging Face ``colwise_gather_output`` head) all-gathers it in forward and in backward."""
+        key = (split.tp, split.sequence_parallel)
+        if key in self._tp_comm:
+            return self._tp_comm[key]
+        import torch.nn as nn
+
+        root, styles = self.info.root, split.styles
+        tokens = self.work.micro_batch * self.work.seq_len
+        out: dict[str, tuple[list[tuple[str, float]], list[tuple[str, float]]]] = {}
+        for unit in self.info.units:
+            fwd: list[tuple[str, float]] = []
+            bwd: list[tuple[str, float]] = []
+            prefix = unit + "."
+            names = [n for n in styles if n == unit or n.startswith(prefix)]
+            for name in names:
+                style, module = styles[name], root.get_submodule(name)
+                if style.startswith("rowwise"):
+                    fwd.append(("all_reduce", tokens * module.out_features))
+                elif style in ("vocab_parallel", "embedding_rowwise") and isinstance(module, nn.Embedding):
+                    fwd.append(("all_reduce", tokens * module.embedding_dim))
+                elif style == "block_input":
+                    child = next((c for c in names if c.startswith(name + ".") and styles[c].startswith("colwise")),
+                                 None)
+                    if child is not None:
+                        bwd.append(("all_reduce", tokens * root.get_submodule(child).in_features))
+                elif (style.startswith("colwise") or style == "vocab_parallel") and isinstance(module, nn.Linear):
+                    if styles.get(name.rpartition(".")[0]) != "block_input":
+                        bwd.append(("all_reduce", tokens * module.in_features))
+                    if style in ("colwise_gather_output", "colwise_rep"):
+                        fwd.append(("all_gather", tokens * module.out_features))
+                        bwd.append(("all_gather", tokens * module.out_features))
+            out[unit] = (fwd, bwd)
+        self._tp_comm[key] = out
+        return out
+
+    # -- one layout ------------------------------------------------------------------------------------------------
+    def estimate(self, c: Candidate) -> Estimate:
+        info, hw, work = self.info, self.hw, self.work
+        split = info.tp_split(c.tp, c.sequence_parallel)
+        if c.sequence_parallel and work.seq_len % c.tp:
+            raise LayoutError(f"sequence_parallel with tp={c.tp} needs a sequence length divisible by {c.tp}, got "
+                              f"{work.seq_len}.")
+        trace = self.trace(c.tp, c.recompute, c.precision)
+        style = SCHEDULES[c.schedule].style if c.pp > 1 else "loop"
+        v = c.virtual_stages if c.pp > 1 else 1
+        units_by_stage = self.stages(c.pp, v, style)
+        n_stages = len(units_by_stage)
+        m = c.n_microbatches
+        tp_seq = c.tp if c.sequence_parallel else 1
+        elt, act_elt = _elt(c.precision), _act_elt(c.precision)
+        n_states = OPTIMIZER_STATES[self.optimizer]
+
+        # which node boundaries each group crosses (ranks: tp innermost, then dp, pp outermost)
+        per_node = hw.devices_per_node
+        tp_span = c.tp > per_node
+        dp_span = c.tp * c.dp > per_node
+        pp_span = c.tp * c.dp * c.pp > per_node
+
+        # -- per stage: units, saved bytes, forward / backward time, tensor-parallel traffic --------------------
+        collectives = self.tp_collectives(split) if c.tp > 1 else {}
+        tp_bw = hw.bandwidth(tp_span)
+
+        def coll_time(ops: Iterable[tuple[str, float]]) -> tuple[float, float]:
+            sent, n = 0.0, 0
+            for kind, elements in ops:
+                # with SP an all-reduce becomes a reduce-scatter plus an all-gather: the same bytes, two calls
+                sent += _ring(kind, elements * act_elt, c.tp)
+                n += 2 if c.sequence_parallel and kind == "all_reduce" else 1
+            return sent, sent / tp_bw + n * hw.latency_s
+
+        stage_of_unit = {u: s for s, units in enumerate(units_by_stage) for u in units}
+        stage_f, stage_b, stage_w, stage_held, stage_tp_bytes, stage_out = [], [], [], [], [], []
+        for s, units in enumerate(units_by_stage):
+            traces: list[UnitTrace] = [trace.units[u] for u in units]
+            if s == n_stages - 1:
+                traces.append(trace.loss)
+            f = sum(t.forward.time(hw, tp_seq) for t in traces)
+            b = sum(t.backward.time(hw, tp_seq) for t in traces)
+            w = sum(t.backward.time(hw, tp_seq, weight_grad=True) for t in traces)
+            fwd_elems = [e for u in units for e in collectives.get(u, ([], []))[0]]
+            bwd_elems = [e for u in units for e in collectives.get(u, ([], []))[1]]
+            if c.recompute == "full":  # the recomputed forward of the blocks communicates again
+                bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
+            fwd_bytes, fwd_t = coll_time(fwd_elems)
+            bwd_bytes, bwd_t = coll_time(bwd_elems)
+            stage_f.append(f + fwd_t)
+            stage_b.append(b + bwd_t)
+            stage_w.append(min(w, b))
+            stage_held.append(saved_bytes(traces, tp_seq))
+            stage_tp_bytes.append(fwd_bytes + bwd_bytes)
+            stage_out.append(trace.units[units[-1]].output_bytes / tp_seq)
+
+        # -- the schedule --------------------------------------------------------------------------------------
+        pp_bw = hw.bandwidth(pp_span)
+        if c.pp > 1:
+            order = action_order(c.schedule, c.pp, m, v)
+            rank_of = rank_of_stage(c.schedule, c.pp, v)
+
+            def cost(a) -> float:
+                if a.kind == "F":
+                    return stage_f[a.stage]
+                if a.kind == "B":
+                    return stage_b[a.stage]
+                if a.kind == "I":
+                    return stage_b[a.stage] - stage_w[a.stage]
+                return stage_w[a.stage]
+
+            p2p_split = c.tp if self.runtime.p2p_split_over_tp else 1
+            sim = simulate(order, n_stages, rank_of, cost,
+                           transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
+                           held=lambda s: stage_held[s])
+            t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
+            rank_stages = [stage_indices(r, c.pp, v, style) for r in range(c.pp)]
+        else:
+            t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
+            rank_stages = [[0]]
+
+        # -- memory per pipeline rank ----------------------------------------------------------------------------
+        ranks: list[RankMemory] = []
+        dp_bytes_max = tp_bytes_max = pp_bytes_max = 0.0
+        dp_time_max = 0.0
+        zero3_gather_time = 0.0
+        for r, stage_ids in enumerate(rank_stages):
+            rank_units = {u for s in stage_ids for u in units_by_stage[s]}
+            params = [p for p in info.params if not p.units or any(u in rank_units for u in p.units)]
+            numel = sum(split.local_numel(p) for p in params)
+            mem = self._state(params, split, c, elt, n_states)
+            transient = 0.0
+            if c.zero_stage == 3:
+                # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
+                blocks = [u for u in rank_units if u in info.blocks]
+                block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)) for u in blocks),
+                                  default=0)
+                root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
+                transient += (2 * block_numel + root_numel) * elt
+            if c.pp > 1 and c.dp > 1 and c.zero_stage == 0:
+                transient += numel * elt  # the pipeline's flat all-reduce of all gradients
+            ranks.append(RankMemory(r, *mem, held_peak[r], transient, numel))
+
+            # traffic of this rank, per step
+            d = c.dp
+            if c.zero_stage == 0:
+                dp_bytes = _ring("all_reduce", numel * elt, d)
+            elif c.zero_stage in (1, 2):
+                dp_bytes = _ring("reduce_scatter", numel * elt, d) + _ring("all_gather", numel * elt, d)
+            else:
+                dp_bytes = (2 * m) * _ring("all_gather", numel * elt, d) + _ring("reduce_scatter", numel * elt, d)
+                zero3_gather_time = max(zero3_gather_time, _ring("all_gather", numel * elt, d)
+                                        / hw.bandwidth(dp_span))
+            tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
+            pp_bytes = 0.0
+            if c.pp > 1:
+                for s in stage_ids:
+                    if s < n_stages - 1:
+                        pp_bytes += m * stage_out[s]
+                    if s > 0:
+                        pp_bytes += m * stage_out[s - 1]
+                tied = [p for p in params if len({rank_of(stage_of_unit[u]) for u in p.units}) > 1]
+                pp_bytes += sum(_ring("all_reduce", split.local_numel(p) * elt, c.pp) for p in tied)
+            dp_bytes_max, tp_bytes_max, pp_bytes_max = (max(dp_bytes_max, dp_bytes), max(tp_bytes_max, tp_bytes),
+                                                        max(pp_bytes_max, pp_bytes))
+            dp_time_max = max(dp_time_max, dp_bytes / hw.bandwidth(dp_span) + (hw.latency_s if d > 1 else 0.0))
+
+        # -- step time ---------------------------------------------------------------------------------------------
+        last_backward = max(stage_b)
+        if c.dp == 1:
+            dp_exposed = 0.0
+        elif c.zero_stage == 3:
+            # parameters gathered per micro-batch, prefetched under the previous block's compute: exposed where
+            # the gather takes longer than the compute; gradients reduce-scattered under the last backward
+            compute = (stage_f[0] + stage_b[0]) if c.pp == 1 else max(f + b for f, b in zip(stage_f, stage_b,
+                                                                                               strict=True))
+            dp_exposed = m * max(0.0, 2 * zero3_gather_time - compute) + max(0.0, dp_time_max - 2 * m *
+                                                                              zero3_gather_time - last_backward)
+        elif c.pp == 1 and self.runtime.dp_overlap:
+            ag = dp_time_max / 2 if c.zero_stage in (1, 2) else 0.0  # all-gather after the step: exposed
+            dp_exposed = max(0.0, dp_time_max - ag - last_backward) + ag + hw.latency_s
+        else:
+            dp_exposed = dp_time_max  # reduced after the backward (the pipeline runtime: after the schedule)
+        opt_numel = max(r.numel for r in ranks) / (c.dp if c.zero_stage >= 1 else 1)
+        optimizer_time = opt_numel * (3 * elt + 2 * n_states * elt) / hw.memory_bandwidth
+        step = t_pipe + dp_exposed + optimizer_time
+
+        tokens = work.global_batch * work.seq_len
+        flops_per_mb = 3 * c.tp * (sum(t.forward.total_flops for t in trace.units.values())
+                                   + trace.loss.forward.total_flops)
+        model_flops = flops_per_mb * work.global_batch / work.micro_batch
+        per_device = model_flops / step / c.world
+        peak = hw.peak_flops.get("fp32" if c.precision == "fp32" else "bf16", float("nan"))
+        worst = max(r.total for r in ranks)
+        try:
+            c.layout()
+            runs, note = True, ""
+        except LayoutError as err:
+            runs, note = False, str(err)
+        return Estimate(
+            c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max}, bubble, step, tokens / step,
+            per_device / 1e12, per_device / peak, worst <= hw.usable_bytes, runs, note,
+            {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
+        )
+
+    @staticmethod
+    def _state(params: Sequence[ParamInfo], split: TPSplit, c: Candidate, elt: int,
+               n_states: int) -> tuple[float, float, float]:
+        d = c.dp
+        full = sum(split.local_numel(p) for p in params)
+        if c.zero_stage == 3:
+            sharded = 0
+            for p in params:
+                shape = split.local_shape(p)
+                rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+                sharded += -(-shape[0] // d) * rest if shape else 1
+            return sharded * elt, sharded * elt, n_states * sharded * elt
+        chunk = -(-full // d)
+        grads = chunk if c.zero_stage == 2 else full
+        states = chunk if c.zero_stage >= 1 else full
+        return full * elt, grads * elt, n_states * states * elt
+
+    # -- all layouts -----------------------------------------------------------------------------------------------
+    def candidates(self, world: int, zero_stages: Sequence[int] = (0, 1, 2, 3),
+                   schedules: Sequence[str] | None = None, recompute: Sequence[str] = RECOMPUTE_KINDS,
+                   precisions: Sequence[str] = PRECISIONS, virtual: Sequence[int] = (2, 4),
+                   sequence_parallel: Sequence[bool] = (False, True),
+                   sizes: Sequence[tuple[int, int, int]] | None = None) -> tuple[list[Candidate], dict[str, int]]:
+        """Every valid layout for ``world`` ranks (or only the ``(dp, tp, pp)`` in ``sizes``), and why the others
+        were left out (reason -> count)."""
+        work, info = self.work, self.info
+        schedules = list(schedules or SCHEDULES)
+        skipped: dict[str, int] = {}
+
+        def skip(reason: str) -> None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+
+        out: list[Candidate] = []
+        for tp in _divisors(world):
+            if sizes is not None and tp not in {t for _, t, _ in sizes}:
+                continue
+            if self.max_tp is not None and tp > self.max_tp and sizes is None:
+                continue
+            try:
+                info.tp_split(tp)
+            except LayoutError as err:
+                skip(f"tp={tp}: {str(err).split(':')[0]}")
+                continue
+            sp_ok = tp > 1 and work.seq_len % tp == 0
+            if sp_ok:
+                try:
+                    info.tp_split(tp, True)
+                except LayoutError:
+                    sp_ok = False
+            for pp in _divisors(world // tp):
+                dp = world // (tp * pp)
+                if sizes is not None and (dp, tp, pp) not in sizes:
+                    continue
+                if pp > len(info.units):
+                    skip(f"pp={pp}: more stages than the {len(info.units)} pipeline units")
+                    continue
+                if work.global_batch % (dp * work.micro_batch):
+                    skip(f"dp={dp}: the global batch {work.global_batch} does not split into micro-batches of "
+                         f"{work.micro_batch} on {dp} replicas")
+                    continue
+                m = work.global_batch // (dp * work.micro_batch)
+                variants: list[tuple[str | None, int]] = [(None, 1)]
+                if pp > 1:
+                    variants = []
+                    for name in schedules:
+                        spec = SCHEDULES[name]
+                        vs = [spec.fixed_virtual] if spec.fixed_virtual else [1] if name in ("gpipe", "1f1b") \
+                            else list(virtual)
+                        for v in vs:
+                            if pp * v > len(info.units):
+                                skip(f"pp={pp} x v={v}: more stages than units")
+                                continue
+                            try:
+                                resolve_schedule(name, pp, m, v)
+                            except LayoutError:
+                                skip(f"{name} with pp={pp}, m={m}, v={v}")
+                                continue
+                            variants.append((name, v))
+                for name, v in variants:
+                    for zero in zero_stages:
+                        if dp == 1 and zero > 0:
+                            continue  # nothing to shard over
+                        for sp in sequence_parallel:
+                            if sp and not sp_ok:
+                                continue
+                            for rc in recompute:
+                                for prec in precisions:
+                                    out.append(Candidate(dp, tp, pp, zero, name, v, m, sp, rc, prec))
+        return out, skipped
+
+    def plan(self, world: int, **kwargs: Any) -> tuple[list[Estimate], dict[str, int]]:
+        """Estimate every candidate; fastest first (layouts that fit before those that do not)."""
+        candidates, skipped = self.candidates(world, **kwargs)
+        out = []
+        for c in candidates:
+            try:
+                out.append(self.estimate(c))
+            except LayoutError as err:
+                key = f"{c.label()}: {err}"
+                skipped[key] = skipped.get(key, 0) + 1
+        out.sort(key=lambda e: (not e.fits, e.step_time))
+        return out, skipped
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def rank_table(world: int, dp: int | str = "auto", tp: int = 1, pp: int = 1) -> str:
+    """The start-up rank table of a layout: global rank -> (pp, dp, tp) and the groups."""
+    dims = ParallelDims.resolve(world, dp=dp, tp=tp, pp=pp)
+    return f"{dims.describe()}\n{dims.rank_table()}"
+
+
+def bytes_gib(x: float) -> float:
+    return x / GiB

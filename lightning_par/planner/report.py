@@ -1,0 +1,136 @@
+"""Terminal tables and JSON for the planner's estimates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_par.planner.hardware import GiB, Hardware
+from lightning_par.planner.plan import Estimate, Workload
+
+
+def _unit(estimates: Sequence[Estimate]) -> tuple[str, float]:
+    """GiB, or MiB for small models (the CPU test models)."""
+    largest = max((e.worst.total for e in estimates), default=0.0)
+    return ("GiB", GiB) if largest >= GiB else ("MiB", 2**20)
+
+
+def _size(x: float, unit: float) -> str:
+    v = x / unit
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _traffic(x: float, unit: float) -> str:
+    v = x / unit
+    return "0" if x == 0 else f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _schedule(e: Estimate) -> str:
+    c = e.candidate
+    if c.pp == 1:
+        return "-"
+    if c.virtual_stages > 1 and c.schedule not in ("zbv", "dualpipev"):
+        return f"{c.schedule} v{c.virtual_stages}"
+    return c.schedule or "-"
+
+
+HEADER = ("#", "dp", "tp", "pp", "zero", "schedule", "sp", "recompute", "precision", "m",
+          "params", "grads", "optim", "activ", "total", "fits", "dp", "tp", "pp", "bubble", "step s", "tokens/s",
+          "MFU", "runs")
+
+
+def rows(estimates: Sequence[Estimate], start: int = 1) -> list[tuple[str, ...]]:
+    _, unit = _unit(estimates)
+    out = []
+    for i, e in enumerate(estimates, start):
+        c, w = e.candidate, e.worst
+        out.append((
+            str(i), str(c.dp), str(c.tp), str(c.pp), str(c.zero_stage), _schedule(e), "yes" if c.sequence_parallel
+            else "-", c.recompute, c.precision, str(c.n_microbatches),
+            _size(w.parameters, unit), _size(w.gradients, unit), _size(w.optimizer_states, unit),
+            _size(w.activations + w.transient, unit), _size(w.total, unit), "yes" if e.fits else "NO",
+            _traffic(e.comm_bytes["dp"], unit), _traffic(e.comm_bytes["tp"], unit), _traffic(e.comm_bytes["pp"], unit),
+            f"{e.bubble:.2f}" if c.pp > 1 else "-", f"{e.step_time:.3g}",
+            _rate(e.tokens_per_s), f"{e.mfu:.0%}", "yes" if e.runs_today else "not yet",
+        ))
+    return out
+
+
+def table(estimates: Sequence[Estimate], start: int = 1) -> str:
+    body = rows(estimates, start)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(HEADER)]
+    name, _ = _unit(estimates)
+    groups = [("", 10), (f"{name} per rank (the fullest)", 6), (f"{name} sent per step", 3), ("", 5)]
+    lines = []
+    top, col = [], 0
+    for title, n in groups:
+        span = sum(widths[col:col + n]) + 2 * (n - 1)
+        top.append(title.center(span) if title else " " * span)
+        col += n
+    lines.append("  ".join(top).rstrip())
+    lines.append("  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True)))
+    for r in body:
+        lines.append("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def header(description: str, hw: Hardware, work: Workload, world: int, optimizer: str) -> str:
+    nodes = -(-world // hw.devices_per_node)
+    return (f"model:    {description}\n"
+            f"hardware: {hw.name} ({hw.notes or 'custom'}): {hw.memory_gib:g} GiB per device, "
+            f"{hw.reserved_gib:g} GiB reserved, {hw.devices_per_node} per node -> {world} ranks on {nodes} node(s)\n"
+            f"workload: global batch {work.global_batch} x {work.seq_len} tokens, micro-batch {work.micro_batch}, "
+            f"{optimizer}")
+
+
+def summary(estimates: Sequence[Estimate], skipped: dict[str, int], hw: Hardware) -> str:
+    fit = [e for e in estimates if e.fits]
+    runnable = [e for e in fit if e.runs_today]
+    lines = [f"{len(estimates)} layouts planned; {len(fit)} fit in {hw.memory_gib - hw.reserved_gib:g} GiB; "
+             f"{len(runnable)} of those run in this version of lightning-par."]
+    if fit:
+        best = fit[0]
+        lines.append(f"fastest that fits: {best.candidate.label()} -- {best.step_time:.3g} s per step, "
+                     f"{best.tokens_per_s:,.0f} tokens/s, {best.model_tflops_per_device:.3g} TFLOP/s per device "
+                     f"(MFU {best.mfu:.0%})" + ("" if best.runs_today else " [not runnable yet]"))
+    if runnable and (not fit or runnable[0] is not fit[0]):
+        r = runnable[0]
+        lines.append(f"fastest that runs today: {r.candidate.label()} -- {r.step_time:.3g} s per step, "
+                     f"{r.tokens_per_s:,.0f} tokens/s")
+    if not fit and estimates:
+        small = min(estimates, key=lambda e: e.worst.total)
+        lines.append(f"nothing fits: the smallest is {small.candidate.label()} at {small.worst.total / GiB:.1f} GiB "
+                     "per rank. Add ranks, recompute, shard more (ZeRO-3, tp, pp), or a smaller micro-batch.")
+    if skipped:
+        shown = sorted(skipped.items(), key=lambda kv: -kv[1])[:4]
+        lines.append("left out: " + "; ".join(f"{reason} ({n})" for reason, n in shown)
+                     + (f"; ... ({len(skipped) - 4} more reasons)" if len(skipped) > 4 else ""))
+    return "\n".join(lines)
+
+
+def rank_breakdown(e: Estimate) -> str:
+    """Per pipeline rank: what it holds (its tp and dp peers hold the same)."""
+    lines = [f"{e.candidate.label()}: per pipeline rank (GiB)",
+             "  pp rank   params   grads   optim   activ  transient   total"]
+    for r in e.ranks:
+        lines.append(f"  {r.pp_rank:>7}  {r.parameters / GiB:7.2f} {r.gradients / GiB:7.2f} "
+                     f"{r.optimizer_states / GiB:7.2f} {r.activations / GiB:7.2f} {r.transient / GiB:10.2f} "
+                     f"{r.total / GiB:7.2f}")
+    b = e.breakdown
+    lines.append(f"  step {e.step_time:.4g} s = pipeline {b['pipeline']:.4g} + data-parallel exposed "
+                 f"{b['dp_exposed']:.4g} + optimizer {b['optimizer']:.4g}; bubble {e.bubble:.3f}; sent per step "
+                 f"dp {e.comm_bytes['dp'] / GiB:.3g} GiB, tp {e.comm_bytes['tp'] / GiB:.3g} GiB, "
+                 f"pp {e.comm_bytes['pp'] / GiB:.3g} GiB")
+    if not e.runs_today:
+        lines.append(f"  not runnable in this version: {e.engine_note}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, estimates: Sequence[Estimate], meta: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps({**meta, "layouts": [e.to_dict() for e in estimates]}, indent=1))
