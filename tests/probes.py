@@ -173,3 +173,17 @@ class StateReport(pl.Callback):
     def _write(self, trainer) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / f"state_rank{trainer.global_rank}.json").write_text(json.dumps(self.report, indent=1))
+
+
+class FitStartMemory(pl.Callback):
+    """Write ``fit_start_rank{N}.json``: this rank's peak resident set size when ``on_fit_start`` runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        params = sum(p.numel() for p in pl_module.parameters() if not p.is_meta)
+        (self.path / f"fit_start_rank{trainer.global_rank}.json").write_text(
+            json.dumps({"max_rss_bytes": peak, "local_parameters": params}))
