@@ -34,6 +34,9 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
     "zero2_dp4": (dict(zero_stage=2), GLOBAL_BATCH // 4),
     "zero3_dp4": (dict(zero_stage=3), GLOBAL_BATCH // 4),
     "tp2_dp2": (dict(tp=2), GLOBAL_BATCH // 2),
+    # activation recompute composed with FSDP2 and with tensor parallel: same trajectory, less memory
+    "zero3_dp4_full_recompute": (dict(zero_stage=3, recompute="full"), GLOBAL_BATCH // 4),
+    "tp2_dp2_selective_recompute": (dict(tp=2, recompute="selective"), GLOBAL_BATCH // 2),
     "pp2_dp2": (dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH // 2),
     # every rank draws the same weights: each pipeline stage then holds the single process's values for its units
     "pp2_dp2_seeded": (dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH // 2),

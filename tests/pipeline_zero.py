@@ -8,8 +8,8 @@ callback the way the engine does:
 * ``zero3_*``: pp=2 x dp=2, :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages` (FSDP2 per block and
   per stage module); the collectives of every step are counted with :class:`~lightning_par.measure.CommCounter`;
 * ``tp2_*``: pp=2 x tp=2, :func:`~lightning_par.parallel.tensor_parallel.apply_tensor_parallel` on the rank module
-  with the model's plan restricted to the modules this rank holds; the schedule runs inside the plan's
-  ``loss_context()`` (vocabulary-parallel cross-entropy on the last stage).
+  (``stage=True``: the model's plan, its patterns for other ranks' units skipped); the schedule runs inside the
+  plan's ``loss_context()`` (vocabulary-parallel cross-entropy on the last stage).
 
 Every case trains 20 fp32 steps (plain SGD unless named otherwise: no momentum, no clipping) and evaluates with
 ``forward_only``; rank 0 trains the single-process reference on the same batches and writes both.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +69,8 @@ CASES: dict[str, Case] = {
     "zero3_1f1b_accumulate": Case("1f1b", "zero3", accumulate=2, microbatches=2),
     # torch's default, for comparison: freed after each forward, gathered again (collectives counted, 4 steps)
     "zero3_1f1b_reshard": Case("1f1b", "zero3", reshard_after_forward=True, steps=4),
+    # zbv needs the gathered weights from forward to the weight gradients: the runtime keeps them (asked or not)
+    "zero3_zbv_reshard": Case("zbv", "zero3", reshard_after_forward=True, steps=4),
     "zero3_zbv_tied": Case("zbv", "zero3", tied=True),  # refused: one parameter in two stages of rank 0
     "tp2_1f1b": Case("1f1b", **TP),
     "tp2_interleaved_1f1b": Case("interleaved_1f1b", **TP),
@@ -124,18 +125,6 @@ def reference(key: tuple, batches, eval_batch) -> dict:
     return {"losses": losses, "eval_loss": eval_loss}
 
 
-def restricted_plan(module: torch.nn.Module) -> dict[str, str]:
-    """GPT.tp_plan without the patterns that match no module of this rank (as resolve_tp_plan's per-stage option
-    will do)."""
-    names = [n for n, _ in module.named_modules()]
-    keep = {}
-    for pattern, style in GPT.tp_plan.items():
-        regex = re.compile(pattern.replace(".", r"\.").replace("*", r"[^.]+"))
-        if any(regex.fullmatch(n) for n in names):
-            keep[pattern] = style
-    return keep
-
-
 def run_case(name: str, case: Case, batches, eval_batch) -> dict:
     rank = dist.get_rank()
     if case.mode == "zero3":
@@ -157,12 +146,12 @@ def run_case(name: str, case: Case, batches, eval_batch) -> dict:
                 sent_shapes.setdefault(index, list(out.shape))
 
             module.register_forward_hook(record)
-        if case.tied and mesh["pp"].get_local_rank() == 1 and case.mode == "zero3":
-            with torch.no_grad():  # make_tied_copies_equal, called after sharding, must undo this
+        if case.tied and mesh["pp"].get_local_rank() == 1 and rank_module.head is not None:
+            with torch.no_grad():  # the copy on pipeline rank 1: make_tied_copies_equal (after sharding) undoes this
                 rank_module.head.weight.add_(1.0)
         if case.mode == "tp":
-            rank_module.tp_plan = restricted_plan(rank_module)
-            tp_plan.append(apply_tensor_parallel(rank_module, mesh["tp"], case.sequence_parallel))
+            # the plan of the whole model, its patterns for units of other ranks skipped (stage=True)
+            tp_plan.append(apply_tensor_parallel(rank_module, mesh["tp"], case.sequence_parallel, stage=True))
             return stage_modules
         return fully_shard_stages(stage_modules, mesh["dp"], blocks.blocks,
                                   reshard_after_forward=case.reshard_after_forward)

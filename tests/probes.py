@@ -26,7 +26,8 @@ class RankReport(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx < 3:
             # identify each sample by a few of its tokens, to check which rank saw which sample
-            self.batches.append([int(t) for t in batch[0][:, :4].flatten()])
+            inputs = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+            self.batches.append([int(t) for t in inputs[:, :4].flatten()])
 
     def on_train_end(self, trainer, pl_module) -> None:
         strategy = trainer.strategy

@@ -12,7 +12,9 @@ from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 PARITY_RTOL = 1e-5
 #: the owner of data-parallel gradient sync each layout must get (exactly one; see parallel/gradient_sync.py)
 OWNERS = {"zero0_dp4": "ddp", "zero1_dp4": "zero1", "zero2_dp4": "zero2", "zero3_dp4": "fsdp2_shard",
-          "tp2_dp2": "fsdp2_replicate", "pp2_dp2": "pipeline_allreduce", "pp2_dp2_seeded": "pipeline_allreduce"}
+          "tp2_dp2": "fsdp2_replicate", "zero3_dp4_full_recompute": "fsdp2_shard",
+          "tp2_dp2_selective_recompute": "fsdp2_replicate", "pp2_dp2": "pipeline_allreduce",
+          "pp2_dp2_seeded": "pipeline_allreduce"}
 UNSEEDED = [name for name in LAYOUTS if not name.endswith("_seeded")]
 
 

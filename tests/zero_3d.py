@@ -263,7 +263,6 @@ def pipeline_case(mesh: DeviceMesh, stage: int, data: torch.Tensor) -> dict:
                               device=torch.device("cpu"))
     optimizer = OPTIMIZERS["adamw"](runtime.module.parameters())
     partitioner = ZeroPartitioner(runtime.module, [optimizer], mesh["dp"], stage, BUCKET_MB, defer_reduction=True)
-    sum_tied = getattr(runtime, "sum_tied_gradients", None) or runtime._sum_tied_gradients
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     losses, norms, reduce_scatters = [], [], []
     with CommCounter() as counter:
@@ -272,7 +271,9 @@ def pipeline_case(mesh: DeviceMesh, stage: int, data: torch.Tensor) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss = runtime.train_step(tokens[:, :-1], tokens[:, 1:])
             counter.reset()
-            sum_tied()  # the tied copies' gradients summed over pp first, then the dp reduce-scatter
+            # ZeRO-1/2: the tied copies' gradients summed over pp FIRST (finish moves every param.grad into the
+            # buckets), then the dp reduce-scatter
+            runtime.sum_tied_gradients()
             partitioner.finish_gradient_sync()
             reduce_scatters.append(counter.calls()["reduce_scatter"])
             grads = partitioner.norm_grads(exclude=runtime.counted_elsewhere())

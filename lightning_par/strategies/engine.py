@@ -144,6 +144,10 @@ class LayoutStrategy(ParallelStrategy):
         return self._pipeline
 
     @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
+
+    @property
     def gradient_sync(self) -> NoSync:
         """The one owner of data-parallel gradient synchronisation for this layout (after setup)."""
         return self._gradient_sync
