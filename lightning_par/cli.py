@@ -3,6 +3,7 @@
     lightning-par fit --config configs/demo.yaml
     lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=zero0
     lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every strategy option
+    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8   # before launching
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import sys
 
 import torch
 from jsonargparse import DefaultHelpFormatter
@@ -33,6 +35,8 @@ def strategies_help() -> str:
     names = sorted(name for name, entry in StrategyRegistry.items() if entry["strategy"] in ALL_STRATEGIES)
     lines.append(f"Registered names: {', '.join(names)}.")
     lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
+    lines.append("Before launching: lightning-par plan --model=CLASS --world N (bytes per rank, traffic, bubble and "
+                 "step time of every layout; lightning-par plan --help)")
     return "\n".join(lines)
 
 
@@ -74,6 +78,14 @@ class LightningParCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-par`` command."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "plan":  # the planner: no Trainer, no LightningCLI
+        from lightning_par.planner.cli import main as plan
+
+        code = plan(argv[1:])
+        if code:
+            raise SystemExit(code)
+        return
     LightningParCLI(
         LightningModule,
         LightningDataModule,

@@ -15,7 +15,6 @@ import torch.multiprocessing as mp
 from example_models.gpt import GPT, Block, GPTConfig
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS, apply_recompute
 from lightning_par.parallel.tp_accounting import (
-    block_activation_formula,
     live_activation_bytes,
     recompute_activation_formula,
     saved_activation_bytes,

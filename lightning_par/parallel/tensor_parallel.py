@@ -18,8 +18,9 @@ What the engine adds to a plan, so that a published plan trains unchanged:
 * ``replicate`` on every other module that holds parameters (norms, position embeddings): its parameters become
   replicated DTensors too, so every parameter is a DTensor and ``clip_grad_norm_`` computes the true global norm
   (a mix of plain tensors and DTensors cannot be stacked);
-* with ``sequence_parallel``: ``sequence_parallel`` on norms and replicated embeddings such as learned positions
-  (they run on sequence shards; their weight gradients are all-reduced over tp), row-parallel outputs and the
+* with ``sequence_parallel``: ``sequence_parallel`` instead of ``replicate`` (norms and the other replicated
+  modules run on sequence shards, their weight gradients are all-reduced over tp; a replicated embedding such as
+  learned positions has its output cut to this rank's positions), row-parallel outputs and the
   vocab-parallel embedding reduce-scatter to sequence shards, the head gathers them. Training needs tp to divide
   the sequence length (checked each batch); without gradients (generation) the tokens are padded on the right
   instead, which a causal decoder does not notice;
@@ -44,8 +45,9 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
                                      logits stay a ``Shard(-1)`` DTensor for the vocab-parallel cross-entropy
                                      inside :meth:`TensorParallelPlan.loss_context`, full tensor outside it
 ``embedding_rowwise``                Embedding with vocabulary rows sharded (Hugging Face's name)
-``sequence_parallel``                norm (or position embedding: output cut to this rank's positions) on sequence
-                                     shards with sequence parallelism, else replicated
+``sequence_parallel``                with sequence parallelism: a replicated module (norm) on sequence shards,
+                                     gradients summed over tp; an embedding's output cut to this rank's positions.
+                                     Without it: replicated
 ``replicate``                        parameters replicated on every TP rank
 ``replicated_with_grad_allreduce``   replicated, gradients summed over tp: for parameters used inside a region,
                                      on this rank's heads only (e.g. a q/k norm)
@@ -93,7 +95,6 @@ PLAN_STYLES: tuple[str, ...] = (
 )
 _COLUMN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
 _ROW_STYLES = ("rowwise", "rowwise_rep", "rowwise_split_input")
-_REPLICATE_STYLES = ("replicate", "replicated_with_grad_allreduce")
 #: Config fields that tp must divide, with their meaning: ours (GPTConfig, GPT2Config) and Hugging Face's.
 _CONFIG_SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("n_heads", "num_attention_heads", "n_head"), "attention head count"),
@@ -169,7 +170,8 @@ def _tp_choices(sizes: list[int]) -> str:
     return ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
 
 
-def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False, *,
+                    stage: bool = False) -> dict[str, str]:
     """Expand and validate ``module``'s declared plan for ``tp`` ranks; no process group or mesh is needed.
 
     Returns ``{module FQN (relative to module): style}`` in application order, including the entries the engine adds
@@ -177,6 +179,13 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False)
     module, the sizes and the fix for: no plan, an unknown style, a pattern that matches no module, a head count,
     hidden/FFN size, vocabulary or sharded Linear/Embedding dimension that ``tp`` does not divide, and sequence
     parallelism on a model it cannot be applied to.
+
+    ``stage=True``: ``module`` is one pipeline stage (or one pipeline rank's stages) of the model, holding only some
+    of its units, so a plan pattern that matches nothing here is skipped (the embedding lives on the first stage, the
+    head on the last); every other check stays. Check the whole model once, before the split, with
+    :func:`check_tp_plan` (the strict default), so that a misspelt pattern is still an error.
+    A unit removed from a stage (``None``, or a parameter-free
+    :class:`~lightning_par.parallel.pipeline.split.RemovedUnit` stand-in) is never matched.
     """
     found = find_tp_plan(module)
     if found is None:
@@ -200,6 +209,8 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False)
         )
 
     names = [name for name, _ in model.named_modules() if name]
+    removed = _removed_units(model)
+    candidates = [name for name in names if name not in removed]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in PLAN_STYLES or style == "block_input":
@@ -209,7 +220,9 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False)
                 f"use one of: {allowed}."
             )
         regex = _pattern_regex(pattern)
-        matched = [name for name in names if regex.fullmatch(name)]
+        matched = [name for name in candidates if regex.fullmatch(name)]
+        if not matched and stage:
+            continue  # held by another pipeline stage (the whole model was checked by check_tp_plan)
         if not matched:
             raise LayoutError(
                 f"{model_name}.tp_plan names {pattern!r}, but {model_name} has no module of that name (\"*\" "
@@ -241,10 +254,10 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False)
         if not name or name in covered or name in additions or any(name.startswith(c + ".") for c in covered):
             continue  # (a block_input parent replicates its own parameters, if it has any)
         if any(True for _ in sub.parameters(recurse=False)):
-            additions[name] = "sequence_parallel" if sequence_parallel and _runs_on_shards(sub) else "replicate"
-    if sequence_parallel:
+            additions[name] = "sequence_parallel" if sequence_parallel else "replicate"
+    if sequence_parallel:  # every activation is this rank's own: a replicated parameter's gradient is partial
         for name, style in list(resolved.items()):
-            if style == "replicate" and _runs_on_shards(model.get_submodule(name)):
+            if style == "replicate":
                 resolved[name] = "sequence_parallel"
     # block inputs before their children so both the hooks and the listing read top-down
     ordered = {**additions, **resolved}
@@ -252,9 +265,22 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False)
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
 
 
-def _runs_on_shards(module: nn.Module) -> bool:
-    """Replicated modules that sequence parallelism runs on sequence shards: norms and embeddings (positions)."""
-    return _is_norm(module) or isinstance(module, nn.Embedding)
+def check_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+    """Check the WHOLE model's plan for ``tp`` ranks once, before it is split into pipeline stages.
+
+    This is :func:`resolve_tp_plan` with its strict default (every pattern must match a module of the model; the
+    divisibility, style and tied-weight checks), returning the whole model's resolved plan. Each stage is then
+    split with ``apply_tensor_parallel(stage_module, tp_mesh, sequence_parallel, stage=True)``, which skips the
+    patterns that name another stage's units. No process group is needed.
+    """
+    return resolve_tp_plan(module, tp, sequence_parallel, stage=False)
+
+
+def _removed_units(model: nn.Module) -> set[str]:
+    """Names of pipeline units that a stage replaced by a parameter-free stand-in (they hold nothing to split)."""
+    from lightning_par.parallel.pipeline.split import RemovedUnit  # (lazy: the pipeline package is heavier)
+
+    return {name for name, sub in model.named_modules() if name and isinstance(sub, RemovedUnit)}
 
 
 def _planned_split(style: str, module: nn.Module, param: str) -> str:
@@ -284,10 +310,6 @@ def _check_tied(model_name: str, model: nn.Module, plan: dict[str, str]) -> None
                 f"({a} as {plan[first.rpartition('.')[0]]!r} vs {b} as {plan[other.rpartition('.')[0]]!r}). Give "
                 "both the same split, e.g. 'vocab_parallel' for the embedding and the head, or untie them."
             )
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
 def _not_splittable(where: str, style: str, module: nn.Module, what: str) -> LayoutError:
@@ -650,18 +672,22 @@ def _set_parameter(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
     setattr(module.get_submodule(owner) if owner else module, name, param)
 
 
-def _check_or_pad_sequence(model: nn.Module, tp: int, sequence: _SequenceLength) -> None:
+def _check_or_pad_sequence(model: nn.Module, tp: int, sequence: _SequenceLength, stage: bool = False) -> None:
     """Sequence parallelism needs tp to divide the sequence length: check every batch before any collective.
 
     Training with another length is an error. Without gradients (generation, whose length grows one token at a
     time) the tokens are padded on the right to a multiple of tp and the output cut back: exact for the causal
     decoders sequence parallelism is applied to here, where no position sees a later one. The (padded) length is
-    kept in ``sequence`` for the position embeddings.
+    kept in ``sequence`` for the position embeddings. With ``stage`` (a pipeline stage after the first), a floating
+    point input is the previous stage's output, already this rank's sequence shard: it is neither checked nor padded.
     """
     padded: list[int] = []
 
     def before(_model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         found = _first_tensor(args, kwargs)
+        if stage and found is not None and found[1].is_floating_point():
+            padded.append(0)
+            return None
         if found is not None and found[1].dim() >= 2:
             sequence.length = found[1].size(1)
         if found is None or found[1].dim() < 2 or found[1].size(1) % tp == 0:
@@ -697,7 +723,8 @@ def _is_region(module: nn.Module, name: str, plan: dict[str, str]) -> bool:
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, rng: bool = True
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, rng: bool = True, *,
+    stage: bool = False,
 ) -> TensorParallelPlan:
     """Split ``module`` (in place) over the 1-D ``tp_mesh`` by its declared plan; see :func:`resolve_tp_plan`.
 
@@ -708,9 +735,14 @@ def apply_tensor_parallel(
     generator equal on the tp ranks). The plan is checked completely before the first collective, so a bad plan
     raises the same :class:`LayoutError` on every rank. Returns the :class:`TensorParallelPlan`; run the loss
     inside its ``loss_context()``.
+
+    ``stage=True``: ``module`` is one pipeline stage (see :func:`resolve_tp_plan`); plan patterns naming units
+    this stage does not hold are skipped. Check the whole model first with :func:`check_tp_plan`. Only the stage
+    holding the head gets ``vocab_parallel_head=True``; ``loss_context()`` is a no-op on the others, so it can wrap
+    the pipeline schedule call on every rank.
     """
     tp = tp_mesh.size()
-    plan = resolve_tp_plan(module, tp, sequence_parallel)
+    plan = resolve_tp_plan(module, tp, sequence_parallel, stage=stage)
     root_name, model, _ = find_tp_plan(module)  # type: ignore[misc]
     prefix = f"{root_name}." if root_name else ""
     tied = _tied_parameters(module)
@@ -736,7 +768,7 @@ def apply_tensor_parallel(
                 )
             _set_parameter(module, other, first)
     if sequence_parallel:
-        _check_or_pad_sequence(model, tp, sequence)
+        _check_or_pad_sequence(model, tp, sequence, stage)
     tracker = None
     if rng:
         tracker = TensorParallelRNG(tp_mesh)

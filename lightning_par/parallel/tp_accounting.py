@@ -280,3 +280,116 @@ def split_by_tp(measured: dict[int, float]) -> dict[str, float]:
     replicated = measured[1] - sharded
     residual = max((abs(replicated + sharded / t - m) / m for t, m in measured.items()), default=0.0)
     return {"replicated": replicated, "sharded": sharded, "max_relative_residual": residual}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations kept alive for backward, recompute included
+# ----------------------------------------------------------------------------------------------------------------------
+def _plain_tensors(value: Any) -> list[Tensor]:
+    """The plain tensors holding ``value``'s data: a DTensor's local shard, any wrapper subclass's inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_flatten
+
+    out: list[Tensor] = []
+    stack = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+    while stack:
+        t = stack.pop()
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            stack.extend(inner for n in names if isinstance(inner := getattr(t, n), Tensor))
+        elif isinstance(t, Tensor) and t.device.type != "meta":
+            out.append(t)
+    return out
+
+
+def _storage_key(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class LiveActivationMeter:
+    """The bytes a forward leaves alive until backward, counted as live storages: works with recompute.
+
+    ``saved_tensors_hooks`` (:class:`~lightning_par.measure.ActivationMeter`) do not see what
+    ``torch.utils.checkpoint`` keeps (it installs its own inner hooks), so this records instead the output storage of
+    every op run inside it (a ``TorchDispatchMode``; a DTensor counts by its local shard) with a weak reference, and
+    :meth:`live_bytes` sums the storages still alive: whatever autograd (or a checkpoint) holds for backward, plus
+    whatever the caller still references -- exclude the latter (the forward's output) and the parameters. Call it
+    right after the forward, before backward; run ``gc.collect()`` first if reference cycles may hold temporaries.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+        self._weakref = StorageWeakRef
+        self.refs: dict[int, tuple[Any, int]] = {}
+        self.exclude = {_storage_key(t) for t in _plain_tensors(list(exclude))}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                meter._record(out)
+                return out
+
+        self._mode = _Mode()
+
+    def _record(self, out: Any) -> None:
+        for t in _plain_tensors(out):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if not key or key in self.exclude:
+                continue
+            known = self.refs.get(key)
+            if known is None or known[0].expired():  # (a freed storage's address is reused by a later one)
+                self.refs[key] = (self._weakref(storage), storage.nbytes())
+
+    def __enter__(self) -> LiveActivationMeter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def live_bytes(self, exclude: Iterable[Tensor] = ()) -> int:
+        """Bytes of the recorded storages still alive, each once, leaving out the storages of ``exclude``."""
+        skip = {_storage_key(t) for t in _plain_tensors(list(exclude))}
+        return sum(n for key, (ref, n) in self.refs.items() if not ref.expired() and key not in skip)
+
+
+def live_activation_bytes(block: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> int:
+    """Bytes ``block(x, ...)`` keeps for its backward on this rank, recompute (full or selective) included.
+
+    Counted like :func:`saved_activation_bytes` (and Korthikanti et al.): the storages alive after the forward,
+    except the parameters and the block's output, plus the block's input ``x`` (an activation every recompute kind
+    keeps: full recompute keeps only it). The output is held while counting and dropped after, so autograd's graph
+    is freed on return (no backward is run).
+    """
+    import gc
+
+    params = list(block.parameters())
+    meter = LiveActivationMeter(exclude=[*params, x])
+    with meter:
+        out = block(x, *args, **kwargs)
+    gc.collect()
+    kept = meter.live_bytes(exclude=[out])
+    return kept + sum(t.untyped_storage().nbytes() for t in _plain_tensors(x))
+
+
+def recompute_activation_formula(kind: str, s: int, b: int, h: int, a: int, kv_heads: int, ffn: int, t: int = 1,
+                                 sp: bool = False, element_size: int = 4) -> float:
+    """Exact bytes ``example_models.gpt.Block`` keeps per block on one rank under recompute ``kind``.
+
+    ``none``: :func:`block_activation_formula`. ``full``: the block input only, ``sbh`` elements (``sbh/t`` with
+    sequence parallelism, where the input is this rank's sequence shard). ``selective``: the attention core's
+    outputs are dropped -- the SDPA output (``sbh/t``) and its log-sum-exp (``sba/t``) -- but its inputs (rotated q,
+    k, v) stay, as they do without recompute.
+    """
+    if kind == "full":
+        return s * b * h / (t if sp else 1) * element_size
+    parts = block_activation_formula(s, b, h, a, kv_heads, ffn, t, sp, element_size)
+    if kind == "none":
+        return parts["total"]
+    if kind == "selective":
+        return parts["total"] - (s * b * h + s * b * a) / t * element_size
+    raise ValueError(f"recompute kind {kind!r}: use none, selective or full")

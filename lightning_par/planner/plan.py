@@ -126,6 +126,8 @@ class Estimate:
     runs_today: bool
     engine_note: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp exposed, optimizer
+    stage_costs: list[tuple[float, float, float]] = field(default_factory=list)  # per stage: F, B, W seconds
+    units_by_stage: list[list[str]] = field(default_factory=list)
 
     @property
     def worst(self) -> RankMemory:
@@ -297,6 +299,8 @@ class Planner:
 
         stage_of_unit = {u: s for s, units in enumerate(units_by_stage) for u in units}
         stage_f, stage_b, stage_w, stage_held, stage_tp_bytes, stage_out = [], [], [], [], [], []
+        stage_wgrad: list[float] = []
+        stage_released: list[float] = []
         for s, units in enumerate(units_by_stage):
             traces: list[UnitTrace] = [trace.units[u] for u in units]
             if s == n_stages - 1:
@@ -314,6 +318,9 @@ class Planner:
             stage_b.append(b + bwd_t)
             stage_w.append(min(w, b))
             stage_held.append(saved_bytes(traces, tp_seq))
+            # I keeps the output gradients of the ops that read parameters, and the gradient it received
+            stage_wgrad.append(sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq)
+            stage_released.append(sum(t.saved_weight_path for t in traces))
             stage_tp_bytes.append(fwd_bytes + bwd_bytes)
             stage_out.append(trace.units[units[-1]].output_bytes / tp_seq)
 
@@ -335,11 +342,14 @@ class Planner:
             p2p_split = c.tp if self.runtime.p2p_split_over_tp else 1
             sim = simulate(order, n_stages, rank_of, cost,
                            transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
-                           held=lambda s: stage_held[s])
+                           held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
+                           released_by_w=lambda s: stage_released[s])
             t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
+            grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
             rank_stages = [stage_indices(r, c.pp, v, style) for r in range(c.pp)]
         else:
             t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
+            grads_peak = [0.0]
             rank_stages = [[0]]
 
         # -- memory per pipeline rank ----------------------------------------------------------------------------
@@ -352,7 +362,7 @@ class Planner:
             params = [p for p in info.params if not p.units or any(u in rank_units for u in p.units)]
             numel = sum(split.local_numel(p) for p in params)
             mem = self._state(params, split, c, elt, n_states)
-            transient = 0.0
+            transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
             if c.zero_stage == 3:
                 # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
                 blocks = [u for u in rank_units if u in info.blocks]
@@ -424,13 +434,39 @@ class Planner:
             c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max}, bubble, step, tokens / step,
             per_device / 1e12, per_device / peak, worst <= hw.usable_bytes, runs, note,
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
+            list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
         )
 
-    @staticmethod
-    def _state(params: Sequence[ParamInfo], split: TPSplit, c: Candidate, elt: int,
+    def state_bytes(self, c: Candidate) -> list[dict[str, float]]:
+        """Parameters, gradients and optimizer states per pipeline rank (no tracing): what
+        :func:`lightning_par.measure.state_bytes` measures on each rank."""
+        split = self.info.tp_split(c.tp, c.sequence_parallel)
+        style = SCHEDULES[c.schedule].style if c.pp > 1 else "loop"
+        v = c.virtual_stages if c.pp > 1 else 1
+        units_by_stage = self.stages(c.pp, v, style)
+        out = []
+        for r in range(c.pp):
+            rank_units = {u for s in stage_indices(r, c.pp, v, style) for u in units_by_stage[s]} if c.pp > 1 \
+                else set(self.info.units)
+            params = [p for p in self.info.params if not p.units or any(u in rank_units for u in p.units)]
+            mem = self._state(params, split, c, _elt(c.precision), OPTIMIZER_STATES[self.optimizer])
+            out.append(dict(zip(("parameters", "gradients", "optimizer_states"), mem, strict=True)))
+        return out
+
+    def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, elt: int,
                n_states: int) -> tuple[float, float, float]:
         d = c.dp
         full = sum(split.local_numel(p) for p in params)
+        # measured: the gradient of a vocabulary-parallel embedding is a full-vocabulary tensor on every tp rank
+        # (its shard is a view into it), unless FSDP2 reduce-scatters it into a new shard
+        import torch.nn as nn
+
+        embedding_extra = 0
+        if c.tp > 1 and c.zero_stage != 3:
+            for p in params:
+                if split.dims.get(p.name) is not None and isinstance(self.info.root.get_submodule(p.owner),
+                                                                     nn.Embedding):
+                    embedding_extra += p.numel - split.local_numel(p)
         if c.zero_stage == 3:
             sharded = 0
             for p in params:
@@ -439,7 +475,7 @@ class Planner:
                 sharded += -(-shape[0] // d) * rest if shape else 1
             return sharded * elt, sharded * elt, n_states * sharded * elt
         chunk = -(-full // d)
-        grads = chunk if c.zero_stage == 2 else full
+        grads = chunk if c.zero_stage == 2 else full + embedding_extra
         states = chunk if c.zero_stage >= 1 else full
         return full * elt, grads * elt, n_states * states * elt
 

@@ -25,6 +25,10 @@ from typing import NamedTuple
 from lightning_par.parallel.pipeline.runtime import SCHEDULES, resolve_schedule
 from lightning_par.parallel.pipeline.split import stage_indices, stage_rank
 
+#: Of what a zero-bubble input-gradient backward's graph saved, the share counted as held until the step ends
+#: (see :func:`simulate`): the middle of the bracket [0, 1] the collector's timing spans.
+KEPT_AFTER_W = 0.5
+
 
 class Action(NamedTuple):
     """One compute action: ``kind`` "F" (forward), "B" (full backward), "I" (input-gradient backward of the
@@ -114,7 +118,9 @@ class Simulation:
         busy: per rank, the summed duration of its actions.
         bubble: per rank, the idle fraction of the makespan; ``mean_bubble`` averages them (what the runtime's
             ``pipeline/bubble_fraction`` reports).
-        peak_held: per rank, the most bytes of activations held at once.
+        peak_held: per rank, the most bytes autograd holds saved at once (what
+            :class:`~lightning_par.measure.ActivationMeter` measures).
+        peak_with_grads: the same with the output gradients a zero-bubble I keeps for its W.
         peak_in_flight: per stage, the most micro-batches forwarded and not yet released.
         timeline: ``(rank, action, start, end)`` of every action.
     """
@@ -123,6 +129,7 @@ class Simulation:
     busy: list[float]
     bubble: list[float]
     peak_held: list[float]
+    peak_with_grads: list[float]
     peak_in_flight: dict[int, int]
     timeline: list[tuple[int, Action, float, float]]
 
@@ -133,23 +140,36 @@ class Simulation:
 
 def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[int], int],
              cost: Callable[[Action], float], transfer: Callable[[int, int], float] | None = None,
-             held: Callable[[int], float] | None = None) -> Simulation:
+             held: Callable[[int], float] | None = None,
+             held_for_w: Callable[[int], float] | None = None,
+             released_by_w: Callable[[int], float] | None = None) -> Simulation:
     """Run ``order``: each rank runs its actions in order; an action starts when its rank is free and its inputs
     exist -- F of stage s needs F of s-1; B / I of s needs F of s and B / I of s+1; W needs I of s.
 
     ``cost(action)``: its duration. ``transfer(src_stage, dst_stage)``: time to move an activation or a gradient
     between the two stages when they sit on different ranks. ``held(stage)``: the bytes one micro-batch's forward
     of the stage keeps for backward; they are released by its full backward (B) or, in the zero-bubble schedules,
-    by its weight-gradient backward (W): the input-gradient backward keeps the graph for W.
+    by its weight-gradient backward (W): the input-gradient backward (I) keeps the graph for W, and adds
+    ``held_for_w(stage)``, the output gradients W starts from (torch's ``stage_backward_input``). W then releases
+    ``released_by_w(stage)`` of the stage's bytes (what only the weight gradients read). What the nodes run by I
+    saved is released with the graph: on the last stage at the end of the step (the schedule keeps each
+    micro-batch's loss, and with it the graph, until then); on the others when Python's garbage collector breaks
+    the reference cycles torch's hooks make, somewhere between right after W and the end of the step. The planner
+    cannot time the collector; it counts :data:`KEPT_AFTER_W` of those bytes as held to the end of the step. The
+    first stage has no input gradient to compute: torch runs its whole backward, releasing everything, in W.
     """
     transfer = transfer or (lambda a, b: 0.0)
     held = held or (lambda s: 0.0)
+    held_for_w = held_for_w or (lambda s: 0.0)
+    released_by_w = released_by_w or held
     last = n_stages - 1
     position = dict.fromkeys(order, 0)
     free = dict.fromkeys(order, 0.0)
     done: dict[tuple[str, int, int], float] = {}
     live = dict.fromkeys(order, 0.0)
+    grads = dict.fromkeys(order, 0.0)
     peak = dict.fromkeys(order, 0.0)
+    peak_grads = dict.fromkeys(order, 0.0)
     in_flight: dict[int, int] = {}
     peak_flight: dict[int, int] = {}
     timeline: list[tuple[int, Action, float, float]] = []
@@ -192,10 +212,19 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
                     live[rank] += held(s)
                     in_flight[s] = in_flight.get(s, 0) + 1
                     peak_flight[s] = max(peak_flight.get(s, 0), in_flight[s])
-                    peak[rank] = max(peak[rank], live[rank])
-                elif action.kind in ("B", "W"):
+                elif action.kind == "I" and s > 0:
+                    grads[rank] += held_for_w(s)
+                elif action.kind == "B" or (action.kind == "W" and s == 0):
                     live[rank] -= held(s)
                     in_flight[s] -= 1
+                elif action.kind == "W":
+                    kept = held(s) - released_by_w(s)
+                    share = 1.0 if s == last else KEPT_AFTER_W  # the last stage's loss keeps its graph to the end
+                    live[rank] -= released_by_w(s) + (1 - share) * kept
+                    grads[rank] -= held_for_w(s)
+                    in_flight[s] -= 1
+                peak[rank] = max(peak[rank], live[rank])
+                peak_grads[rank] = max(peak_grads[rank], live[rank] + grads[rank])
                 position[rank] += 1
                 progress = True
     stuck = {r: order[r][position[r]] for r in order if position[r] < len(order[r])}
@@ -205,8 +234,8 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
     makespan = max(t[3] for t in timeline) - start
     busy = [sum(t[3] - t[2] for t in timeline if t[0] == rank) for rank in sorted(order)]
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
-    return Simulation(makespan, busy, bubble, [peak[r] for r in sorted(order)], dict(sorted(peak_flight.items())),
-                      timeline)
+    return Simulation(makespan, busy, bubble, [peak[r] for r in sorted(order)],
+                      [peak_grads[r] for r in sorted(order)], dict(sorted(peak_flight.items())), timeline)
 
 
 def formula_bubble(name: str, pp: int, m: int, v: int) -> float | None:

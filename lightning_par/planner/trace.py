@@ -98,6 +98,10 @@ class UnitTrace:
     backward: Ops
     output_bytes: float  # the activation sent to the next pipeline stage
     shared: dict[int, float] = field(default_factory=dict)  # saved inputs every block gets (rotary tables): once
+    # the gradients of the outputs of ops that read a parameter: what a zero-bubble schedule's input-gradient
+    # backward (I) keeps, besides the whole graph, for the weight-gradient backward (W)
+    weight_grad_inputs: float = 0.0
+    saved_weight_path: float = 0.0  # the part of saved_bytes only weight gradients read (see _SavedCounter)
 
     def saved(self, tp_seq: int = 1) -> float:
         return self.saved_bytes - self.saved_seq_bytes * (1 - 1 / tp_seq)
@@ -176,9 +180,11 @@ class _OpRecorder(TorchDispatchMode):
     weight gradient."""
 
     def __init__(self, ops: Ops, in_seq: Callable[[], bool], weight_shapes: set[tuple[int, ...]],
-                 backward: bool) -> None:
+                 backward: bool, params: set[int] = frozenset()) -> None:
         super().__init__()
         self.ops, self.in_seq, self.weight_shapes, self.backward = ops, in_seq, weight_shapes, backward
+        self.param_like = set(params)  # parameters and what is computed from them alone (casts, transposes)
+        self.param_output_bytes = 0.0  # outputs of forward ops that combine a parameter with an activation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -190,6 +196,14 @@ class _OpRecorder(TorchDispatchMode):
             weight_grad = bool(self.backward and flops and isinstance(out, Tensor)
                                and tuple(out.shape) in self.weight_shapes)
             self.ops.add(flops, _nbytes(func, args, kwargs, out), low, self.in_seq(), weight_grad)
+        if not self.backward and produces_tensor:
+            keys = [_storage_key(t) for t in tree_leaves(args) if isinstance(t, Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+            from_params = [k in self.param_like for k in keys]
+            if keys and all(from_params):
+                self.param_like.update(_storage_key(t) for t in outs)
+            elif any(from_params):
+                self.param_output_bytes += sum(t.nbytes for t in outs)
         return out
 
 
@@ -209,6 +223,47 @@ class _SavedCounter:
         elif key not in self.skip and key not in self.seen:
             self.seen[key] = (t.untyped_storage().nbytes(), self.on_shards(t))
         return t
+
+    def weight_path(self, outputs: list[Tensor]) -> float:
+        """Bytes saved only by autograd nodes that read a parameter (a linear's input, a norm's normalized input):
+        a zero-bubble schedule's weight-gradient backward (W) runs those nodes and releases them. What the other
+        nodes saved, the input-gradient backward (I) ran with ``retain_graph=True``; it stays until the graph is
+        dropped."""
+        param_only: dict[Any, bool] = {}
+
+        def only_params(node: Any) -> bool:
+            if node not in param_only:
+                variable = getattr(node, "variable", None)
+                if variable is not None:
+                    param_only[node] = _storage_key(variable) in self.skip
+                else:
+                    nexts = [n for n, _ in node.next_functions if n is not None]
+                    param_only[node] = bool(nexts) and all(only_params(n) for n in nexts)
+            return param_only[node]
+
+        savers: dict[int, bool] = {}  # storage -> every node saving it reads a parameter
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        visited: set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node in visited:
+                continue
+            visited.add(node)
+            nexts = [n for n, _ in node.next_functions if n is not None]
+            reads_param = any(only_params(n) for n in nexts)
+            for name in dir(node):
+                if not name.startswith("_saved_"):
+                    continue
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:
+                    continue
+                for t in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(t, Tensor) and _storage_key(t) in self.seen:
+                        key = _storage_key(t)
+                        savers[key] = savers.get(key, True) and reads_param
+            stack.extend(n for n in nexts if not only_params(n))
+        return float(sum(n for key, (n, _) in self.seen.items() if savers.get(key)))
 
     @property
     def total(self) -> float:
@@ -418,15 +473,17 @@ def _trace_unit(name: str, run: Callable[[], Any], modules: dict[str, nn.Module]
             # a block's own input (saved by full recompute before any submodule runs) is a sequence shard too
             return is_block and len(stack) == 1 and _storage_key(t) == input_key
 
+        recorder = _OpRecorder(forward, innermost_on_shards, weight_shapes, backward=False, params=skip)
         counter = _SavedCounter(skip, on_shards, shared)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), autocast(), \
-                _OpRecorder(forward, innermost_on_shards, weight_shapes, backward=False):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), autocast(), recorder:
             out = run()
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+        weight_path = counter.weight_path(outs)
         grads = [torch.ones_like(t) for t in outs]
         if outs:
             with _OpRecorder(backward, lambda: False, weight_shapes, backward=True):
                 torch.autograd.backward(outs, grads)
     first = next((t for t in tree_leaves(out) if isinstance(t, Tensor)), None)
     return UnitTrace(name, counter.total, counter.on_seq, forward, backward,
-                     float(first.nbytes) if first is not None else 0.0, counter.shared)
+                     float(first.nbytes) if first is not None else 0.0, counter.shared, recorder.param_output_bytes,
+                     weight_path)

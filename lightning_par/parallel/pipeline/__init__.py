@@ -1,8 +1,10 @@
 """Pipeline parallelism without Lightning: which units each stage holds, the stage modules themselves, how a stage
-calls any model (ours, Hugging Face, a plain nn.ModuleList model), and the batch forms a pipeline accepts."""
+calls any model (ours, Hugging Face, a plain nn.ModuleList model), the batch forms a pipeline accepts, and ZeRO-3
+(FSDP2) of the stage modules."""
 
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, StageIO, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import ACCEPTED_FORMS, next_token_targets, split_batch
+from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count, fully_shard_stages
 from lightning_par.parallel.pipeline.split import (
     STAGE_STYLES,
     KeptModuleList,
@@ -31,7 +33,10 @@ __all__ = [
     "TiedParameter",
     "assign_units",
     "block_units",
+    "check_disjoint",
     "declared_units",
+    "fsdp_group_count",
+    "fully_shard_stages",
     "model_units",
     "next_token_targets",
     "plan_stages",

@@ -16,8 +16,12 @@ three stages of a rank gathered at once.
 micro-batch's forward stays gathered through every later forward and backward of the step, so it is **gathered once
 per step**. Parameters are then held gathered for the whole step on this rank's stages -- the memory of unsharded
 parameters for those stages, not 1 / dp of it -- while gradients and optimizer states stay sharded between steps
-(and the parameters too, between steps). With ``True`` a block is freed after each forward and gathered again for
-its backward, micro-batch by micro-batch: up to ``2 m`` gathers per block per step, against one.
+(and the parameters too, between steps). With ``True`` a block is freed after each micro-batch's forward and
+gathered again for its backward (measured, 1F1B, 4 micro-batches, a stage of 2 blocks + root: 15 all-gathers per
+step against 3). The schedules that split backward into input and weight gradients (zero_bubble, zbv, dualpipev)
+need ``False``: the weight-gradient half finds the weights through the stage module's parameters, which FSDP2
+registers gathered only while they are gathered (freed after the forward, the weight gradients were silently lost:
+measured, zbv, loss off by 1.5e-2 after 4 steps), so the runtime sets it for those schedules.
 
 Collectives per optimizer step on one rank (FSDP's own; counted by :class:`lightning_par.measure.CommCounter`):
 

@@ -72,6 +72,7 @@ class ScheduleSpec:
     default_virtual: int
     fixed_virtual: int | None  # the only number of stages per rank the schedule runs, if it has one
     summary: str
+    split_backward: bool = False  # backward in two halves: input gradients, later weight gradients (I / W)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -81,9 +82,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                                      "v stages per rank: bubble (p-1)/(m v)"),
     "looped_bfs": ScheduleSpec("ScheduleLoopedBFS", "loop", 2, None, "v stages per rank, breadth first"),
     "zero_bubble": ScheduleSpec("ScheduleInterleavedZeroBubble", "loop", 2, None,
-                                "interleaved, backward split into input and weight gradients"),
-    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, 2, "zero-bubble V: 2 stages per rank in a V"),
-    "dualpipev": ScheduleSpec("ScheduleDualPipeV", "v", 2, 2, "DualPipe-V: 2 stages per rank, m >= 2p"),
+                                "interleaved, backward split into input and weight gradients", True),
+    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, 2, "zero-bubble V: 2 stages per rank in a V", True),
+    "dualpipev": ScheduleSpec("ScheduleDualPipeV", "v", 2, 2, "DualPipe-V: 2 stages per rank, m >= 2p", True),
 }
 
 
@@ -242,7 +243,7 @@ class PipelineRuntime:
             the modules the stages run: the same ones, transformed in place, or replacements (wrappers); ``None``
             means the same ones. Hooks it registers on ``rank_module`` run only when ``rank_module`` itself is
             called (evaluation through :meth:`forward_only`), hooks registered on a stage module only when that
-            stage runs.
+            stage runs. If it raises on one pipeline rank, every pipeline rank raises (they agree right after).
 
     Attributes after construction: ``module`` (the rank module: all of this rank's units, original names),
     ``stage_modules`` (what ``prepare`` returned), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
@@ -288,13 +289,7 @@ class PipelineRuntime:
             return loss * loss_scale
 
         if prepare is not None:
-            prepared = prepare(self.module, list(self.stage_modules))
-            if prepared is not None:
-                prepared = list(prepared)
-                if len(prepared) != len(self.stage_modules) or not all(isinstance(m, nn.Module) for m in prepared):
-                    raise TypeError(f"prepare must return this rank's {len(self.stage_modules)} stage modules (or "
-                                    f"None), got {prepared!r}")
-                self.stage_modules = prepared
+            self.stage_modules = self._prepare(prepare)
         n = choice.n_stages
         self.stages = [pipelining.PipelineStage(mod, i, n, device, group=self.group)
                        for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
@@ -308,6 +303,39 @@ class PipelineRuntime:
         except ValueError as err:  # raised alike on every rank, before any communication
             raise LayoutError(f"pipeline schedule {choice.name!r} with pp={self.pp}, n_microbatches="
                               f"{choice.n_microbatches}, virtual_stages={v}: {err}") from err
+
+    def _prepare(self, prepare: Prepare) -> list[nn.Module]:
+        """Run ``prepare`` on this rank's stages; the pipeline ranks then agree (one ``all_gather_object``), so that
+        an error raised on one of them -- a layout its stages cannot take -- is raised on all, not left waiting."""
+        error: BaseException | None = None
+        prepared: list[nn.Module] = self.stage_modules
+        try:
+            out = prepare(self.module, list(self.stage_modules))
+            if out is not None:
+                out = list(out)
+                if len(out) != len(self.stage_modules) or not all(isinstance(m, nn.Module) for m in out):
+                    raise TypeError(f"prepare must return this rank's {len(self.stage_modules)} stage modules (or "
+                                    f"None), got {out!r}")
+                prepared = out
+            if self.choice.spec.split_backward:
+                # the weight-gradient half of a backward finds the weights through the stage module's parameters:
+                # FSDP2 must keep the gathered ones registered from the forward on (freed after a forward, the
+                # sharded ones would be found, and the weight gradients silently lost)
+                for module in fsdp_modules(prepared):
+                    module.set_reshard_after_forward(False, recurse=False)
+        except Exception as err:  # noqa: BLE001 -- re-raised below, after the other ranks heard of it
+            error = err
+        messages: list[str | None] = [None] * self.pp
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}",
+                               group=self.group)
+        if error is not None:
+            raise error
+        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            raise LayoutError(f"pipeline rank {rank} could not prepare its stages (so none of the ranks goes on): "
+                              f"{message}")
+        return prepared
 
     def _rank_of(self, stage: int) -> int:
         return stage_rank(stage, self.pp, self.choice.virtual_stages, self.choice.spec.style)
