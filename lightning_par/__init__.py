@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_par.parallel.layout import Layout
 from lightning_par.strategies import (
     ALL_STRATEGIES,
+    Hybrid3DStrategy,
     LayoutStrategy,
     MegatronTPStrategy,
     PipelineStrategy,
@@ -27,6 +28,7 @@ def _register_strategies() -> None:
 _register_strategies()
 
 __all__ = [
+    "Hybrid3DStrategy",
     "Layout",
     "LayoutError",
     "LayoutStrategy",

@@ -141,3 +141,46 @@ class PipelineTimeline(pl.Callback):
             add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
             if figure is not None and callable(add_figure):
                 add_figure("pipeline/timeline", figure, global_step=trainer.global_step)
+
+
+class MemoryPerRank(pl.Callback):
+    """Log each rank's memory to TensorBoard every ``every`` optimizer steps: ``memory/rank{R}_MiB``.
+
+    On CUDA the peak bytes allocated since the last log (``torch.cuda.max_memory_allocated``); on CPU the process's
+    resident set (RSS, from ``/proc/self/statm``), which is what a rank costs its host. Every rank measures, global
+    rank 0 logs them all, so one chart shows how evenly the layout spreads the model.
+
+    Args:
+        every: optimizer steps between two logs.
+    """
+
+    def __init__(self, every: int = 10) -> None:
+        self.every = every
+
+    @staticmethod
+    def _bytes(device: Any) -> int:
+        import os
+
+        import torch
+
+        if device.type == "cuda":
+            value = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            return int(value)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step % self.every or (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        import torch.distributed as dist
+
+        mine = self._bytes(trainer.strategy.root_device)
+        values = [mine]
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            values = [0] * trainer.world_size
+            dist.all_gather_object(values, mine)
+        if trainer.is_global_zero and trainer.logger is not None:
+            metrics = {f"memory/rank{rank}_MiB": value / 2**20 for rank, value in enumerate(values)}
+            trainer.logger.log_metrics(metrics, step=trainer.global_step)

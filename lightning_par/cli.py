@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_par  # noqa: F401  (registers the strategy names)
-from lightning_par.callbacks import PipelineTimeline, TokensPerSecond
+from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, TokensPerSecond
 from lightning_par.strategies import ALL_STRATEGIES
 
 
@@ -51,6 +51,7 @@ class LightningParCLI(LightningCLI):
         parser.add_lightning_class_args(TokensPerSecond, "tokens_per_sec")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(PipelineTimeline, "pipeline_timeline")  # no-op unless pipelined
+        parser.add_lightning_class_args(MemoryPerRank, "memory_per_rank")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_argument("--sample_tokens", type=int, default=240,
                             help="After fit: how many tokens to sample from a model with sample_text(); 0 skips it.")

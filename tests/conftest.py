@@ -10,6 +10,7 @@ PARITY_STEPS = 20
 EPOCH_STEPS = 10  # two short epochs: checkpoints at the epoch boundary make resumption exact
 GLOBAL_BATCH = 8
 CLIP = 0.5
+SGD_LR = 0.2  # plain SGD runs (no momentum, no clipping): a gradient off by a constant factor moves the loss
 
 
 def job(batch: int, accumulate: int = 1, clip: bool = False) -> list[str]:
@@ -58,6 +59,9 @@ RUNS["dp2_pp2_accum_clip"] = (4, [*job(GLOBAL_BATCH // 4, accumulate=2, clip=Tru
                                   "--trainer.strategy=lightning_par.PipelineStrategy", "--trainer.strategy.pp=2",
                                   "--trainer.strategy.schedule=zero_bubble", "--trainer.strategy.n_microbatches=2"])
 RUNS["single_tied"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true"])
+SGD = ["--model.optimizer=sgd", f"--model.lr={SGD_LR}"]
+RUNS["single_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", *SGD])
+RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true", *SGD])
 
 # tensor parallel: the tp ranks of one replica all see the replica's batch (GLOBAL_BATCH / dp). tp=4 needs 4 kv heads
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation

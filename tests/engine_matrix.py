@@ -24,9 +24,8 @@ from torch.distributed.tensor import DTensor
 from example_models import GPTLightningModule
 from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
 
-SGD_LR = 0.2
 #: name -> (strategy arguments, batch size per rank)
 LAYOUTS: dict[str, tuple[dict, int]] = {
     "zero0_dp4": (dict(zero_stage=0), GLOBAL_BATCH // 4),

@@ -132,11 +132,6 @@ def test_bad_pipeline_options_fail_before_launch(kwargs, match):
         Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(pp=2, **kwargs), logger=False)
 
 
-def test_pipeline_with_zero_sharding_is_refused():
-    with pytest.raises(LayoutError, match=r"pp=2 with zero_stage=1.*Use zero_stage=0"):
-        PipelineStrategy(pp=2, zero_stage=1)
-
-
 def test_a_batch_that_does_not_split_into_microbatches_fails_clearly(tmp_path, cache_dir):
     args = ["--trainer.strategy=lightning_par.PipelineStrategy", "--trainer.strategy.pp=2",
             "--trainer.strategy.n_microbatches=4", "--data.batch_size=6", "--trainer.max_steps=2"]
@@ -152,13 +147,6 @@ def test_a_model_without_blocks_is_refused_with_how_to_declare_them():
 
     with pytest.raises(LayoutError, match=r"found no repeated blocks in Sequential.*block_types=\[YourBlock\]"):
         find_blocks(nn.Sequential(nn.Linear(2, 2)))
-
-
-def test_tensor_and_pipeline_together_are_refused_for_now():
-    from lightning_par import LayoutStrategy
-
-    with pytest.raises(LayoutError, match=r"tp=2 with pp=2: tensor and pipeline parallel together \(3D\)"):
-        LayoutStrategy(tp=2, pp=2)
 
 
 def test_bf16_true_trains_through_the_pipeline(tmp_path, cache_dir, runs):

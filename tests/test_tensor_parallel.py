@@ -189,8 +189,6 @@ def test_hugging_face_llama_plan_is_read_from_the_model():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(tp=2, zero_stage=1), r"tp=2 with zero_stage=1: ZeRO stages 1 and 2"),
-        (dict(tp=2, zero_stage=2), r"tp=2 with zero_stage=2"),
         (dict(tp=1, sequence_parallel=True), r"sequence_parallel=True needs tp > 1"),
         (dict(tp=0), r"tp=0 is not a valid size"),
     ],

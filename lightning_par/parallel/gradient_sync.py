@@ -9,8 +9,14 @@ owner                  when
 :class:`DDPSync`       ZeRO-0, plain tensors: PyTorch DDP's bucketed all-reduce, overlapped with backward
 :class:`FSDPSync`      ZeRO-3 (FSDP2 ``fully_shard``), or ZeRO-0 with DTensor parameters (FSDP2 ``replicate``)
 :class:`ZeroSync`      ZeRO-1/2: :class:`~lightning_par.parallel.zero.ZeroPartitioner` reduce-scatters buckets
+                       (with pp > 1: once per step, after the schedule's last backward)
 :class:`PipelineSync`  ZeRO-0 with pp > 1: one flat all-reduce after the schedule's last backward
+:class:`PipelineFSDPSync`  ZeRO-3 with pp > 1: the stages are FSDP2 modules (sharded when the pipeline was
+                       prepared); torch's schedule reduce-scatters once per step
 =====================  ===================================================================================
+
+Under pipeline parallel every owner first sums the gradients of weights held by several pipeline ranks (a tied
+embedding and head) over the pipeline, on full gradients where the owner reduces after the schedule.
 
 Each owner has the same hooks, called by the strategy: ``wrap`` (before the optimizers exist), ``attach``
 (after), ``set_enabled`` (off on the non-final micro-batches of gradient accumulation), ``after_backward``
@@ -20,11 +26,11 @@ here imports Lightning.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,6 +68,11 @@ class NoSync:
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module
+
+    def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:
+        """The gradients of ``params`` (an optimizer's) that this rank counts in the global norm, leaving out the
+        parameters whose ids are in ``exclude`` (tied pipeline copies another rank counts)."""
+        return [p.grad for p in params if p.grad is not None and id(p) not in exclude]
 
 
 class DDPSync(NoSync):
@@ -117,17 +128,24 @@ class FSDPSync(NoSync):
 
 
 class ZeroSync(NoSync):
-    """ZeRO-1/2: gradients reduce-scattered into the optimizer's shards, parameters all-gathered after the step."""
+    """ZeRO-1/2: gradients reduce-scattered into the optimizer's shards, parameters all-gathered after the step.
 
-    def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_cap_mb: float, offload: bool) -> None:
+    With a pipeline (``pipeline`` = its runtime) nothing is reduced during the schedule's many micro-batch
+    backwards: after the last one the tied copies are summed over the pipeline, then every bucket is
+    reduce-scattered once (the partitioner's ``defer_reduction``).
+    """
+
+    def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_cap_mb: float, offload: bool,
+                 pipeline: Any = None) -> None:
         super().__init__()
         self.name = f"zero{stage}"
         self.dp_mesh, self.stage, self.bucket_cap_mb, self.offload = dp_mesh, stage, bucket_cap_mb, offload
+        self.pipeline = pipeline
         self.partitioner: ZeroPartitioner | None = None
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.partitioner = ZeroPartitioner(module, optimizers, self.dp_mesh, self.stage, self.bucket_cap_mb,
-                                           self.offload)
+                                           self.offload, defer_reduction=self.pipeline is not None)
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
@@ -135,8 +153,10 @@ class ZeroSync(NoSync):
             self.partitioner.require_sync = enabled
 
     def after_backward(self) -> None:
+        if self.pipeline is not None and self.enabled:
+            self.pipeline.sum_tied_gradients()  # full gradients, before they are reduce-scattered
         if self.partitioner is not None:
-            self.partitioner.finish_gradient_sync()  # the last buckets, and each shard's gradient
+            self.partitioner.finish_gradient_sync()  # the last buckets (all of them under a pipeline)
 
     def after_step(self) -> None:
         if self.partitioner is not None:
@@ -151,6 +171,12 @@ class ZeroSync(NoSync):
             self.partitioner.remove()
             self.partitioner = None
         return module
+
+    def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:
+        # the optimizer holds bucket shards; a tied copy counted elsewhere is zeroed inside its bucket's shard
+        if not exclude or self.partitioner is None:
+            return super().norm_grads(params)
+        return self.partitioner.norm_grads(exclude, shards={id(p) for p in params})
 
 
 class PipelineSync(NoSync):
@@ -171,6 +197,31 @@ class PipelineSync(NoSync):
             self.runtime.sync_gradients(self.dp_mesh.get_group())
 
 
+class PipelineFSDPSync(NoSync):
+    """ZeRO-3 under pipeline parallel: the stage modules were made FSDP2 modules when the pipeline was prepared
+    (:func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`), and torch's schedule reduce-scatters each
+    group once per step; the runtime holds the reduction back on the non-final batches of gradient accumulation.
+    Left here: the tied copies' (sharded) gradients, summed over the pipeline."""
+
+    name = "fsdp2_shard_stages"
+
+    def __init__(self, runtime: Any) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            check_partitionable(optimizer, 3)
+
+    def set_enabled(self, enabled: bool) -> None:
+        super().set_enabled(enabled)
+        self.runtime.require_sync = enabled
+
+    def after_backward(self) -> None:
+        if self.enabled:
+            self.runtime.sum_tied_gradients()
+
+
 def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pipeline: Any = None) -> NoSync:
     """The one owner of data-parallel gradient synchronisation for this layout (see the table above).
 
@@ -178,12 +229,19 @@ def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pip
     every other owner exists only while fitting.
     """
     stage = layout.zero_stage
+    if pipeline is not None:
+        # ZeRO-3 stages were sharded when the pipeline was prepared, and FSDP2 gathers them for evaluation itself;
+        # the tied copies are summed over the pipeline even with a single replica
+        if not fitting:
+            return NoSync()
+        if stage == 3:
+            return PipelineFSDPSync(pipeline)
+        if stage in (1, 2):
+            return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, pipeline=pipeline)
+        return PipelineSync(pipeline, dp_mesh)
     if stage == 3:
         offload = layout.offload_parameters or layout.offload_optimizer
         return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types)
-    if pipeline is not None:
-        # the tied copies are summed over the pipeline even with a single replica
-        return PipelineSync(pipeline, dp_mesh) if fitting else NoSync()
     if not fitting:
         return NoSync()
     if stage in (1, 2):  # also with one replica: the optimizer state keeps one format for any dp size

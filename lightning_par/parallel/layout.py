@@ -81,22 +81,6 @@ class Layout:
                 isinstance(t, str | type) for t in self.block_types)):
             raise LayoutError(f"block_types={self.block_types!r} is not valid: give a list of classes or class "
                               "names, e.g. block_types=['Block'].")
-        if self.pp > 1 and self.zero_stage != 0:
-            raise LayoutError(
-                f"pp={self.pp} with zero_stage={self.zero_stage}: pipeline stages compose with plain data parallel "
-                "(zero_stage=0) in this version. Use zero_stage=0, or pp=1 for ZeRO stages 1-3."
-            )
-        if self.tp > 1 and self.pp > 1:
-            raise LayoutError(
-                f"tp={self.tp} with pp={self.pp}: tensor and pipeline parallel together (3D) are not available in "
-                "this version. Use MegatronTPStrategy (tp, with dp) or PipelineStrategy (pp, with dp)."
-            )
-        if self.tp > 1 and self.zero_stage in (1, 2):
-            raise LayoutError(
-                f"tp={self.tp} with zero_stage={self.zero_stage}: ZeRO stages 1 and 2 pack parameters into flat "
-                "buckets, which tensor-parallel (DTensor) parameters do not allow in this version. Use zero_stage=0 "
-                "(replicas over data parallel) or zero_stage=3 (FSDP2 over data parallel, 2D with tp)."
-            )
         if self.pp > 1:
             self.schedule_choice()  # micro-batches and virtual stages against pp: fails here, not on the ranks
 

@@ -406,15 +406,16 @@ class ZeroPartitioner:
         return [(b.shard, b.reduce_over_tp) for b in self.buckets if b.shard is not None]
 
     @torch.no_grad()
-    def norm_grads(self, exclude: Collection[int] = ()) -> list[Tensor]:
+    def norm_grads(self, exclude: Collection[int] = (), shards: Collection[int] | None = None) -> list[Tensor]:
         """The shards' gradients for the global norm (DTensors: their placements say where to sum), leaving out
         the parameters whose ids are in ``exclude`` (e.g. the tied pipeline copies another pipeline rank counts,
         ``PipelineRuntime.counted_elsewhere()``): a bucket holding one gets a copy of its gradient with that
-        parameter's elements zeroed. Use after :meth:`finish_gradient_sync`."""
+        parameter's elements zeroed. ``shards``: only the buckets whose shard parameter's id is in it (one
+        optimizer's). Use after :meth:`finish_gradient_sync`."""
         out = []
         for bucket in self.buckets:
             grad = bucket.shard.grad if bucket.shard is not None else None
-            if grad is None:
+            if grad is None or (shards is not None and id(bucket.shard) not in shards):
                 continue
             skipped = [i for i, p in enumerate(bucket.params) if id(p) in exclude]
             if skipped:
@@ -522,7 +523,9 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
     dp_name = (dp_mesh.mesh_dim_names or (None,))[0]
     tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
     names = root.mesh_dim_names or ()
-    if (root is not tp_mesh._get_root_mesh() or dp_name is None or tp_name is None or dp_name == tp_name
+    # equal, not identical: a later Trainer in the same process builds an equal mesh, and torch may hand back the
+    # root it recorded for the first
+    if (root != tp_mesh._get_root_mesh() or dp_name is None or tp_name is None or dp_name == tp_name
             or dp_name not in names or tp_name not in names):
         raise LayoutError(
             "ZeRO stages 1/2 with tensor parallel need the dp mesh and the tensor-parallel parameters' mesh to be "

@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -45,9 +45,10 @@ from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.batches import split_batch
+from lightning_par.parallel.pipeline.fsdp import fully_shard_stages, stage_blocks
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.recompute import apply_recompute
-from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
+from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, check_tp_plan
 from lightning_par.plugins import sharded_checkpoint
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
 
@@ -137,6 +138,8 @@ class LayoutStrategy(ParallelStrategy):
         self._tensor_parallel: TensorParallelPlan | None = None
         self._gradient_sync: NoSync = NoSync()
         self._deferred: DeferredInit | None = None  # pp > 1: the model's construction, replayed per rank
+        self._pipeline_module: nn.Module | None = None  # pp > 1: this rank's stages (the rank module)
+        self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
 
     @property
     def pipeline(self) -> PipelineRuntime | None:
@@ -262,16 +265,14 @@ class LayoutStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._log_blocks()
-        if self.dims.pp > 1:
-            self._setup_pipeline(trainer, fitting)  # before moving: each rank moves only its own stages
-        self._materialize_own_share()
-        self.model_to_device()
-        self._make_replicas_identical()
         if self.dims.tp > 1:
-            self._setup_tensor_parallel()  # before data parallel: FSDP2 / replicate then see DTensor parameters
-        if self.layout.recompute != "none":
-            n = apply_recompute(self._find_blocks().block_modules(), self.layout.recompute)
-            rank_zero_info(f"activation recompute ({self.layout.recompute}) on {n} blocks")
+            # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
+            # size tp does not divide is refused on every rank alike, before any collective
+            check_tp_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel)
+        if self.dims.pp > 1:
+            self._setup_pipeline(trainer, fitting)  # composes each stage in its `prepare` callback
+        else:
+            self._compose()
         self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting, self._pipeline)
         self.model = self._gradient_sync.wrap(self.model)
         if fitting:
@@ -284,6 +285,32 @@ class LayoutStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _compose(self, stage_modules: list[nn.Module] | None = None) -> list[nn.Module] | None:
+        """Apply the layout to this rank's share of the model, in torchtitan's order: materialise this rank's share
+        (deferred init), move it to the device, make the replicas identical, then tensor parallel, recompute and --
+        for pipeline stages under ZeRO-3 -- FSDP2 per stage. Without pipeline parallel the whole model is the share
+        and ``stage_modules`` is None; data parallel is then applied by the gradient-sync owner."""
+        self._materialize_own_share()
+        self.model_to_device()
+        self._make_replicas_identical()
+        if self.dims.tp > 1:
+            self._setup_tensor_parallel()  # before data parallel: FSDP2 / ZeRO then see DTensor parameters
+        blocks = self._own_blocks()
+        if self.layout.recompute != "none":
+            n = apply_recompute(blocks, self.layout.recompute)
+            rank_zero_info(f"activation recompute ({self.layout.recompute}) on {n} blocks of rank 0")
+        if stage_modules is not None and self.layout.zero_stage == 3:
+            offload = self.layout.offload_parameters or self.layout.offload_optimizer
+            return fully_shard_stages(stage_modules, self.device_mesh["dp"], self._block_names, offload=offload)
+        return stage_modules
+
+    def _own_blocks(self) -> list[nn.Module]:
+        """The model's repeated blocks that this rank holds (all of them without pipeline parallel)."""
+        assert self.lightning_module is not None
+        if self._pipeline_module is None:
+            return self._find_blocks().block_modules()
+        return stage_blocks(self._pipeline_module, self._block_names)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -338,8 +365,6 @@ class LayoutStrategy(ParallelStrategy):
                     # a DTensor's shard goes to the replicas with the same tensor-parallel coordinate
                     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                     dist.broadcast(local, group=group, group_src=0)
-        if self._pipeline is not None and hasattr(self._pipeline, "make_tied_copies_equal"):
-            self._pipeline.make_tied_copies_equal()
 
     def _scope_metrics_to_data_parallel(self) -> None:
         """torchmetrics sync over the data-parallel group: the tp / pp ranks of one replica saw the same samples."""
@@ -374,15 +399,25 @@ class LayoutStrategy(ParallelStrategy):
             )
         parent_name, _, attr = blocks.path.rpartition(".")
         parent = lm.get_submodule(parent_name) if parent_name else lm
+        self._block_names = list(blocks.blocks)
+
+        def prepare(rank_module: nn.Module, stage_modules: list[nn.Module]) -> list[nn.Module] | None:
+            # the LightningModule holds this rank's stages from now on: the rest of the model is never materialised
+            setattr(parent, attr, rank_module)
+            self._pipeline_module = rank_module
+            return self._compose(stage_modules)
+
         accumulate = trainer.accumulate_grad_batches if fitting else 1
         choice = self.layout.schedule_choice()
         self._pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], choice, lm.loss_fn,
                                          loss_scale=1.0 / (choice.n_microbatches * accumulate),
                                          device=self.root_device, costs=self.layout.stage_costs,
-                                         units=list(blocks.units))
-        setattr(parent, attr, self._pipeline.module)
+                                         units=list(blocks.units), prepare=prepare)
+        # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
+        self._pipeline.make_tied_copies_equal()
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
         self._pipeline.module.forward = self._pipeline.forward_only
+        rank_zero_info(self._pipeline.stage_table())
         log.info(self._pipeline.describe())
         if fitting:
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
@@ -399,7 +434,8 @@ class LayoutStrategy(ParallelStrategy):
             if batch_idx % lm.trainer.accumulate_grad_batches == 0:  # where Lightning would zero the gradients
                 for optimizer in self.optimizers:
                     optimizer.zero_grad(set_to_none=True)
-            loss = self._pipeline.train_step(*split_batch(batch))
+            with self._loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
+                loss = self._pipeline.train_step(*split_batch(batch))
             self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
@@ -439,7 +475,7 @@ class LayoutStrategy(ParallelStrategy):
         if self._pipeline is not None:
             skip = self._pipeline.counted_elsewhere()
             pp_group = self._pipeline.group
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+        grads = self._gradient_sync.norm_grads(params, skip)
         return global_grad_norm(grads, pp_group, device=self.root_device)
 
     def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
@@ -453,8 +489,9 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     def _setup_tensor_parallel(self) -> None:
         assert self.model is not None
+        # on a pipeline rank, the plan's patterns for other ranks' units are skipped (checked on the whole model)
         self._tensor_parallel = apply_tensor_parallel(self.model, self.device_mesh["tp"],
-                                                      self.layout.sequence_parallel)
+                                                      self.layout.sequence_parallel, stage=self.dims.pp > 1)
         rank_zero_info(
             f"tensor parallel over tp={self.dims.tp}: plan applied to {len(self._tensor_parallel.styles)} modules"
             f"{' with sequence parallelism' if self.layout.sequence_parallel else ''}"

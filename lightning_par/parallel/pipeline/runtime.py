@@ -629,6 +629,15 @@ class PipelineRuntime:
         dist.broadcast(output, src=src, group=self.group)
         return output
 
+    def stage_table(self) -> str:
+        """Every stage of the pipeline (not only this rank's): its pipeline rank and the units it holds."""
+        lines = [f"pipeline: {self.choice.n_stages} stages, schedule {self.choice.name}, "
+                 f"{self.choice.n_microbatches} micro-batches"]
+        for stage, units in enumerate(self.units_by_stage):
+            span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]}"
+            lines.append(f"  stage {stage} on pipeline rank {self._rank_of(stage)}: {len(units)} units ({span})")
+        return "\n".join(lines)
+
     def describe(self) -> str:
         units = [u for i in self.stage_ids for u in self.units_by_stage[i]]
         return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.choice.n_stages} "

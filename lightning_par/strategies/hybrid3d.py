@@ -1,0 +1,90 @@
+"""Hybrid3DStrategy: data x tensor x pipeline parallel on one device mesh, ZeRO across data parallel."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_par.strategies.engine import LayoutStrategy
+from lightning_par.topology import Size
+
+
+class Hybrid3DStrategy(LayoutStrategy):
+    """3D parallelism: ``pp`` pipeline stages, each split over ``tp`` tensor-parallel ranks, in ``dp`` replicas.
+
+    One (pp, dp, tp) device mesh: tensor-parallel ranks innermost (adjacent ranks, the fastest links), pipeline
+    outermost. The model is built without memory and split into stages first; each rank materialises only its own
+    stages (the full model never exists on a rank), then each stage gets, in this order, the model's tensor-parallel
+    plan (patterns naming another stage's units are skipped there), activation recompute and ZeRO across data
+    parallel. Rank 0 logs the rank table (global rank -> (pp, dp, tp)) and which units each stage holds.
+
+    ZeRO with pipelines: stages 1 and 2 reduce-scatter each gradient bucket once per optimizer step, after the
+    schedule's last backward (not once per micro-batch); stage 3 (FSDP2 per block and per stage) gathers each group
+    once per step and reduce-scatters it once, after the last backward. The LightningModule defines
+    ``loss_fn(outputs, targets)`` and computes its loss through ``compute_loss(batch)``, as for PipelineStrategy.
+
+    Args:
+        tp: tensor-parallel size (must divide heads, hidden and FFN sizes and the vocabulary).
+        pp: pipeline-parallel size.
+        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp).
+        zero_stage: across data parallel: 0 replicas, 1 optimizer states sharded (default), 2 + gradients,
+            3 + parameters (FSDP2).
+        schedule: pipeline schedule (``1f1b``, ``interleaved_1f1b``, ``zbv``, ... see PipelineStrategy).
+        n_microbatches: micro-batches per batch; default ``2 * pp``.
+        virtual_stages: stages per pipeline rank for the interleaved / V schedules.
+        sequence_parallel: split norms and the residual stream over the sequence too (activations sent between
+            stages are then sequence shards, 1 / tp of the bytes).
+        recompute: ``"none"``, ``"selective"`` (the attention core) or ``"full"`` per block.
+        block_types: classes (or class names) of the model's repeated blocks, where they cannot be found otherwise.
+        stage_costs: relative cost per pipeline unit, to balance the stages.
+        offload_optimizer: ZeRO 1-3: keep the sharded optimizer state in host memory.
+        bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
+        timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
+
+    Example::
+
+        Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2))   # dp = 8 / 4 = 2
+        # or: lightning-par fit ... --trainer.strategy=hybrid3d_tp2_pp2
+    """
+
+    strategy_name = "hybrid3d"
+
+    def __init__(
+        self,
+        tp: int = 2,
+        pp: int = 2,
+        dp: Size = "auto",
+        zero_stage: int = 1,
+        schedule: str = "1f1b",
+        n_microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        block_types: list[str] | None = None,
+        stage_costs: list[float] | dict[str, float] | None = None,
+        offload_optimizer: bool = False,
+        bucket_cap_mb: float = 25.0,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
+            virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, recompute=recompute,
+            block_types=block_types, stage_costs=stage_costs, offload_optimizer=offload_optimizer,
+            bucket_cap_mb=bucket_cap_mb, process_group_backend=process_group_backend, timeout=timeout, **kwargs,
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets: dict[str, dict[str, Any]] = {}
+        for tp, pp in ((2, 2), (2, 4), (4, 2)):
+            presets[f"hybrid3d_tp{tp}_pp{pp}"] = {"tp": tp, "pp": pp}
+            presets[f"hybrid3d_tp{tp}_pp{pp}_sp"] = {"tp": tp, "pp": pp, "sequence_parallel": True}
+        presets["hybrid3d_tp2_pp2_zero3"] = {"tp": 2, "pp": 2, "zero_stage": 3}
+        for name, init_args in presets.items():
+            strategy_registry.register(name, cls, description=f"lightning-par Hybrid3DStrategy({init_args})",
+                                       **init_args)

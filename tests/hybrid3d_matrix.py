@@ -1,0 +1,115 @@
+"""Train the test job under 3D layouts (Hybrid3DStrategy), one ``Trainer.fit`` after another in the same ranks.
+
+Run under torchrun (``tests.harness.launch_matrix``) on 4 ranks (tp2 x pp2) or 8 (dp2 x tp2 x pp2). Each layout gets
+a fresh model, data module and Trainer on the same seed -- the job of ``tests.harness.TINY_JOB`` + ``conftest.job``
+-- and writes ``ROOT/NAME/tb`` (per-step losses) and ``ROOT/NAME/reports`` (pre-clip gradient norms, via
+:class:`tests.probes.GradNorms`) like a CLI launch, so :class:`tests.harness.Run` and the tests read them against the
+single-process references of ``tests.conftest.RUNS``. Each rank also writes ``ROOT/NAME/rank{R}.json``: its
+coordinates, the data-parallel gradient owner, the units it holds and the parameter bytes it materialised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.distributed.tensor import DTensor
+
+from example_models import GPTLightningModule, HFLlamaLightningModule
+from lightning_par import Hybrid3DStrategy
+from lightning_par.data import TextDataModule
+from tests.conftest import CLIP, EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
+from tests.probes import GradNorms
+
+
+@dataclass
+class Case:
+    """One 3D run: strategy arguments, model arguments, and the single-process run it must match."""
+
+    reference: str  # a tests.conftest.RUNS name
+    strategy: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    accumulate: int = 1
+    clip: bool = False
+    hf: bool = False
+    devices: int = 4
+
+
+SGD = dict(optimizer="sgd", lr=SGD_LR)
+# DTensor ops cost several times plain ones on CPU: 2 micro-batches per batch (the minimum for pp=2) unless a
+# schedule needs more stages' worth
+CASES: dict[str, Case] = {
+    # tp2 x pp2 (4 ranks, one replica)
+    "tp2_pp2_1f1b_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2), SGD),
+    "tp2_pp2_sp_interleaved": Case("single", dict(schedule="interleaved_1f1b", n_microbatches=2,
+                                                  sequence_parallel=True)),
+    "tp2_pp2_zbv_tied_sgd": Case("single_tied_sgd", dict(schedule="zbv", n_microbatches=2),
+                                 dict(SGD, tie_embeddings=True)),
+    "hf_llama_tp2_pp2": Case("hf_single", dict(schedule="1f1b", n_microbatches=2), hf=True),
+    # dp2 x tp2 x pp2 (8 ranks): ZeRO 1, 2 and 3 across the replicas
+    "dp2_tp2_pp2_zero1_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, zero_stage=1), SGD,
+                                  devices=8),
+    "dp2_tp2_pp2_zero2_sp_accum_clip": Case("single_accum_clip", dict(
+        schedule="interleaved_1f1b", n_microbatches=2, zero_stage=2, sequence_parallel=True), accumulate=2,
+        clip=True, devices=8),
+    "dp2_tp2_pp2_zero3_zbv_sgd": Case("single_sgd", dict(schedule="zbv", n_microbatches=2, zero_stage=3), SGD,
+                                      devices=8),
+}
+
+
+def _report(trainer: pl.Trainer, path: Path) -> None:
+    strategy = trainer.strategy
+    own_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                    for p in trainer.lightning_module.parameters())
+    report = {"coordinates": strategy.coordinates, "gradient_sync": strategy.gradient_sync.name,
+              "units": [u for i in strategy.pipeline.stage_ids for u in strategy.pipeline.units_by_stage[i]],
+              "param_bytes": own_bytes, "dims": str(strategy.dims.describe())}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+
+
+class LayoutReport(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        _report(trainer, self.path)
+
+
+def fit(root: Path, cache: str, name: str) -> None:
+    case = CASES[name]
+    pl.seed_everything(1234)
+    dp = case.devices // 4
+    batch = GLOBAL_BATCH // dp // case.accumulate
+    if case.hf:
+        model = HFLlamaLightningModule(n_layers=4, n_kv_heads=2, **case.model)
+    else:
+        model = GPTLightningModule(preset="tiny", n_layers=8, **case.model)
+    data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=batch, cache_dir=cache)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=case.devices, strategy=Hybrid3DStrategy(tp=2, pp=2, **case.strategy),
+        max_steps=PARITY_STEPS, limit_train_batches=EPOCH_STEPS * case.accumulate, limit_val_batches=2,
+        accumulate_grad_batches=case.accumulate, gradient_clip_val=CLIP if case.clip else None,
+        log_every_n_steps=1, logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
+        callbacks=[GradNorms(), LayoutReport(root / name)],
+    )
+    trainer.fit(model, data)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--cases", nargs="+", required=True)
+    args = parser.parse_args()
+    for name in args.cases:
+        fit(Path(args.root), args.cache, name)
+
+
+if __name__ == "__main__":
+    main()

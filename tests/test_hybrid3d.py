@@ -1,0 +1,109 @@
+"""Hybrid3DStrategy: data x tensor x pipeline parallel inside Lightning, at parity with one process.
+
+Two launches of tests/hybrid3d_matrix.py: tp2 x pp2 on 4 ranks and dp2 x tp2 x pp2 on 8, each training several
+layouts (ZeRO 1/2/3 across data parallel; 1F1B, interleaved and ZBV; sequence parallel on and off; tied
+embeddings; SGD and AdamW; accumulation with clipping; a Hugging Face Llama) against the single-process runs of
+tests/conftest.py. Plus the bad-input checks, made before any rank waits.
+"""
+
+import json
+import re
+
+import pytest
+from lightning.pytorch import Trainer
+
+from lightning_par import Hybrid3DStrategy, LayoutError
+from tests.conftest import PARITY_STEPS
+from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
+from tests.hybrid3d_matrix import CASES
+
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
+#: the one owner of data-parallel gradients for each case (see lightning_par/parallel/gradient_sync.py)
+OWNERS = {"zero1": "zero1", "zero2": "zero2", "zero3": "fsdp2_shard_stages"}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, cache_dir) -> dict[str, tuple[Run, list[dict]]]:
+    out = {}
+    for devices in (4, 8):
+        names = [name for name, case in CASES.items() if case.devices == devices]
+        root = tmp_path_factory.mktemp(f"hybrid3d_{devices}")
+        run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
+                            ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
+                            timeout=900).check()
+        print(f"3D matrix: {len(names)} layouts on {devices} ranks in {run.seconds:.0f} s")
+        for name in names:
+            reports = [json.loads((root / name / f"rank{r}.json").read_text()) for r in range(devices)]
+            out[name] = (Run(root / name, 0, run.log, run.seconds), reports)
+    return out
+
+
+def _norms(run: Run) -> list[float]:
+    return json.loads((run.root / "reports" / "norms_rank0.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
+    run, _ = matrix[name]
+    reference = runs(CASES[name].reference)
+    diff = max_rel_diff(run.losses(), reference.losses())
+    norm_diff = max_rel_diff(_norms(run), _norms(reference))
+    print(f"{name}: per-step loss {diff:.2e}, pre-clip gradient norm {norm_diff:.2e} (max relative difference)")
+    assert len(run.losses()) == PARITY_STEPS and diff <= LOSS_RTOL
+    assert len(_norms(run)) == 5 and norm_diff <= NORM_RTOL
+    assert reference.losses()[0] - reference.losses()[-1] > 0.3  # the loss moves: a wrong gradient would show
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rank_holds_its_stages_under_one_gradient_owner(matrix, name):
+    _, reports = matrix[name]
+    stage = CASES[name].strategy.get("zero_stage", 1)
+    assert {r["gradient_sync"] for r in reports} == {OWNERS[f"zero{stage}"]}
+    by_pp: dict[int, set] = {}
+    for report in reports:
+        by_pp.setdefault(report["coordinates"]["pp"], set()).add(tuple(report["units"]))
+    # the tp and dp ranks of one pipeline rank hold the same units; the pipeline ranks hold different ones
+    assert all(len(units) == 1 for units in by_pp.values()) and len(by_pp) == 2
+    first, second = (set(next(iter(by_pp[p]))) for p in (0, 1))
+    assert not first & second - {"embed", "head"}  # only a V schedule's rank 0 holds both ends
+
+
+def test_a_rank_holds_a_fraction_of_the_parameters(matrix):
+    """tp2 x pp2: each rank materialises about a quarter of the model (plus its replicated norms and biases)."""
+    _, reports = matrix["tp2_pp2_1f1b_sgd"]
+    total = sum(r["param_bytes"] for r in reports if r["coordinates"]["tp"] == 0) * 2  # tp shards, roughly
+    for report in reports:
+        assert report["param_bytes"] < 0.35 * total, report
+
+
+def test_rank_table_and_stages_are_logged(matrix):
+    run, _ = matrix["tp2_pp2_1f1b_sgd"]
+    assert "rank -> (pp, dp, tp)" in run.log and "     3 -> (1, 0, 1)" in run.log
+    assert "stage 1 on pipeline rank 1: 6 units (layers.4 .. head)" in run.log
+
+
+@pytest.mark.parametrize("kwargs,devices,match", [
+    (dict(tp=2, pp=2), 6, r"world size is 6"),
+    (dict(tp=2, pp=2, recompute="some"), 4, r"recompute='some'"),
+    (dict(tp=2, pp=2, schedule="zbv", virtual_stages=3), 4, r"virtual"),
+])
+def test_bad_layouts_fail_when_the_trainer_is_made(kwargs, devices, match):
+    with pytest.raises(LayoutError, match=match):
+        Trainer(accelerator="cpu", devices=devices, strategy=Hybrid3DStrategy(**kwargs), logger=False)
+
+
+@pytest.mark.parametrize("args,match", [
+    # tp=2 does not divide one key/value head: found on the whole model, before the split, on every rank
+    (["--model.n_kv_heads=1"], r"key/value head count .* is 1, which tp=2 does not divide"),
+    # 2 pipeline ranks x 2 virtual stages = 4 stages, but a 1-block GPT has 4 units: 5 asked with v=3
+    (["--model.n_layers=1", "--trainer.strategy.schedule=interleaved_1f1b", "--trainer.strategy.virtual_stages=3"],
+     r"6 stages.*4 pipeline units"),
+], ids=["tp_does_not_divide_heads", "more_stages_than_units"])
+def test_layouts_the_model_cannot_take_fail_on_every_rank_within_seconds(tmp_path, cache_dir, args, match):
+    run = launch_cli(tmp_path, cache_dir, ["--trainer.strategy=hybrid3d_tp2_pp2", "--trainer.max_steps=2", *args],
+                     devices=4, timeout=200)
+    print(f"refused in {run.seconds:.0f} s (start-up included)")
+    assert run.returncode != 0 and run.seconds < 120
+    assert "LayoutError" in run.log
+    assert re.search(match, run.log), run.log[-3000:]
