@@ -87,7 +87,7 @@ def test_resume_from_pipeline_checkpoint_continues_the_same_run(tmp_path, cache_
 
     uninterrupted = runs("pp2_1f1b")
     checkpoint = uninterrupted.checkpoint(step=EPOCH_STEPS)
-    assert (checkpoint / "meta.pt").is_file(), "each pipeline rank writes its own stages: a sharded directory"
+    assert (checkpoint / "manifest.json").is_file(), "each pipeline rank writes its own stages: a sharded directory"
     devices, args = RUNS["pp2_1f1b"]
     resumed = launch_cli(tmp_path, cache_dir, [*args, f"--ckpt_path={checkpoint}"], devices=devices).check()
     assert max_rel_diff(resumed.losses(), uninterrupted.losses()[EPOCH_STEPS:]) <= PARITY_RTOL

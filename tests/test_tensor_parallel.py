@@ -81,7 +81,7 @@ def test_generation_under_sequence_parallelism_gives_the_single_process_text(run
 def test_validate_from_a_tensor_parallel_checkpoint(tmp_path, cache_dir, runs):
     trained = runs("tp2")
     checkpoint = trained.checkpoint(step=PARITY_STEPS)
-    assert checkpoint.is_dir() and (checkpoint / "meta.pt").is_file(), "tp > 1 writes a sharded DCP directory"
+    assert checkpoint.is_dir() and (checkpoint / "manifest.json").is_file(), "tp > 1 writes a sharded DCP directory"
     args = [f"--data.batch_size={GLOBAL_BATCH}", "--trainer.limit_val_batches=2", "--trainer.strategy=megatron_tp2",
             f"--ckpt_path={checkpoint}"]
     validated = launch_cli(tmp_path, cache_dir, args, devices=2, command="validate").check()

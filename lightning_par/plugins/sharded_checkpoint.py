@@ -1,22 +1,31 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes its own shards, in parallel.
 
-A checkpoint is a directory: DCP's files for the model and optimizer states, plus ``meta.pt`` with the rest of
-Lightning's checkpoint (loops, callbacks, schedulers). It is written as ``NAME.partial`` and renamed to ``NAME``
-only after every rank finished and ``meta.pt`` was written last, so a crash part-way leaves no directory that
-loads as valid: :func:`load` refuses one without ``meta.pt``.
+A checkpoint is a directory: DCP's files for the model and optimizer states; ``meta.json`` (+ ``meta_values.pt``)
+with the rest of Lightning's checkpoint (:mod:`~lightning_par.plugins.checkpoint_meta`); and ``manifest.json``,
+written last, with every file's size and CRC-32. It is written as ``NAME.partial`` and takes the name ``NAME`` only
+when complete (:mod:`~lightning_par.plugins.checkpoint_files`). Loading checks the manifest before reading anything,
+and unpickles only tensors and plain values unless ``weights_only=False``.
+
+A plain single-file Lightning checkpoint (one process, or ZeRO stage 0) loads here too: its model weights into any
+layout, its optimizer states where each optimizer holds the model's own parameters (ZeRO-3, tensor parallel).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import io
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -25,13 +34,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-META = "meta.pt"
+from lightning_par.plugins import checkpoint_files, checkpoint_meta
+from lightning_par.plugins.checkpoint_files import CheckpointError
 
 # Optimizer state flattened to one entry per parameter and field ("state.layers.0.attn.q_proj.weight.exp_avg",
 # "param_groups.layers.0.attn.q_proj.weight.lr"): ranks holding different parameters (pipeline stages) then write
 # different keys -- a nested "param_groups" list would be one key, written by one rank -- and a checkpoint loads
 # into another split of the parameters.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_FULL = StateDictOptions(full_state_dict=True)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
@@ -63,35 +74,69 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+# -- collectives: every rank saves and loads; without a process group this is the only rank ----------------------
+def _share(items: list[Any]) -> list[Any]:
+    """This rank's share of ``items`` (the same list on every rank), for work split across ranks."""
+    if not dist.is_initialized():
+        return items
+    return items[dist.get_rank()::dist.get_world_size()]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# -- save ----------------------------------------------------------------------------------------------------------
 def save(checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Callable[[], None]) -> None:
-    """Write ``checkpoint`` (Lightning's dict, with sharded "state_dict" and "optimizer_states") to ``path``."""
-    partial = path.with_name(path.name + ".partial")
-    if is_writer and partial.exists():
-        shutil.rmtree(partial)
-    barrier()
+    """Write ``checkpoint`` (Lightning's dict, with sharded "state_dict" and "optimizer_states") to ``path``.
+
+    Every rank calls it; ``is_writer`` (one rank) writes the metadata and the manifest and renames the directory.
+    ``path`` appears only when the checkpoint is complete; until then, an existing ``path`` stays loadable.
+    """
+    partial = checkpoint_files.partial_path(path)
     sharded = {"state_dict": checkpoint.pop("state_dict")}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
         sharded[f"optimizer_{index}"] = state
-    dcp.save(sharded, checkpoint_id=partial)
-    barrier()
     if is_writer:
-        torch.save(checkpoint, partial / META)  # last: its presence is what makes the directory a checkpoint
-        remove(path)
-        os.replace(partial, path)
+        checkpoint_files.prepare(path)
+        partial.mkdir(parents=True)
+        checkpoint_meta.write(checkpoint, partial)
+    barrier()
+    dcp.save(sharded, checkpoint_id=partial)  # DCP fsyncs each file it writes (FileSystemWriter's sync_files)
+    # once dcp.save returns on any rank, every rank's files and DCP's .metadata are written: the ranks list the same
+    # files and checksum a share each (the page cache still holds them)
+    names = sorted(p.name for p in partial.iterdir() if p.is_file())
+    files: dict[str, dict[str, int]] = {}
+    for share in _all_gather(checkpoint_files.describe(partial, _share(names))):
+        files.update(share)
+    if is_writer:
+        checkpoint_files.write_manifest(partial, files)
+        checkpoint_files.commit(partial, path)
     barrier()
 
 
-def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fsdp: bool) -> dict[str, Any]:
+# -- load ----------------------------------------------------------------------------------------------------------
+def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fsdp: bool,
+         weights_only: bool | None = None) -> dict[str, Any]:
     """Load the shards into ``module`` and ``optimizers`` in place; return the rest of Lightning's checkpoint.
 
-    ``fsdp``: the module is sharded with FSDP2 and its optimizers hold its own (DTensor) parameters; otherwise the
-    module is replicated and the optimizers hold ZeRO-1/2 shard parameters, keyed by position.
+    Every rank calls it. ``fsdp``: the module is sharded with FSDP2 (or split by tp / pp) and its optimizers hold
+    its own (DTensor) parameters; otherwise the module is replicated and the optimizers hold ZeRO-1/2 shard
+    parameters, keyed by position. ``weights_only`` (``None`` means ``True``, as in ``torch.load``): unpickle only
+    tensors and plain values; ``False`` trusts the checkpoint with arbitrary objects.
     """
-    if not (path / META).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete lightning-par checkpoint (no {META}): it was not written to the end. "
-            "Resume from an earlier checkpoint."
-        )
+    safe = weights_only is not False
+    resolved = checkpoint_files.resolve(path)
+    if resolved != path:
+        rank_zero_warn(f"{path} is missing, but {resolved.name}, the checkpoint it replaced, was left by a crash "
+                       f"during the save: loading {resolved}.")
+    if resolved.is_file():
+        return _load_single_file(resolved, module, optimizers, fsdp, safe)
+    _verify(resolved)
     state: dict[str, Any] = {"state_dict": model_state(module) if fsdp else module.state_dict()}
     for index, optimizer in enumerate(optimizers):
         if fsdp:
@@ -99,7 +144,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         else:
             materialize_optimizer_state(optimizer)
             state[f"optimizer_{index}"] = optimizer.state_dict()
-    dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, resolved, safe)
     if fsdp:
         set_model_state_dict(module, state["state_dict"])
     else:
@@ -109,12 +154,167 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_FLAT)
         else:
             optimizer.load_state_dict(state[f"optimizer_{index}"])
-    return torch.load(path / META, weights_only=False)
+    return checkpoint_meta.read(resolved, weights_only)
+
+
+def _verify(path: Path) -> None:
+    """Check ``path`` against its manifest before any of it is read: sizes on every rank (a ``stat`` each), checksums
+    split across the ranks, so detection costs one read of the checkpoint in all. Every rank raises the same error."""
+    error = None
+    try:
+        files = checkpoint_files.read_manifest(path)
+        checkpoint_files.check_sizes(path, files)
+        checkpoint_files.check_checksums(path, files, _share(sorted(files)))
+    except (CheckpointError, OSError) as err:
+        error = str(err)
+    first = next((e for e in _all_gather(error) if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _dcp_load(state: dict[str, Any], path: Path, safe: bool) -> None:
+    try:
+        if not safe:
+            dcp.load(state, checkpoint_id=path)
+            return
+        reader = _SafeReader(path)
+        reader.read_metadata()  # a crafted .metadata is refused here, on every rank, before DCP's collectives
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
+    except CheckpointException as err:  # DCP wraps each rank's error; ours says which entry it refused and why
+        ours = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from err
+        raise
 
 
 def remove(path: Path) -> None:
     """Delete a checkpoint, file or directory."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    checkpoint_files.remove(path)
+
+
+# -- loading without running code: what DCP's reader and planner lack -----------------------------------------------
+def _dcp_classes() -> set[tuple[str, str]]:
+    """The classes DCP's pickled ``.metadata`` is made of (its metadata dataclasses and enums)."""
+    module = dcp_metadata.__name__
+    return {(module, name) for name, obj in vars(dcp_metadata).items()
+            if isinstance(obj, type) and obj.__module__ == module}
+
+
+_METADATA_GLOBALS = _dcp_classes() | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # name -> torch.strided etc.
+    *((module, name) for module in ("pathlib", "pathlib._local")
+      for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),  # the checkpoint_id saved
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, stream: Any, file: Path) -> None:
+        super().__init__(stream)
+        self.file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{self.file} refers to {module}.{name}, which is not part of DCP's metadata: "
+                              "refusing to unpickle it (it could run code). Is the checkpoint from a trusted source? "
+                              "Then load it with weights_only=False.")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader whose ``.metadata`` is unpickled with DCP's own metadata classes allowed and nothing else:
+    DCP reads it with a plain ``pickle.load``, so a crafted file would run code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        file = Path(self._get_metadata_path(kwargs.get("rank")))
+        with self.fs.create_stream(file, "rb") as stream:
+            metadata = _MetadataUnpickler(stream, file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that entries stored as pickled bytes rather than tensors (optimizer
+    hyper-parameters, ...) are unpickled with ``weights_only=True``; DCP's own uses ``weights_only=False``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"the checkpoint's entry {fqn!r} is an object that loading with weights_only=True "
+                                  f"refuses ({checkpoint_files.refused(err)}: unpickling it could run code). Load with "
+                                  "weights_only=False only if you trust the checkpoint.") from err
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+# -- a plain single-file Lightning checkpoint into a sharded layout -------------------------------------------------
+def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fsdp: bool,
+                      safe: bool) -> dict[str, Any]:
+    """Every rank reads the file (full tensors, as one process saved them) and keeps its own share."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=safe)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path}: loading with weights_only=True refuses an object in it "
+                              f"({checkpoint_files.refused(err)}: unpickling it could run code). Load with "
+                              "weights_only=False only if you trust this file.") from err
+    except (RuntimeError, EOFError, OSError) as err:
+        raise CheckpointError(f"{path} is not a readable checkpoint file (truncated or corrupted?): {err}") from err
+    states = checkpoint.pop("state_dict")
+    own = model_state(module) if fsdp else module.state_dict()  # a pipeline stage holds some of the names
+    missing = [name for name in own if name not in states]
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} of this model's {len(own)} entries, e.g. {missing[:3]}: "
+                              "was it saved from another model?")
+    mine = {name: states[name] for name in own}
+    if fsdp:
+        set_model_state_dict(module, mine, options=_FULL)  # full tensors: each rank keeps its shard
+    else:
+        module.load_state_dict(mine)
+    saved = checkpoint.pop("optimizer_states", None) or []
+    if saved and len(saved) != len(optimizers):
+        raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
+    for index, state in enumerate(saved):
+        by_name = _keyed_by_name(module, optimizers[index], state, f"{path}: optimizer {index}")
+        set_optimizer_state_dict(module, optimizers[index], by_name, options=_FULL)
+    return checkpoint
+
+
+def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                   what: str) -> dict[str, Any]:
+    """A plain optimizer state (parameters keyed by position) keyed by parameter name instead. Only valid for an
+    optimizer holding the same parameters in the same order as the one that saved it: checked by group sizes and by
+    every state tensor's shape."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    groups = optimizer.param_groups
+    sizes = [len(g["params"]) for g in groups]
+    saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
+    if sizes != saved_sizes or any(id(p) not in names for g in groups for p in g["params"]):
+        raise CheckpointError(
+            f"{what}: a single-file checkpoint keys optimizer state by parameter position (groups of {saved_sizes} "
+            f"parameters), and this optimizer holds groups of {sizes} that are not the model's own parameters in "
+            "full (ZeRO-1/2 bucket shards, or one pipeline stage's parameters). Resume it under one process, zero0, "
+            "zero3 or tensor parallel."
+        )
+    state, named_groups = {}, []
+    for group, saved_group in zip(groups, saved["param_groups"], strict=True):
+        params = [names[id(p)] for p in group["params"]]
+        named_groups.append({**saved_group, "params": params})
+        for position, param, name in zip(saved_group["params"], group["params"], params, strict=True):
+            entry = saved["state"].get(position)
+            if entry is None:
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise CheckpointError(f"{what}: state {key!r} at position {position} has shape "
+                                          f"{tuple(value.shape)}, but parameter {name} here has "
+                                          f"{tuple(param.shape)}: the optimizer's parameters are in another order.")
+            state[name] = entry
+    return {"state": state, "param_groups": named_groups}

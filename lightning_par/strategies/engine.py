@@ -605,7 +605,7 @@ class LayoutStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers,
-                                       fsdp=self.layout.shards_parameters)
+                                       fsdp=self.layout.shards_parameters, weights_only=weights_only)
         self._gradient_sync.after_load()
         return meta
 

@@ -1,0 +1,161 @@
+"""A checkpoint directory that becomes visible only when complete, and is checked whole before it loads.
+
+Saving writes ``NAME.partial``. Once every file in it is written and synced, ``manifest.json`` -- every file's size
+and CRC-32 -- is written last, then the directory takes the name ``NAME``: an existing ``NAME`` is moved aside to
+``NAME``'s stem + ``.old`` + its suffix first and deleted only after the rename is durable. Loading reads the manifest
+before anything else: a directory without one was not written to the end, and a file whose size or checksum differs
+is named in the error.
+
+Hand-written because DCP lacks it: DCP fsyncs its files but writes them in place, with no completion marker and no
+checksums, and POSIX cannot rename a directory over a non-empty one (hence the move aside). The moved-aside name
+keeps Lightning's ``.ckpt`` suffix so that ``ckpt_path="last"`` still finds the previous checkpoint if a crash falls
+between the two renames; :func:`resolve` and :func:`prepare` undo that state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+FORMAT = "lightning-par-checkpoint/1"
+_CHUNK = 16 << 20  # bytes read at a time for checksums
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, truncated or corrupted, or holds what loading refuses to unpickle."""
+
+
+def refused(err: Exception) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in a few words (its own message runs to a page)."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    return f"it refers to {found.group(1)}" if found else str(err).splitlines()[0]
+
+
+def partial_path(path: Path) -> Path:
+    """Where ``path`` is written until it is complete; Lightning never takes it for a checkpoint (suffix)."""
+    return path.with_name(path.name + ".partial")
+
+
+def aside_path(path: Path) -> Path:
+    """Where an existing ``path`` waits while a new one takes its name: ``last.ckpt`` -> ``last.old.ckpt``."""
+    return path.with_name(f"{path.stem}.old{path.suffix}")
+
+
+def exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint: a directory, a file, or a link (not what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def resolve(path: Path) -> Path:
+    """``path``, or its moved-aside predecessor when a crash between the two renames of :func:`commit` left only it."""
+    aside = aside_path(path)
+    return aside if not exists(path) and exists(aside) else path
+
+
+def prepare(path: Path) -> None:
+    """Before a save (one rank): put back a checkpoint a crash left moved aside, and clear an interrupted save."""
+    aside = aside_path(path)
+    if not exists(path) and exists(aside):
+        os.replace(aside, path)
+    remove(partial_path(path))
+
+
+def write_synced(file: Path, data: bytes) -> None:
+    with open(file, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the directory's entries (names created or renamed in it) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checksum(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def describe(root: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files ``names`` in ``root``, as the manifest lists them."""
+    return {name: {"bytes": (root / name).stat().st_size, "crc32": checksum(root / name)} for name in names}
+
+
+def write_manifest(root: Path, files: dict[str, dict[str, int]]) -> None:
+    """Write the manifest of ``root`` -- the last file of a checkpoint: its presence says the rest is complete."""
+    body = {"format": FORMAT, "files": dict(sorted(files.items()))}
+    write_synced(root / MANIFEST, json.dumps(body, indent=1).encode())
+
+
+def commit(partial: Path, path: Path) -> None:
+    """Give the complete directory ``partial`` the name ``path`` (one rank, after the manifest is written)."""
+    _fsync_dir(partial)
+    aside = aside_path(path)
+    remove(aside)
+    if exists(path):
+        os.replace(path, aside)
+    os.replace(partial, path)
+    _fsync_dir(path.parent)  # both renames are durable before the previous checkpoint goes
+    remove(aside)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The files a complete checkpoint directory holds, ``{name: {"bytes", "crc32"}}``, or a :class:`CheckpointError`
+    that says why ``path`` is not one."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint: it does not exist.")
+    file = path / MANIFEST
+    if not file.is_file():
+        hint = (" It holds meta.pt: it was written by an earlier lightning-par, whose metadata is pickled."
+                if (path / "meta.pt").is_file() else
+                " It was not written to the end (a save interrupted?): resume from an earlier checkpoint.")
+        raise CheckpointError(f"{path} is not a complete lightning-par checkpoint: {file.name} is missing.{hint}")
+    try:
+        body = json.loads(file.read_text())
+        files = body["files"]
+        if body["format"] != FORMAT:
+            raise CheckpointError(f"{file} has format {body['format']!r}; this lightning-par reads {FORMAT!r}.")
+        return {name: {"bytes": int(e["bytes"]), "crc32": int(e["crc32"])} for name, e in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{file} is corrupted ({type(err).__name__}: {err}).") from err
+
+
+def check_sizes(path: Path, files: dict[str, Any]) -> None:
+    """Every listed file is there with its size (cheap: a ``stat`` each)."""
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete.")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file} is truncated or corrupted: {size} bytes, {entry['bytes']} when it was "
+                                  "saved. Resume from an earlier checkpoint.")
+
+
+def check_checksums(path: Path, files: dict[str, Any], names: list[str]) -> None:
+    """The files ``names`` (a share of the manifest's) have the CRC-32 they were saved with."""
+    for name in names:
+        if checksum(path / name) != files[name]["crc32"]:
+            raise CheckpointError(f"{path / name} is corrupted: its CRC-32 differs from the one saved with it. "
+                                  "Resume from an earlier checkpoint.")
