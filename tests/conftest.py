@@ -61,7 +61,6 @@ RUNS["dp2_pp2_accum_clip"] = (4, [*job(GLOBAL_BATCH // 4, accumulate=2, clip=Tru
 RUNS["single_tied"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true"])
 SGD = ["--model.optimizer=sgd", f"--model.lr={SGD_LR}"]
 RUNS["single_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", *SGD])
-RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true", *SGD])
 
 # tensor parallel: the tp ranks of one replica all see the replica's batch (GLOBAL_BATCH / dp). tp=4 needs 4 kv heads
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation

@@ -5,7 +5,9 @@ a fresh model, data module and Trainer on the same seed -- the job of ``tests.ha
 -- and writes ``ROOT/NAME/tb`` (per-step losses) and ``ROOT/NAME/reports`` (pre-clip gradient norms, via
 :class:`tests.probes.GradNorms`) like a CLI launch, so :class:`tests.harness.Run` and the tests read them against the
 single-process references of ``tests.conftest.RUNS``. Each rank also writes ``ROOT/NAME/rank{R}.json``: its
-coordinates, the data-parallel gradient owner, the units it holds and the parameter bytes it materialised.
+coordinates, the data-parallel gradient owner, the units it holds, the parameter bytes it materialised and what it
+reduce-scatters per step (ZeRO buckets, FSDP groups); and ``ROOT/NAME/state`` (:class:`tests.probes.StateReport`):
+the collectives of optimizer step 3.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from example_models import GPTLightningModule, HFLlamaLightningModule
 from lightning_par import Hybrid3DStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
 from tests.conftest import CLIP, EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
-from tests.probes import GradNorms
+from tests.probes import GradNorms, StateReport
 
 
 @dataclass
@@ -47,8 +50,7 @@ CASES: dict[str, Case] = {
     "tp2_pp2_1f1b_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2), SGD),
     "tp2_pp2_sp_interleaved": Case("single", dict(schedule="interleaved_1f1b", n_microbatches=2,
                                                   sequence_parallel=True)),
-    "tp2_pp2_zbv_tied_sgd": Case("single_tied_sgd", dict(schedule="zbv", n_microbatches=2),
-                                 dict(SGD, tie_embeddings=True)),
+    "tp2_pp2_zbv_tied": Case("single_tied", dict(schedule="zbv", n_microbatches=2), dict(tie_embeddings=True)),
     "hf_llama_tp2_pp2": Case("hf_single", dict(schedule="1f1b", n_microbatches=2), hf=True),
     # dp2 x tp2 x pp2 (8 ranks): ZeRO 1, 2 and 3 across the replicas
     "dp2_tp2_pp2_zero1_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, zero_stage=1), SGD,
@@ -65,7 +67,12 @@ def _report(trainer: pl.Trainer, path: Path) -> None:
     strategy = trainer.strategy
     own_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                     for p in trainer.lightning_module.parameters())
-    report = {"coordinates": strategy.coordinates, "gradient_sync": strategy.gradient_sync.name,
+    owner = strategy.gradient_sync
+    partitioner = getattr(owner, "partitioner", None)
+    report = {"coordinates": strategy.coordinates, "gradient_sync": owner.name,
+              # what is reduce-scattered once per optimizer step: ZeRO-1/2 buckets, or ZeRO-3's FSDP groups
+              "buckets": len(partitioner.buckets) if partitioner is not None else None,
+              "fsdp_groups": fsdp_group_count(strategy.pipeline.stage_modules, strategy._block_names),
               "units": [u for i in strategy.pipeline.stage_ids for u in strategy.pipeline.units_by_stage[i]],
               "param_bytes": own_bytes, "dims": str(strategy.dims.describe())}
     path.mkdir(parents=True, exist_ok=True)
@@ -96,7 +103,7 @@ def fit(root: Path, cache: str, name: str) -> None:
         accumulate_grad_batches=case.accumulate, gradient_clip_val=CLIP if case.clip else None,
         log_every_n_steps=1, logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
-        callbacks=[GradNorms(), LayoutReport(root / name)],
+        callbacks=[GradNorms(), LayoutReport(root / name), StateReport(str(root / name / "state"), step=3)],
     )
     trainer.fit(model, data)
 

@@ -69,6 +69,22 @@ def test_each_rank_holds_its_stages_under_one_gradient_owner(matrix, name):
     assert not first & second - {"embed", "head"}  # only a V schedule's rank 0 holds both ends
 
 
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.devices == 8])
+def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
+    """ZeRO-1/2: one reduce-scatter per bucket and one all-gather per bucket per optimizer step, whatever the number
+    of micro-batches (2) and accumulated batches (2 in the zero2 case); ZeRO-3: one reduce-scatter and one all-gather
+    per FSDP group (a block, or a stage's root)."""
+    run, reports = matrix[name]
+    for rank, report in enumerate(reports):
+        state = json.loads((run.root / "state" / f"state_rank{rank}.json").read_text())
+        calls = state["calls"]
+        groups = report["fsdp_groups"] if report["gradient_sync"] == "fsdp2_shard_stages" else report["buckets"]
+        if rank == 0:
+            print(f"{name}: rank 0 reduce-scatters {calls.get('reduce_scatter')} times and all-gathers "
+                  f"{calls.get('all_gather')} times per step, for {groups} groups; all calls: {calls}")
+        assert groups and calls["reduce_scatter"] == groups and calls["all_gather"] == groups
+
+
 def test_a_rank_holds_a_fraction_of_the_parameters(matrix):
     """tp2 x pp2: each rank materialises about a quarter of the model (plus its replicated norms and biases)."""
     _, reports = matrix["tp2_pp2_1f1b_sgd"]
@@ -84,7 +100,7 @@ def test_rank_table_and_stages_are_logged(matrix):
 
 
 @pytest.mark.parametrize("kwargs,devices,match", [
-    (dict(tp=2, pp=2), 6, r"world size is 6"),
+    (dict(tp=2, pp=2), 6, r"does not divide the world size 6"),
     (dict(tp=2, pp=2, recompute="some"), 4, r"recompute='some'"),
     (dict(tp=2, pp=2, schedule="zbv", virtual_stages=3), 4, r"virtual"),
 ])
@@ -96,12 +112,14 @@ def test_bad_layouts_fail_when_the_trainer_is_made(kwargs, devices, match):
 @pytest.mark.parametrize("args,match", [
     # tp=2 does not divide one key/value head: found on the whole model, before the split, on every rank
     (["--model.n_kv_heads=1"], r"key/value head count .* is 1, which tp=2 does not divide"),
-    # 2 pipeline ranks x 2 virtual stages = 4 stages, but a 1-block GPT has 4 units: 5 asked with v=3
+    # 2 pipeline ranks x 3 virtual stages = 6 stages, but a 1-block GPT has 4 units (embed, the block, norm, head)
     (["--model.n_layers=1", "--trainer.strategy.schedule=interleaved_1f1b", "--trainer.strategy.virtual_stages=3"],
      r"6 stages.*4 pipeline units"),
 ], ids=["tp_does_not_divide_heads", "more_stages_than_units"])
 def test_layouts_the_model_cannot_take_fail_on_every_rank_within_seconds(tmp_path, cache_dir, args, match):
-    run = launch_cli(tmp_path, cache_dir, ["--trainer.strategy=hybrid3d_tp2_pp2", "--trainer.max_steps=2", *args],
+    strategy = ["--trainer.strategy=lightning_par.Hybrid3DStrategy", "--trainer.strategy.tp=2",
+                "--trainer.strategy.pp=2"]
+    run = launch_cli(tmp_path, cache_dir, [*strategy, "--trainer.max_steps=2", *args],
                      devices=4, timeout=200)
     print(f"refused in {run.seconds:.0f} s (start-up included)")
     assert run.returncode != 0 and run.seconds < 120
