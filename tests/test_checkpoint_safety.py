@@ -268,8 +268,12 @@ def test_a_single_file_checkpoint_loads_where_optimizers_hold_the_models_paramet
     one_group = torch.optim.AdamW(model.parameters())
     with pytest.raises(CheckpointError, match=r"optimizer 0: a single-file checkpoint keys optimizer state by "
                                               r"parameter position \(groups of \[1, 3\] parameters\), and this "
-                                              r"optimizer holds groups of \[4\]"):
+                                              r"optimizer holds groups of \[4\] \(one pipeline stage's"):
         sharded_checkpoint.load(file, model, [one_group], fsdp=True, weights_only=False)
+    shards = torch.optim.AdamW([{"params": [nn.Parameter(torch.zeros(8))]},
+                                {"params": [nn.Parameter(torch.zeros(8)) for _ in range(3)]}])
+    with pytest.raises(CheckpointError, match=r"holds parameters that are not the model's own \(ZeRO-1/2 bucket"):
+        sharded_checkpoint.load(file, model, [shards], fsdp=False, weights_only=False)
     file.write_bytes(file.read_bytes()[:-200])
     with pytest.raises(CheckpointError, match=r"step=3\.ckpt is not a readable checkpoint file \(truncated"):
         load(file, fsdp=True, weights_only=False)

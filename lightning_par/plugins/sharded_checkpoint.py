@@ -273,17 +273,18 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} of this model's {len(own)} entries, e.g. {missing[:3]}: "
                               "was it saved from another model?")
+    saved = checkpoint.pop("optimizer_states", None) or []
+    if saved and len(saved) != len(optimizers):
+        raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
+    # checked before anything is loaded, so a refused checkpoint leaves the model as it was
+    by_name = [_keyed_by_name(module, optimizers[i], state, f"{path}: optimizer {i}") for i, state in enumerate(saved)]
     mine = {name: states[name] for name in own}
     if fsdp:
         set_model_state_dict(module, mine, options=_FULL)  # full tensors: each rank keeps its shard
     else:
         module.load_state_dict(mine)
-    saved = checkpoint.pop("optimizer_states", None) or []
-    if saved and len(saved) != len(optimizers):
-        raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
-    for index, state in enumerate(saved):
-        by_name = _keyed_by_name(module, optimizers[index], state, f"{path}: optimizer {index}")
-        set_optimizer_state_dict(module, optimizers[index], by_name, options=_FULL)
+    for index, state in enumerate(by_name):
+        set_optimizer_state_dict(module, optimizers[index], state, options=_FULL)
     return checkpoint
 
 
@@ -296,13 +297,16 @@ def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: d
     groups = optimizer.param_groups
     sizes = [len(g["params"]) for g in groups]
     saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
-    if sizes != saved_sizes or any(id(p) not in names for g in groups for p in g["params"]):
-        raise CheckpointError(
-            f"{what}: a single-file checkpoint keys optimizer state by parameter position (groups of {saved_sizes} "
-            f"parameters), and this optimizer holds groups of {sizes} that are not the model's own parameters in "
-            "full (ZeRO-1/2 bucket shards, or one pipeline stage's parameters). Resume it under one process, zero0, "
-            "zero3 or tensor parallel."
-        )
+    if any(id(p) not in names for g in groups for p in g["params"]):
+        why = "this optimizer holds parameters that are not the model's own (ZeRO-1/2 bucket shards)"
+    elif sizes != saved_sizes:
+        why = f"this optimizer holds groups of {sizes} (one pipeline stage's, or another configure_optimizers)"
+    else:
+        why = ""
+    if why:
+        raise CheckpointError(f"{what}: a single-file checkpoint keys optimizer state by parameter position (groups "
+                              f"of {saved_sizes} parameters), and {why}. Resume it under one process, zero0, zero3 or "
+                              "tensor parallel.")
     state, named_groups = {}, []
     for group, saved_group in zip(groups, saved["param_groups"], strict=True):
         params = [names[id(p)] for p in group["params"]]
@@ -315,6 +319,7 @@ def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: d
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                     raise CheckpointError(f"{what}: state {key!r} at position {position} has shape "
                                           f"{tuple(value.shape)}, but parameter {name} here has "
-                                          f"{tuple(param.shape)}: the optimizer's parameters are in another order.")
+                                          f"{tuple(param.shape)}: the optimizer's parameters are in another order, "
+                                          "or its state is not per element.")
             state[name] = entry
     return {"state": state, "param_groups": named_groups}
