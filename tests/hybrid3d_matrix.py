@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.distributed.tensor import DTensor
 
@@ -40,6 +41,7 @@ class Case:
     clip: bool = False
     hf: bool = False
     devices: int = 4
+    checkpoint: bool = False  # keep every checkpoint (ROOT/NAME/ckpt), for the resume test
 
 
 SGD = dict(optimizer="sgd", lr=SGD_LR)
@@ -49,7 +51,7 @@ CASES: dict[str, Case] = {
     # tp2 x pp2 (4 ranks, one replica)
     "tp2_pp2_1f1b_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2), SGD),
     "tp2_pp2_sp_interleaved": Case("single", dict(schedule="interleaved_1f1b", n_microbatches=2,
-                                                  sequence_parallel=True)),
+                                                  sequence_parallel=True), checkpoint=True),
     "tp2_pp2_zbv_tied": Case("single_tied", dict(schedule="zbv", n_microbatches=2), dict(tie_embeddings=True)),
     "hf_llama_tp2_pp2": Case("hf_single", dict(schedule="1f1b", n_microbatches=2), hf=True),
     # dp2 x tp2 x pp2 (8 ranks): ZeRO 1, 2 and 3 across the replicas
@@ -101,9 +103,11 @@ def fit(root: Path, cache: str, name: str) -> None:
         accelerator="cpu", devices=case.devices, strategy=Hybrid3DStrategy(tp=2, pp=2, **case.strategy),
         max_steps=PARITY_STEPS, limit_train_batches=EPOCH_STEPS * case.accumulate, limit_val_batches=2,
         accumulate_grad_batches=case.accumulate, gradient_clip_val=CLIP if case.clip else None,
-        log_every_n_steps=1, logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
-        callbacks=[GradNorms(), LayoutReport(root / name), StateReport(str(root / name / "state"), step=3)],
+        log_every_n_steps=1, logger=TensorBoardLogger(save_dir=root / name / "tb"),
+        enable_checkpointing=case.checkpoint, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root / name,
+        callbacks=[GradNorms(), LayoutReport(root / name), StateReport(str(root / name / "state"), step=3),
+                   *([ModelCheckpoint(dirpath=root / name / "ckpt", save_top_k=-1)] if case.checkpoint else [])],
     )
     trainer.fit(model, data)
 

@@ -13,7 +13,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_par import Hybrid3DStrategy, LayoutError
-from tests.conftest import PARITY_STEPS
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
 from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 from tests.hybrid3d_matrix import CASES
 
@@ -83,6 +83,20 @@ def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
             print(f"{name}: rank 0 reduce-scatters {calls.get('reduce_scatter')} times and all-gathers "
                   f"{calls.get('all_gather')} times per step, for {groups} groups; all calls: {calls}")
         assert groups and calls["reduce_scatter"] == groups and calls["all_gather"] == groups
+
+
+def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_dir):
+    """AdamW under tp2 x pp2 with ZeRO-1 (sequence parallel, interleaved): resuming from the step-10 checkpoint
+    reproduces steps 10-19, so the sharded model and optimizer states (Adam's moments included) survive."""
+    run, _ = matrix["tp2_pp2_sp_interleaved"]
+    ckpt = run.checkpoint(step=EPOCH_STEPS)
+    args = ["--trainer.strategy=lightning_par.Hybrid3DStrategy", "--trainer.strategy.tp=2", "--trainer.strategy.pp=2",
+            "--trainer.strategy.schedule=interleaved_1f1b", "--trainer.strategy.n_microbatches=2",
+            "--trainer.strategy.sequence_parallel=true", *job(GLOBAL_BATCH), f"--ckpt_path={ckpt}"]
+    resumed = launch_cli(tmp_path, cache_dir, args, devices=4).check()
+    diff = max_rel_diff(resumed.losses(), run.losses()[EPOCH_STEPS:])
+    print(f"resumed from {ckpt.name}: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e}")
+    assert diff <= LOSS_RTOL
 
 
 def test_a_rank_holds_a_fraction_of_the_parameters(matrix):

@@ -121,13 +121,14 @@ def save(checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Calla
 
 # -- load ----------------------------------------------------------------------------------------------------------
 def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fsdp: bool,
-         weights_only: bool | None = None) -> dict[str, Any]:
+         weights_only: bool | None = None, optimizer_namespace: str | None = None) -> dict[str, Any]:
     """Load the shards into ``module`` and ``optimizers`` in place; return the rest of Lightning's checkpoint.
 
     Every rank calls it. ``fsdp``: the module is sharded with FSDP2 (or split by tp / pp) and its optimizers hold
     its own (DTensor) parameters; otherwise the module is replicated and the optimizers hold ZeRO-1/2 shard
     parameters, keyed by position. ``weights_only`` (``None`` means ``True``, as in ``torch.load``): unpickle only
-    tensors and plain values; ``False`` trusts the checkpoint with arbitrary objects.
+    tensors and plain values; ``False`` trusts the checkpoint with arbitrary objects. ``optimizer_namespace``: the
+    position-keyed optimizer states were saved under this key (a pipeline rank's name, see the engine).
     """
     safe = weights_only is not False
     resolved = checkpoint_files.resolve(path)
@@ -143,7 +144,8 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
             state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
         else:
             materialize_optimizer_state(optimizer)
-            state[f"optimizer_{index}"] = optimizer.state_dict()
+            own = optimizer.state_dict()
+            state[f"optimizer_{index}"] = {optimizer_namespace: own} if optimizer_namespace else own
     _dcp_load(state, resolved, safe)
     if fsdp:
         set_model_state_dict(module, state["state_dict"])
@@ -153,7 +155,8 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         if fsdp:
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_FLAT)
         else:
-            optimizer.load_state_dict(state[f"optimizer_{index}"])
+            loaded = state[f"optimizer_{index}"]
+            optimizer.load_state_dict(loaded[optimizer_namespace] if optimizer_namespace else loaded)
     return checkpoint_meta.read(resolved, weights_only)
 
 

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
-from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
+from lightning_par.parallel.gradient_sync import NoSync, ZeroSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.fsdp import fully_shard_stages, stage_blocks
@@ -580,10 +580,25 @@ class LayoutStrategy(ParallelStrategy):
             return sharded_checkpoint.model_state(self.lightning_module)
         return super().lightning_module_state_dict()
 
+    @property
+    def _optimizer_namespace(self) -> str | None:
+        """ZeRO-1/2 optimizers hold bucket shards, keyed by position: under pipeline parallel each stage's are
+        saved under its pipeline rank's name so that the stages do not write the same keys. Such a checkpoint
+        resumes into the same layout (the per-parameter format that reshards is issue 11's)."""
+        return f"pp{self.coordinates['pp']}" if self.dims.pp > 1 else None
+
+    @property
+    def _states_by_name(self) -> bool:
+        """Model and optimizer states keyed by parameter name (FQN): parameters are split somewhere and the
+        optimizer holds the model's own parameters (not ZeRO-1/2 bucket shards)."""
+        return self.layout.shards_parameters and not isinstance(self._gradient_sync, ZeroSync)
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.layout.shards_parameters:
+        if self._states_by_name:
             return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        namespace = self._optimizer_namespace if isinstance(self._gradient_sync, ZeroSync) else None
+        return {namespace: state} if namespace else state
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if not self.layout.sharded_checkpoint:
@@ -604,8 +619,9 @@ class LayoutStrategy(ParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers,
-                                       fsdp=self.layout.shards_parameters, weights_only=weights_only)
+        namespace = self._optimizer_namespace if isinstance(self._gradient_sync, ZeroSync) else None
+        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, fsdp=self._states_by_name,
+                                       weights_only=weights_only, optimizer_namespace=namespace)
         self._gradient_sync.after_load()
         return meta
 
