@@ -53,6 +53,10 @@ def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
     assert len(run.losses()) == PARITY_STEPS and diff <= LOSS_RTOL
     assert len(_norms(run)) == 5 and norm_diff <= NORM_RTOL
     assert reference.losses()[0] - reference.losses()[-1] > 0.3  # the loss moves: a wrong gradient would show
+    # validation runs forward-only through the tensor-parallel stages (loss from the last stage, vocab-parallel)
+    val, val_reference = run.scalars()["val/loss"], reference.scalars()["val/loss"]
+    assert val.keys() == val_reference.keys()
+    assert max_rel_diff(list(val.values()), list(val_reference.values())) <= LOSS_RTOL
 
 
 @pytest.mark.parametrize("name", list(CASES))
