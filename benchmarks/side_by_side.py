@@ -1,0 +1,275 @@
+"""The five layouts side by side on 4 CPU ranks, one run: step time and memory per rank under DP, ZeRO-3, TP, PP
+and 3D, on the same model, global batch and steps.
+
+=========  ===========================================================  =====================================
+layout     strategy                                                     mesh
+=========  ===========================================================  =====================================
+dp         ``ZeroStrategy(stage=0)``: replicas, DDP all-reduce          dp=4 (each replica: batch / 4)
+zero3      ``ZeroStrategy(stage=3)``: FSDP2, parameters sharded         dp=4 (each replica: batch / 4)
+tp         ``MegatronTPStrategy(tp=4)``                                 tp=4
+pp         ``PipelineStrategy(pp=4)``, 1F1B, 2 * pp micro-batches       pp=4
+3d         ``Hybrid3DStrategy(tp=2, pp=2)``, 1F1B, 2 * pp micro-batches,  tp=2 x pp=2 (dp=1)
+           ZeRO-1 (its default)
+=========  ===========================================================  =====================================
+
+The model is the example GPT (``--preset``, default ``small`` with ``--n-layers 8`` blocks and ``n_kv_heads=4`` so
+that tp=4 divides every head count), fp32, AdamW (``GPTLightningModule``'s, with its LR schedule), fixed random
+batches of ``--batch`` x ``--seq`` tokens (the global batch: the data-parallel layouts give each replica a quarter
+through Lightning's distributed sampler). Each layout is its own 4-rank launch (torchrun), so every process's peak
+memory is its own; with ``--rounds`` > 1 the layouts run again in reverse order, and so on.
+
+Measured per rank, the table showing the largest value over the ranks:
+
+- ``ms/step``: the time of one optimizer step (of the whole global batch), from one ``on_train_batch_start`` to the
+  next, the slowest rank's, median over the steps after ``--warmup`` (and over the rounds); ``CPU ms/step``: the
+  CPU time of that step (``time.process_time``, all threads) summed over the 4 ranks, median: the work done, which
+  other people's load on a shared machine blurs less than the wall time (and which leaves out waiting: a pipeline
+  bubble costs time, not CPU);
+- ``peak RSS``: the process's resident high-water mark (``VmHWM`` of ``/proc/self/status``) at the end of the fit,
+  which includes the Python / torch / Lightning runtime every rank carries; ``RSS growth``: that peak minus the
+  resident size just before ``Trainer.fit`` -- what the model, its states, activations and communication buffers
+  added;
+- ``params + grads + optim``: bytes of parameters, gradients and optimizer states this rank holds right after
+  optimizer step 3 (:func:`lightning_par.measure.state_bytes`: unique storages, DTensors by their local shard).
+
+Ratios are against ``dp``. A layout that fails is reported with its error; the others go on.
+
+    python benchmarks/side_by_side.py                  # 5 layouts x 1 round: ~5 minutes on 2 shared cores
+    python benchmarks/side_by_side.py --rounds 2 --layouts dp 3d
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SEED = 1234
+WORLD = 4
+N_SAMPLES = 64  # distinct fixed samples, cycled
+STATE_STEP = 3  # the optimizer step after which parameter + gradient + optimizer bytes are counted
+
+#: name -> (strategy class in lightning_par, its arguments, data-parallel size, description)
+LAYOUTS: dict[str, tuple[str, dict, int, str]] = {
+    "dp": ("ZeroStrategy", {"stage": 0}, 4, "ZeroStrategy(stage=0), dp=4"),
+    "zero3": ("ZeroStrategy", {"stage": 3}, 4, "ZeroStrategy(stage=3), dp=4"),
+    "tp": ("MegatronTPStrategy", {"tp": 4}, 1, "MegatronTPStrategy(tp=4)"),
+    "pp": ("PipelineStrategy", {"pp": 4, "schedule": "1f1b"}, 1, "PipelineStrategy(pp=4, 1f1b, m=8)"),
+    "3d": ("Hybrid3DStrategy", {"tp": 2, "pp": 2, "schedule": "1f1b"}, 1,
+           "Hybrid3DStrategy(tp=2, pp=2, 1f1b, m=4, zero1)"),
+}
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker: one layout, one fit, on each of the 4 ranks (under torchrun)
+# ----------------------------------------------------------------------------------------------------------------------
+def worker(opts) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import Dataset
+
+    import lightning_par
+    from example_models import GPTLightningModule
+    from lightning_par.measure import state_bytes
+
+    class Measure(pl.Callback):
+        def __init__(self) -> None:
+            self.begin: tuple[float, float] | None = None
+            self.times: list[float] = []
+            self.cpu: list[float] = []
+            self.state: dict | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            now = time.perf_counter(), time.process_time()
+            if self.begin is not None and batch_idx > opts.warmup:  # the previous step, warm-up steps excluded
+                self.times.append(now[0] - self.begin[0])
+                self.cpu.append(now[1] - self.begin[1])
+            self.begin = now
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == STATE_STEP and self.state is None:
+                self.state = state_bytes(trainer.strategy.model, trainer.optimizers)
+
+    class FixedSamples(Dataset):
+        def __init__(self, n: int) -> None:
+            g = torch.Generator().manual_seed(SEED)
+            self.tokens = torch.randint(0, 256, (N_SAMPLES, opts.seq + 1), generator=g)
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i):
+            row = self.tokens[i % N_SAMPLES]
+            return row[:-1], row[1:]
+
+    cls_name, kwargs, dp, _ = LAYOUTS[opts.layout]
+    strategy = getattr(lightning_par, cls_name)(**kwargs)
+    steps = opts.warmup + opts.steps + 1  # the start of one more step closes the last timed one
+    pl.seed_everything(SEED, verbose=False)
+    model = GPTLightningModule(preset=opts.preset, n_layers=opts.n_layers, n_kv_heads=opts.n_kv_heads)
+    measure = Measure()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=steps,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=opts.root,
+    )
+    loader = torch.utils.data.DataLoader(FixedSamples(steps * opts.batch), batch_size=opts.batch // dp)
+    rss_before = _status_kib("VmRSS") * 1024
+    trainer.fit(model, loader)
+    report = {
+        "rank": trainer.global_rank, "coordinates": trainer.strategy.coordinates,
+        "gradient_sync": trainer.strategy.gradient_sync.name, "dims": trainer.strategy.dims.describe(),
+        "seconds_per_step": measure.times, "cpu_seconds_per_step": measure.cpu, "state_bytes": measure.state,
+        "rss_before_fit_bytes": rss_before, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "numel": sum(p.numel() for p in model.parameters()),  # DTensor numel is global: the whole model's
+    }
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:
+        Path(opts.out).write_text(json.dumps(reports))
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launcher: one torchrun job per layout, then the table
+# ----------------------------------------------------------------------------------------------------------------------
+def run_layout(tmp: Path, name: str, rnd: int, opts) -> dict:
+    from benchmarks.common import last_error
+    from tests.harness import launch_matrix
+
+    root = tmp / f"{name}-{rnd}"
+    out = root / "reports.json"
+    args = ["--worker", "--layout", name, "--out", str(out), "--root", str(root), "--preset", opts.preset,
+            "--n-layers", str(opts.n_layers), "--n-kv-heads", str(opts.n_kv_heads), "--batch", str(opts.batch),
+            "--seq", str(opts.seq), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
+    run = launch_matrix(root, tmp / "cache", "benchmarks.side_by_side", args, nproc=WORLD, timeout=900)
+    if run.returncode != 0 or not out.exists():
+        return {"ok": False, "error": last_error(run), "seconds": run.seconds}
+    return {"ok": True, "ranks": json.loads(out.read_text()), "seconds": run.seconds}
+
+
+def summarise(name: str, runs: list[dict]) -> dict:
+    ok = [r for r in runs if r["ok"]]
+    row: dict = {"layout": name, "strategy": LAYOUTS[name][3], "ok": bool(ok), "launch_seconds": [
+        r["seconds"] for r in runs]}
+    if not ok:
+        row["error"] = runs[-1]["error"]
+        return row
+    steps, cpu = [], []
+    for run in ok:  # each step's time is the slowest rank's, its CPU time the sum over the ranks
+        ranks = run["ranks"]
+        n = len(ranks[0]["seconds_per_step"])
+        steps += [max(r["seconds_per_step"][i] for r in ranks) for i in range(n)]
+        cpu += [sum(r["cpu_seconds_per_step"][i] for r in ranks) for i in range(n)]
+    first = ok[0]["ranks"]
+    row.update(
+        seconds_per_step=steps, median_seconds_per_step=statistics.median(steps),
+        cpu_seconds_per_step=cpu, median_cpu_seconds_per_step=statistics.median(cpu),
+        # memory: the largest over ranks and rounds
+        peak_rss_bytes=max(r["peak_rss_bytes"] for run in ok for r in run["ranks"]),
+        rss_growth_bytes=max(r["peak_rss_bytes"] - r["rss_before_fit_bytes"] for run in ok for r in run["ranks"]),
+        state_bytes=max(r["state_bytes"]["total"] for r in first),
+        state_bytes_by_category={c: max(r["state_bytes"][c] for r in first)
+                                 for c in ("parameters", "gradients", "optimizer_states")},
+        per_rank=[{k: r[k] for k in ("rank", "coordinates", "peak_rss_bytes", "rss_before_fit_bytes")}
+                  | {"state_bytes": r["state_bytes"]["total"]} for r in first],
+        gradient_sync=first[0]["gradient_sync"], dims=first[0]["dims"], numel=first[0]["numel"],
+    )
+    return row
+
+
+def fmt_mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--n-layers", type=int, default=8)
+    parser.add_argument("--n-kv-heads", type=int, default=4, help="4 so that tp=4 divides it")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per optimizer step)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=3, help="steps not timed")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per launch")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--json", default="benchmarks/results/side_by_side.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        worker(opts)
+        return
+
+    start = time.time()
+    runs: dict[str, list[dict]] = {name: [] for name in opts.layouts}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(opts.rounds):
+            order = opts.layouts if rnd % 2 == 0 else opts.layouts[::-1]
+            for name in order:
+                run = run_layout(Path(tmp), name, rnd, opts)
+                runs[name].append(run)
+                status = "ok" if run["ok"] else f"FAILED: {run['error']}"
+                print(f"  {name} round {rnd}: {status} ({run['seconds']:.0f} s)", flush=True)
+    rows = [summarise(name, runs[name]) for name in opts.layouts]
+    elapsed = time.time() - start
+
+    base = next((r for r in rows if r["layout"] == "dp" and r["ok"]), None)
+    numel = next((r["numel"] for r in rows if r["ok"]), 0)
+    print(f"\n{opts.preset} GPT ({opts.n_layers} blocks, n_kv_heads={opts.n_kv_heads}, {numel / 1e6:.2f}M parameters), "
+          f"fp32, AdamW, global batch {opts.batch} x seq {opts.seq}, {WORLD} CPU ranks (gloo); {opts.steps} timed "
+          f"steps after {opts.warmup} x {opts.rounds} round(s); memory: the largest rank")
+    header = (f"{'layout':<7}{'strategy':<46}{'ms/step':>9}{'CPU ms/step':>12}{'peak RSS MiB':>14}"
+              f"{'RSS growth MiB':>16}{'p+g+opt MiB':>13}{'time/dp':>9}{'CPU/dp':>8}{'RSS/dp':>8}{'growth/dp':>11}"
+              f"{'p+g+opt/dp':>12}")
+    print(header)
+    for r in rows:
+        if not r["ok"]:
+            print(f"{r['layout']:<7}{r['strategy']:<46}failed: {r['error'][:100]}")
+            continue
+        ratios = ["-"] * 5
+        if base is not None:
+            keys = {"step_time": "median_seconds_per_step", "cpu_time": "median_cpu_seconds_per_step",
+                    "peak_rss": "peak_rss_bytes", "rss_growth": "rss_growth_bytes", "state_bytes": "state_bytes"}
+            r["ratios_vs_dp"] = {name: r[key] / base[key] for name, key in keys.items()}
+            ratios = [f"{v:.2f}" for v in r["ratios_vs_dp"].values()]
+        print(f"{r['layout']:<7}{r['strategy']:<46}{r['median_seconds_per_step'] * 1e3:>9.0f}"
+              f"{r['median_cpu_seconds_per_step'] * 1e3:>12.0f}{fmt_mib(r['peak_rss_bytes']):>14}"
+              f"{fmt_mib(r['rss_growth_bytes']):>16}{fmt_mib(r['state_bytes']):>13}"
+              f"{ratios[0]:>9}{ratios[1]:>8}{ratios[2]:>8}{ratios[3]:>11}{ratios[4]:>12}")
+    load = os.getloadavg()[0]
+    print(f"(load average {load:.1f} on {os.cpu_count()} CPUs; wall time {elapsed:.0f} s)")
+    result = {"preset": opts.preset, "n_layers": opts.n_layers, "n_kv_heads": opts.n_kv_heads, "numel": numel,
+              "batch": opts.batch, "seq": opts.seq, "warmup": opts.warmup, "steps": opts.steps,
+              "rounds": opts.rounds, "world": WORLD, "rows": rows, "load_average_1min_at_end": load,
+              "cpus": os.cpu_count(), "wall_seconds": elapsed}
+    path = Path(opts.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
