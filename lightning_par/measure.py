@@ -216,7 +216,13 @@ CATEGORIES = ("parameters", "gradients", "optimizer_states")
 
 
 def _local(tensor: Tensor) -> Tensor:
-    """The tensor that actually holds this rank's memory: a DTensor's local shard, else the tensor itself."""
+    """The tensor that actually holds this rank's memory: a DTensor's local shard, the result inside an
+    ``AsyncCollectiveTensor`` (what a row-parallel layer returns while its all-reduce is in flight), else the tensor
+    itself."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(tensor, AsyncCollectiveTensor):
+        return tensor.elem
     local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, Tensor) else tensor
 
