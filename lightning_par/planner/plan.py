@@ -12,8 +12,9 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
 - **activations**: the bytes each unit saves for one micro-batch (:mod:`lightning_par.planner.trace`) times the
   micro-batches the schedule holds at once, from the schedule's own action order
   (:mod:`lightning_par.planner.schedule`): GPipe all ``m``, 1F1B ``p - rank`` on rank ``rank``, the others as torch
-  orders them; plus what lives only for a moment (ZeRO-3's gathered blocks, the flat gradient buffer of the
-  pipeline's data-parallel all-reduce);
+  orders them; plus what lives only for part of the step (ZeRO-3's gathered blocks -- under a pipeline the
+  whole stage and its unsharded gradients --, ZeRO-2's full gradients under a pipeline, the flat gradient buffer
+  of the pipeline's data-parallel all-reduce);
 - **traffic per step**, bytes each rank sends with ring algorithms, by group: ``dp`` (the ZeRO formulas on the
   rank's own parameters), ``tp`` (an all-reduce -- or with sequence parallelism a reduce-scatter plus an
   all-gather -- per row-parallel output in forward and per column-parallel input in backward, again in the
@@ -23,8 +24,9 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   those costs and the transfer time between stages (makespan and bubble), then the data-parallel reduction
   (overlapped with the last backward when pp = 1), the optimizer step (memory bound).
 
-Whether the engine runs a layout today is :class:`Layout`'s own check (3D, ZeRO 1-3 with pp and ZeRO 1/2 with tp are
-refused at the time of writing); such layouts are planned and marked, not dropped.
+Whether the engine runs a layout is asked of the engine itself: :class:`Layout` is constructed and its
+:class:`LayoutError` kept as the note. Nothing here lists the engine's refusals, so the planner follows the engine as
+it grows; a layout it refuses is planned and marked, not dropped.
 """
 
 from __future__ import annotations
@@ -363,15 +365,21 @@ class Planner:
             numel = sum(split.local_numel(p) for p in params)
             mem = self._state(params, split, c, elt, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
-            if c.zero_stage == 3:
+            if c.zero_stage == 3 and c.pp == 1:
                 # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
                 blocks = [u for u in rank_units if u in info.blocks]
                 block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)) for u in blocks),
                                   default=0)
                 root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
                 transient += (2 * block_numel + root_numel) * elt
-            if c.pp > 1 and c.dp > 1 and c.zero_stage == 0:
+            elif c.zero_stage == 3:
+                # torch's schedules keep FSDP2 stages gathered through the step and accumulate unsharded gradients,
+                # reduce-scattered after the last backward (lightning_par.parallel.pipeline.fsdp)
+                transient += (2 * numel * elt - mem[0] - mem[1])
+            elif c.pp > 1 and c.dp > 1 and c.zero_stage == 0:
                 transient += numel * elt  # the pipeline's flat all-reduce of all gradients
+            elif c.pp > 1 and c.zero_stage == 2:
+                transient += numel * elt - mem[1]  # full gradients until the one reduce-scatter after the schedule
             ranks.append(RankMemory(r, *mem, held_peak[r], transient, numel))
 
             # traffic of this rank, per step
@@ -381,7 +389,9 @@ class Planner:
             elif c.zero_stage in (1, 2):
                 dp_bytes = _ring("reduce_scatter", numel * elt, d) + _ring("all_gather", numel * elt, d)
             else:
-                dp_bytes = (2 * m) * _ring("all_gather", numel * elt, d) + _ring("reduce_scatter", numel * elt, d)
+                # gathered for each micro-batch's forward and backward; under a pipeline once per step
+                gathers = 1 if c.pp > 1 else 2 * m
+                dp_bytes = gathers * _ring("all_gather", numel * elt, d) + _ring("reduce_scatter", numel * elt, d)
                 zero3_gather_time = max(zero3_gather_time, _ring("all_gather", numel * elt, d)
                                         / hw.bandwidth(dp_span))
             tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
@@ -402,11 +412,10 @@ class Planner:
         last_backward = max(stage_b)
         if c.dp == 1:
             dp_exposed = 0.0
-        elif c.zero_stage == 3:
+        elif c.zero_stage == 3 and c.pp == 1:
             # parameters gathered per micro-batch, prefetched under the previous block's compute: exposed where
             # the gather takes longer than the compute; gradients reduce-scattered under the last backward
-            compute = (stage_f[0] + stage_b[0]) if c.pp == 1 else max(f + b for f, b in zip(stage_f, stage_b,
-                                                                                               strict=True))
+            compute = stage_f[0] + stage_b[0]
             dp_exposed = m * max(0.0, 2 * zero3_gather_time - compute) + max(0.0, dp_time_max - 2 * m *
                                                                               zero3_gather_time - last_backward)
         elif c.pp == 1 and self.runtime.dp_overlap:
@@ -457,12 +466,13 @@ class Planner:
                n_states: int) -> tuple[float, float, float]:
         d = c.dp
         full = sum(split.local_numel(p) for p in params)
-        # measured: the gradient of a vocabulary-parallel embedding is a full-vocabulary tensor on every tp rank
-        # (its shard is a view into it), unless FSDP2 reduce-scatters it into a new shard
+        # measured: with replicas (ZeRO-0) the gradient of a vocabulary-parallel embedding is a full-vocabulary
+        # tensor on every tp rank (its shard is a view into it); ZeRO-1/2 copy it into their buckets and FSDP2
+        # reduce-scatters it into a new shard
         import torch.nn as nn
 
         embedding_extra = 0
-        if c.tp > 1 and c.zero_stage != 3:
+        if c.tp > 1 and c.zero_stage == 0:
             for p in params:
                 if split.dims.get(p.name) is not None and isinstance(self.info.root.get_submodule(p.owner),
                                                                      nn.Embedding):

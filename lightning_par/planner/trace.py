@@ -252,13 +252,16 @@ class _SavedCounter:
             nexts = [n for n, _ in node.next_functions if n is not None]
             reads_param = any(only_params(n) for n in nexts)
             for name in dir(node):
-                if not name.startswith("_saved_"):
+                if not name.startswith("_raw_saved_"):
                     continue
                 try:
                     value = getattr(node, name)
                 except RuntimeError:
                     continue
-                for t in value if isinstance(value, (list, tuple)) else [value]:
+                # the packed values, not unpacked ones: unpacking what a checkpointed region saved would re-run
+                # its forward (once per access, outside a backward); those holders are never in ``seen`` anyway
+                packed = [v.data for v in (value if isinstance(value, (list, tuple)) else [value])]
+                for t in packed:
                     if isinstance(t, Tensor) and _storage_key(t) in self.seen:
                         key = _storage_key(t)
                         savers[key] = savers.get(key, True) and reads_param
