@@ -13,6 +13,7 @@ the activation bytes each pipeline rank held at its peak).
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from tests.probes import StateReport
 WORLD = 4
 SEQ = 32
 TINY = {"preset": "tiny", "n_layers": 8}  # the model of tests.harness.TINY_JOB
+SHORT = {"preset": "tiny", "n_layers": 2}  # under tp: DTensor ops cost several times plain ones on CPU
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
 
 
@@ -66,11 +68,11 @@ def _flat(dp: int, tp: int, zero: int = 0, sp: bool = False) -> Candidate:
 #: the activation meter would count FSDP2's gathered weights as activations)
 CASES: dict[str, Case] = {
     **{f"zero{z}_dp4": Case(_flat(4, 1, z)) for z in range(4)},
-    "tp4": Case(_flat(1, 4), kwargs={**TINY, "n_kv_heads": 4}),
-    "zero1_dp2_tp2_sp": Case(_flat(2, 2, 1, sp=True)),
-    "zero3_dp2_tp2": Case(_flat(2, 2, 3)),
-    "hf_zero2_dp2_tp2": Case(_flat(2, 2, 2), "HFLlamaLightningModule", {"n_layers": 4, "n_kv_heads": 2}),
-    "tp2_pp2_1f1b": Case(_pp(1, 2, "1f1b"), activations=True),
+    "tp4": Case(_flat(1, 4), kwargs={**SHORT, "n_kv_heads": 4}),
+    "zero1_dp2_tp2_sp": Case(_flat(2, 2, 1, sp=True), kwargs=SHORT),
+    "zero3_dp2_tp2": Case(_flat(2, 2, 3), kwargs=SHORT),
+    "hf_zero2_dp2_tp2": Case(_flat(2, 2, 2), "HFLlamaLightningModule", {"n_layers": 2, "n_kv_heads": 2}),
+    "tp2_pp2_1f1b": Case(_pp(1, 2, "1f1b"), kwargs=SHORT, activations=True),
     **{f"pp4_{s}": Case(_pp(1, 4, s), activations=True) for s in SCHEDULES},
     **{f"dp2_pp2_{s}": Case(_pp(2, 2, s, zero=i % 3), activations=True) for i, s in enumerate(SCHEDULES)},
     "zero3_dp2_pp2_zbv": Case(_pp(2, 2, "zbv", zero=3)),
@@ -108,7 +110,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", help="the CASES to run (default: all)")
     args = parser.parse_args()
     for name in args.cases or CASES:
+        start = time.perf_counter()
         fit(Path(args.root), name)
+        print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)  # in the launch log, to see what costs
 
 
 if __name__ == "__main__":

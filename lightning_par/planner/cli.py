@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 from lightning_par.parallel.pipeline.runtime import SCHEDULES
@@ -59,8 +60,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=_csv(int, (0, 1, 2, 3)), default=[0, 1, 2, 3], help="ZeRO stages to consider")
     p.add_argument("--schedules", type=_csv(str, SCHEDULES), default=list(SCHEDULES), help="pipeline schedules")
     p.add_argument("--virtual", type=_csv(int), default=[2, 4], help="virtual stages of the interleaved schedules")
-    p.add_argument("--recompute", type=_csv(str, RECOMPUTE_KINDS), default=list(RECOMPUTE_KINDS))
-    p.add_argument("--precision", type=_csv(str, PRECISIONS), default=list(PRECISIONS))
+    p.add_argument("--recompute", type=_csv(str, RECOMPUTE_KINDS), default=list(RECOMPUTE_KINDS),
+                   help=f"activation recompute kinds to consider (default: {','.join(RECOMPUTE_KINDS)})")
+    p.add_argument("--precision", type=_csv(str, PRECISIONS), default=list(PRECISIONS),
+                   help=f"precisions to consider (default: {','.join(PRECISIONS)})")
     p.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default: devices per node)")
     p.add_argument("--top", type=int, default=15, help="rows to print (default 15)")
     p.add_argument("--all", action="store_true", help="print every layout")
@@ -137,8 +140,6 @@ def _main(argv: list[str]) -> int:
         world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
     hw = load_hardware(args.hardware)
     if args.gpu_memory is not None:
-        from dataclasses import replace
-
         hw = replace(hw, memory_gib=args.gpu_memory)
     print(f"building {args.model or args.hf_config} on the meta device ...", file=sys.stderr)
     obj = build_model(args.model, model_args, hf_config=args.hf_config)

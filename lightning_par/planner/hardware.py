@@ -1,6 +1,7 @@
 """What one device can do: the hardware model the planner times a layout with.
 
-A device is described by a handful of numbers, each used in one place of :mod:`lightning_par.planner.cost`:
+A device is described by a handful of numbers, used by :mod:`lightning_par.planner.trace` (the time of an op) and
+:mod:`lightning_par.planner.plan` (collectives, memory):
 
 - ``peak_flops`` by compute dtype and ``matmul_efficiency``: how fast matrix products run (an op costs
   ``flops / (peak * efficiency)``, or the time to move its bytes, whichever is longer: a roofline per op);

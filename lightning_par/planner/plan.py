@@ -272,9 +272,8 @@ class Planner:
             raise LayoutError(f"sequence_parallel with tp={c.tp} needs a sequence length divisible by {c.tp}, got "
                               f"{work.seq_len}.")
         trace = self.trace(c.tp, c.recompute, c.precision)
-        style = SCHEDULES[c.schedule].style if c.pp > 1 else "loop"
         v = c.virtual_stages if c.pp > 1 else 1
-        units_by_stage = self.stages(c.pp, v, style)
+        units_by_stage, rank_stages = self.placement(c)
         n_stages = len(units_by_stage)
         m = c.n_microbatches
         tp_seq = c.tp if c.sequence_parallel else 1
@@ -348,11 +347,9 @@ class Planner:
                            released_by_w=lambda s: stage_released[s])
             t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
-            rank_stages = [stage_indices(r, c.pp, v, style) for r in range(c.pp)]
         else:
             t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
             grads_peak = [0.0]
-            rank_stages = [[0]]
 
         # -- memory per pipeline rank ----------------------------------------------------------------------------
         ranks: list[RankMemory] = []
@@ -361,7 +358,7 @@ class Planner:
         zero3_gather_time = 0.0
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
-            params = [p for p in info.params if not p.units or any(u in rank_units for u in p.units)]
+            params = self._rank_params(rank_units)
             numel = sum(split.local_numel(p) for p in params)
             mem = self._state(params, split, c, elt, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
@@ -375,7 +372,7 @@ class Planner:
             elif c.zero_stage == 3:
                 # torch's schedules keep FSDP2 stages gathered through the step and accumulate unsharded gradients,
                 # reduce-scattered after the last backward (lightning_par.parallel.pipeline.fsdp)
-                transient += (2 * numel * elt - mem[0] - mem[1])
+                transient += 2 * numel * elt - mem[0] - mem[1]
             elif c.pp > 1 and c.dp > 1 and c.zero_stage == 0:
                 transient += numel * elt  # the pipeline's flat all-reduce of all gradients
             elif c.pp > 1 and c.zero_stage == 2:
@@ -450,17 +447,26 @@ class Planner:
         """Parameters, gradients and optimizer states per pipeline rank (no tracing): what
         :func:`lightning_par.measure.state_bytes` measures on each rank."""
         split = self.info.tp_split(c.tp, c.sequence_parallel)
-        style = SCHEDULES[c.schedule].style if c.pp > 1 else "loop"
-        v = c.virtual_stages if c.pp > 1 else 1
-        units_by_stage = self.stages(c.pp, v, style)
+        units_by_stage, rank_stages = self.placement(c)
         out = []
-        for r in range(c.pp):
-            rank_units = {u for s in stage_indices(r, c.pp, v, style) for u in units_by_stage[s]} if c.pp > 1 \
-                else set(self.info.units)
-            params = [p for p in self.info.params if not p.units or any(u in rank_units for u in p.units)]
+        for stage_ids in rank_stages:
+            params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
             mem = self._state(params, split, c, _elt(c.precision), OPTIMIZER_STATES[self.optimizer])
             out.append(dict(zip(("parameters", "gradients", "optimizer_states"), mem, strict=True)))
         return out
+
+    def placement(self, c: Candidate) -> tuple[list[list[str]], list[list[int]]]:
+        """The units of each pipeline stage, and the stages of each pipeline rank (with pp = 1: one stage of every
+        unit), as :mod:`lightning_par.parallel.pipeline.split` places them."""
+        if c.pp == 1:
+            return self.stages(1, 1, "loop"), [[0]]
+        style = SCHEDULES[c.schedule].style
+        return (self.stages(c.pp, c.virtual_stages, style),
+                [stage_indices(r, c.pp, c.virtual_stages, style) for r in range(c.pp)])
+
+    def _rank_params(self, units: set[str]) -> list[ParamInfo]:
+        """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
+        return [p for p in self.info.params if not p.units or any(u in units for u in p.units)]
 
     def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, elt: int,
                n_states: int) -> tuple[float, float, float]:

@@ -232,7 +232,10 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
         raise RuntimeError(f"the schedule cannot proceed: the next actions wait on actions it never runs: {stuck}")
     start = min(t[2] for t in timeline)
     makespan = max(t[3] for t in timeline) - start
-    busy = [sum(t[3] - t[2] for t in timeline if t[0] == rank) for rank in sorted(order)]
+    busy = dict.fromkeys(order, 0.0)
+    for rank, _, begin, end in timeline:
+        busy[rank] += end - begin
+    busy = [busy[rank] for rank in sorted(order)]
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
     return Simulation(makespan, busy, bubble, [peak[r] for r in sorted(order)],
                       [peak_grads[r] for r in sorted(order)], dict(sorted(peak_flight.items())), timeline)
