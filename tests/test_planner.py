@@ -1,11 +1,12 @@
 """``lightning-par plan`` held to measurements: state bytes, activation bytes, bubble, and Megatron's Table 1.
 
-The layouts of ``tests/planner_runs.py`` are trained in one launch of 4 ranks (each 2 optimizer steps, one Trainer
-after another), and every prediction is compared with what those ranks measured:
+The layouts of ``tests/planner_runs.py`` are trained in one launch of 4 ranks (1 or 2 optimizer steps each, one
+Trainer after another), and every prediction is compared with what those ranks measured:
 
 - **State bytes** (parameters, gradients, optimizer states per rank, :class:`tests.probes.StateReport` after step 1):
   each ZeRO stage, tp alone, tp with sequence parallel and ZeRO-1, dp x tp with FSDP2, a Hugging Face model under tp
-  with ZeRO-2, tp x pp (3D with one replica), every schedule at pp=4 and at dp=2 x pp=2 with ZeRO 0-2, ZeRO-3 stages.
+  with ZeRO-2, tp x pp (3D with one replica), every schedule at pp=4, four at dp=2 x pp=2 with ZeRO 0-2, ZeRO-3
+  stages.
 - **Activation bytes**: the fake-tensor trace against :class:`lightning_par.measure.ActivationMeter` on real tensors
   (three models, every recompute and precision, in this process); the tensor-parallel block against the figures
   ``tests/test_tp_accounting.py`` measures; the peak per pipeline rank of every schedule (pp=4, dp=2 x pp=2, tp x pp)
