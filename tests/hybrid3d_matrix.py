@@ -49,11 +49,13 @@ SGD = dict(optimizer="sgd", lr=SGD_LR)
 # schedule needs more stages' worth
 CASES: dict[str, Case] = {
     # tp2 x pp2 (4 ranks, one replica)
-    "tp2_pp2_1f1b_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2), SGD),
+    # activation recompute composed per stage: the same trajectory (selective: the attention core; full: blocks)
+    "tp2_pp2_1f1b_selective_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, recompute="selective"),
+                                       SGD),
     "tp2_pp2_sp_interleaved": Case("single", dict(schedule="interleaved_1f1b", n_microbatches=2,
                                                   sequence_parallel=True), checkpoint=True),
     "tp2_pp2_zbv_tied": Case("single_tied", dict(schedule="zbv", n_microbatches=2), dict(tie_embeddings=True)),
-    "hf_llama_tp2_pp2": Case("hf_single", dict(schedule="1f1b", n_microbatches=2), hf=True),
+    "hf_llama_tp2_pp2_zbv_full": Case("hf_single", dict(schedule="zbv", n_microbatches=2, recompute="full"), hf=True),
     # dp2 x tp2 x pp2 (8 ranks): ZeRO 1, 2 and 3 across the replicas
     "dp2_tp2_pp2_zero1_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, zero_stage=1), SGD,
                                   devices=8),

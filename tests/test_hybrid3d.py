@@ -1,9 +1,9 @@
 """Hybrid3DStrategy: data x tensor x pipeline parallel inside Lightning, at parity with one process.
 
 Two launches of tests/hybrid3d_matrix.py: tp2 x pp2 on 4 ranks and dp2 x tp2 x pp2 on 8, each training several
-layouts (ZeRO 1/2/3 across data parallel; 1F1B, interleaved and ZBV; sequence parallel on and off; tied
-embeddings; SGD and AdamW; accumulation with clipping; a Hugging Face Llama) against the single-process runs of
-tests/conftest.py. Plus the bad-input checks, made before any rank waits.
+layouts (ZeRO 1/2/3 across data parallel; 1F1B, interleaved and ZBV; sequence parallel on and off; selective and
+full recompute; tied embeddings; SGD and AdamW; accumulation with clipping; a Hugging Face Llama) against the
+single-process runs of tests/conftest.py. Plus the bad-input checks, made before any rank waits.
 """
 
 import json
@@ -105,14 +105,14 @@ def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_di
 
 def test_a_rank_holds_a_fraction_of_the_parameters(matrix):
     """tp2 x pp2: each rank materialises about a quarter of the model (plus its replicated norms and biases)."""
-    _, reports = matrix["tp2_pp2_1f1b_sgd"]
+    _, reports = matrix["tp2_pp2_1f1b_selective_sgd"]
     total = sum(r["param_bytes"] for r in reports if r["coordinates"]["tp"] == 0) * 2  # tp shards, roughly
     for report in reports:
         assert report["param_bytes"] < 0.35 * total, report
 
 
 def test_rank_table_and_stages_are_logged(matrix):
-    run, _ = matrix["tp2_pp2_1f1b_sgd"]
+    run, _ = matrix["tp2_pp2_1f1b_selective_sgd"]
     assert "rank -> (pp, dp, tp)" in run.log and "     3 -> (1, 0, 1)" in run.log
     assert "stage 1 on pipeline rank 1: 6 units (layers.4 .. head)" in run.log
 
