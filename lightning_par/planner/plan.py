@@ -42,7 +42,7 @@ from lightning_par.parallel.pipeline.split import plan_stages, stage_indices
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
-from lightning_par.planner.schedule import action_order, rank_of_stage, simulate
+from lightning_par.planner.schedule import Simulation, action_order, rank_of_stage, simulate
 from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved_bytes, trace_model
 from lightning_par.topology import LayoutError, ParallelDims
 
@@ -202,6 +202,7 @@ class Planner:
         self._traces: dict[tuple, ModelTrace] = {}
         self._tp_comm: dict[tuple, dict[str, tuple[list[float], list[float]]]] = {}
         self._stages: dict[tuple, list[list[str]]] = {}
+        self._simulations: dict[tuple, Simulation] = {}
 
     # -- pieces that are shared between layouts ------------------------------------------------------------------
     def trace(self, tp: int, recompute: str, precision: str) -> ModelTrace:
@@ -341,10 +342,16 @@ class Planner:
                 return stage_w[a.stage]
 
             p2p_split = c.tp if self.runtime.p2p_split_over_tp else 1
-            sim = simulate(order, n_stages, rank_of, cost,
-                           transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
-                           held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
-                           released_by_w=lambda s: stage_released[s])
+            # layouts that differ only in the ZeRO stage run the same schedule with the same costs: simulate it once
+            key = (c.schedule, c.pp, m, v, p2p_split, pp_bw, *map(tuple, (stage_f, stage_b, stage_w, stage_out,
+                                                                         stage_held, stage_wgrad, stage_released)))
+            if key not in self._simulations:
+                self._simulations[key] = simulate(
+                    order, n_stages, rank_of, cost,
+                    transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
+                    held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
+                    released_by_w=lambda s: stage_released[s])
+            sim = self._simulations[key]
             t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
         else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import NamedTuple
 
 from lightning_par.parallel.pipeline.runtime import SCHEDULES, resolve_schedule
@@ -70,6 +70,13 @@ def _single_stage_order(name: str, pp: int, m: int) -> dict[int, list[Action]]:
     return out
 
 
+@cache
+def _compute_order_only(torch_class: type) -> type:
+    """``torch_class`` without the last step of its constructor, which lowers ``pipeline_order`` to communication
+    actions for the runtime: only the compute order is read here, and the lowering takes seconds at large m."""
+    return type(torch_class.__name__, (torch_class,), {"_prepare_schedule_with_comms": lambda self, *a, **k: None})
+
+
 @lru_cache(maxsize=256)
 def _order(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     spec = SCHEDULES[name]
@@ -79,8 +86,8 @@ def _order(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]
         from torch.distributed import pipelining
 
         stages = [_StandInStage(i, pp * v, pp, 0) for i in stage_indices(0, pp, v, spec.style)]
-        schedule = getattr(pipelining, spec.torch_class)(stages, n_microbatches=m, loss_fn=lambda out, target: out,
-                                                         scale_grads=False)
+        schedule = _compute_order_only(getattr(pipelining, spec.torch_class))(
+            stages, n_microbatches=m, loss_fn=lambda out, target: out, scale_grads=False)
         order = {}
         for rank, actions in schedule.pipeline_order.items():
             out: list[Action] = []
@@ -162,6 +169,7 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
     held = held or (lambda s: 0.0)
     held_for_w = held_for_w or (lambda s: 0.0)
     released_by_w = released_by_w or held
+    owner = [rank_of(stage) for stage in range(n_stages)]  # asked once: the inner loop runs once per action
     last = n_stages - 1
     position = dict.fromkeys(order, 0)
     free = dict.fromkeys(order, 0.0)
@@ -188,7 +196,7 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
             if end is None:
                 return None
             if stage != s:
-                end += transfer(stage, s) if rank_of(stage) != rank_of(s) else 0.0
+                end += transfer(stage, s) if owner[stage] != owner[s] else 0.0
             start = max(start, end)
         return start
 
