@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.harness import Run, launch_cli, launch_matrix, launch_torchrun
@@ -91,17 +93,73 @@ RUNS["hf_zero3_dict"] = (2, tp_job(GLOBAL_BATCH // 2, "zero3", *HF_DICT))
 RUNS["hf_tp2_dict"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", *HF_DICT))
 
 
+# -- the default run and the full run -----------------------------------------------------------------------------
+# CI runs the default set in under 15 minutes on 2 cores: every strategy and 3D at parity, the engine's guarantees,
+# checkpoints, the planner. `pytest --full` (or LIGHTNING_PAR_FULL=1) adds the launches below, which repeat what the
+# default set checks at more sizes or in more combinations (each is a multi-rank launch of 20-100 s on 2 cores).
+#: runs of `RUNS` (and fixtures) made only in the full run; a test that needs one is skipped in the default run
+FULL_ONLY_RUNS = {
+    *(f"pp4_{s}" for s in PIPELINE_SCHEDULES), "pp4_tied_1f1b", "dp2_pp2_accum_clip", "single_kv4", "tp4", "tp4_sp",
+    "dp2_tp2_sp", "tp2_sp_tied", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "zero1_dp4_accum_clip",
+    "zero2_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
+    "hybrid3d_8_ranks", "gpt2_untied_adamw",
+}
+#: tests (node id prefixes) that launch ranks themselves, run only in the full run
+FULL_ONLY_TESTS = (
+    "tests/test_checkpoint_safety.py::test_sigkill_of_every_rank_mid_save",
+    "tests/test_checkpoint_safety.py::test_a_stage0_single_file_checkpoint_resumes_under_zero3",
+    "tests/test_hybrid3d.py::test_a_3d_checkpoint_resumes",
+    "tests/test_hybrid3d.py::test_layouts_the_model_cannot_take",
+    "tests/test_pipeline_strategy.py::test_bf16_true",
+    "tests/test_pipeline_strategy.py::test_checkpoint_reshards",
+    "tests/test_pipeline_strategy.py::test_a_batch_that_does_not_split",
+    "tests/test_pipeline_strategy.py::test_resume_from_pipeline_checkpoint",
+    "tests/test_tensor_parallel.py::test_a_layout_the_model_cannot_take",
+    "tests/test_tensor_parallel.py::test_validate_from_a_tensor_parallel_checkpoint",
+    "tests/test_zero.py::test_resume_from_sharded_checkpoint",
+    "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit[test",
+    "tests/test_pipeline_timeline.py::test_measured_bubble",
+    "tests/test_pipeline_zero.py",
+    "tests/test_zero_3d.py",
+)
+
+
+def full_run(config: pytest.Config) -> bool:
+    return bool(config.getoption("--full") or os.environ.get("LIGHTNING_PAR_FULL"))
+
+
+def need_full(config: pytest.Config, name: str) -> None:
+    """Skip the calling test in the default run when it needs the full-run-only launch ``name``."""
+    if name in FULL_ONLY_RUNS and not full_run(config):
+        pytest.skip(f"{name}: a launch of the full run only (pytest --full)")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="also run the launches that repeat the default set's checks at more sizes (about 45 min)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if full_run(config):
+        return
+    skip = pytest.mark.skip(reason="a launch of the full run only (pytest --full)")
+    for item in items:
+        if item.nodeid.startswith(FULL_ONLY_TESTS):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory, cache_dir):
+def runs(tmp_path_factory, cache_dir, request):
     """``runs(name)``: the finished launch of ``RUNS[name]``, made on first request."""
     done: dict[str, Run] = {}
 
     def get(name: str, extra: list[str] | None = None) -> Run:
+        need_full(request.config, name)
         pp = next((p for p, names in PIPELINE_MATRIX.items() if name in names), None)
         if pp is not None and name not in done:
             # every schedule of one pipeline size in one launch: one start-up instead of eight
@@ -138,8 +196,9 @@ def dp4_run(runs) -> Run:
 
 
 @pytest.fixture(scope="session")
-def multinode_run(tmp_path_factory, cache_dir) -> Run:
+def multinode_run(tmp_path_factory, cache_dir, request) -> Run:
     """2 nodes x 2 ranks through torchrun over loopback."""
+    need_full(request.config, "multinode")
     root = tmp_path_factory.mktemp("multinode")
     return launch_torchrun(root, cache_dir, [*job(GLOBAL_BATCH // 4), "--trainer.strategy=zero0"],
                            nnodes=2, nproc_per_node=2).check()

@@ -13,7 +13,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_par import Hybrid3DStrategy, LayoutError
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job, need_full
 from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 from tests.hybrid3d_matrix import CASES
 
@@ -24,19 +24,28 @@ OWNERS = {"zero1": "zero1", "zero2": "zero2", "zero3": "fsdp2_shard_stages"}
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory, cache_dir) -> dict[str, tuple[Run, list[dict]]]:
-    out = {}
-    for devices in (4, 8):
-        names = [name for name, case in CASES.items() if case.devices == devices]
-        root = tmp_path_factory.mktemp(f"hybrid3d_{devices}")
-        run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
-                            ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
-                            timeout=900).check()
-        print(f"3D matrix: {len(names)} layouts on {devices} ranks in {run.seconds:.0f} s")
-        for name in names:
-            reports = [json.loads((root / name / f"rank{r}.json").read_text()) for r in range(devices)]
-            out[name] = (Run(root / name, 0, run.log, run.seconds), reports)
-    return out
+def matrix(tmp_path_factory, cache_dir, request):
+    """``matrix(name)``: ``(Run, per-rank reports)`` of a case; each rank count's cases in one launch, on first use
+    (the 8-rank launch in the full run only)."""
+    out: dict[str, tuple[Run, list[dict]]] = {}
+
+    def get(name: str) -> tuple[Run, list[dict]]:
+        devices = CASES[name].devices
+        if devices == 8:
+            need_full(request.config, "hybrid3d_8_ranks")
+        if name not in out:
+            names = [n for n, case in CASES.items() if case.devices == devices]
+            root = tmp_path_factory.mktemp(f"hybrid3d_{devices}")
+            run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
+                                ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
+                                timeout=900).check()
+            print(f"3D matrix: {len(names)} layouts on {devices} ranks in {run.seconds:.0f} s")
+            for n in names:
+                reports = [json.loads((root / n / f"rank{r}.json").read_text()) for r in range(devices)]
+                out[n] = (Run(root / n, 0, run.log, run.seconds), reports)
+        return out[name]
+
+    return get
 
 
 def _norms(run: Run) -> list[float]:
@@ -45,7 +54,7 @@ def _norms(run: Run) -> list[float]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
-    run, _ = matrix[name]
+    run, _ = matrix(name)
     reference = runs(CASES[name].reference)
     diff = max_rel_diff(run.losses(), reference.losses())
     norm_diff = max_rel_diff(_norms(run), _norms(reference))
@@ -61,7 +70,7 @@ def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_rank_holds_its_stages_under_one_gradient_owner(matrix, name):
-    _, reports = matrix[name]
+    _, reports = matrix(name)
     stage = CASES[name].strategy.get("zero_stage", 1)
     assert {r["gradient_sync"] for r in reports} == {OWNERS[f"zero{stage}"]}
     by_pp: dict[int, set] = {}
@@ -78,7 +87,7 @@ def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
     """ZeRO-1/2: one reduce-scatter per bucket and one all-gather per bucket per optimizer step, whatever the number
     of micro-batches (2) and accumulated batches (2 in the zero2 case); ZeRO-3: one reduce-scatter and one all-gather
     per FSDP group (a block, or a stage's root)."""
-    run, reports = matrix[name]
+    run, reports = matrix(name)
     for rank, report in enumerate(reports):
         state = json.loads((run.root / "state" / f"state_rank{rank}.json").read_text())
         calls = state["calls"]
@@ -92,7 +101,7 @@ def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
 def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_dir):
     """AdamW under tp2 x pp2 with ZeRO-1 (sequence parallel, interleaved): resuming from the step-10 checkpoint
     reproduces steps 10-19, so the sharded model and optimizer states (Adam's moments included) survive."""
-    run, _ = matrix["tp2_pp2_sp_interleaved"]
+    run, _ = matrix("tp2_pp2_sp_interleaved")
     ckpt = run.checkpoint(step=EPOCH_STEPS)
     args = ["--trainer.strategy=lightning_par.Hybrid3DStrategy", "--trainer.strategy.tp=2", "--trainer.strategy.pp=2",
             "--trainer.strategy.schedule=interleaved_1f1b", "--trainer.strategy.n_microbatches=2",
@@ -105,14 +114,14 @@ def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_di
 
 def test_a_rank_holds_a_fraction_of_the_parameters(matrix):
     """tp2 x pp2: each rank materialises about a quarter of the model (plus its replicated norms and biases)."""
-    _, reports = matrix["tp2_pp2_1f1b_selective_sgd"]
+    _, reports = matrix("tp2_pp2_1f1b_selective_sgd")
     total = sum(r["param_bytes"] for r in reports if r["coordinates"]["tp"] == 0) * 2  # tp shards, roughly
     for report in reports:
         assert report["param_bytes"] < 0.35 * total, report
 
 
 def test_rank_table_and_stages_are_logged(matrix):
-    run, _ = matrix["tp2_pp2_1f1b_selective_sgd"]
+    run, _ = matrix("tp2_pp2_1f1b_selective_sgd")
     assert "rank -> (pp, dp, tp)" in run.log and "     3 -> (1, 0, 1)" in run.log
     assert "stage 1 on pipeline rank 1: 6 units (layers.4 .. head)" in run.log
 

@@ -6,14 +6,14 @@ import tomllib
 
 from tests.harness import REPO, launch_cli
 
-NO_EXTRAS = REPO / "tests" / "no_extras"  # `import matplotlib` / `import transformers` fail there
+NO_EXTRAS = REPO / "tests" / "no_extras"  # its sitecustomize makes matplotlib and transformers look absent
 
 
 def test_extras_are_only_optional_packages():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     main = " ".join(project["dependencies"])
     assert "matplotlib" not in main and "transformers" not in main  # what tests/no_extras simulates missing
-    assert {p.stem for p in NO_EXTRAS.glob("*.py")} == {"matplotlib", "transformers"}
+    assert (NO_EXTRAS / "sitecustomize.py").read_text().count('BLOCKED = {"matplotlib", "transformers"}') == 1
 
 
 def test_pipeline_demo_runs_without_the_extras(tmp_path, cache_dir, monkeypatch):
@@ -23,6 +23,7 @@ def test_pipeline_demo_runs_without_the_extras(tmp_path, cache_dir, monkeypatch)
     run = launch_cli(tmp_path, cache_dir, args, devices=2).check()
     assert "pipeline timeline: no figure" in run.log and "pip install matplotlib" in run.log
     scalars = run.scalars()
-    assert 0.0 < scalars["pipeline/bubble_fraction"][3] < 1.0  # the numbers are logged all the same
+    (bubble,) = scalars["pipeline/bubble_fraction"].values()  # the numbers are logged all the same
+    assert 0.0 < bubble < 1.0
     assert len(scalars["train/loss"]) == 5
     assert (tmp_path / "tb").exists() and list(tmp_path.rglob("pipeline_timeline.json"))

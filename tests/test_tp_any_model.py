@@ -19,7 +19,7 @@ from torch import nn
 from example_models.gpt2 import GPT2, GPT2Config
 from lightning_par import LayoutError
 from lightning_par.parallel.tensor_parallel import resolve_tp_plan
-from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job
+from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, need_full
 from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 
 PARITY_RTOL = 1e-5
@@ -38,10 +38,12 @@ PARITY = {"tp2_tied_sgd": "single_tied_sgd", "tp2_untied_adamw": "single_untied_
 
 
 @pytest.fixture(scope="module")
-def gpt2_runs(tmp_path_factory, cache_dir):
+def gpt2_runs(tmp_path_factory, cache_dir, request):
     done: dict[str, Run] = {}
 
     def get(name: str) -> Run:
+        if name.endswith("untied_adamw"):
+            need_full(request.config, "gpt2_untied_adamw")
         if name not in done:
             devices, args = RUNS[name]
             done[name] = launch_cli(tmp_path_factory.mktemp(name), cache_dir, args, devices=devices).check()

@@ -523,9 +523,12 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
     dp_name = (dp_mesh.mesh_dim_names or (None,))[0]
     tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
     names = root.mesh_dim_names or ()
-    # equal, not identical: a later Trainer in the same process builds an equal mesh, and torch may hand back the
-    # root it recorded for the first
-    if (root != tp_mesh._get_root_mesh() or dp_name is None or tp_name is None or dp_name == tp_name
+    # the same root mesh: equal, not necessarily identical (a later Trainer in the same process builds an equal mesh,
+    # and torch may hand back the root it recorded for the first)
+    tp_root = tp_mesh._get_root_mesh()
+    same_root = (root == tp_root and tuple(root.mesh.shape) == tuple(tp_root.mesh.shape)
+                 and root.mesh_dim_names == tp_root.mesh_dim_names)
+    if (not same_root or dp_name is None or tp_name is None or dp_name == tp_name
             or dp_name not in names or tp_name not in names):
         raise LayoutError(
             "ZeRO stages 1/2 with tensor parallel need the dp mesh and the tensor-parallel parameters' mesh to be "
