@@ -101,7 +101,7 @@ RUNS["hf_tp2_dict"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", *HF_DICT))
 FULL_ONLY_RUNS = {
     *(f"pp4_{s}" for s in PIPELINE_SCHEDULES), "pp4_tied_1f1b", "dp2_pp2_accum_clip", "single_kv4", "tp4", "tp4_sp",
     "dp2_tp2_sp", "tp2_sp_tied", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "zero1_dp4_accum_clip",
-    "zero2_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
+    "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
     "hybrid3d_8_ranks", "gpt2_untied_adamw",
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
@@ -117,7 +117,7 @@ FULL_ONLY_TESTS = (
     "tests/test_tensor_parallel.py::test_a_layout_the_model_cannot_take",
     "tests/test_tensor_parallel.py::test_validate_from_a_tensor_parallel_checkpoint",
     "tests/test_zero.py::test_resume_from_sharded_checkpoint",
-    "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit[test",
+    "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit",
     "tests/test_pipeline_timeline.py::test_measured_bubble",
     "tests/test_pipeline_zero.py",
     "tests/test_zero_3d.py",

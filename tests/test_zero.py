@@ -22,7 +22,7 @@ def test_stage_matches_single_process(runs, name):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_stage_with_accumulation_and_clipping_at_dp4(runs, stage):
-    reference, run = runs("single_accum_clip"), runs(f"zero{stage}_dp4_accum_clip")
+    run, reference = runs(f"zero{stage}_dp4_accum_clip"), runs("single_accum_clip")  # (full-run-only first)
     diff = max_rel_diff(run.losses(), reference.losses())
     print(f"zero{stage} dp4, accumulate 2, clip: max relative loss difference {diff:.2e}")
     assert len(run.losses()) == PARITY_STEPS and diff <= PARITY_RTOL
