@@ -118,6 +118,7 @@ FULL_ONLY_TESTS = (
     "tests/test_tensor_parallel.py::test_validate_from_a_tensor_parallel_checkpoint",
     "tests/test_zero.py::test_resume_from_sharded_checkpoint",
     "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit",
+    "tests/test_data_parallel.py::test_predict_runs_forward_only_under_the_strategy",  # (pipeline predict stays)
     "tests/test_pipeline_timeline.py::test_measured_bubble",
     "tests/test_pipeline_zero.py",
     "tests/test_zero_3d.py",
