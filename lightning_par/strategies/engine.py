@@ -296,9 +296,8 @@ class LayoutStrategy(ParallelStrategy):
         self._make_replicas_identical()
         if self.dims.tp > 1:
             self._setup_tensor_parallel()  # before data parallel: FSDP2 / ZeRO then see DTensor parameters
-        blocks = self._own_blocks()
         if self.layout.recompute != "none":
-            n = apply_recompute(blocks, self.layout.recompute)
+            n = apply_recompute(self._own_blocks(), self.layout.recompute)
             rank_zero_info(f"activation recompute ({self.layout.recompute}) on {n} blocks of rank 0")
         if stage_modules is not None and self.layout.zero_stage == 3:
             offload = self.layout.offload_parameters or self.layout.offload_optimizer
@@ -307,7 +306,6 @@ class LayoutStrategy(ParallelStrategy):
 
     def _own_blocks(self) -> list[nn.Module]:
         """The model's repeated blocks that this rank holds (all of them without pipeline parallel)."""
-        assert self.lightning_module is not None
         if self._pipeline_module is None:
             return self._find_blocks().block_modules()
         return stage_blocks(self._pipeline_module, self._block_names)
@@ -585,7 +583,9 @@ class LayoutStrategy(ParallelStrategy):
         """ZeRO-1/2 optimizers hold bucket shards, keyed by position: under pipeline parallel each stage's are
         saved under its pipeline rank's name so that the stages do not write the same keys. Such a checkpoint
         resumes into the same layout (the per-parameter format that reshards is issue 11's)."""
-        return f"pp{self.coordinates['pp']}" if self.dims.pp > 1 else None
+        if self.dims.pp == 1 or not isinstance(self._gradient_sync, ZeroSync):
+            return None
+        return f"pp{self.coordinates['pp']}"
 
     @property
     def _states_by_name(self) -> bool:
@@ -597,7 +597,7 @@ class LayoutStrategy(ParallelStrategy):
         if self._states_by_name:
             return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
         state = super().optimizer_state(optimizer)
-        namespace = self._optimizer_namespace if isinstance(self._gradient_sync, ZeroSync) else None
+        namespace = self._optimizer_namespace
         return {namespace: state} if namespace else state
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -619,9 +619,8 @@ class LayoutStrategy(ParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
-        namespace = self._optimizer_namespace if isinstance(self._gradient_sync, ZeroSync) else None
         meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, fsdp=self._states_by_name,
-                                       weights_only=weights_only, optimizer_namespace=namespace)
+                                       weights_only=weights_only, optimizer_namespace=self._optimizer_namespace)
         self._gradient_sync.after_load()
         return meta
 

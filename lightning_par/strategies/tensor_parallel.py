@@ -37,9 +37,9 @@ class MegatronTPStrategy(LayoutStrategy):
         sequence_parallel: split norms and the residual stream over the sequence too; the sequence length must be
             divisible by tp.
         dp: data-parallel size, or ``"auto"`` for world size / tp.
-        zero_stage: across data parallel: 0 replicas (gradients all-reduced) or 3 (FSDP2, 2D with tp). Stages 1
-            and 2 are not available with tp > 1.
-        offload_optimizer: stage 3 only: keep the sharded optimizer state in host memory.
+        zero_stage: across data parallel: 0 replicas (gradients all-reduced), 1 / 2 (optimizer states / + gradients
+            sharded; each tp rank's buckets hold its own shards) or 3 (FSDP2, 2D with tp).
+        offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory.
         bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
         block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
             model itself (see ``lightning_par.parallel.blocks.find_blocks``).
