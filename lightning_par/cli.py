@@ -4,6 +4,7 @@
     lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=zero0
     lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every strategy option
     lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8   # before launching
+    lightning-par export CKPT OUT.safetensors          # or: lightning-par export CKPT OUT_DIR --hf
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def main(args: list[str] | None = None) -> None:
         from lightning_par.planner.cli import main as plan
 
         code = plan(argv[1:])
+        if code:
+            raise SystemExit(code)
+        return
+    if argv and argv[0] == "export":  # checkpoint -> safetensors / Hugging Face directory, in one process
+        from lightning_par.plugins.checkpoint_export import main as export
+
+        code = export(argv[1:])
         if code:
             raise SystemExit(code)
         return

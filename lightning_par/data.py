@@ -378,7 +378,8 @@ class TextDataModule(L.LightningDataModule):
         splits by data-parallel rank, not global rank.
         """
         trainer = self.trainer
-        kwargs = trainer.distributed_sampler_kwargs if trainer is not None and trainer.world_size > 1 else None
+        # any parallel strategy, one process included: Lightning's sampler would shuffle there too
+        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
         if not kwargs or not trainer._accelerator_connector.use_distributed_sampler:
             return None
         seed = int(os.getenv("PL_GLOBAL_SEED", "0"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -122,6 +123,8 @@ FULL_ONLY_TESTS = (
     "tests/test_pipeline_timeline.py::test_measured_bubble",
     "tests/test_pipeline_zero.py",
     "tests/test_zero_3d.py",
+    "tests/test_precision.py::test_bf16_mixed_tracks_fp32_over_50_steps",  # 5 fits of 50 steps, ~75 s
+    "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
 )
 
 
@@ -203,3 +206,30 @@ def multinode_run(tmp_path_factory, cache_dir, request) -> Run:
     root = tmp_path_factory.mktemp("multinode")
     return launch_torchrun(root, cache_dir, [*job(GLOBAL_BATCH // 4), "--trainer.strategy=zero0"],
                            nnodes=2, nproc_per_node=2).check()
+
+
+@pytest.fixture(scope="session")
+def hybrid3d_matrix(tmp_path_factory, cache_dir, request):
+    """``matrix(name)``: ``(Run, per-rank reports)`` of a case; each rank count's cases in one launch, on first use
+    (the 8-rank launch in the full run only). Shared by the 3D tests and the reshard matrix."""
+    from tests.hybrid3d_matrix import CASES
+
+    out: dict[str, tuple[Run, list[dict]]] = {}
+
+    def get(name: str) -> tuple[Run, list[dict]]:
+        devices = CASES[name].devices
+        if devices == 8:
+            need_full(request.config, "hybrid3d_8_ranks")
+        if name not in out:
+            names = [n for n, case in CASES.items() if case.devices == devices]
+            root = tmp_path_factory.mktemp(f"hybrid3d_{devices}")
+            run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
+                                ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
+                                timeout=900).check()
+            print(f"3D matrix: {len(names)} layouts on {devices} ranks in {run.seconds:.0f} s")
+            for n in names:
+                reports = [json.loads((root / n / f"rank{r}.json").read_text()) for r in range(devices)]
+                out[n] = (Run(root / n, 0, run.log, run.seconds), reports)
+        return out[name]
+
+    return get

@@ -44,10 +44,11 @@ def tiny(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def lightning_dict(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, fsdp: bool) -> dict:
+def lightning_dict(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, by_name: bool = True) -> dict:
     """What Lightning hands the strategy, with the values JSON lacks: tensors, tuples, non-string keys, inf/nan,
-    numpy arrays (an RNG state)."""
-    optimizer_state = sharded_checkpoint.optimizer_state(model, optimizer) if fsdp else optimizer.state_dict()
+    numpy arrays (an RNG state). ``by_name``: the optimizer state as our strategies save it (else as Lightning does
+    in one file, by position)."""
+    optimizer_state = sharded_checkpoint.optimizer_state(model, optimizer) if by_name else optimizer.state_dict()
     return {
         "state_dict": model.state_dict(), "optimizer_states": [optimizer_state],
         "epoch": 0, "global_step": step, "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
@@ -60,15 +61,15 @@ def lightning_dict(model: nn.Module, optimizer: torch.optim.Optimizer, step: int
     }
 
 
-def save(path, step: int, fsdp: bool = False, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def save(path, step: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     model, optimizer = tiny(seed)
-    sharded_checkpoint.save(lightning_dict(model, optimizer, step, fsdp), path, is_writer=True, barrier=no_barrier)
+    sharded_checkpoint.save(lightning_dict(model, optimizer, step), path, is_writer=True, barrier=no_barrier)
     return model, optimizer
 
 
-def load(path, fsdp: bool = False, **kwargs) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
+def load(path, **kwargs) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
     model, optimizer = tiny(seed=1)
-    meta = sharded_checkpoint.load(path, model, [optimizer], fsdp=fsdp, **kwargs)
+    meta = sharded_checkpoint.load(path, model, [optimizer], **kwargs)
     return meta, model, optimizer
 
 
@@ -79,13 +80,12 @@ def assert_same_state(a: tuple, b: tuple) -> None:
         assert all(torch.equal(x[k], y[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["positional", "by_name"])
-def test_round_trip_restores_weights_optimizer_and_metadata(tmp_path, fsdp):
+def test_round_trip_restores_weights_optimizer_and_metadata(tmp_path):
     path = tmp_path / "epoch=0-step=3.ckpt"
-    saved = save(path, step=3, fsdp=fsdp)
-    meta, *loaded = load(path, fsdp=fsdp)
+    saved = save(path, step=3)
+    meta, *loaded = load(path)
     assert_same_state(saved, loaded)
-    expected = lightning_dict(*saved, step=3, fsdp=fsdp)
+    expected = lightning_dict(*saved, step=3)
     del expected["state_dict"], expected["optimizer_states"]
     assert meta.keys() == expected.keys()
     assert meta["hyper_parameters"]["betas"] == (0.9, 0.95) and meta["hyper_parameters"]["by_id"] == {1: "a",
@@ -181,7 +181,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, name, damage,
     before = [p.clone() for p in model.parameters()]
     start = time.perf_counter()
     with pytest.raises(CheckpointError, match=match):
-        sharded_checkpoint.load(path, model, [optimizer], fsdp=False)
+        sharded_checkpoint.load(path, model, [optimizer])
     size = sum(p.stat().st_size for p in path.iterdir())
     print(f"{name} ({damage.__name__}): refused in {1e3 * (time.perf_counter() - start):.1f} ms ({size} bytes)")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "nothing was loaded"
@@ -249,18 +249,18 @@ def test_loading_unpickles_no_object_from_the_dcp_shards(tmp_path):
     sharded_checkpoint.save({"state_dict": module.state_dict()}, path, is_writer=True, barrier=no_barrier)
     with pytest.raises(CheckpointError, match=r"entry 'state_dict\._extra_state' is an object that loading with "
                                               r"weights_only=True refuses"):
-        sharded_checkpoint.load(path, WithExtraState(2, 2), [], fsdp=False)
+        sharded_checkpoint.load(path, WithExtraState(2, 2), [])
     assert not marker.exists()
 
 
 def test_a_single_file_checkpoint_loads_where_optimizers_hold_the_models_parameters(tmp_path):
     file = tmp_path / "epoch=0-step=3.ckpt"
     saved = tiny(seed=0)
-    torch.save(lightning_dict(*saved, step=3, fsdp=False), file)  # what Lightning writes at stage 0
+    torch.save(lightning_dict(*saved, step=3, by_name=False), file)  # what Lightning writes at stage 0
     with pytest.raises(CheckpointError, match=r"step=3\.ckpt: loading with weights_only=True refuses an object in "
                                               r"it.*numpy"):
-        load(file, fsdp=True)  # torch.load's own rule for one file: numpy arrays only on request
-    meta, *loaded = load(file, fsdp=True, weights_only=False)
+        load(file)  # torch.load's own rule for one file: numpy arrays only on request
+    meta, *loaded = load(file, weights_only=False)
     assert_same_state(saved, loaded)
     assert meta["global_step"] == 3 and "state_dict" not in meta
     # ZeRO-1/2 buckets or a pipeline stage: the optimizer's parameters are not the saved ones -- said, not guessed
@@ -269,14 +269,14 @@ def test_a_single_file_checkpoint_loads_where_optimizers_hold_the_models_paramet
     with pytest.raises(CheckpointError, match=r"optimizer 0: a single-file checkpoint keys optimizer state by "
                                               r"parameter position \(groups of \[1, 3\] parameters\), and this "
                                               r"optimizer holds groups of \[4\] \(one pipeline stage's"):
-        sharded_checkpoint.load(file, model, [one_group], fsdp=True, weights_only=False)
+        sharded_checkpoint.load(file, model, [one_group], weights_only=False)
     shards = torch.optim.AdamW([{"params": [nn.Parameter(torch.zeros(8))]},
                                 {"params": [nn.Parameter(torch.zeros(8)) for _ in range(3)]}])
-    with pytest.raises(CheckpointError, match=r"holds parameters that are not the model's own \(ZeRO-1/2 bucket"):
-        sharded_checkpoint.load(file, model, [shards], fsdp=False, weights_only=False)
+    with pytest.raises(CheckpointError, match=r"holds parameters that are not the model's own"):
+        sharded_checkpoint.load(file, model, [shards], weights_only=False)
     file.write_bytes(file.read_bytes()[:-200])
     with pytest.raises(CheckpointError, match=r"step=3\.ckpt is not a readable checkpoint file \(truncated"):
-        load(file, fsdp=True, weights_only=False)
+        load(file, weights_only=False)
 
 
 # -- launched: the ranks of a real run ------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def test_sigkill_of_every_rank_mid_save_leaves_the_previous_checkpoint_loadable_
     assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt", "last.ckpt.partial"]
     assert {p.name for p in partial.iterdir()} >= {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json"}
     with pytest.raises(CheckpointError, match=r"last\.ckpt\.partial is not a complete lightning-par checkpoint"):
-        sharded_checkpoint.load(partial, None, [], fsdp=False)
+        sharded_checkpoint.load(partial, None, [])
     assert json.loads((last / "meta.json").read_text())["checkpoint"]["global_step"] == 3
 
     resumed = launch_cli(tmp_path / "resumed", cache_dir, [*common, "--trainer.max_steps=5", "--ckpt_path=last"],
@@ -341,3 +341,46 @@ def test_a_stage0_single_file_checkpoint_resumes_under_zero3(tmp_path, cache_dir
     print(f"stage-0 file resumed under zero3: max relative loss difference {diff:.2e} over {len(tail)} steps")
     assert len(resumed.losses()) == len(tail) == PARITY_STEPS - EPOCH_STEPS
     assert diff <= 1e-5
+
+
+# -- one-file checkpoints (one process, stage 0): the default CheckpointIO of every lightning-par strategy -----------
+def test_one_file_checkpoints_are_atomic_synced_and_checked(tmp_path, monkeypatch):
+    from lightning_par import ZeroStrategy
+    from lightning_par.plugins import checkpoint_files
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+
+    assert isinstance(ZeroStrategy(stage=0).checkpoint_io, AtomicCheckpointIO)
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    stale, fresh = tmp_path / "epoch=0-step=6.ckpt.partial", tmp_path / "other.ckpt.partial"
+    stale.write_bytes(b"left by a crashed run")
+    os.utime(stale, (0, 0))
+    fresh.write_bytes(b"being written by this run")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(2)}, path)
+    assert synced and io.load_checkpoint(path)["global_step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "other.ckpt.partial"]  # stale one swept
+    # a crash between the two renames of the next save: the previous checkpoint is still found, and loads
+    real_replace = os.replace
+
+    def crash_on_second(src, dst):
+        if str(src).endswith(".partial"):
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"global_step": 6}, path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not path.exists() and checkpoint_files.aside_path(path).exists()
+    with pytest.warns(UserWarning, match="left by a crash during the save"):
+        assert io.load_checkpoint(path)["global_step"] == 3
+    io.save_checkpoint({"global_step": 9}, path)  # the next save puts things right
+    assert io.load_checkpoint(path)["global_step"] == 9 and not checkpoint_files.aside_path(path).exists()
+    path.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is not a readable checkpoint file \(truncated"):
+        io.load_checkpoint(path)
+    (tmp_path / "sharded.ckpt").mkdir()
+    with pytest.raises(CheckpointError, match=r"sharded\.ckpt is a sharded checkpoint.*ZeroStrategy\(stage=0\)"):
+        io.load_checkpoint(tmp_path / "sharded.ckpt")

@@ -13,8 +13,8 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_par import Hybrid3DStrategy, LayoutError
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job, need_full
-from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
+from tests.harness import Run, launch_cli, max_rel_diff
 from tests.hybrid3d_matrix import CASES
 
 LOSS_RTOL = 1e-5
@@ -23,29 +23,9 @@ NORM_RTOL = 1e-4
 OWNERS = {"zero1": "zero1", "zero2": "zero2", "zero3": "fsdp2_shard_stages"}
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory, cache_dir, request):
-    """``matrix(name)``: ``(Run, per-rank reports)`` of a case; each rank count's cases in one launch, on first use
-    (the 8-rank launch in the full run only)."""
-    out: dict[str, tuple[Run, list[dict]]] = {}
-
-    def get(name: str) -> tuple[Run, list[dict]]:
-        devices = CASES[name].devices
-        if devices == 8:
-            need_full(request.config, "hybrid3d_8_ranks")
-        if name not in out:
-            names = [n for n, case in CASES.items() if case.devices == devices]
-            root = tmp_path_factory.mktemp(f"hybrid3d_{devices}")
-            run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
-                                ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
-                                timeout=900).check()
-            print(f"3D matrix: {len(names)} layouts on {devices} ranks in {run.seconds:.0f} s")
-            for n in names:
-                reports = [json.loads((root / n / f"rank{r}.json").read_text()) for r in range(devices)]
-                out[n] = (Run(root / n, 0, run.log, run.seconds), reports)
-        return out[name]
-
-    return get
+@pytest.fixture
+def matrix(hybrid3d_matrix):
+    return hybrid3d_matrix
 
 
 def _norms(run: Run) -> list[float]:

@@ -37,7 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par.parallel.blocks import BlockTypes
 from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.zero import ZeroPartitioner, check_partitionable, fully_shard_units
+from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_units
+
+FULL_PRECISION = ShardPrecision()  # the parameters' own dtype for everything
 
 
 class NoSync:
@@ -103,15 +105,17 @@ class FSDPSync(NoSync):
     """FSDP2 over the dp mesh: ``fully_shard`` per block (ZeRO-3) or ``replicate`` per block (ZeRO-0 on DTensors)."""
 
     def __init__(self, dp_mesh: DeviceMesh, shard: bool, offload: bool = False,
-                 block_types: BlockTypes = None) -> None:
+                 block_types: BlockTypes = None, precision: ShardPrecision = FULL_PRECISION) -> None:
         super().__init__()
         self.name = "fsdp2_shard" if shard else "fsdp2_replicate"
         self.dp_mesh, self.shard, self.offload, self.block_types = dp_mesh, shard, offload, block_types
+        self.precision = precision
         self.roots: list[nn.Module] = []
 
     def wrap(self, module: nn.Module) -> nn.Module:
         if self.shard:
-            self.roots = fully_shard_units(module, self.dp_mesh, offload=self.offload, block_types=self.block_types)
+            self.roots = fully_shard_units(module, self.dp_mesh, offload=self.offload, block_types=self.block_types,
+                                           mp_policy=self.precision.fsdp_policy())
         else:
             self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types)
         return module
@@ -136,16 +140,19 @@ class ZeroSync(NoSync):
     """
 
     def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_cap_mb: float, offload: bool,
-                 pipeline: Any = None) -> None:
+                 pipeline: Any = None, precision: ShardPrecision = FULL_PRECISION) -> None:
         super().__init__()
         self.name = f"zero{stage}"
         self.dp_mesh, self.stage, self.bucket_cap_mb, self.offload = dp_mesh, stage, bucket_cap_mb, offload
+        self.precision = precision
         self.pipeline = pipeline
         self.partitioner: ZeroPartitioner | None = None
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.partitioner = ZeroPartitioner(module, optimizers, self.dp_mesh, self.stage, self.bucket_cap_mb,
-                                           self.offload, defer_reduction=self.pipeline is not None)
+                                           self.offload, defer_reduction=self.pipeline is not None,
+                                           param_dtype=self.precision.param_dtype,
+                                           reduce_dtype=self.precision.reduce_dtype)
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
@@ -222,8 +229,11 @@ class PipelineFSDPSync(NoSync):
             self.runtime.sum_tied_gradients()
 
 
-def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pipeline: Any = None) -> NoSync:
+def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pipeline: Any = None,
+                         precision: ShardPrecision = FULL_PRECISION) -> NoSync:
     """The one owner of data-parallel gradient synchronisation for this layout (see the table above).
+
+    ``precision``: the ZeRO owners' dtypes under mixed precision (the precision plugin's ``shard_precision``).
 
     ZeRO-3 shards parameters for evaluation too (that is what lets a model larger than one device be evaluated);
     every other owner exists only while fitting.
@@ -237,15 +247,16 @@ def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pip
         if stage == 3:
             return PipelineFSDPSync(pipeline)
         if stage in (1, 2):
-            return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, pipeline=pipeline)
+            return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, pipeline=pipeline,
+                            precision=precision)
         return PipelineSync(pipeline, dp_mesh)
     if stage == 3:
         offload = layout.offload_parameters or layout.offload_optimizer
-        return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types)
+        return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types, precision=precision)
     if not fitting:
         return NoSync()
     if stage in (1, 2):  # also with one replica: the optimizer state keeps one format for any dp size
-        return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer)
+        return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, precision=precision)
     if dp_mesh.size() == 1:
         return NoSync()
     if layout.tp > 1:

@@ -76,6 +76,27 @@ def check_partitionable(optimizer: torch.optim.Optimizer, stage: int) -> None:
     )
 
 
+@dataclass(frozen=True)
+class ShardPrecision:
+    """Mixed-precision dtypes for the data-parallel owners of ZeRO 1-3 (None: the parameters' own dtype).
+
+    Attributes:
+        param_dtype: what the model computes with: ZeRO-1/2 buckets (the replicated parameters) are stored in it
+            and the fp32 values become a separate master shard per bucket; ZeRO-3 gathers its fp32 shards into it
+            (FSDP2's ``MixedPrecisionPolicy.param_dtype``).
+        reduce_dtype: the dtype gradients are summed in over data parallel.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def fsdp_policy(self) -> object:
+        """The same as FSDP2's ``MixedPrecisionPolicy`` (stage 3)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+
 #: What a bucket holds, which decides how its gradient enters the global norm: ``"plain"`` parameters (no tensor
 #: parallel), ``"tp_shard"`` (each tp rank holds a different piece: squares are summed over tp) or
 #: ``"tp_replicate"`` (every tp rank holds the same value: counted once).
@@ -117,6 +138,8 @@ class _Bucket:
     shard: nn.Parameter | None = None  # the optimizer's DTensor parameter (owned chunk)
     flat_grad: Tensor | None = None  # full gradient buffer while it is being filled / reduced
     reduced_chunk: Tensor | None = None  # reduce-scatter output
+    send: Tensor | None = None  # flat_grad cast to the reduce dtype, alive while its reduce-scatter runs
+    grad_chunk: Tensor | None = None  # mixed precision: the owned chunk's reduced gradient, in flat's dtype
     work: dist.Work | None = None
     reduced: bool = False  # this step's reduce-scatter completed; the shard holds the gradient
     ready_params: set[int] = field(default_factory=set)  # indices of params whose gradient is in flat_grad
@@ -163,6 +186,17 @@ class ZeroPartitioner:
         defer_reduction: reduce nothing during backward; :meth:`finish_gradient_sync` stages every parameter's
             accumulated ``.grad`` and reduce-scatters every bucket once. For pipeline schedules, which run many
             micro-batch backwards inside one optimizer step (also settable later as an attribute).
+        param_dtype: mixed precision: store the buckets (the model's replicated parameters and their gradients) in
+            this dtype (bf16) and keep the optimizer's shard as a separate master copy in the parameters' own dtype
+            (fp32); the all-gather after the step writes the master back, rounded, into the buckets. Default: the
+            parameters' dtype (the shard is then a view of its bucket).
+        reduce_dtype: sum gradients over dp in this dtype (fp32): a bucket's gradient is cast to it for the
+            reduce-scatter (one bucket at a time) and the averaged chunk is rounded once into the gradient storage.
+
+    Mixed precision (``param_dtype=bf16, reduce_dtype=fp32``) keeps, per rank, the ZeRO paper's model states: 2 Psi
+    parameters, gradients 2 Psi (stage 1) or 2 Psi / N (stage 2), and 12 Psi / N fp32 master weights and Adam
+    moments. The fp32 gradient the optimizer steps the master with (4 Psi / N) exists from
+    :meth:`finish_gradient_sync` to the optimizer's ``zero_grad``, a step workspace like the reduce buffers.
 
     Tensor parallel: parameters that are DTensors on a 1-D tp mesh (a sibling of ``dp_mesh`` in one DeviceMesh, as
     :func:`~lightning_par.parallel.tensor_parallel.apply_tensor_parallel` makes them) are packed by their local
@@ -198,6 +232,8 @@ class ZeroPartitioner:
         offload_optimizer: bool = False,
         overlap: bool = True,
         defer_reduction: bool = False,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
@@ -211,10 +247,13 @@ class ZeroPartitioner:
         self.offload = offload_optimizer
         self.overlap = overlap
         self.defer_reduction = defer_reduction
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
         self._in_flight: list[_Bucket] = []  # stage 2: launched, not yet completed
         self.require_sync = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
+        self.group_params: dict[int, list[nn.Parameter]] = {}  # id(param group) -> its model parameters
         optimizers = list(optimizers)
         for optimizer in optimizers:
             check_partitionable(optimizer, stage)
@@ -225,7 +264,9 @@ class ZeroPartitioner:
         for optimizer in optimizers:
             optimizer.state.clear()
             for group in optimizer.param_groups:
-                buckets = self._make_buckets([p for p in group["params"] if p.requires_grad], cap)
+                # the group's own order, which a plain (position-keyed) optimizer state refers to
+                self.group_params[id(group)] = [p for p in group["params"] if p.requires_grad]
+                buckets = self._make_buckets(self.group_params[id(group)], cap)
                 group["params"] = [b.shard for b in buckets]
                 self.buckets += buckets
         self._hooks = [
@@ -253,41 +294,54 @@ class ZeroPartitioner:
         filled: dict[tuple, int] = {}  # bytes in each bucket being filled
         tensor_parallel = self.tp_mesh is not None
         for p in reversed(params):
-            key = (p.dtype, p.device, _kind(p, tensor_parallel))
-            size = self._slot(p) * p.element_size()
+            dtype = self.param_dtype or p.dtype
+            key = (dtype, p.dtype, p.device, _kind(p, tensor_parallel))
+            size = self._slot(p) * dtype.itemsize
             current = filling.setdefault(key, [])
             if current and filled[key] + size > cap_bytes:
-                buckets.append(self._pack(current, key[2]))
+                buckets.append(self._pack(current, key[3]))
                 current = filling[key] = []
             if not current:
                 filled[key] = 0
             current.append(p)
             filled[key] += size
-        buckets += [self._pack(current, key[2]) for key, current in filling.items() if current]
+        buckets += [self._pack(current, key[3]) for key, current in filling.items() if current]
         return buckets
 
     def _pack(self, params: list[nn.Parameter], kind: str) -> _Bucket:
         slots = [self._slot(p) for p in params]
         padded = -(-sum(slots) // self.world) * self.world
-        flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        dtype = self.param_dtype or params[0].dtype
+        flat = torch.zeros(padded, dtype=dtype, device=params[0].device)
+        # mixed precision: the parameters' own values (fp32) are packed first, so the master shard starts exact
+        staging = flat if dtype == params[0].dtype else torch.zeros(padded, dtype=params[0].dtype,
+                                                                    device=params[0].device)
         offsets, offset = [], 0
         for p, slot in zip(params, slots, strict=True):
             local = _local_data(p)
-            view = flat[offset : offset + local.numel()]
-            view.copy_(local.detach().reshape(-1))
+            staging[offset : offset + local.numel()].copy_(local.detach().reshape(-1))
+            offsets.append(offset)
+            offset += slot
+        if staging is not flat:
+            flat.copy_(staging)
+        for p, offset in zip(params, offsets, strict=True):
+            local = _local_data(p)
+            view = flat[offset : offset + local.numel()].view(local.shape)
             # the model's parameter now lives in the bucket: the all-gather after the step updates it in place. A
             # DTensor keeps its wrapper (placements, global shape) and computes on the new local tensor, as FSDP2
             # does with its sharded parameters.
             if isinstance(p, DTensor):
-                p._local_tensor = view.view_as(local)  # type: ignore[attr-defined]
+                if view.dtype != p.dtype:
+                    _retype_dtensor(p, view)
+                p._local_tensor = view  # type: ignore[attr-defined]
             else:
-                p.data = view.view_as(p)
-            offsets.append(offset)
-            offset += slot
+                p.data = view
         mesh, placements, global_numel = self.shard_mesh.layout(kind, padded)
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, rank=self.rank, world=self.world, kind=kind,
                          mesh=mesh, placements=placements, global_numel=global_numel)
-        local = bucket.own(flat)
+        local = bucket.own(staging)
+        if staging is not flat:
+            local = local.clone()  # the fp32 master of the owned chunk; staging's other chunks are dropped
         local = local.detach().to("cpu", copy=True) if self.offload else local
         if self.offload and torch.cuda.is_available() and flat.is_cuda:
             local = local.pin_memory()
@@ -329,9 +383,11 @@ class ZeroPartitioner:
 
     def _launch_reduce(self, bucket: _Bucket) -> None:
         assert bucket.flat_grad is not None
-        bucket.reduced_chunk = torch.empty(bucket.chunk, dtype=bucket.flat.dtype, device=bucket.flat.device)
-        bucket.work = dist.reduce_scatter_single(bucket.reduced_chunk, bucket.flat_grad, group=self.group,
-                                                 async_op=True)
+        send = bucket.flat_grad
+        if self.reduce_dtype is not None and self.reduce_dtype != send.dtype:
+            send = bucket.send = send.to(self.reduce_dtype)  # summed in fp32; one bucket's copy at a time
+        bucket.reduced_chunk = torch.empty(bucket.chunk, dtype=send.dtype, device=bucket.flat.device)
+        bucket.work = dist.reduce_scatter_single(bucket.reduced_chunk, send, group=self.group, async_op=True)
         if self.stage == 1:
             return  # the full buffers are kept anyway: everything is completed in finish_gradient_sync
         # Stage 2: complete the buckets launched before this one and free their full gradients, so at most two
@@ -350,17 +406,23 @@ class ZeroPartitioner:
         assert bucket.work is not None and bucket.reduced_chunk is not None and bucket.flat_grad is not None
         bucket.work.wait()
         chunk = bucket.reduced_chunk.div_(self.world)
+        bucket.send = None
         if self.stage == 1:
             # keep the full gradient buffer (stage 1 partitions only optimizer state); the shard's gradient is a
-            # view of its own chunk of it
+            # view of its own chunk of it (mixed precision: the fp32 average rounded once into it)
             own = bucket.own(bucket.flat_grad)
             own.copy_(chunk)
             chunk = own
         else:
-            bucket.flat_grad = None  # stage 2: only the reduced chunk is kept
-        grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
+            bucket.flat_grad = None  # stage 2: only the reduced chunk is kept, in the gradients' storage dtype
+            chunk = chunk.to(bucket.flat.dtype)
         assert bucket.shard is not None
-        bucket.shard.grad = bucket.dtensor(grad)
+        if bucket.shard.dtype != chunk.dtype:
+            # mixed precision: an fp32 master cannot take a bf16 .grad; finish_gradient_sync hands it an fp32 copy
+            bucket.grad_chunk = chunk
+        else:
+            grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
+            bucket.shard.grad = bucket.dtensor(grad)
         bucket.work, bucket.reduced_chunk = None, None
         bucket.reduced = True
 
@@ -387,11 +449,16 @@ class ZeroPartitioner:
         for bucket in self.buckets:
             bucket.ready_params.clear()
             bucket.reduced = False
+            if bucket.grad_chunk is not None:  # mixed precision: the master's fp32 gradient, for this step only
+                assert bucket.shard is not None
+                master = bucket.shard.to_local()
+                bucket.shard.grad = bucket.dtensor(bucket.grad_chunk.to(master.device, master.dtype, copy=True))
 
     def gradient_buffers(self) -> list[Tensor]:
         """The gradient memory the partitioner holds besides the shards' ``.grad``: full bucket buffers and
         reduce-scatter outputs in flight (for :class:`~lightning_par.measure.GradientMeter`)."""
-        return [t for b in self.buckets for t in (b.flat_grad, b.reduced_chunk) if t is not None]
+        return [t for b in self.buckets for t in (b.flat_grad, b.reduced_chunk, b.send, b.grad_chunk)
+                if t is not None]
 
     # -- the global gradient norm --------------------------------------------------------------------------------
     def norm_groups(self) -> list[tuple[nn.Parameter, bool]]:
@@ -438,15 +505,18 @@ class ZeroPartitioner:
         for bucket in self.buckets:
             assert bucket.shard is not None
             local = bucket.shard.to_local()
-            # a separate send buffer: gloo does not promise that an input aliasing the output is safe
-            send = local.to(bucket.flat.device, copy=True)
+            # a separate send buffer: gloo does not promise that an input aliasing the output is safe (mixed
+            # precision: the fp32 master, rounded to the buckets' bf16)
+            send = local.to(bucket.flat.device, bucket.flat.dtype, copy=True)
+            bucket.grad_chunk = None  # the step has used it
             works.append(dist.all_gather_single(bucket.flat, send, group=self.group, async_op=True))
         for work in works:
             work.wait()
 
     @torch.no_grad()
     def refresh_shards(self) -> None:
-        """Copy the owned chunks of the parameters into the shard parameters (after a checkpoint load)."""
+        """Copy the owned chunks of the parameters into the shard parameters (after a checkpoint load). Under mixed
+        precision the master takes the bf16 parameters' values: restore an fp32 master into the shard after this."""
         for bucket in self.buckets:
             assert bucket.shard is not None
             local = bucket.shard.to_local()
@@ -474,6 +544,16 @@ def _local_grad(param: Tensor) -> Tensor:
         raise RuntimeError(f"ZeroPartitioner: a gradient of {grad.numel()} elements for a parameter holding "
                            f"{local.numel()} here (shape {tuple(param.shape)}).")
     return grad
+
+
+def _retype_dtensor(param: nn.Parameter, local: Tensor) -> None:
+    """Make DTensor ``param`` a wrapper of ``local``'s dtype (its bucket's view). ``param.data = ...`` changes the
+    wrapper's dtype but keeps the old local tensor and spec, so those are replaced too; the object stays the same,
+    so every reference to the parameter (optimizers, tied-weight tables) stays valid."""
+    retyped = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                 stride=param.stride())
+    param.data = retyped
+    param._spec = retyped._spec  # type: ignore[attr-defined]
 
 
 def _tensor_parallel_mesh(params: list[Tensor]) -> DeviceMesh | None:
@@ -629,7 +709,8 @@ def _apply_groups(module: nn.Module, groups: DataParallelGroups, apply) -> list[
 
 
 def fully_shard_units(
-    module: nn.Module, dp_mesh: DeviceMesh, offload: bool = False, block_types: BlockTypes = None
+    module: nn.Module, dp_mesh: DeviceMesh, offload: bool = False, block_types: BlockTypes = None,
+    mp_policy: object | None = None,
 ) -> list[nn.Module]:
     """ZeRO-3 with FSDP2: shard each repeated block as its own group, then the blocks' root, on any model.
 
@@ -644,10 +725,14 @@ def fully_shard_units(
     rather than exactly 3 Psi. A tied embedding and head stay together in the root group. Modules with parameters
     outside the root (e.g. next to it in a LightningModule) are groups of their own; parameters set directly on
     the LightningModule go into an outermost group around everything, gathered by its ``forward``.
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
     Returns the FSDP2 roots.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    # mixed precision (bf16-mixed): fp32 shards are the master weights, gathered as bf16, gradients reduced in fp32
+    mp = mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy()
     groups = data_parallel_groups(module, block_types)
-    return _apply_groups(module, groups, lambda m: fully_shard(m, mesh=dp_mesh, offload_policy=policy))
+    return _apply_groups(module, groups,
+                         lambda m: fully_shard(m, mesh=dp_mesh, offload_policy=policy, mp_policy=mp))

@@ -1,1 +1,1 @@
-"""Plugins: checkpoint IO (sharded, atomic) and, later, precision."""
+"""Plugins: checkpoint IO (sharded DCP, one file, atomic and checked; export and import) and precision."""

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 FORMAT = "lightning-par-checkpoint/1"
 _CHUNK = 16 << 20  # bytes read at a time for checksums
+_STARTED = time.time()  # partial checkpoints older than this process were left by a crash
 
 
 class CheckpointError(RuntimeError):
@@ -66,11 +68,17 @@ def resolve(path: Path) -> Path:
 
 
 def prepare(path: Path) -> None:
-    """Before a save (one rank): put back a checkpoint a crash left moved aside, and clear an interrupted save."""
+    """Before a save (one rank): put back a checkpoint a crash left moved aside, and clear interrupted saves: this
+    name's, and any other a crashed earlier run left beside it (older than this process, so never a save of this
+    run still being written in the background)."""
     aside = aside_path(path)
     if not exists(path) and exists(aside):
         os.replace(aside, path)
     remove(partial_path(path))
+    if path.parent.is_dir():
+        for stale in path.parent.glob("*.partial"):
+            if stale.lstat().st_mtime < _STARTED:
+                remove(stale)
 
 
 def write_synced(file: Path, data: bytes) -> None:

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lightning_par.plugins import checkpoint_files, checkpoint_meta
+from lightning_par.parallel.zero import ZeroPartitioner
+from lightning_par.plugins import checkpoint_files, checkpoint_meta, zero_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
 
 # Optimizer state flattened to one entry per parameter and field ("state.layers.0.attn.q_proj.weight.exp_avg",
@@ -120,15 +121,15 @@ def save(checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Calla
 
 
 # -- load ----------------------------------------------------------------------------------------------------------
-def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fsdp: bool,
-         weights_only: bool | None = None, optimizer_namespace: str | None = None) -> dict[str, Any]:
+def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+         partitioner: ZeroPartitioner | None = None, weights_only: bool | None = None) -> dict[str, Any]:
     """Load the shards into ``module`` and ``optimizers`` in place; return the rest of Lightning's checkpoint.
 
-    Every rank calls it. ``fsdp``: the module is sharded with FSDP2 (or split by tp / pp) and its optimizers hold
-    its own (DTensor) parameters; otherwise the module is replicated and the optimizers hold ZeRO-1/2 shard
-    parameters, keyed by position. ``weights_only`` (``None`` means ``True``, as in ``torch.load``): unpickle only
-    tensors and plain values; ``False`` trusts the checkpoint with arbitrary objects. ``optimizer_namespace``: the
-    position-keyed optimizer states were saved under this key (a pipeline rank's name, see the engine).
+    Every rank calls it, under any layout: states are keyed by parameter name (FQN) with their full shapes, so DCP
+    gives each rank the part it holds however the checkpoint was split. ``partitioner``: the optimizers hold ZeRO-1/2
+    bucket shards (:mod:`~lightning_par.plugins.zero_checkpoint` maps them to parameters). ``weights_only`` (``None``
+    means ``True``, as in ``torch.load``): unpickle only tensors and plain values; ``False`` trusts the checkpoint
+    with arbitrary objects.
     """
     safe = weights_only is not False
     resolved = checkpoint_files.resolve(path)
@@ -136,27 +137,27 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         rank_zero_warn(f"{path} is missing, but {resolved.name}, the checkpoint it replaced, was left by a crash "
                        f"during the save: loading {resolved}.")
     if resolved.is_file():
-        return _load_single_file(resolved, module, optimizers, fsdp, safe)
+        return _load_single_file(resolved, module, optimizers, partitioner, safe)
     _verify(resolved)
-    state: dict[str, Any] = {"state_dict": model_state(module) if fsdp else module.state_dict()}
+    # under ZeRO-1/2 the weights load into the optimizer's shards (the fp32 masters under mixed precision)
+    weights = zero_checkpoint.model_state(module, partitioner) if partitioner is not None else model_state(module)
+    state: dict[str, Any] = {"state_dict": weights}
     for index, optimizer in enumerate(optimizers):
-        if fsdp:
+        if partitioner is not None:
+            materialize_optimizer_state(optimizer)  # DCP loads into the state tensors' views
+            state[f"optimizer_{index}"] = zero_checkpoint.optimizer_state(module, optimizer, partitioner)
+        else:
             state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
-        else:
-            materialize_optimizer_state(optimizer)
-            own = optimizer.state_dict()
-            state[f"optimizer_{index}"] = {optimizer_namespace: own} if optimizer_namespace else own
     _dcp_load(state, resolved, safe)
-    if fsdp:
-        set_model_state_dict(module, state["state_dict"])
+    if partitioner is not None:
+        zero_checkpoint.finish_model_load(module, partitioner, state["state_dict"])
     else:
-        module.load_state_dict(state["state_dict"])
+        set_model_state_dict(module, state["state_dict"])
     for index, optimizer in enumerate(optimizers):
-        if fsdp:
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_FLAT)
+        if partitioner is not None:
+            zero_checkpoint.set_hyperparameters(module, optimizer, partitioner, state[f"optimizer_{index}"])
         else:
-            loaded = state[f"optimizer_{index}"]
-            optimizer.load_state_dict(loaded[optimizer_namespace] if optimizer_namespace else loaded)
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_FLAT)
     return checkpoint_meta.read(resolved, weights_only)
 
 
@@ -259,8 +260,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # -- a plain single-file Lightning checkpoint into a sharded layout -------------------------------------------------
-def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], fsdp: bool,
-                      safe: bool) -> dict[str, Any]:
+def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                      partitioner: ZeroPartitioner | None, safe: bool) -> dict[str, Any]:
     """Every rank reads the file (full tensors, as one process saved them) and keeps its own share."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=safe)
@@ -271,7 +272,7 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointError(f"{path} is not a readable checkpoint file (truncated or corrupted?): {err}") from err
     states = checkpoint.pop("state_dict")
-    own = model_state(module) if fsdp else module.state_dict()  # a pipeline stage holds some of the names
+    own = model_state(module)  # a pipeline stage holds some of the names
     missing = [name for name in own if name not in states]
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} of this model's {len(own)} entries, e.g. {missing[:3]}: "
@@ -280,41 +281,50 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     if saved and len(saved) != len(optimizers):
         raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
     # checked before anything is loaded, so a refused checkpoint leaves the model as it was
-    by_name = [_keyed_by_name(module, optimizers[i], state, f"{path}: optimizer {i}") for i, state in enumerate(saved)]
-    mine = {name: states[name] for name in own}
-    if fsdp:
-        set_model_state_dict(module, mine, options=_FULL)  # full tensors: each rank keeps its shard
-    else:
-        module.load_state_dict(mine)
-    for index, state in enumerate(by_name):
-        set_optimizer_state_dict(module, optimizers[index], state, options=_FULL)
+    by_name = [_keyed_by_name(module, optimizers[i], state, partitioner, f"{path}: optimizer {i}")
+               for i, state in enumerate(saved)]
+    set_model_state_dict(module, {name: states[name] for name in own}, options=_FULL)  # each rank keeps its shard
+    if partitioner is not None:  # the optimizer's shards (fp32 masters under mixed precision) from the full values
+        zero_checkpoint.copy_full(zero_checkpoint.model_state(module, partitioner), states)
+        partitioner.gather_parameters()
+    for optimizer, state in zip(optimizers, by_name, strict=False):
+        if partitioner is None:
+            set_optimizer_state_dict(module, optimizer, state, options=_FULL)
+            continue
+        materialize_optimizer_state(optimizer)
+        flat = {f"state.{name}.{key}": value for name, entry in state["state"].items() for key, value in entry.items()}
+        for group in state["param_groups"]:
+            flat.update({f"param_groups.{name}.{key}": value for name in group["params"]
+                         for key, value in group.items() if key != "params"})
+        zero_checkpoint.fill_from_full(module, optimizer, partitioner, flat)
     return checkpoint
 
 
 def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
-                   what: str) -> dict[str, Any]:
+                   partitioner: ZeroPartitioner | None, what: str) -> dict[str, Any]:
     """A plain optimizer state (parameters keyed by position) keyed by parameter name instead. Only valid for an
-    optimizer holding the same parameters in the same order as the one that saved it: checked by group sizes and by
-    every state tensor's shape."""
+    optimizer holding the same parameters in the same order as the one that saved it (under ZeRO-1/2, the order its
+    groups had before the partitioner replaced them): checked by group sizes and by every state tensor's shape."""
     names = {id(p): name for name, p in module.named_parameters()}
-    groups = optimizer.param_groups
-    sizes = [len(g["params"]) for g in groups]
+    groups = [partitioner.group_params[id(g)] if partitioner is not None else g["params"]
+              for g in optimizer.param_groups]
+    sizes = [len(g) for g in groups]
     saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
-    if any(id(p) not in names for g in groups for p in g["params"]):
-        why = "this optimizer holds parameters that are not the model's own (ZeRO-1/2 bucket shards)"
+    if any(id(p) not in names for g in groups for p in g):
+        why = "this optimizer holds parameters that are not the model's own"
     elif sizes != saved_sizes:
         why = f"this optimizer holds groups of {sizes} (one pipeline stage's, or another configure_optimizers)"
     else:
         why = ""
     if why:
         raise CheckpointError(f"{what}: a single-file checkpoint keys optimizer state by parameter position (groups "
-                              f"of {saved_sizes} parameters), and {why}. Resume it under one process, zero0, zero3 or "
-                              "tensor parallel.")
+                              f"of {saved_sizes} parameters), and {why}. Resume it under one process, data parallel, "
+                              "ZeRO or tensor parallel (not split into pipeline stages).")
     state, named_groups = {}, []
     for group, saved_group in zip(groups, saved["param_groups"], strict=True):
-        params = [names[id(p)] for p in group["params"]]
+        params = [names[id(p)] for p in group]
         named_groups.append({**saved_group, "params": params})
-        for position, param, name in zip(saved_group["params"], group["params"], params, strict=True):
+        for position, param, name in zip(saved_group["params"], group, params, strict=True):
             entry = saved["state"].get(position)
             if entry is None:
                 continue

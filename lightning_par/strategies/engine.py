@@ -42,14 +42,17 @@ from torch.distributed.tensor import DTensor
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
-from lightning_par.parallel.gradient_sync import NoSync, ZeroSync, choose_gradient_sync
+from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.fsdp import fully_shard_stages, stage_blocks
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, check_tp_plan
-from lightning_par.plugins import sharded_checkpoint
+from lightning_par.parallel.zero import ZeroPartitioner
+from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
+from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
 
 log = logging.getLogger(__name__)
@@ -85,8 +88,10 @@ class LayoutStrategy(ParallelStrategy):
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``; leave unset.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``; leave unset.
         cluster_environment: set by the Trainer (Lightning, torchrun, SLURM, ...); leave unset.
-        checkpoint_io: a CheckpointIO plugin, as for any Lightning strategy.
-        precision_plugin: set by the Trainer from ``Trainer(precision=...)``; leave unset.
+        checkpoint_io: a CheckpointIO plugin for one-file checkpoints (stage 0); default
+            :class:`~lightning_par.plugins.checkpoint_io.AtomicCheckpointIO`.
+        precision_plugin: set by the Trainer from ``Trainer(precision=...)`` (made a
+            :class:`~lightning_par.plugins.precision.LayoutPrecision`); leave unset.
     """
 
     strategy_name = "lightning_par"
@@ -119,7 +124,7 @@ class LayoutStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.layout = Layout(
@@ -128,8 +133,10 @@ class LayoutStrategy(ParallelStrategy):
             virtual_stages=virtual_stages, stage_costs=stage_costs, sequence_parallel=sequence_parallel,
             recompute=recompute, block_types=block_types, bucket_cap_mb=bucket_cap_mb,
         )
+        self.precision_plugin = self._precision_plugin  # checks the precision against the layout, now it exists
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -140,6 +147,21 @@ class LayoutStrategy(ParallelStrategy):
         self._deferred: DeferredInit | None = None  # pp > 1: the model's construction, replayed per rank
         self._pipeline_module: nn.Module | None = None  # pp > 1: this rank's stages (the rank module)
         self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
+
+    @property
+    def precision_plugin(self) -> LayoutPrecision:
+        """Always a :class:`LayoutPrecision`: the one Lightning made from ``Trainer(precision=...)`` is replaced
+        (as FSDPStrategy does with its own), so each ZeRO owner gets its dtypes; a mode the layout cannot run is
+        refused here, before launch."""
+        if self._precision_plugin is None:
+            self._precision_plugin = LayoutPrecision()  # kept: the strategy sets its global clipping on it
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        self._precision_plugin = LayoutPrecision.adopt(plugin)
+        if self._precision_plugin is not None and getattr(self, "layout", None) is not None:
+            self._precision_plugin.check_layout(self.layout.zero_stage, self.layout.tp, self.layout.pp)
 
     @property
     def pipeline(self) -> PipelineRuntime | None:
@@ -262,6 +284,7 @@ class LayoutStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin.device = self.precision_plugin.device or self.root_device.type  # autocast's
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._log_blocks()
@@ -273,7 +296,10 @@ class LayoutStrategy(ParallelStrategy):
             self._setup_pipeline(trainer, fitting)  # composes each stage in its `prepare` callback
         else:
             self._compose()
-        self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting, self._pipeline)
+        # the data-parallel owner takes the precision's dtypes (bf16 buckets with fp32 master shards at ZeRO-1/2,
+        # FSDP2's MixedPrecisionPolicy at ZeRO-3)
+        self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting, self._pipeline,
+                                                   self.precision_plugin.shard_precision(self.layout.zero_stage))
         self.model = self._gradient_sync.wrap(self.model)
         if fitting:
             self.setup_optimizers(trainer)
@@ -301,7 +327,8 @@ class LayoutStrategy(ParallelStrategy):
             rank_zero_info(f"activation recompute ({self.layout.recompute}) on {n} blocks of rank 0")
         if stage_modules is not None and self.layout.zero_stage == 3:
             offload = self.layout.offload_parameters or self.layout.offload_optimizer
-            return fully_shard_stages(stage_modules, self.device_mesh["dp"], self._block_names, offload=offload)
+            return fully_shard_stages(stage_modules, self.device_mesh["dp"], self._block_names, offload=offload,
+                                      mp_policy=self.precision_plugin.shard_precision(3).fsdp_policy())
         return stage_modules
 
     def _own_blocks(self) -> list[nn.Module]:
@@ -566,46 +593,41 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # sharded states load into the partitioned optimizer / sharded model, so they must exist first
-        return self.layout.sharded_checkpoint
+        # states load into the layout's own (sharded, partitioned, split) model and optimizers: they must exist first
+        return True
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return not self.layout.sharded_checkpoint
+        # a single file under stage 0 is Lightning's to restore; everything else was restored in load_checkpoint
+        return not self._restored_here
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._partitioner is not None:  # weights from the optimizer's shards: the fp32 masters under bf16-mixed
+            return zero_checkpoint.model_state(self.lightning_module, self._partitioner)
         if self.layout.shards_parameters:
             return sharded_checkpoint.model_state(self.lightning_module)
         return super().lightning_module_state_dict()
 
     @property
-    def _optimizer_namespace(self) -> str | None:
-        """ZeRO-1/2 optimizers hold bucket shards, keyed by position: under pipeline parallel each stage's are
-        saved under its pipeline rank's name so that the stages do not write the same keys. Such a checkpoint
-        resumes into the same layout (the per-parameter format that reshards is issue 11's)."""
-        if self.dims.pp == 1 or not isinstance(self._gradient_sync, ZeroSync):
-            return None
-        return f"pp{self.coordinates['pp']}"
-
-    @property
-    def _states_by_name(self) -> bool:
-        """Model and optimizer states keyed by parameter name (FQN): parameters are split somewhere and the
-        optimizer holds the model's own parameters (not ZeRO-1/2 bucket shards)."""
-        return self.layout.shards_parameters and not isinstance(self._gradient_sync, ZeroSync)
+    def _partitioner(self) -> ZeroPartitioner | None:
+        """ZeRO-1/2's partitioner: its optimizers hold bucket shards, saved per parameter through it."""
+        return getattr(self._gradient_sync, "partitioner", None)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._states_by_name:
-            return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
-        state = super().optimizer_state(optimizer)
-        namespace = self._optimizer_namespace
-        return {namespace: state} if namespace else state
+        """Under a sharded layout: keyed by parameter name, one entry per parameter and field, with the parameters'
+        full shapes -- the format every layout reads (plugins/zero_checkpoint.py for ZeRO-1/2's bucket shards)."""
+        if not self.layout.sharded_checkpoint:
+            return super().optimizer_state(optimizer)
+        if self._partitioner is not None:
+            return zero_checkpoint.optimizer_state(self.lightning_module, optimizer, self._partitioner)
+        return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self.layout.sharded_checkpoint:
+        if not self._restored_here:
             super().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self.layout.sharded_checkpoint:
+        if not self._restored_here:
             super().load_optimizer_state_dict(checkpoint)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -615,13 +637,17 @@ class LayoutStrategy(ParallelStrategy):
         sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not self.layout.sharded_checkpoint:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        """Any lightning-par checkpoint into this layout: a DCP directory from any layout (states by parameter
+        name), or one file (Lightning's own format) -- which stage 0 leaves to Lightning."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        self._restored_here = self.layout.sharded_checkpoint or checkpoint_files.resolve(path).is_dir()
+        if not self._restored_here:
+            return super().load_checkpoint(checkpoint_path, weights_only)
         assert self.lightning_module is not None
-        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, fsdp=self._states_by_name,
-                                       weights_only=weights_only, optimizer_namespace=self._optimizer_namespace)
-        self._gradient_sync.after_load()
+        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, partitioner=self._partitioner,
+                                       weights_only=weights_only)
+        if self._partitioner is None:  # ZeRO-1/2: the load filled the shards and gathered them into the buckets
+            self._gradient_sync.after_load()
         return meta
 
     def remove_checkpoint(self, filepath: Any) -> None:

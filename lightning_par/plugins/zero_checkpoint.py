@@ -1,0 +1,212 @@
+"""ZeRO-1/2 optimizer states in the per-parameter checkpoint format every other layout writes.
+
+A ZeRO-1/2 optimizer steps one flat chunk per bucket (:class:`~lightning_par.parallel.zero.ZeroPartitioner`), so
+its own ``state_dict`` is keyed by bucket and padded: it would resume only into the same buckets on the same number
+of ranks. Here each rank's chunk is cut at the parameters' borders and written as the part of each parameter it
+holds, under the same keys that ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` gives for
+FSDP2, tensor-parallel, pipeline and single-process layouts (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``),
+with the parameter's full (global) shape. DCP then moves states between any two layouts by overlapping chunks.
+
+A chunk's share of a parameter is a flat range of its (row-major) elements, which no DTensor placement can describe.
+DCP's other tensor kind, ``ShardedTensor``, holds any list of rectangular blocks, and a flat range is a few of them
+(a partial row, whole rows, a partial row; recursively per dimension), each a contiguous view of the state: saving
+writes the views and loading fills them in place. These ShardedTensors carry only this rank's blocks -- as DCP's own
+``_flatten_sharded_tensors`` makes them -- and serve only for DCP (which plans from local blocks and the global size).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_par.parallel.zero import ZeroPartitioner
+
+# DCP reads ShardedTensor's size through its (deprecated) torch function; the objects here never leave DCP
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one model parameter that this rank's chunk of a bucket holds."""
+
+    param: nn.Parameter  # the model's parameter
+    shard: nn.Parameter  # the optimizer's parameter (the owned chunk of the bucket)
+    start: int  # first element of the parameter's local values (flattened) in the chunk
+    stop: int
+    at: int  # where that element sits in the chunk
+
+
+def pieces(partitioner: ZeroPartitioner) -> Iterator[Piece]:
+    """Every (parameter, chunk) overlap on this rank; bucket padding belongs to no parameter and is skipped."""
+    for bucket in partitioner.buckets:
+        low, high = bucket.rank * bucket.chunk, (bucket.rank + 1) * bucket.chunk
+        for index, param in enumerate(bucket.params):
+            begin, end = bucket.region(index)
+            first, last = max(begin, low), min(end, high)
+            if first < last:
+                yield Piece(param, bucket.shard, first - begin, last - begin, first - low)
+
+
+def blocks(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[list[int], list[int]]]:
+    """``(offsets, sizes)`` of the rectangular blocks that elements ``[start, stop)`` of a row-major tensor of
+    ``shape`` make, in order; each is contiguous (ones, then a count, then whole trailing dimensions)."""
+    out: list[tuple[list[int], list[int]]] = []
+
+    def cut(dim: int, prefix: list[int], start: int, stop: int) -> None:
+        inner = math.prod(shape[dim + 1:])
+        trailing = list(shape[dim + 1:])
+        if start % inner:  # a partial slice at the front: recurse into it
+            row = start // inner
+            end = min(stop, (row + 1) * inner)
+            cut(dim + 1, [*prefix, row], start - row * inner, end - row * inner)
+            start = end
+        whole_end = stop // inner
+        if start < stop and whole_end > start // inner:  # whole slices
+            out.append(([*prefix, start // inner, *[0] * len(trailing)],
+                        [1] * len(prefix) + [whole_end - start // inner, *trailing]))
+            start = whole_end * inner
+        if start < stop:  # a partial slice at the back
+            cut(dim + 1, [*prefix, whole_end], start - whole_end * inner, stop - whole_end * inner)
+
+    if not shape:
+        return [([], [])] if stop > start else []
+    cut(0, [], start, stop)
+    return out
+
+
+def _local_offset(param: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's local shape of ``param`` and its offset in the full parameter (tensor parallel splits it)."""
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(param.shape), (0,) * param.dim()
+
+
+def _blocks_tensor(values: Tensor, param: Tensor, piece: Piece) -> ShardedTensor:
+    """``values`` (one state of the chunk, flat) as the blocks of ``param``'s full shape that ``piece`` covers."""
+    shape, offset = _local_offset(param)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shards, at = [], piece.at
+    for offsets, sizes in blocks(shape, piece.start, piece.stop):
+        count = math.prod(sizes)
+        view = values[at:at + count].view(sizes)
+        place = [o + base for o, base in zip(offsets, offset, strict=True)]
+        shards.append(Shard(view, ShardMetadata(place, list(sizes), f"rank:{rank}/{values.device}")))
+        at += count
+    full = torch.Size(param.shape)
+    # a DCP-only ShardedTensor: this rank's blocks and the global size (no cross-rank metadata, no process group)
+    tensor = torch.Tensor._make_wrapper_subclass(ShardedTensor, full, dtype=values.dtype, device=values.device)
+    tensor._metadata = ShardedTensorMetadata([s.metadata for s in shards], full, TensorProperties(dtype=values.dtype))
+    tensor._local_shards = shards
+    tensor._sharding_spec = None
+    tensor._process_group = None
+    return tensor
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                    partitioner: ZeroPartitioner) -> dict[str, Any]:
+    """``optimizer``'s state (its state must exist: a step was taken or it was materialized) as this rank's part
+    of the per-parameter flat format; the tensors are views of the optimizer's own, so DCP can load into them."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    flat: dict[str, Any] = {}
+    for piece in pieces(partitioner):
+        group = group_of.get(id(piece.shard))
+        if group is None:  # another optimizer's bucket
+            continue
+        name = names[id(piece.param)]
+        for key, value in optimizer.state.get(piece.shard, {}).items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if isinstance(local, Tensor) and local.dim() == 1 and local.numel() == _chunk_numel(piece.shard):
+                flat[f"state.{name}.{key}"] = _blocks_tensor(local, piece.param, piece)
+            else:  # per-parameter scalars (Adam's step): the same on every rank holding a piece
+                flat[f"state.{name}.{key}"] = value
+        for key, value in group.items():
+            if key != "params":
+                flat[f"param_groups.{name}.{key}"] = value
+    return flat
+
+
+def _chunk_numel(shard: nn.Parameter) -> int:
+    return (shard.to_local() if isinstance(shard, DTensor) else shard).numel()
+
+
+def set_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner: ZeroPartitioner,
+                        flat: dict[str, Any]) -> None:
+    """After DCP filled the state tensors in place: each param group's hyper-parameters from the loaded entries of
+    its parameters (DCP replaces those dict values rather than filling them)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    owner = {id(piece.shard): names[id(piece.param)] for piece in pieces(partitioner)}
+    for group in optimizer.param_groups:
+        name = next((owner[id(s)] for s in group["params"] if id(s) in owner), None)
+        if name is None:
+            continue
+        for key in list(group):
+            entry = f"param_groups.{name}.{key}"
+            if key != "params" and entry in flat:
+                group[key] = flat[entry]
+
+
+def copy_full(target: dict[str, Any], full: dict[str, Any]) -> None:
+    """Copy whole tensors (as one process holds them) into ``target``'s tensors and blocks, for the keys in both:
+    each rank takes the blocks of its chunks."""
+    for key, value in target.items():
+        if key not in full:
+            continue
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                where = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
+                                                               shard.metadata.shard_sizes, strict=True))
+                shard.tensor.copy_(full[key][where])
+        elif isinstance(value, Tensor):
+            value.copy_(full[key])
+
+
+def fill_from_full(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner: ZeroPartitioner,
+                   full: dict[str, Any]) -> None:
+    """Set ``optimizer``'s state from ``full``, the flat per-parameter format with whole tensors. The optimizer's
+    state must exist."""
+    copy_full(optimizer_state(module, optimizer, partitioner), full)
+    set_hyperparameters(module, optimizer, partitioner, full)
+
+
+def model_state(module: nn.Module, partitioner: ZeroPartitioner) -> dict[str, Any]:
+    """The model's state with each bucket parameter's weights taken from the optimizer's shards rather than the
+    buckets: under mixed precision the buckets hold bf16 copies and the shards the fp32 master weights, which are the
+    ones to save (and to load into, before the all-gather writes them back into the buckets). A rank holding no
+    element of a parameter writes nothing for it."""
+    state = module.state_dict(keep_vars=True)
+    held: dict[int, Piece] = {id(piece.param): piece for piece in pieces(partitioner)}
+    partitioned = {id(p) for bucket in partitioner.buckets for p in bucket.params}
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if id(value) not in partitioned:
+            out[name] = value.detach() if isinstance(value, Tensor) else value
+        elif id(value) in held:
+            piece = held[id(value)]
+            master = piece.shard.to_local() if isinstance(piece.shard, DTensor) else piece.shard
+            out[name] = _blocks_tensor(master.detach(), value, piece)
+    return out
+
+
+def finish_model_load(module: nn.Module, partitioner: ZeroPartitioner, loaded: dict[str, Any]) -> None:
+    """After DCP filled :func:`model_state`'s blocks (the optimizer's shards) in place: load the entries outside
+    the buckets (buffers, frozen parameters) into the module, and all-gather the shards into the buckets -- under
+    mixed precision the fp32 masters, rounded once, as after a step. Every rank calls it (a collective)."""
+    rest = {name: value for name, value in loaded.items() if not isinstance(value, ShardedTensor)}
+    partitioned = {id(p) for bucket in partitioner.buckets for p in bucket.params}
+    own = module.state_dict(keep_vars=True)
+    rest = {name: value for name, value in rest.items() if id(own.get(name)) not in partitioned}
+    module.load_state_dict(rest, strict=False)
+    partitioner.gather_parameters()

@@ -1,0 +1,166 @@
+"""bf16-mixed on 2 ranks, in one launch: model-state bytes per rank for ZeRO 0-3, and 50-step loss tracking.
+
+Run under torchrun (``tests.harness.launch_matrix``, 2 ranks). Writes ``ROOT/precision.json`` from rank 0.
+
+* ``state``: for each ZeRO stage, the plain LM (Psi parameters, every dimension even so nothing is padded) under the
+  data-parallel owner the engine picks (``choose_gradient_sync``), given ``LayoutPrecision("bf16-mixed")``'s
+  ZeRO dtypes, Adam, two steps under its autocast. At the second step (an optimizer step pre-hook, once Adam has
+  its state) each rank counts the bytes of distinct storages by role -- the convention of the ZeRO paper's model
+  states: parameters the model holds, gradient storage (``param.grad`` / the partitioner's buffers), a separate
+  master copy, optimizer state tensors (Adam's scalar ``step`` left out). The fp32 gradient handed to a ZeRO-1/2
+  master for the step is workspace, reported beside them.
+* ``losses``: ``Trainer.fit`` for 50 steps, 32-true under ZeRO-0 and bf16-mixed under ZeRO 0-3 (AdamW), per-step
+  losses from the LightningModule's step output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from example_models.plain_lm import PlainLM, PlainLMLightningModule
+from lightning_par import LayoutStrategy
+from lightning_par.data import TextDataModule
+from lightning_par.parallel.gradient_sync import choose_gradient_sync
+from lightning_par.parallel.layout import Layout
+from lightning_par.plugins.precision import LayoutPrecision
+
+LOSS_STEPS = 50
+FITS = {"fp32_zero0": ("32-true", 0), "bf16_zero0": ("bf16-mixed", 0), "bf16_zero1": ("bf16-mixed", 1),
+        "bf16_zero2": ("bf16-mixed", 2), "bf16_zero3": ("bf16-mixed", 3)}
+
+
+def _storage(t: Tensor) -> tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    storage = local.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def count_state(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner) -> dict[str, int]:
+    """Bytes of distinct storages per role (a storage counted once, in the first role that holds it)."""
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "master": 0, "optimizer_states": 0, "workspace": 0}
+
+    def add(role: str, t: Tensor | None) -> None:
+        if t is None:
+            return
+        ptr, nbytes = _storage(t)
+        if ptr not in seen:
+            seen.add(ptr)
+            out[role] += nbytes
+
+    for p in module.parameters():
+        add("params", p)
+    for p in module.parameters():
+        add("grads", p.grad)
+    for t in (partitioner.gradient_buffers() if partitioner is not None else []):
+        add("grads", t)
+    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in opt_params:
+        add("master", p)  # counted only where it is not the model's own parameter storage
+    for p in opt_params:
+        for name, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, Tensor) and name != "step":
+                add("optimizer_states", value)
+    for p in opt_params:
+        add("workspace", p.grad)  # the master's fp32 step gradient (ZeRO-1/2 mixed precision)
+    out["total"] = out["params"] + out["grads"] + out["master"] + out["optimizer_states"]
+    return out
+
+
+def measure_state(stage: int, dp_mesh) -> dict:
+    plugin = LayoutPrecision("bf16-mixed", device="cpu")
+    torch.manual_seed(0)
+    model = PlainLM(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
+    numel = sum(p.numel() for p in model.parameters())
+    sync = choose_gradient_sync(Layout(dp=2, zero_stage=stage), dp_mesh, fitting=True,
+                                precision=plugin.shard_precision(stage))
+    wrapped = sync.wrap(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sync.attach(model, [optimizer])
+    partitioner = getattr(sync, "partitioner", None)
+    report: dict = {}
+    step = {"n": 0}
+
+    def at_step(opt, args, kwargs) -> None:
+        step["n"] += 1
+        if step["n"] == 2:
+            report.update(count_state(model, opt, partitioner))
+
+    optimizer.register_step_pre_hook(at_step)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        tokens = torch.randint(0, 256, (2, 17), generator=g)
+        with plugin.forward_context():
+            logits = wrapped(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        sync.after_backward()
+        optimizer.step()
+        sync.after_step()
+        optimizer.zero_grad(set_to_none=True)
+    policy = plugin.policy(stage)
+    report.update(numel=numel, formula_from_policy=policy.state_bytes(numel, stage, 2), policy=policy.describe(),
+                  param_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+                  master_dtypes=sorted({str(p.dtype) for group in optimizer.param_groups for p in group["params"]}))
+    sync.unwrap(wrapped)
+    return report
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().float().clone()
+        dist.all_reduce(loss)  # the mean over the data-parallel ranks: what a single process would log
+        self.values.append(loss.item() / dist.get_world_size())
+
+
+def fit(cache: str, precision: str, stage: int) -> list[float]:
+    pl.seed_everything(1234, verbose=False)
+    model = PlainLMLightningModule(dim=64, n_layers=2, max_seq_len=32, lr=3e-3)
+    data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=8, cache_dir=cache)
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LayoutStrategy(zero_stage=stage),
+                         precision=precision, max_steps=LOSS_STEPS, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[losses], gradient_clip_val=1.0)
+    trainer.fit(model, data)
+    assert isinstance(trainer.strategy.precision_plugin, LayoutPrecision)
+    return losses.values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--fits", nargs="*", default=list(FITS))
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    dp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))["dp"]
+    result: dict = {"state": {}, "losses": {}}
+    for stage in range(4):
+        result["state"][f"zero{stage}"] = measure_state(stage, dp_mesh)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, result["state"])
+    result["state_per_rank"] = ranks
+    for name in args.fits:
+        result["losses"][name] = fit(args.cache, *FITS[name])
+    if dist.get_rank() == 0:
+        Path(args.root, "precision.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,93 @@
+"""Resume the test job's step-10 checkpoint under another layout, one ``Trainer.fit`` after another in the same ranks.
+
+Run under torchrun (``tests.harness.launch_matrix``) on 1 or 2 ranks. A *source* case trains the job's 20 steps
+(AdamW, the LR schedule over 20 steps) keeping its checkpoints; a *resume* case builds a fresh model under its own
+layout and continues from a source's step-10 checkpoint -- one of this launch's sources, or one passed with
+``--source NAME=PATH`` (the 3D run of ``tests.hybrid3d_matrix``, a 1-rank source in a 2-rank launch). Each case writes
+``ROOT/NAME/tb`` (per-step losses), as a CLI launch does, for ``tests.harness.Run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from example_models import GPTLightningModule
+from lightning_par import MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par.data import TextDataModule
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
+
+
+@dataclass
+class Case:
+    """A layout (``strategy()``, ``devices`` ranks, ``dp`` replicas) and where it starts: ``source`` is the case whose
+    step-10 checkpoint it resumes, or ``None`` for a source (trained from step 0, checkpoints kept)."""
+
+    strategy: Callable[[], pl.strategies.Strategy]
+    devices: int
+    dp: int
+    source: str | None = None
+    precision: str = "32-true"
+
+
+CASES: dict[str, Case] = {
+    # sources
+    "one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1),  # one file, Lightning's own format
+    "zero1_dp2": Case(lambda: ZeroStrategy(stage=1), 2, 2),  # ZeRO-1 bucket shards, saved per parameter
+    # tp2 x pp2 (sequence parallel, interleaved, ZeRO-1 over one replica): "3d", passed in from the 3D matrix
+    # resumes (source -> target)
+    "3d_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "3d"),
+    "zero1_dp2_to_pp2": Case(lambda: PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2), 2, 1, "zero1_dp2"),
+    "zero1_dp2_to_tp2": Case(lambda: MegatronTPStrategy(tp=2), 2, 1, "zero1_dp2"),
+    "3d_to_zero2_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "3d"),
+    "3d_to_zero3_dp2": Case(lambda: ZeroStrategy(stage=3), 2, 2, "3d"),
+    "one_process_to_zero1_dp2": Case(lambda: ZeroStrategy(stage=1), 2, 2, "one_process"),
+    # bf16-mixed ZeRO-2: the fp32 master weights (not the bf16 parameters) are saved and restored
+    "zero2_bf16_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, precision="bf16-mixed"),
+    "zero2_bf16_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_bf16_dp2", precision="bf16-mixed"),
+}
+
+
+def step10(root: Path) -> Path:
+    (path,) = sorted(root.glob(f"ckpt/*step={EPOCH_STEPS}.ckpt"))
+    return path
+
+
+def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
+    case = CASES[name]
+    pl.seed_everything(1234)
+    model = GPTLightningModule(preset="tiny", n_layers=8)
+    data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // case.dp,
+                          cache_dir=cache)
+    keep = [ModelCheckpoint(dirpath=root / name / "ckpt", save_top_k=-1)] if case.source is None else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=case.devices, strategy=case.strategy(), precision=case.precision,
+        max_steps=PARITY_STEPS,
+        limit_train_batches=EPOCH_STEPS, limit_val_batches=2, log_every_n_steps=1,
+        logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name, callbacks=keep,
+    )
+    ckpt = None if case.source is None else sources.get(case.source) or step10(root / case.source)
+    trainer.fit(model, data, ckpt_path=ckpt)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--cases", nargs="+", required=True)
+    parser.add_argument("--source", action="append", default=[], help="NAME=PATH: a checkpoint made elsewhere")
+    args = parser.parse_args()
+    sources = {name: Path(path) for name, path in (s.split("=", 1) for s in args.source)}
+    for name in args.cases:
+        fit(Path(args.root), args.cache, name, sources)
+
+
+if __name__ == "__main__":
+    main()

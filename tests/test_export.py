@@ -1,0 +1,234 @@
+"""Export a checkpoint to safetensors / a Hugging Face directory, and start a run from such weights under a layout.
+
+(a) In-process (no process group): checkpoints in both formats -- a single-file Lightning checkpoint, and a sharded
+    DCP directory written by the engine's own ``sharded_checkpoint.save`` -- of the GPT (tied) and of a tiny HF
+    Llama, exported and loaded back with ``safetensors.torch.load_file`` + ``load_state_dict`` or
+    ``AutoModelForCausalLM.from_pretrained``: the same logits.
+(b) ``load_pretrained`` in one process, and its errors.
+(c) Launched: a run started from a locally saved tiny HF model (``FromPretrained``) under a sharded layout; its
+    first two steps' losses equal one process's started from the same weights (zero3 in the default run; tp2,
+    pp2 with tied embeddings, zero1 and tp2 x pp2 in the full run).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from example_models import GPTLightningModule, HFLlamaLightningModule
+from lightning_par.cli import main as cli_main
+from lightning_par.data import TextDataModule
+from lightning_par.plugins import sharded_checkpoint
+from lightning_par.plugins.checkpoint_export import (
+    export_safetensors,
+    load_pretrained,
+    read_hyperparameters,
+    read_model_state,
+)
+from lightning_par.plugins.checkpoint_files import CheckpointError
+from tests.harness import TINY_JOB, launch_cli, max_rel_diff
+
+HF_CLASS = "example_models.HFLlamaLightningModule"
+TINY_HF = {"n_layers": 2}  # in-process models: 2 decoder layers of the default width
+# the checkpoints here are written by one process without a process group, which DCP warns about
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _built(cls, seed: int, **kwargs):
+    torch.manual_seed(seed)
+    lm = cls(**kwargs)
+    lm.configure_model()
+    return lm.eval()
+
+
+def _save_single_file(lm, path):
+    """What Lightning's one-process save holds for the model: state_dict (tied tensors share storage) + hparams."""
+    torch.save({"state_dict": lm.state_dict(), "hyper_parameters": dict(lm.hparams), "epoch": 0}, path)
+
+
+def _save_dcp(lm, path, class_path: str | None = None):
+    """The engine's sharded format (DCP + meta.json + manifest), written by one process without a process group."""
+    hparams = {**dict(lm.hparams), **({"_class_path": class_path} if class_path else {})}
+    checkpoint = {"state_dict": lm.state_dict(), "hyper_parameters": hparams, "epoch": 0, "global_step": 3}
+    sharded_checkpoint.save(checkpoint, path, is_writer=True, barrier=lambda: None)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# -- (a) export ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["single_file", "dcp"])
+def test_export_gpt_to_safetensors_loads_with_the_same_logits(tmp_path, fmt):
+    lm = _built(GPTLightningModule, 0, preset="tiny", n_layers=2, tie_embeddings=True)
+    ckpt = tmp_path / "step=3.ckpt"
+    (_save_single_file if fmt == "single_file" else _save_dcp)(lm, ckpt)
+    report = export_safetensors(ckpt, tmp_path / "gpt.safetensors")
+    assert report.prefix == "model"
+    state = load_file(tmp_path / "gpt.safetensors")
+    assert set(state) == set(lm.model.state_dict())  # the plain model's names, the tied alias kept
+    if fmt == "single_file":  # torch.load keeps the tie as shared storage, which safetensors refuses: cloned
+        assert report.tied == [["embed.weight", "head.weight"]]
+    fresh = _built(GPTLightningModule, 1, preset="tiny", n_layers=2, tie_embeddings=True)
+    assert _max_diff(fresh(TOKENS), lm(TOKENS)) > 1e-2  # another init: the comparison below can fail
+    fresh.model.load_state_dict(state)  # strict
+    assert fresh.model.head.weight is fresh.model.embed.weight  # still tied after loading both names
+    assert _max_diff(fresh(TOKENS), lm(TOKENS)) == 0.0
+
+
+def test_export_through_the_command_casts_and_checks_the_manifest(tmp_path, capsys):
+    lm = _built(GPTLightningModule, 0, preset="tiny", n_layers=2)
+    ckpt = tmp_path / "last.ckpt"
+    _save_dcp(lm, ckpt)
+    assert read_hyperparameters(ckpt)["n_layers"] == 2
+    with pytest.raises(SystemExit) as err:
+        cli_main(["export", str(ckpt), str(tmp_path / "bad.pt")])
+    assert err.value.code == 2 and "must end in .safetensors" in capsys.readouterr().out
+    cli_main(["export", str(ckpt), str(tmp_path / "bf16.safetensors"), "--dtype", "bf16"])
+    state = load_file(tmp_path / "bf16.safetensors")
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert _max_diff(state["layers.0.attn.q_proj.weight"], lm.model.get_parameter("layers.0.attn.q_proj.weight")) < 1e-2
+    # a shard flipped on disk: refused before anything is read, naming the file
+    shard = next(ckpt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=shard.name):
+        read_model_state(ckpt)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_hf_directory_loads_with_from_pretrained(tmp_path, tied):
+    from transformers import AutoModelForCausalLM
+
+    lm = _built(HFLlamaLightningModule, 0, tie_embeddings=tied, **TINY_HF)
+    ckpt = tmp_path / "hf.ckpt"
+    _save_dcp(lm, ckpt, class_path=HF_CLASS)  # the Lightning CLI saves the class with the hyper-parameters
+    cli_main(["export", str(ckpt), str(tmp_path / "hf_out"), "--hf"])
+    config = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 2
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    with torch.no_grad():
+        assert _max_diff(model(TOKENS).logits, lm(TOKENS)) <= 1e-6
+
+
+def test_export_hf_needs_the_model_class_and_casts(tmp_path, capsys):
+    lm = _built(HFLlamaLightningModule, 0, **TINY_HF)
+    _save_single_file(lm, tmp_path / "one.ckpt")
+    with pytest.raises(SystemExit):
+        cli_main(["export", str(tmp_path / "one.ckpt"), str(tmp_path / "out"), "--hf"])
+    assert "--model-class" in capsys.readouterr().out
+    cli_main(["export", str(tmp_path / "one.ckpt"), str(tmp_path / "out"), "--hf", "--model-class", HF_CLASS,
+              "--dtype", "bf16"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+# -- (b) import in one process ---------------------------------------------------------------------------------------
+def test_load_pretrained_fills_a_tied_head_and_refuses_a_mismatch(tmp_path):
+    source = _built(HFLlamaLightningModule, 0, tie_embeddings=True, **TINY_HF)
+    source.model.save_pretrained(tmp_path / "hf")  # a tied model's file lacks lm_head.weight
+    target = _built(HFLlamaLightningModule, 1, tie_embeddings=True, **TINY_HF)
+    assert load_pretrained(target, tmp_path / "hf") == len(target.model.state_dict())
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
+    deeper = _built(HFLlamaLightningModule, 1, tie_embeddings=True, n_layers=3)
+    before = deeper.model.model.embed_tokens.weight.clone()
+    with pytest.raises(CheckpointError, match=r"9 of the model's tensors are not in the file.*layers\.2\."):
+        load_pretrained(deeper, tmp_path / "hf")
+    assert torch.equal(deeper.model.model.embed_tokens.weight, before)  # checked before anything was copied
+    _save_dcp(source, tmp_path / "run.ckpt")
+    with pytest.raises(ValueError, match="lightning-par export"):
+        load_pretrained(target, tmp_path / "run.ckpt")
+
+
+# -- (c) a run started from a Hugging Face directory, under a layout ---------------------------------------------
+#: layout -> (devices, per-rank batch, strategy arguments, tied embeddings)
+LAYOUTS = {
+    "zero3": (2, 4, ["--trainer.strategy=zero3"], False),
+    "tp2": (2, 8, ["--trainer.strategy=megatron_tp2"], False),
+    "pp2_tied": (2, 8, ["--trainer.strategy=pipeline2_1f1b"], True),
+    "zero1": (2, 4, ["--trainer.strategy=zero1"], False),
+    "tp2_pp2": (4, 8, ["--trainer.strategy=hybrid3d_tp2_pp2"], False),
+}
+HF_JOB = ["--model=example_models.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2",
+          "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--sample_tokens=0"]
+STEPS_RTOL = 1e-5
+
+
+def _pretrained_dir(root, tied: bool):
+    """A 'pretrained' tiny Llama saved locally: another seed than the run's, and weights moved off the init."""
+    lm = _built(HFLlamaLightningModule, 7, tie_embeddings=tied, n_layers=4, n_kv_heads=2)
+    with torch.no_grad():
+        for param in lm.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    lm.model.save_pretrained(root / "pretrained")
+    return root / "pretrained"
+
+
+def _job_value(option: str) -> int:
+    """A data setting of the launches' job (``harness.TINY_JOB``), so the reference reads the same batches."""
+    return int(next(arg.split("=", 1)[1] for arg in TINY_JOB if arg.startswith(option + "=")))
+
+
+def _one_process(pretrained, cache_dir, tied: bool) -> tuple[list[float], HFLlamaLightningModule]:
+    """The first two steps of one process started from ``pretrained``, on the whole global batch of 8: the losses,
+    and the module after them."""
+    data = TextDataModule(seq_len=_job_value("--data.seq_len"), max_corpus_bytes=_job_value("--data.max_corpus_bytes"),
+                          shuffle=False, batch_size=8, cache_dir=str(cache_dir))
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    lm = _built(HFLlamaLightningModule, 0, tie_embeddings=tied, n_layers=4, n_kv_heads=2).train()
+    load_pretrained(lm, pretrained)
+    optimizer = lm.configure_optimizers()
+    losses = []
+    for _ in range(2):
+        loss = lm.compute_loss(next(batches))
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses, lm.eval()
+
+
+def _start_from_pretrained(layout, tmp_path, cache_dir):
+    """Fine-tune from a HF directory under ``layout``, save its sharded checkpoint, export that with --hf."""
+    from transformers import AutoModelForCausalLM
+
+    devices, batch, strategy, tied = LAYOUTS[layout]
+    pretrained = _pretrained_dir(tmp_path, tied)
+    tie = ["--model.tie_embeddings=true"] if tied else []
+    args = [*HF_JOB, *tie, *strategy, f"--data.batch_size={batch}",
+            "--trainer.callbacks+=lightning_par.plugins.checkpoint_export.FromPretrained",
+            f"--trainer.callbacks.path={pretrained}",
+            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}"]
+    run = launch_cli(tmp_path / "run", cache_dir, args, devices=devices).check()
+    assert "FromPretrained: loaded" in run.log
+    reference, trained = _one_process(pretrained, cache_dir, tied)
+    losses = run.losses()
+    # the run's own init (seed 1234) gives losses 1.6e-2 away: this fails if the weights were not loaded
+    assert max_rel_diff(losses, reference) < STEPS_RTOL, (losses, reference)
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # the layout's own format, sharded or one file
+    cli_main(["export", str(checkpoint), str(tmp_path / "exported"), "--hf"])  # class from the CLI's hparams
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    with torch.no_grad():
+        logits_diff = _max_diff(model(TOKENS).logits, trained(TOKENS))
+    print(f"{layout}: losses {losses}, one process {reference}, max rel diff {max_rel_diff(losses, reference):.2e}; "
+          f"exported checkpoint's logits vs one process's after 2 steps: {logits_diff:.2e}; launch {run.seconds:.1f} s")
+    assert logits_diff < 1e-4
+
+
+def test_start_from_a_hf_directory_under_zero3(tmp_path, cache_dir):
+    _start_from_pretrained("zero3", tmp_path, cache_dir)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2_tied", "zero1", "tp2_pp2"])
+def test_start_from_a_hf_directory_under_other_layouts(tmp_path, cache_dir, layout):
+    _start_from_pretrained(layout, tmp_path, cache_dir)
+

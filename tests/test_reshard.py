@@ -1,0 +1,62 @@
+"""Any layout resumes any other: a step-10 checkpoint continues under another layout with the same losses.
+
+Sources: one process (Lightning's single file), ZeRO-1 over 2 ranks (bucket shards saved per parameter) and tp2 x pp2
+(the 3D matrix's sequence-parallel interleaved run, ZeRO-1 over one replica). Each resume trains steps 10-19 of the
+AdamW job (its LR schedule included) and must log the losses of the uninterrupted single process: weights, Adam's
+moments and step, the schedule and the data position all survive the move. Two launches of tests/reshard_matrix.py
+(1 rank, then 2), after the 3D matrix's 4-rank launch.
+"""
+
+import pytest
+
+from tests.conftest import EPOCH_STEPS, PARITY_STEPS
+from tests.harness import Run, launch_matrix, max_rel_diff
+from tests.reshard_matrix import CASES
+
+LOSS_RTOL = 1e-5
+RESUMES = [name for name, case in CASES.items() if case.source is not None and case.precision == "32-true"]
+
+
+@pytest.fixture(scope="module")
+def reshard(tmp_path_factory, cache_dir, hybrid3d_matrix):
+    """``{case: Run}`` for every case of tests/reshard_matrix.py."""
+    three_d = hybrid3d_matrix("tp2_pp2_sp_interleaved")[0].checkpoint(step=EPOCH_STEPS)
+    root = tmp_path_factory.mktemp("reshard")
+    out = {}
+    for devices in (1, 2):  # the 1-rank source feeds the 2-rank launch
+        names = [n for n, case in CASES.items() if case.devices == devices]
+        sources = ["--source", f"3d={three_d}"]
+        if devices == 2:
+            sources += ["--source", f"one_process={Run(root / 'one_process', 0, '', 0).checkpoint(EPOCH_STEPS)}"]
+        run = launch_matrix(root, cache_dir, "tests.reshard_matrix",
+                            ["--root", str(root), "--cache", str(cache_dir), "--cases", *names, *sources],
+                            nproc=devices).check()
+        print(f"reshard matrix: {len(names)} fits on {devices} rank(s) in {run.seconds:.0f} s")
+        out.update({n: Run(root / n, 0, run.log, run.seconds) for n in names})
+    return out
+
+
+@pytest.mark.parametrize("name", ["one_process", "zero1_dp2"])
+def test_the_sources_match_one_process(reshard, runs, name):
+    """The sources themselves: one process under a lightning-par strategy sees Lightning's single-process batches."""
+    diff = max_rel_diff(reshard[name].losses(), runs("single").losses())
+    assert len(reshard[name].losses()) == PARITY_STEPS and diff <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_a_checkpoint_resumes_under_another_layout(reshard, runs, name):
+    resumed = reshard[name].losses()
+    expected = runs("single").losses()[EPOCH_STEPS:]
+    diff = max_rel_diff(resumed, expected)
+    print(f"{name}: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of one process")
+    assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= LOSS_RTOL
+
+
+def test_bf16_mixed_zero2_resumes_from_its_fp32_master_weights(reshard):
+    """ZeRO-2 under bf16-mixed keeps fp32 master shards beside bf16 parameters: the checkpoint holds the masters, so
+    the resumed run repeats the uninterrupted one (restoring the bf16 parameters instead would round the masters)."""
+    uninterrupted = reshard["zero2_bf16_dp2"].losses()
+    resumed = reshard["zero2_bf16_dp2_resumed"].losses()
+    diff = max_rel_diff(resumed, uninterrupted[EPOCH_STEPS:])
+    print(f"bf16-mixed ZeRO-2 resumed at step {EPOCH_STEPS}: within {diff:.2e} of the uninterrupted run")
+    assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= 1e-6
