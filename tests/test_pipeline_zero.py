@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_par import LayoutError
@@ -111,14 +110,10 @@ def test_sequence_parallel_stages_send_sequence_shards(results):
 
 # -- in this process ----------------------------------------------------------------------------------------------
 @pytest.fixture
-def meshes(tmp_path):
+def meshes(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
 
 
 def _gpt(n_layers: int = 2, tied: bool = False):

@@ -8,7 +8,6 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_par import LayoutStrategy
@@ -84,14 +83,10 @@ def test_autocast_and_true_modes():
 
 # -- the owners on one rank ----------------------------------------------------------------------------------------
 @pytest.fixture
-def mesh(tmp_path):
+def mesh(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
 
 
 def _model() -> nn.Module:

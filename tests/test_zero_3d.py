@@ -151,15 +151,10 @@ def test_zero_formula_with_tensor_parallel():
 
 
 @pytest.fixture
-def mesh(tmp_path):
-    import torch.distributed as dist
+def mesh(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
 
 
 def _tp_module(tp_mesh):

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -35,7 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_par.plugins import checkpoint_files, checkpoint_meta
 from lightning_par.plugins.checkpoint_files import CheckpointError
-from lightning_par.plugins.sharded_checkpoint import _SafeLoadPlanner, _SafeReader
+from lightning_par.plugins.sharded_checkpoint import _all_gather, _SafeLoadPlanner, _SafeReader
 
 _MODEL_KEY = "state_dict"  # the model's entries in a checkpoint (DCP flattens them to "state_dict.<fqn>")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -336,14 +335,6 @@ def _model_prefix(module: nn.Module) -> str:
     return holders[0]
 
 
-def _gathered(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 @torch.no_grad()
 def load_pretrained(module: nn.Module, path: str | Path, prefix: str | None = None, strict: bool = True) -> int:
     """Copy the weights of a ``.safetensors`` file or a Hugging Face directory into ``module``, on any layout.
@@ -383,7 +374,7 @@ def load_pretrained(module: nn.Module, path: str | Path, prefix: str | None = No
                 wrong.append(f"{name}: {weights.shape(found)} in the file, {tuple(target.shape)} in the model")
             else:
                 source[name] = found
-        verdicts = _gathered((missing, wrong, sorted(set(source.values()))))
+        verdicts = _all_gather((missing, wrong, sorted(set(source.values()))))
         missing = sorted({n for v in verdicts for n in v[0]})
         wrong = sorted({w for v in verdicts for w in v[1]})
         unused = sorted(available - {n for v in verdicts for n in v[2]})
