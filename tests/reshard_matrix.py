@@ -1,9 +1,9 @@
 """Resume the test job's step-10 checkpoint under another layout, one ``Trainer.fit`` after another in the same ranks.
 
-Run under torchrun (``tests.harness.launch_matrix``) on 1 or 2 ranks. A *source* case trains the job's 20 steps
+Run under torchrun (``tests.harness.launch_matrix``) on 1, 2 or 4 ranks. A *source* case trains the job's 20 steps
 (AdamW, the LR schedule over 20 steps) keeping its checkpoints; a *resume* case builds a fresh model under its own
 layout and continues from a source's step-10 checkpoint -- one of this launch's sources, or one passed with
-``--source NAME=PATH`` (the 3D run of ``tests.hybrid3d_matrix``, a 1-rank source in a 2-rank launch). Each case writes
+``--source NAME=PATH`` (the 3D run of ``tests.hybrid3d_matrix``, or a source of an earlier launch). Each case writes
 ``ROOT/NAME/tb`` (per-step losses), as a CLI launch does, for ``tests.harness.Run``.
 """
 
@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from example_models import GPTLightningModule
-from lightning_par import MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 
@@ -48,6 +48,11 @@ CASES: dict[str, Case] = {
     "3d_to_zero2_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "3d"),
     "3d_to_zero3_dp2": Case(lambda: ZeroStrategy(stage=3), 2, 2, "3d"),
     "one_process_to_zero1_dp2": Case(lambda: ZeroStrategy(stage=1), 2, 2, "one_process"),
+    # into 3D (4 ranks): one file (by its parameter names) and ZeRO-1 shards into tp2 x pp2 stages
+    "one_process_to_3d": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1,
+                              "one_process"),
+    "zero1_dp2_to_3d": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1,
+                            "zero1_dp2"),
     # bf16-mixed ZeRO-2: the fp32 master weights (not the bf16 parameters) are saved and restored
     "zero2_bf16_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, precision="bf16-mixed"),
     "zero2_bf16_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_bf16_dp2", precision="bf16-mixed"),

@@ -266,10 +266,28 @@ def test_a_single_file_checkpoint_loads_where_optimizers_hold_the_models_paramet
     # ZeRO-1/2 buckets or a pipeline stage: the optimizer's parameters are not the saved ones -- said, not guessed
     model, _ = tiny(seed=1)
     one_group = torch.optim.AdamW(model.parameters())
-    with pytest.raises(CheckpointError, match=r"optimizer 0: a single-file checkpoint keys optimizer state by "
-                                              r"parameter position \(groups of \[1, 3\] parameters\), and this "
-                                              r"optimizer holds groups of \[4\] \(one pipeline stage's"):
+    with pytest.raises(CheckpointError, match=r"optimizer 0: a single-file checkpoint without parameter names keys "
+                                              r"optimizer state by position \(groups of \[1, 3\] parameters\), and "
+                                              r"this optimizer holds groups of \[4\] \(one pipeline stage's"):
         sharded_checkpoint.load(file, model, [one_group], weights_only=False)
+    # what lightning-par's strategies write names each group's parameters (torch's param_names): any grouping, and a
+    # pipeline stage's share, then takes it
+    named = lightning_dict(*saved, step=3, by_name=False)
+    named["optimizer_states"] = [sharded_checkpoint.with_param_names(saved[0], saved[1], saved[1].state_dict())]
+    torch.save(named, file)
+    sharded_checkpoint.load(file, model, [one_group], weights_only=False)
+    for name, param in model.named_parameters():
+        expected = saved[1].state[dict(saved[0].named_parameters())[name]]
+        assert torch.equal(one_group.state[param]["exp_avg"], expected["exp_avg"]), name
+    stage = nn.Sequential(nn.Linear(16, 16))  # the first "stage": its names are a subset of the file's
+    stage[0].load_state_dict(saved[0][0].state_dict())
+    first_stage = torch.optim.AdamW(stage.parameters())
+    other = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(2, 2))  # names the file lacks
+    with pytest.raises(CheckpointError, match=r"lacks 2 of this model's 6 entries, e\.g\. \['2\.weight'"):
+        sharded_checkpoint.load(file, other, [torch.optim.AdamW(other.parameters())], weights_only=False)
+    sharded_checkpoint.load(file, stage, [first_stage], weights_only=False)
+    assert torch.equal(first_stage.state[stage[0].weight]["exp_avg"], saved[1].state[saved[0][0].weight]["exp_avg"])
+    torch.save(lightning_dict(*saved, step=3, by_name=False), file)
     shards = torch.optim.AdamW([{"params": [nn.Parameter(torch.zeros(8))]},
                                 {"params": [nn.Parameter(torch.zeros(8)) for _ in range(3)]}])
     with pytest.raises(CheckpointError, match=r"holds parameters that are not the model's own"):

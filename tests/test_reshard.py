@@ -3,8 +3,8 @@
 Sources: one process (Lightning's single file), ZeRO-1 over 2 ranks (bucket shards saved per parameter) and tp2 x pp2
 (the 3D matrix's sequence-parallel interleaved run, ZeRO-1 over one replica). Each resume trains steps 10-19 of the
 AdamW job (its LR schedule included) and must log the losses of the uninterrupted single process: weights, Adam's
-moments and step, the schedule and the data position all survive the move. Two launches of tests/reshard_matrix.py
-(1 rank, then 2), after the 3D matrix's 4-rank launch.
+moments and step, the schedule and the data position all survive the move. Launches of tests/reshard_matrix.py
+(1 rank, then 2), after the 3D matrix's 4-rank launch, then a third on 4 ranks (one file and ZeRO-1 into 3D).
 """
 
 import pytest
@@ -19,33 +19,42 @@ RESUMES = [name for name, case in CASES.items() if case.source is not None and c
 
 @pytest.fixture(scope="module")
 def reshard(tmp_path_factory, cache_dir, hybrid3d_matrix):
-    """``{case: Run}`` for every case of tests/reshard_matrix.py."""
-    three_d = hybrid3d_matrix("tp2_pp2_sp_interleaved")[0].checkpoint(step=EPOCH_STEPS)
+    """``reshard(case)``: the Run of a case of tests/reshard_matrix.py; each rank count's cases in one launch, on
+    first use: 1 rank, then 2 (it resumes the 1-rank source), then 4 (it resumes both sources into 3D)."""
     root = tmp_path_factory.mktemp("reshard")
-    out = {}
-    for devices in (1, 2):  # the 1-rank source feeds the 2-rank launch
-        names = [n for n, case in CASES.items() if case.devices == devices]
-        sources = ["--source", f"3d={three_d}"]
-        if devices == 2:
-            sources += ["--source", f"one_process={Run(root / 'one_process', 0, '', 0).checkpoint(EPOCH_STEPS)}"]
-        run = launch_matrix(root, cache_dir, "tests.reshard_matrix",
-                            ["--root", str(root), "--cache", str(cache_dir), "--cases", *names, *sources],
-                            nproc=devices).check()
-        print(f"reshard matrix: {len(names)} fits on {devices} rank(s) in {run.seconds:.0f} s")
-        out.update({n: Run(root / n, 0, run.log, run.seconds) for n in names})
-    return out
+    out: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        devices = CASES[name].devices
+        for before in (1, 2):
+            if before < devices:
+                get(next(n for n, case in CASES.items() if case.devices == before))
+        if name not in out:
+            names = [n for n, case in CASES.items() if case.devices == devices]
+            three_d = hybrid3d_matrix("tp2_pp2_sp_interleaved")[0].checkpoint(step=EPOCH_STEPS)
+            sources = ["--source", f"3d={three_d}"]
+            sources += [arg for source in ("one_process", "zero1_dp2") if source in out
+                        for arg in ("--source", f"{source}={out[source].checkpoint(EPOCH_STEPS)}")]
+            run = launch_matrix(root, cache_dir, "tests.reshard_matrix",
+                                ["--root", str(root), "--cache", str(cache_dir), "--cases", *names, *sources],
+                                nproc=devices).check()
+            print(f"reshard matrix: {len(names)} fits on {devices} rank(s) in {run.seconds:.0f} s")
+            out.update({n: Run(root / n, 0, run.log, run.seconds) for n in names})
+        return out[name]
+
+    return get
 
 
 @pytest.mark.parametrize("name", ["one_process", "zero1_dp2"])
 def test_the_sources_match_one_process(reshard, runs, name):
     """The sources themselves: one process under a lightning-par strategy sees Lightning's single-process batches."""
-    diff = max_rel_diff(reshard[name].losses(), runs("single").losses())
-    assert len(reshard[name].losses()) == PARITY_STEPS and diff <= LOSS_RTOL
+    diff = max_rel_diff(reshard(name).losses(), runs("single").losses())
+    assert len(reshard(name).losses()) == PARITY_STEPS and diff <= LOSS_RTOL
 
 
 @pytest.mark.parametrize("name", RESUMES)
 def test_a_checkpoint_resumes_under_another_layout(reshard, runs, name):
-    resumed = reshard[name].losses()
+    resumed = reshard(name).losses()
     expected = runs("single").losses()[EPOCH_STEPS:]
     diff = max_rel_diff(resumed, expected)
     print(f"{name}: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of one process")
@@ -55,8 +64,8 @@ def test_a_checkpoint_resumes_under_another_layout(reshard, runs, name):
 def test_bf16_mixed_zero2_resumes_from_its_fp32_master_weights(reshard):
     """ZeRO-2 under bf16-mixed keeps fp32 master shards beside bf16 parameters: the checkpoint holds the masters, so
     the resumed run repeats the uninterrupted one (restoring the bf16 parameters instead would round the masters)."""
-    uninterrupted = reshard["zero2_bf16_dp2"].losses()
-    resumed = reshard["zero2_bf16_dp2_resumed"].losses()
+    uninterrupted = reshard("zero2_bf16_dp2").losses()
+    resumed = reshard("zero2_bf16_dp2_resumed").losses()
     diff = max_rel_diff(resumed, uninterrupted[EPOCH_STEPS:])
     print(f"bf16-mixed ZeRO-2 resumed at step {EPOCH_STEPS}: within {diff:.2e} of the uninterrupted run")
     assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= 1e-6

@@ -56,6 +56,17 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return get_optimizer_state_dict(module, optimizer, options=_FLAT)
 
 
+def with_param_names(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (keyed by position, as Lightning saves one file) with each group's parameter names
+    under torch's own ``param_names`` key: a single file then maps to any layout, pipeline stages included, and
+    torch and Lightning load it as before."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        if "param_names" not in saved and all(id(p) in names for p in group["params"]):
+            saved["param_names"] = [names[id(p)] for p in group["params"]]
+    return state
+
+
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily-made state (a step with zero gradients at lr 0), so DCP can load into it."""
     if optimizer.state:
@@ -288,10 +299,10 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
         zero_checkpoint.copy_full(zero_checkpoint.model_state(module, partitioner), states)
         partitioner.gather_parameters()
     for optimizer, state in zip(optimizers, by_name, strict=False):
+        materialize_optimizer_state(optimizer)  # full tensors go into existing state (its device, its shards)
         if partitioner is None:
             set_optimizer_state_dict(module, optimizer, state, options=_FULL)
             continue
-        materialize_optimizer_state(optimizer)
         flat = {f"state.{name}.{key}": value for name, entry in state["state"].items() for key, value in entry.items()}
         for group in state["param_groups"]:
             flat.update({f"param_groups.{name}.{key}": value for name in group["params"]
@@ -302,37 +313,50 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
 
 def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
                    partitioner: ZeroPartitioner | None, what: str) -> dict[str, Any]:
-    """A plain optimizer state (parameters keyed by position) keyed by parameter name instead. Only valid for an
-    optimizer holding the same parameters in the same order as the one that saved it (under ZeRO-1/2, the order its
-    groups had before the partitioner replaced them): checked by group sizes and by every state tensor's shape."""
+    """A plain optimizer state (parameters keyed by position) keyed by parameter name instead, for the parameters
+    this optimizer holds (a pipeline stage holds some). Positions map to names through the ``param_names`` torch
+    saves with each group (lightning-par's one-file saves always add them); without them, only an optimizer holding
+    the same parameters in the same groups and order can take it (under ZeRO-1/2, the order its groups had before
+    the partitioner replaced them): checked by group sizes and by every state tensor's shape."""
     names = {id(p): name for name, p in module.named_parameters()}
     groups = [partitioner.group_params[id(g)] if partitioner is not None else g["params"]
               for g in optimizer.param_groups]
-    sizes = [len(g) for g in groups]
-    saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
     if any(id(p) not in names for g in groups for p in g):
-        why = "this optimizer holds parameters that are not the model's own"
-    elif sizes != saved_sizes:
-        why = f"this optimizer holds groups of {sizes} (one pipeline stage's, or another configure_optimizers)"
+        raise CheckpointError(f"{what}: this optimizer holds parameters that are not the model's own.")
+    held = {names[id(p)]: p for g in groups for p in g}
+    saved_groups = saved["param_groups"]
+    if all("param_names" in g for g in saved_groups):
+        positions = [(g, pos, name) for g in saved_groups for pos, name in zip(g["params"], g["param_names"],
+                                                                              strict=True)]
+        absent = sorted(set(held) - {name for _, _, name in positions})
+        if absent:
+            raise CheckpointError(f"{what}: holds no optimizer state for {len(absent)} of this optimizer's "
+                                  f"parameters, e.g. {absent[:3]}.")
     else:
-        why = ""
-    if why:
-        raise CheckpointError(f"{what}: a single-file checkpoint keys optimizer state by parameter position (groups "
-                              f"of {saved_sizes} parameters), and {why}. Resume it under one process, data parallel, "
-                              "ZeRO or tensor parallel (not split into pipeline stages).")
-    state, named_groups = {}, []
-    for group, saved_group in zip(groups, saved["param_groups"], strict=True):
-        params = [names[id(p)] for p in group]
-        named_groups.append({**saved_group, "params": params})
-        for position, param, name in zip(saved_group["params"], group, params, strict=True):
-            entry = saved["state"].get(position)
-            if entry is None:
-                continue
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                    raise CheckpointError(f"{what}: state {key!r} at position {position} has shape "
-                                          f"{tuple(value.shape)}, but parameter {name} here has "
-                                          f"{tuple(param.shape)}: the optimizer's parameters are in another order, "
-                                          "or its state is not per element.")
+        sizes = [len(g) for g in groups]
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        if sizes != saved_sizes:
+            raise CheckpointError(
+                f"{what}: a single-file checkpoint without parameter names keys optimizer state by position (groups "
+                f"of {saved_sizes} parameters), and this optimizer holds groups of {sizes} (one pipeline stage's, or "
+                "another configure_optimizers). Resume it under one process, data parallel, ZeRO or tensor parallel "
+                "(not split into pipeline stages); checkpoints lightning-par writes name their parameters.")
+        positions = [(sg, pos, names[id(p)]) for g, sg in zip(groups, saved_groups, strict=True)
+                     for pos, p in zip(sg["params"], g, strict=True)]
+    state: dict[str, Any] = {}
+    named_groups: dict[int, dict[str, Any]] = {}  # the saved groups this optimizer holds parameters of
+    for group, position, name in positions:
+        if name not in held:
+            continue  # another pipeline stage's
+        param = held[name]
+        entry = saved["state"].get(position, {})
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise CheckpointError(f"{what}: state {key!r} of {name} (position {position}) has shape "
+                                      f"{tuple(value.shape)}, but the parameter here has {tuple(param.shape)}: the "
+                                      "optimizer's parameters are in another order, or its state is not per element.")
+        if entry:
             state[name] = entry
-    return {"state": state, "param_groups": named_groups}
+        hyper = {key: value for key, value in group.items() if key not in ("params", "param_names")}
+        named_groups.setdefault(id(group), {**hyper, "params": []})["params"].append(name)
+    return {"state": state, "param_groups": list(named_groups.values())}

@@ -616,8 +616,9 @@ class LayoutStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Under a sharded layout: keyed by parameter name, one entry per parameter and field, with the parameters'
         full shapes -- the format every layout reads (plugins/zero_checkpoint.py for ZeRO-1/2's bucket shards)."""
-        if not self.layout.sharded_checkpoint:
-            return super().optimizer_state(optimizer)
+        if not self.layout.sharded_checkpoint:  # one file: by position, as Lightning saves it, with the names
+            return sharded_checkpoint.with_param_names(self.lightning_module, optimizer,
+                                                       super().optimizer_state(optimizer))
         if self._partitioner is not None:
             return zero_checkpoint.optimizer_state(self.lightning_module, optimizer, self._partitioner)
         return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
