@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -75,6 +77,19 @@ class DieAt(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             os._exit(17)
+
+
+class FreezeAt(pl.Callback):
+    """Freeze one rank (SIGSTOP: alive, holding its sockets, answering nothing) when it starts a given training step;
+    its pid and the time go to ``path`` first, so the test can measure the others' reaction and kill it after."""
+
+    def __init__(self, rank: int, step: int, path: str) -> None:
+        self.rank, self.step, self.path = rank, step, path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            Path(self.path).write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class GradNorms(pl.Callback):

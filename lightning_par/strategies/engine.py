@@ -43,6 +43,7 @@ from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
+from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.fsdp import fully_shard_stages, stage_blocks
@@ -83,8 +84,11 @@ class LayoutStrategy(ParallelStrategy):
             data-parallel grouping and by the pipeline split.
         bucket_cap_mb: gradient bucket size for the data-parallel all-reduce, in MiB (as in DDP).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
-        timeout: how long a collective may wait before the process group gives up, so a dead rank does not
-            leave the others hanging forever.
+        timeout: how long a collective may wait before the process group gives up (a last resort: a long one
+            also cuts legitimately slow collectives).
+        heartbeat_timeout: seconds after which a rank that died or froze is named and every other rank stops
+            (exit code 75) instead of waiting in a collective (:mod:`lightning_par.parallel.heartbeat`); ``None``
+            or 0 turns the check off.
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``; leave unset.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``; leave unset.
         cluster_environment: set by the Trainer (Lightning, torchrun, SLURM, ...); leave unset.
@@ -114,6 +118,7 @@ class LayoutStrategy(ParallelStrategy):
         bucket_cap_mb: float = 25.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        heartbeat_timeout: float | None = 60.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -136,6 +141,11 @@ class LayoutStrategy(ParallelStrategy):
         self.precision_plugin = self._precision_plugin  # checks the precision against the layout, now it exists
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        if heartbeat_timeout is not None and heartbeat_timeout < 0:
+            raise LayoutError(f"heartbeat_timeout={heartbeat_timeout} must be a number of seconds > 0, or None/0 to "
+                              "turn the liveness check off.")
+        self._heartbeat_timeout = heartbeat_timeout or None
+        self._heartbeat: Heartbeat | None = None
         self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
@@ -254,6 +264,10 @@ class LayoutStrategy(ParallelStrategy):
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if self._heartbeat_timeout and self.world_size > 1:  # every rank has joined: from here a lost one is named
+            self._heartbeat = Heartbeat(self.global_rank, self.world_size, self.cluster_environment.main_address,
+                                        self.cluster_environment.main_port, self._heartbeat_timeout)
+            self._heartbeat.start()
         self._agree_on_rng_state()
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
@@ -655,7 +669,18 @@ class LayoutStrategy(ParallelStrategy):
         if self.is_global_zero:
             sharded_checkpoint.remove(Path(filepath))
 
+    def on_exception(self, exception: BaseException) -> None:
+        # a rank that fails says so, and the others stop at once naming it (a rank that died is already reported by
+        # the launcher -- Lightning's, or torchrun's agent -- and its collectives fail here at once)
+        if self._heartbeat is not None:
+            self._heartbeat.stop(failed=True)
+            self._heartbeat = None
+        super().on_exception(exception)
+
     def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._pipeline is not None and self.lightning_module is not None:
             self.lightning_module.trainer.fit_loop._skip_backward = False
         if self.model is not None:
@@ -680,3 +705,4 @@ def _loss_given(lm: Any, compute_loss: Any) -> Generator[None, None, None]:
         yield None
     finally:
         del lm.compute_loss
+
