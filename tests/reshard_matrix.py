@@ -53,6 +53,9 @@ CASES: dict[str, Case] = {
                               "one_process"),
     "zero1_dp2_to_3d": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1,
                             "zero1_dp2"),
+    # checkpoints written in the background (DCP async_save), resumed synchronously
+    "zero2_async_dp2": Case(lambda: ZeroStrategy(stage=2, async_save=True), 2, 2),
+    "zero2_async_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_async_dp2"),
     # bf16-mixed ZeRO-2: the fp32 master weights (not the bf16 parameters) are saved and restored
     "zero2_bf16_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, precision="bf16-mixed"),
     "zero2_bf16_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_bf16_dp2", precision="bf16-mixed"),

@@ -45,7 +45,7 @@ def reshard(tmp_path_factory, cache_dir, hybrid3d_matrix):
     return get
 
 
-@pytest.mark.parametrize("name", ["one_process", "zero1_dp2"])
+@pytest.mark.parametrize("name", ["one_process", "zero1_dp2", "zero2_async_dp2"])
 def test_the_sources_match_one_process(reshard, runs, name):
     """The sources themselves: one process under a lightning-par strategy sees Lightning's single-process batches."""
     diff = max_rel_diff(reshard(name).losses(), runs("single").losses())

@@ -109,6 +109,23 @@ def save(checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Calla
     Every rank calls it; ``is_writer`` (one rank) writes the metadata and the manifest and renames the directory.
     ``path`` appears only when the checkpoint is complete; until then, an existing ``path`` stays loadable.
     """
+    partial, sharded = begin(checkpoint, path, is_writer, barrier)
+    dcp.save(sharded, checkpoint_id=partial)  # DCP fsyncs each file it writes (FileSystemWriter's sync_files)
+    # once dcp.save returns on any rank, every rank's files and DCP's .metadata are written: the ranks list the same
+    # files and checksum a share each (the page cache still holds them)
+    names = sorted(p.name for p in partial.iterdir() if p.is_file())
+    files: dict[str, dict[str, int]] = {}
+    for share in _all_gather(checkpoint_files.describe(partial, _share(names))):
+        files.update(share)
+    if is_writer:
+        finish(partial, path, files)
+    barrier()
+
+
+def begin(checkpoint: dict[str, Any], path: Path, is_writer: bool,
+          barrier: Callable[[], None]) -> tuple[Path, dict[str, Any]]:
+    """The first half of a save, every rank: ``NAME.partial`` made and its metadata written (by the writer); returns
+    it and the states DCP is to write there."""
     partial = checkpoint_files.partial_path(path)
     sharded = {"state_dict": checkpoint.pop("state_dict")}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -118,17 +135,16 @@ def save(checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Calla
         partial.mkdir(parents=True)
         checkpoint_meta.write(checkpoint, partial)
     barrier()
-    dcp.save(sharded, checkpoint_id=partial)  # DCP fsyncs each file it writes (FileSystemWriter's sync_files)
-    # once dcp.save returns on any rank, every rank's files and DCP's .metadata are written: the ranks list the same
-    # files and checksum a share each (the page cache still holds them)
-    names = sorted(p.name for p in partial.iterdir() if p.is_file())
-    files: dict[str, dict[str, int]] = {}
-    for share in _all_gather(checkpoint_files.describe(partial, _share(names))):
-        files.update(share)
-    if is_writer:
-        checkpoint_files.write_manifest(partial, files)
-        checkpoint_files.commit(partial, path)
-    barrier()
+    return partial, sharded
+
+
+def finish(partial: Path, path: Path, files: dict[str, dict[str, int]] | None = None) -> None:
+    """The last half, on the writer once every rank's files are written: the manifest (``files``, else checksummed
+    here), then the commit that gives the checkpoint its name."""
+    if files is None:
+        files = checkpoint_files.describe(partial, sorted(p.name for p in partial.iterdir() if p.is_file()))
+    checkpoint_files.write_manifest(partial, files)
+    checkpoint_files.commit(partial, path)
 
 
 # -- load ----------------------------------------------------------------------------------------------------------

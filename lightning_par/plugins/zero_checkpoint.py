@@ -104,10 +104,15 @@ def _blocks_tensor(values: Tensor, param: Tensor, piece: Piece) -> ShardedTensor
         place = [o + base for o, base in zip(offsets, offset, strict=True)]
         shards.append(Shard(view, ShardMetadata(place, list(sizes), f"rank:{rank}/{values.device}")))
         at += count
-    full = torch.Size(param.shape)
-    # a DCP-only ShardedTensor: this rank's blocks and the global size (no cross-rank metadata, no process group)
-    tensor = torch.Tensor._make_wrapper_subclass(ShardedTensor, full, dtype=values.dtype, device=values.device)
-    tensor._metadata = ShardedTensorMetadata([s.metadata for s in shards], full, TensorProperties(dtype=values.dtype))
+    return blocks_tensor(shards, torch.Size(param.shape))
+
+
+def blocks_tensor(shards: list[Shard], size: torch.Size) -> ShardedTensor:
+    """A DCP-only ShardedTensor: this rank's blocks ``shards`` of a tensor of ``size`` (no cross-rank metadata, no
+    process group)."""
+    dtype, device = shards[0].tensor.dtype, shards[0].tensor.device
+    tensor = torch.Tensor._make_wrapper_subclass(ShardedTensor, size, dtype=dtype, device=device)
+    tensor._metadata = ShardedTensorMetadata([s.metadata for s in shards], size, TensorProperties(dtype=dtype))
     tensor._local_shards = shards
     tensor._sharding_spec = None
     tensor._process_group = None

@@ -52,6 +52,7 @@ from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, check_tp_plan
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
+from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
@@ -89,6 +90,9 @@ class LayoutStrategy(ParallelStrategy):
         heartbeat_timeout: seconds after which a rank that died or froze is named and every other rank stops
             (exit code 75) instead of waiting in a collective (:mod:`lightning_par.parallel.heartbeat`); ``None``
             or 0 turns the check off.
+        async_save: sharded layouts: write checkpoints in the background with DCP's ``async_save`` (training stalls
+            only for the copy to host memory); committed atomically when complete, at most one in flight, an error
+            raised at the next save or at teardown (:mod:`lightning_par.plugins.async_checkpoint`).
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``; leave unset.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``; leave unset.
         cluster_environment: set by the Trainer (Lightning, torchrun, SLURM, ...); leave unset.
@@ -119,6 +123,7 @@ class LayoutStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
+        async_save: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -146,6 +151,12 @@ class LayoutStrategy(ParallelStrategy):
                               "turn the liveness check off.")
         self._heartbeat_timeout = heartbeat_timeout or None
         self._heartbeat: Heartbeat | None = None
+        if async_save and not self.layout.sharded_checkpoint:
+            raise LayoutError("async_save=True writes sharded (DCP) checkpoints; this layout (ZeRO stage 0 without tp "
+                              "or pp) saves one file. Use a ZeRO stage 1-3, tp or pp layout, or Lightning's "
+                              "AsyncCheckpointIO plugin for one-file checkpoints.")
+        self._async_save = async_save
+        self._async: AsyncSaver | None = None
         self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
@@ -268,6 +279,8 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = Heartbeat(self.global_rank, self.world_size, self.cluster_environment.main_address,
                                         self.cluster_environment.main_port, self._heartbeat_timeout)
             self._heartbeat.start()
+        if self._async_save and self._async is None:
+            self._async = AsyncSaver(self.is_global_zero, self.barrier)  # a process group: every rank, now
         self._agree_on_rng_state()
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
@@ -649,7 +662,10 @@ class LayoutStrategy(ParallelStrategy):
         if not self.layout.sharded_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
-        sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
+        if self._async is not None:
+            self._async.save(checkpoint, path)
+        else:
+            sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Any lightning-par checkpoint into this layout: a DCP directory from any layout (states by parameter
@@ -667,7 +683,10 @@ class LayoutStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            sharded_checkpoint.remove(Path(filepath))
+            if self._async is not None:
+                self._async.remove(Path(filepath))  # after the save in flight commits
+            else:
+                sharded_checkpoint.remove(Path(filepath))
 
     def on_exception(self, exception: BaseException) -> None:
         # a rank that fails says so, and the others stop at once naming it (a rank that died is already reported by
@@ -678,6 +697,8 @@ class LayoutStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        if self._async is not None:
+            self._async.wait()  # the last save commits (or its error is raised) before the run ends
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

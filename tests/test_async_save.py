@@ -1,0 +1,63 @@
+"""Asynchronous sharded saves: the same checkpoint as a synchronous save, committed only when complete, an error
+raised at the next save or at teardown, deletions held back until the save in flight commits. In this process (a
+gloo group of one); the launched run (ZeRO-2 on 2 ranks, resumed from an async checkpoint) is in
+tests/test_reshard.py, the stall it saves in benchmarks/checkpoint_stall.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_par.plugins import checkpoint_files, sharded_checkpoint
+from lightning_par.plugins.checkpoint_files import CheckpointError
+
+
+def _state(seed: int) -> tuple[nn.Module, dict]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    return model, {"state_dict": sharded_checkpoint.model_state(model), "global_step": seed, "epoch": 0}
+
+
+def test_an_async_save_commits_when_written_and_loads_like_a_sync_one(one_process_group, tmp_path):
+    import torch.distributed as dist
+
+    from lightning_par.plugins.async_checkpoint import AsyncSaver
+
+    saver = AsyncSaver(is_writer=True, barrier=dist.barrier)
+    model, checkpoint = _state(seed=1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    saver.save(checkpoint, tmp_path / "a.ckpt")
+    with torch.no_grad():  # training goes on while the files are written: the save holds its own copy
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.remove(tmp_path / "old.ckpt")  # Lightning's save_top_k deleting an older one: after the commit
+    (tmp_path / "old.ckpt").mkdir()
+    saver.wait()
+    assert (tmp_path / "a.ckpt" / checkpoint_files.MANIFEST).is_file() and not (tmp_path / "old.ckpt").exists()
+    assert not list(tmp_path.glob("*.partial"))
+    loaded, _ = _state(seed=2)
+    meta = sharded_checkpoint.load(tmp_path / "a.ckpt", loaded, [])
+    assert meta["global_step"] == 1
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_an_async_error_is_raised_at_the_next_save_naming_the_checkpoint(one_process_group, tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from lightning_par.plugins.async_checkpoint import AsyncSaver
+
+    saver = AsyncSaver(is_writer=True, barrier=dist.barrier)
+    saver.save(_state(seed=1)[1], tmp_path / "good.ckpt")
+    saver.wait()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_files, "write_manifest", disk_full)
+    saver.save(_state(seed=2)[1], tmp_path / "bad.ckpt")  # returns: the failure happens in the background
+    with pytest.raises(CheckpointError, match=r"asynchronous save of .*bad\.ckpt failed \(OSError: .*No space left"):
+        saver.save(_state(seed=3)[1], tmp_path / "next.ckpt")  # raised before anything of this one is written
+    monkeypatch.undo()
+    assert not (tmp_path / "bad.ckpt").exists() and (tmp_path / "good.ckpt").is_dir()  # never named, never loaded
+    saver.save(_state(seed=3)[1], tmp_path / "next.ckpt")
+    saver.wait()  # what teardown calls: raises nothing once all went well
+    assert (tmp_path / "next.ckpt" / checkpoint_files.MANIFEST).is_file()
