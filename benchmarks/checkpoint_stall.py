@@ -57,7 +57,8 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step >= args.warmup and (step - args.warmup) % args.every == 0:
+        # a save needs --window steps after it to be measured
+        if args.warmup <= step < args.steps - args.window and (step - args.warmup) % args.every == 0:
             saves.append(step)
             path = root / f"{mode}-step{step}.ckpt"
             before = time.perf_counter()

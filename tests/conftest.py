@@ -108,6 +108,7 @@ FULL_ONLY_RUNS = {
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
     "tests/test_checkpoint_safety.py::test_sigkill_of_every_rank_mid_save",
+    "tests/test_faults.py::test_a_killed_rank_is_named_at_once_and_the_job_resumes",
     "tests/test_checkpoint_safety.py::test_a_stage0_single_file_checkpoint_resumes_under_zero3",
     "tests/test_hybrid3d.py::test_a_3d_checkpoint_resumes",
     "tests/test_hybrid3d.py::test_layouts_the_model_cannot_take",

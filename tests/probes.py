@@ -81,15 +81,16 @@ class DieAt(pl.Callback):
 
 class FreezeAt(pl.Callback):
     """Freeze one rank (SIGSTOP: alive, holding its sockets, answering nothing) when it starts a given training step;
-    its pid and the time go to ``path`` first, so the test can measure the others' reaction and kill it after."""
+    its pid and the time go to ``path`` first, so the test can measure the others' reaction and kill it after.
+    ``sig="SIGKILL"`` kills it instead."""
 
-    def __init__(self, rank: int, step: int, path: str) -> None:
-        self.rank, self.step, self.path = rank, step, path
+    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGSTOP") -> None:
+        self.rank, self.step, self.path, self.sig = rank, step, path, getattr(signal, sig)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             Path(self.path).write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), self.sig)
 
 
 class GradNorms(pl.Callback):

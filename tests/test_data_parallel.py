@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -101,3 +102,6 @@ def test_a_dead_rank_does_not_leave_the_others_hanging(tmp_path, cache_dir):
     run = launch_cli(tmp_path, cache_dir, args, devices=2, timeout=240)
     assert run.returncode not in (0, -9), "the survivors should exit with an error, not finish or hang"
     assert run.seconds < 180
+    # named: by the heartbeat (its /proc check, as soon as rank 0's collective fails) or else by Lightning's launcher
+    assert re.search(r"lightning-par: rank 1 \(\S+, pid \d+\) died|\[rank: 1\] Child process with PID \d+ "
+                     r"terminated with code 17", run.log)

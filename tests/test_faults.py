@@ -2,12 +2,13 @@
 and the job resumes from its last checkpoint with the losses of an uninterrupted run.
 
 A frozen rank (SIGSTOP) is the hard case: it holds its sockets open, so the others' collectives neither fail nor
-return until the process group's timeout (30 minutes by default). A killed rank is reported at once by the launcher
-(Lightning's, or torchrun's agent) and its peers' collectives fail at once: tests/test_data_parallel.py checks that.
+return until the process group's timeout (30 minutes by default). A killed rank's peers' collectives fail at once, and
+they name it (the heartbeat finds its process gone) before they stop.
 """
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -43,10 +44,40 @@ def test_a_frozen_rank_is_named_and_the_others_stop_within_the_bound_then_the_jo
     reaction = ended - json.loads(frozen.read_text())["time"]
     print(f"rank 1 frozen at step 12: rank 0 stopped {reaction:.1f} s later (bound {BOUND:g} s), exit {run.returncode}")
     assert run.returncode == EXIT_CODE, run.log[-3000:]
-    assert "lightning-par: rank 1 stopped answering: it sent no heartbeat for" in run.log
+    assert re.search(r"lightning-par: rank 1 \(\S+, pid \d+\) stopped answering: it sent no heartbeat for", run.log)
     # its last beat came up to one interval (bound / 6) before the freeze; then the watcher needs one interval more
     assert BOUND - BOUND / 6 <= reaction <= BOUND + 10
     # the checkpoint of step 10 (the last one written) continues as if nothing happened
+    resumed = launch_cli(tmp_path / "resumed", cache_dir,
+                         [*job(GLOBAL_BATCH // 2), *ZERO2, f"--ckpt_path={run.root / 'ckpt' / 'epoch=0-step=10.ckpt'}"],
+                         devices=2).check()
+    diff = max_rel_diff(resumed.losses(), runs("zero2_dp2").losses()[EPOCH_STEPS:])
+    print(f"resumed at step {EPOCH_STEPS}: within {diff:.2e} of the uninterrupted run")
+    assert diff <= 1e-6
+
+
+def test_a_killed_rank_is_named_at_once_and_the_job_resumes(tmp_path, cache_dir, runs):
+    """ZeRO-2 on 2 ranks, bound 10 s; rank 1 is SIGKILLed at step 12. Rank 0's collective fails at once; it names
+    rank 1 (found dead in /proc on this host; on another host the heartbeat names it within the bound) and stops with
+    exit code 75, before Lightning's launcher (which polls its children every 5 s) kills it without a word."""
+    killed = tmp_path / "killed.json"
+    args = [*job(GLOBAL_BATCH // 2), *ZERO2, f"--trainer.strategy.heartbeat_timeout={BOUND}",
+            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={tmp_path / 'run' / 'ckpt'}",
+            "--trainer.callbacks+=tests.probes.FreezeAt", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=12",
+            f"--trainer.callbacks.path={killed}", "--trainer.callbacks.sig=SIGKILL"]
+    run = launch_cli(tmp_path / "run", cache_dir, args, devices=2, timeout=180)
+    reaction = time.time() - json.loads(killed.read_text())["time"]
+    pid = json.loads(killed.read_text())["pid"]
+    print(f"rank 1 killed at step 12: rank 0 stopped {reaction:.1f} s later (bound {BOUND:g} s), exit {run.returncode}")
+    # the heartbeat looks every bound/6 s, Lightning's launcher every 5 s: whichever comes first names rank 1
+    by_heartbeat = re.search(rf"lightning-par: rank 1 \(\S+, pid {pid}\) died \(its process is gone\)", run.log)
+    by_launcher = f"[rank: 1] Child process with PID {pid} terminated with code -9" in run.log
+    print(f"named by {'the heartbeat' if by_heartbeat else 'the launcher' if by_launcher else 'nobody'}")
+    assert (by_heartbeat and run.returncode == EXIT_CODE) or (by_launcher and run.returncode == -9), run.log[-3000:]
+    assert reaction <= BOUND / 2  # found at once, not by waiting out the bound (the launcher's wind-down included)
+    assert not list((run.root / "ckpt").glob("*.partial")) and sorted(p.name for p in (run.root / "ckpt").iterdir()) \
+        == ["epoch=0-step=10.ckpt"]
     resumed = launch_cli(tmp_path / "resumed", cache_dir,
                          [*job(GLOBAL_BATCH // 2), *ZERO2, f"--ckpt_path={run.root / 'ckpt' / 'epoch=0-step=10.ckpt'}"],
                          devices=2).check()

@@ -692,6 +692,7 @@ class LayoutStrategy(ParallelStrategy):
         # a rank that fails says so, and the others stop at once naming it (a rank that died is already reported by
         # the launcher -- Lightning's, or torchrun's agent -- and its collectives fail here at once)
         if self._heartbeat is not None:
+            self._heartbeat.name_lost_peer(exception)  # a failed collective: name the lost rank and stop (exit 75)
             self._heartbeat.stop(failed=True)
             self._heartbeat = None
         super().on_exception(exception)
