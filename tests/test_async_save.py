@@ -1,10 +1,15 @@
 """Asynchronous sharded saves: the same checkpoint as a synchronous save, committed only when complete, an error
-raised at the next save or at teardown, deletions held back until the save in flight commits. In this process (a
-gloo group of one); the launched run (ZeRO-2 on 2 ranks, resumed from an async checkpoint) is in
+raised at the next save or at teardown, deletions held back until the save in flight commits. Each case runs in a
+spawned process of its own with a gloo group of one: DCP's background threads and the saver's process group then
+end with it, not in pytest's process. The launched run (ZeRO-2 on 2 ranks, resumed from an async checkpoint) is in
 tests/test_reshard.py, the stall it saves in benchmarks/checkpoint_stall.py."""
+
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint
@@ -17,20 +22,29 @@ def _state(seed: int) -> tuple[nn.Module, dict]:
     return model, {"state_dict": sharded_checkpoint.model_state(model), "global_step": seed, "epoch": 0}
 
 
-def test_an_async_save_commits_when_written_and_loads_like_a_sync_one(one_process_group, tmp_path):
-    import torch.distributed as dist
+def _in_a_process_of_its_own(case, tmp_path: Path) -> None:
+    mp.spawn(_run, args=(case, str(tmp_path)), nprocs=1, join=True)
 
+
+def _run(rank: int, case, root: str) -> None:
     from lightning_par.plugins.async_checkpoint import AsyncSaver
 
-    saver = AsyncSaver(is_writer=True, barrier=dist.barrier)
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=0, world_size=1)
+    try:
+        case(AsyncSaver(is_writer=True, barrier=dist.barrier), Path(root))
+    finally:
+        dist.destroy_process_group()
+
+
+def _commits_when_written(saver, tmp_path: Path) -> None:
     model, checkpoint = _state(seed=1)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     saver.save(checkpoint, tmp_path / "a.ckpt")
     with torch.no_grad():  # training goes on while the files are written: the save holds its own copy
         for p in model.parameters():
             p.add_(1.0)
-    saver.remove(tmp_path / "old.ckpt")  # Lightning's save_top_k deleting an older one: after the commit
     (tmp_path / "old.ckpt").mkdir()
+    saver.remove(tmp_path / "old.ckpt")  # Lightning's save_top_k deleting an older one: after the commit
     saver.wait()
     assert (tmp_path / "a.ckpt" / checkpoint_files.MANIFEST).is_file() and not (tmp_path / "old.ckpt").exists()
     assert not list(tmp_path.glob("*.partial"))
@@ -40,24 +54,30 @@ def test_an_async_save_commits_when_written_and_loads_like_a_sync_one(one_proces
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())
 
 
-def test_an_async_error_is_raised_at_the_next_save_naming_the_checkpoint(one_process_group, tmp_path, monkeypatch):
-    import torch.distributed as dist
-
-    from lightning_par.plugins.async_checkpoint import AsyncSaver
-
-    saver = AsyncSaver(is_writer=True, barrier=dist.barrier)
+def _error_at_the_next_save(saver, tmp_path: Path) -> None:
     saver.save(_state(seed=1)[1], tmp_path / "good.ckpt")
     saver.wait()
+    real = checkpoint_files.write_manifest
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_files, "write_manifest", disk_full)
-    saver.save(_state(seed=2)[1], tmp_path / "bad.ckpt")  # returns: the failure happens in the background
-    with pytest.raises(CheckpointError, match=r"asynchronous save of .*bad\.ckpt failed \(OSError: .*No space left"):
-        saver.save(_state(seed=3)[1], tmp_path / "next.ckpt")  # raised before anything of this one is written
-    monkeypatch.undo()
+    checkpoint_files.write_manifest = disk_full
+    try:
+        saver.save(_state(seed=2)[1], tmp_path / "bad.ckpt")  # returns: the failure happens in the background
+        with pytest.raises(CheckpointError, match=r"asynchronous save of .*bad\.ckpt failed \(OSError: .*No space"):
+            saver.save(_state(seed=3)[1], tmp_path / "next.ckpt")  # raised before anything of this one is written
+    finally:
+        checkpoint_files.write_manifest = real
     assert not (tmp_path / "bad.ckpt").exists() and (tmp_path / "good.ckpt").is_dir()  # never named, never loaded
     saver.save(_state(seed=3)[1], tmp_path / "next.ckpt")
     saver.wait()  # what teardown calls: raises nothing once all went well
     assert (tmp_path / "next.ckpt" / checkpoint_files.MANIFEST).is_file()
+
+
+def test_an_async_save_commits_when_written_and_loads_like_a_sync_one(tmp_path):
+    _in_a_process_of_its_own(_commits_when_written, tmp_path)
+
+
+def test_an_async_error_is_raised_at_the_next_save_naming_the_checkpoint(tmp_path):
+    _in_a_process_of_its_own(_error_at_the_next_save, tmp_path)

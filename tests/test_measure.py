@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -148,6 +149,11 @@ def _two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
         report["ddp"] = _counted(c)
         # averaged as without the hook: both ranks hold the same gradient, the mean of their own
         report["ddp_grad"] = ddp.module[0].bias.grad.tolist()
+        # DDP's reducer and FSDP2's state hold the process group: let them go, and every rank finish its work, before
+        # the group is destroyed (else a gloo thread can outlive it and abort the process at exit)
+        del ddp, model
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
