@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.harness import Run, launch_cli, launch_matrix, launch_torchrun
+from tests.harness import Run, close_process_group, launch_cli, launch_matrix, launch_torchrun
 
 PARITY_STEPS = 20
 EPOCH_STEPS = 10  # two short epochs: checkpoints at the epoch boundary make resumption exact
@@ -162,7 +162,7 @@ def one_process_group(tmp_path):
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        close_process_group()
 
 
 @pytest.fixture(scope="session")

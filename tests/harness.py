@@ -175,3 +175,16 @@ def launch_matrix(root: Path, cache_dir: Path, module: str, args: list[str], npr
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"different number of steps: {len(a)} vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def close_process_group() -> None:
+    """End a worker's process group: collect the DDP / FSDP2 objects that still hold it (often in reference cycles)
+    and let every rank finish first -- a gloo thread that outlives its group aborts the process at exit ("terminate
+    called without an active exception")."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

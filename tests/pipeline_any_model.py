@@ -27,6 +27,7 @@ from example_models import HFCausalLMLightningModule, causal_lm_loss
 from lightning_par.parallel.blocks import find_blocks
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
+from tests.harness import close_process_group
 
 SEED = 1234
 STEPS = 20
@@ -366,8 +367,7 @@ def main() -> None:
                   f"{results[name]['pipeline'][:2]} vs {results[name]['reference'][:2]}", flush=True)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

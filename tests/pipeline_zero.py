@@ -34,6 +34,7 @@ from lightning_par.parallel.blocks import find_blocks
 from lightning_par.parallel.pipeline.fsdp import fsdp_group_count, fully_shard_stages
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+from tests.harness import close_process_group
 
 SEED = 1234
 STEPS = 20
@@ -242,8 +243,7 @@ def main() -> None:
             print(f"{name}: {entry['wall']:.1f}s", flush=True)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

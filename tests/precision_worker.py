@@ -32,6 +32,7 @@ from lightning_par.data import TextDataModule
 from lightning_par.parallel.gradient_sync import choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.plugins.precision import LayoutPrecision
+from tests.harness import close_process_group
 
 LOSS_STEPS = 50
 FITS = {"fp32_zero0": ("32-true", 0), "bf16_zero0": ("bf16-mixed", 0), "bf16_zero1": ("bf16-mixed", 1),
@@ -157,8 +158,7 @@ def main() -> None:
         result["losses"][name] = fit(args.cache, *FITS[name])
     if dist.get_rank() == 0:
         Path(args.root, "precision.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

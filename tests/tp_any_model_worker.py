@@ -35,6 +35,7 @@ from example_models.gpt import causal_lm_loss
 from example_models.gpt2 import GPT2, GPT2Config
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_par.topology import LayoutError
+from tests.harness import close_process_group
 
 
 class DropoutMLP(nn.Module):
@@ -279,7 +280,7 @@ def main(out_dir: str) -> None:
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from lightning_par.measure import CommCounter, local_numel, state_bytes
 from lightning_par.parallel.grad_norm import global_grad_norm
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_par.parallel.zero import ZeroPartitioner
+from tests.harness import close_process_group
 
 LAYERS = 4
 SEQ = 32
@@ -325,8 +326,7 @@ def main() -> None:
     result["pp_seconds"] = time.perf_counter() - start
 
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

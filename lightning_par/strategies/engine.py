@@ -698,16 +698,18 @@ class LayoutStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        if self._async is not None:
-            self._async.wait()  # the last save commits (or its error is raised) before the run ends
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._pipeline is not None and self.lightning_module is not None:
-            self.lightning_module.trainer.fit_loop._skip_backward = False
-        if self.model is not None:
-            self.model = self._gradient_sync.unwrap(self.model)
-        super().teardown()
+        try:
+            if self._async is not None:
+                self._async.wait()  # the last save commits (or its error is raised) before the run ends
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
+            if self._pipeline is not None and self.lightning_module is not None:
+                self.lightning_module.trainer.fit_loop._skip_backward = False
+            if self.model is not None:
+                self.model = self._gradient_sync.unwrap(self.model)
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
