@@ -34,6 +34,7 @@ class Case:
     dp: int
     source: str | None = None
     precision: str = "32-true"
+    link_last: bool = False  # also ModelCheckpoint(save_last="link", save_top_k=1) in NAME/linked
 
 
 CASES: dict[str, Case] = {
@@ -54,7 +55,7 @@ CASES: dict[str, Case] = {
     "zero1_dp2_to_3d": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1,
                             "zero1_dp2"),
     # checkpoints written in the background (DCP async_save), resumed synchronously
-    "zero2_async_dp2": Case(lambda: ZeroStrategy(stage=2, async_save=True), 2, 2),
+    "zero2_async_dp2": Case(lambda: ZeroStrategy(stage=2, async_save=True), 2, 2, link_last=True),
     "zero2_async_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_async_dp2"),
     # bf16-mixed ZeRO-2: the fp32 master weights (not the bf16 parameters) are saved and restored
     "zero2_bf16_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, precision="bf16-mixed"),
@@ -74,6 +75,9 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // case.dp,
                           cache_dir=cache)
     keep = [ModelCheckpoint(dirpath=root / name / "ckpt", save_top_k=-1)] if case.source is None else []
+    if case.link_last:
+        keep.append(ModelCheckpoint(dirpath=root / name / "linked", save_top_k=1, save_last="link",
+                                    every_n_train_steps=EPOCH_STEPS))  # (a state key of its own)
     trainer = pl.Trainer(
         accelerator="cpu", devices=case.devices, strategy=case.strategy(), precision=case.precision,
         max_steps=PARITY_STEPS,

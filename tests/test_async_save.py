@@ -1,9 +1,12 @@
 """Asynchronous sharded saves: the same checkpoint as a synchronous save, committed only when complete, an error
-raised at the next save or at teardown, deletions held back until the save in flight commits. Each case runs in a
-spawned process of its own with a gloo group of one: DCP's background threads and the saver's process group then
-end with it, not in pytest's process. The launched run (ZeRO-2 on 2 ranks, resumed from an async checkpoint) is in
-tests/test_reshard.py, the stall it saves in benchmarks/checkpoint_stall.py."""
+raised at the next save or at teardown, deletions and the ``last`` link held back until the save in flight commits.
+Each case runs in a spawned process of its own with a gloo group of one: DCP's background threads and the saver's
+process group then end with it, not in pytest's process. The launched run (ZeRO-2 on 2 ranks, resumed from an async
+checkpoint, with a ``save_last="link"`` callback) is in tests/test_reshard.py, the stall it saves in
+benchmarks/checkpoint_stall.py."""
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,9 +78,48 @@ def _error_at_the_next_save(saver, tmp_path: Path) -> None:
     assert (tmp_path / "next.ckpt" / checkpoint_files.MANIFEST).is_file()
 
 
+def _last_links_after_the_commit(saver, tmp_path: Path) -> None:
+    """ModelCheckpoint(save_last="link", save_top_k=1) under async saves: until the new save commits, ``last`` names
+    the previous checkpoint, which is kept; then ``last`` names the new one and the previous goes."""
+    last = tmp_path / "last.ckpt"
+    saver.save(_state(seed=1)[1], tmp_path / "a.ckpt")
+    saver.wait()
+    saver.link(tmp_path / "a.ckpt", last)
+    assert os.readlink(last) == "a.ckpt"
+    gate, real = threading.Event(), sharded_checkpoint.finish
+
+    def held(*args):  # the commit waits until the test has looked at the window
+        gate.wait(timeout=60)
+        real(*args)
+
+    sharded_checkpoint.finish = held
+    try:
+        saver.save(_state(seed=2)[1], tmp_path / "b.ckpt")
+        saver.link(tmp_path / "b.ckpt", last)  # what Lightning does as soon as the save returns
+        saver.remove(tmp_path / "a.ckpt")  # save_top_k=1
+        # the files are written but not committed: a crash now must leave `last` naming a complete checkpoint
+        assert os.readlink(last) == "a.ckpt" and (tmp_path / "a.ckpt" / checkpoint_files.MANIFEST).is_file()
+        assert not (tmp_path / "b.ckpt").exists()
+        gate.set()
+        saver.wait()
+    finally:
+        gate.set()
+        sharded_checkpoint.finish = real
+    assert os.readlink(last) == "b.ckpt" and not (tmp_path / "a.ckpt").exists()
+    assert not list(tmp_path.glob("*.partial"))
+    loaded, _ = _state(seed=3)
+    assert sharded_checkpoint.load(last, loaded, [])["global_step"] == 2
+    saver.link(tmp_path / "b.ckpt", last)  # nothing in flight: at once, and replacing a link is atomic
+    assert os.readlink(last) == "b.ckpt"
+
+
 def test_an_async_save_commits_when_written_and_loads_like_a_sync_one(tmp_path):
     _in_a_process_of_its_own(_commits_when_written, tmp_path)
 
 
 def test_an_async_error_is_raised_at_the_next_save_naming_the_checkpoint(tmp_path):
     _in_a_process_of_its_own(_error_at_the_next_save, tmp_path)
+
+
+def test_last_links_to_an_async_save_only_once_it_commits(tmp_path):
+    _in_a_process_of_its_own(_last_links_after_the_commit, tmp_path)

@@ -7,9 +7,12 @@ moments and step, the schedule and the data position all survive the move. Launc
 (1 rank, then 2), after the 3D matrix's 4-rank launch, then a third on 4 ranks (one file and ZeRO-1 into 3D).
 """
 
+import os
+
 import pytest
 
 from tests.conftest import EPOCH_STEPS, PARITY_STEPS
+from lightning_par.plugins import checkpoint_files
 from tests.harness import Run, launch_matrix, max_rel_diff
 from tests.reshard_matrix import CASES
 
@@ -50,6 +53,16 @@ def test_the_sources_match_one_process(reshard, runs, name):
     """The sources themselves: one process under a lightning-par strategy sees Lightning's single-process batches."""
     diff = max_rel_diff(reshard(name).losses(), runs("single").losses())
     assert len(reshard(name).losses()) == PARITY_STEPS and diff <= LOSS_RTOL
+
+
+def test_async_saves_link_last_to_the_newest_complete_checkpoint(reshard):
+    """ModelCheckpoint(save_last="link", save_top_k=1) beside async saves: after the run, ``last`` is a link to the
+    step-20 checkpoint, complete (manifest written), and the only one kept."""
+    linked = reshard("zero2_async_dp2").root / "linked"
+    last = linked / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == f"epoch=1-step={PARITY_STEPS}.ckpt", os.listdir(linked)
+    assert (last / checkpoint_files.MANIFEST).is_file()
+    assert sorted(os.listdir(linked)) == [f"epoch=1-step={PARITY_STEPS}.ckpt", "last.ckpt"]
 
 
 @pytest.mark.parametrize("name", RESUMES)

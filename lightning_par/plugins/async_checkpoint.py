@@ -7,7 +7,8 @@ writer rank, the checksums, the manifest and the rename happen there, in the sam
 name only then, so ``last`` never names an incomplete one. At most one save is in flight: the next save, and the
 strategy's teardown, first wait for it and raise its error, naming the checkpoint. Checkpoints Lightning asks to
 delete while a save is in flight (``save_top_k``) are deleted after that save commits, so a crash never leaves fewer
-complete checkpoints than the user kept.
+complete checkpoints than the user kept; a ``last`` link to the save in flight (``save_last="link"``) is made when it
+commits, so until then ``last`` still names the previous, complete one.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class AsyncSaver:
         self._committed.set()
         self._error: BaseException | None = None
         self._removals: list[Path] = []
+        self._links: list[Path] = []  # links to make to the save in flight once it commits
+        self._uncommitted: Path | None = None  # the writer's save in flight: links to it and deletions wait
+        self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> bool:
@@ -56,6 +60,8 @@ class AsyncSaver:
         self._future, self._path = future, path
         if self.is_writer:
             self._committed.clear()
+            with self._lock:
+                self._uncommitted = path
             future.add_done_callback(lambda done: self._commit(done, partial, path))
 
     def _commit(self, done: Future, partial: Path, path: Path) -> None:
@@ -63,20 +69,41 @@ class AsyncSaver:
         try:
             done.result()
             sharded_checkpoint.finish(partial, path)
-            for old in self._removals:
-                checkpoint_files.remove(old)
-            self._removals.clear()
+            committed = True
         except BaseException as err:  # noqa: BLE001 -- kept for the next save or teardown, which raise it
-            self._error = err
+            self._error, committed = err, False
+        with self._lock:  # the lock covers only the hand-over: the training thread never waits on the checksums
+            links, self._links = self._links, []  # a failed save is never linked
+            if committed:  # deletions held back wait for a save that commits
+                removals, self._removals = self._removals, []
+            else:
+                removals = []
+            self._uncommitted = None  # from here a link or deletion asked for happens at once
+        try:
+            for link in links:  # ``last`` names the new checkpoint before the older ones go
+                checkpoint_files.link(path, link)
+            for old in removals:
+                checkpoint_files.remove(old)
+        except BaseException as err:  # noqa: BLE001
+            self._error = self._error or err
         finally:
             self._committed.set()
 
     def remove(self, path: Path) -> None:
         """Delete a checkpoint now, or after the save in flight commits."""
-        if self.in_flight and not self._committed.is_set():
-            self._removals.append(path)
-        else:
-            checkpoint_files.remove(path)
+        with self._lock:
+            if self._uncommitted is not None:
+                self._removals.append(path)
+                return
+        checkpoint_files.remove(path)
+
+    def link(self, target: Path, link_path: Path) -> None:
+        """Point ``link_path`` at ``target`` now, or, if ``target`` is the save in flight, when it commits."""
+        with self._lock:
+            if self._uncommitted == target:
+                self._links.append(link_path)
+                return
+        checkpoint_files.link(target, link_path)
 
     def wait(self) -> None:
         """Block until the save in flight is written (and, on the writer, committed); raise its error, if any."""

@@ -61,6 +61,19 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def link(target: Path, link_path: Path) -> None:
+    """Point ``link_path`` (``last.ckpt`` under ``ModelCheckpoint(save_last="link")``) at ``target``, atomically: the
+    new link is made beside and renamed over the old, so a crash leaves one or the other, never neither (Lightning
+    deletes the old link first)."""
+    if link_path.is_dir() and not link_path.is_symlink():  # a full copy an earlier ``save_last=True`` left
+        shutil.rmtree(link_path)
+    fresh = link_path.with_name(link_path.name + ".link.partial")
+    remove(fresh)
+    os.symlink(os.path.relpath(target, link_path.parent), fresh)
+    os.replace(fresh, link_path)
+    _fsync_dir(link_path.parent)
+
+
 def resolve(path: Path) -> Path:
     """``path``, or its moved-aside predecessor when a crash between the two renames of :func:`commit` left only it."""
     aside = aside_path(path)

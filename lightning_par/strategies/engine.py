@@ -30,6 +30,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -315,6 +316,7 @@ class LayoutStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._log_blocks()
+        self._own_last_links(trainer)
         if self.dims.tp > 1:
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
             # size tp does not divide is refused on every rank alike, before any collective
@@ -680,6 +682,26 @@ class LayoutStrategy(ParallelStrategy):
         if self._partitioner is None:  # ZeRO-1/2: the load filled the shards and gathered them into the buckets
             self._gradient_sync.after_load()
         return meta
+
+    def _own_last_links(self, trainer: Trainer) -> None:
+        """Make ``ModelCheckpoint(save_last="link")``'s ``last`` link through :meth:`_link_last`. Lightning links
+        as soon as ``save_checkpoint`` returns, deleting the old link first; under ``async_save`` the new checkpoint
+        does not exist yet, so a crash then would leave ``last`` naming nothing and ``ckpt_path="last"`` would start
+        over from step 0. Lightning has no hook for this, hence the callback's (static) method is replaced."""
+        if not self.layout.sharded_checkpoint:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
+                callback._link_checkpoint = self._link_last  # type: ignore[method-assign]
+
+    def _link_last(self, trainer: Trainer, filepath: str, linkpath: str) -> None:
+        """Point ``linkpath`` at ``filepath`` atomically, once ``filepath`` is committed (at once for a sync save)."""
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if self._async is not None:
+                self._async.link(Path(filepath), Path(linkpath))
+            else:
+                checkpoint_files.link(Path(filepath), Path(linkpath))
+        self.barrier()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
