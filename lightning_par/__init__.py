@@ -7,9 +7,9 @@ Importing the package registers its strategy names with Lightning's ``StrategyRe
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par.parallel.layout import Layout
-from lightning_par.plugins.checkpoint_export import FromPretrained
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
+from lightning_par.plugins.pretrained import FromPretrained
 from lightning_par.strategies import (
     ALL_STRATEGIES,
     Hybrid3DStrategy,

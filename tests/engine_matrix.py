@@ -40,8 +40,10 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
     # every rank draws the same weights: each pipeline stage then holds the single process's values for its units
     "pp2_dp2_seeded": (dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH // 2),
 }
-#: layouts whose stages are drawn by different ranks: replicas agree, but the model is not the single process's
-PER_STAGE_DRAWS = ("pp2_dp2",)
+#: layouts whose stages are drawn by different ranks: replicas agree, but the model is not the single process's.
+#: None since issue 17: a layout that splits parameters builds the model deferred, and every rank replays global
+#: rank 0's draws, so pp2_dp2's stages hold the single process's values too.
+PER_STAGE_DRAWS: tuple[str, ...] = ()
 
 
 def _checksums(module: torch.nn.Module) -> dict[str, float]:
@@ -90,7 +92,9 @@ class ReplicaCheck(pl.Callback):
         dist.all_gather_object(initial, pl_module.initial)
         now = _checksums(pl_module)
         coords = strategy.coordinates
-        source = strategy.dims.rank_of(pp=coords["pp"], dp=0, tp=0)  # where the engine broadcasts from
+        # where the values come from: global rank 0 (a broadcast over dp and tp from the replica of rank 0, or, for
+        # a model built deferred, rank 0's random draws replayed on every rank)
+        source = 0
         errors = [abs(now[n] - initial[source][n]) / max(abs(initial[source][n]), 1e-12) for n in now]
         differs = sum(initial[0][n] != initial[1][n] for n in initial[0])  # whether the ranks drew different weights
         self.report.update(max_rel_err=max(errors), n_params=len(errors), params_differing_at_init=differs,

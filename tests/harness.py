@@ -180,11 +180,20 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
 def close_process_group() -> None:
     """End a worker's process group: collect the DDP / FSDP2 objects that still hold it (often in reference cycles)
     and let every rank finish first -- a gloo thread that outlives its group aborts the process at exit ("terminate
-    called without an active exception")."""
+    called without an active exception").
+
+    Then drop DTensor's sharding-propagation caches, which are process-wide and outlive the group: their cached
+    output specs hold the DeviceMesh objects of this group (and through their root mesh, its process groups). A
+    DeviceMesh compares and hashes by ranks, layout and dimension names only, so a later group's DTensor op on an
+    equal mesh (``nn.Parameter(DTensor)`` runs ``aten.detach``) is handed the old mesh object back, with the old root
+    mesh: a test of the same process would then see meshes of a group already destroyed (``_get_root_mesh()`` of
+    the previous test's ``(dp, tp)`` mesh instead of its own)."""
     import gc
 
     import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    _clear_sharding_prop_cache()

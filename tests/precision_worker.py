@@ -31,6 +31,7 @@ from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
 from lightning_par.parallel.gradient_sync import choose_gradient_sync
 from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.parallelize import ModelParts
 from lightning_par.plugins.precision import LayoutPrecision
 from tests.harness import close_process_group
 
@@ -84,6 +85,7 @@ def measure_state(stage: int, dp_mesh) -> dict:
     numel = sum(p.numel() for p in model.parameters())
     sync = choose_gradient_sync(Layout(dp=2, zero_stage=stage), dp_mesh, fitting=True,
                                 precision=plugin.shard_precision(stage))
+    sync.shard(ModelParts(root=model, stages=[model], blocks=[]))
     wrapped = sync.wrap(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sync.attach(model, [optimizer])

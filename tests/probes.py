@@ -192,15 +192,46 @@ class StateReport(pl.Callback):
         (self.path / f"state_rank{trainer.global_rank}.json").write_text(json.dumps(self.report, indent=1))
 
 
-class FitStartMemory(pl.Callback):
-    """Write ``fit_start_rank{N}.json``: this rank's peak resident set size when ``on_fit_start`` runs."""
+def _peak_since_reset() -> int:
+    """VmHWM: the peak resident size since the process started or since ``/proc/self/clear_refs`` was given 5."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
 
-    def __init__(self, path: str) -> None:
+
+class FitStartMemory(pl.Callback):
+    """Write ``fit_start_rank{N}.json``: this rank's peak resident set size when ``on_fit_start`` runs
+    (``max_rss_bytes``), its resident size when ``setup`` runs, before ``configure_model`` (``setup_rss_bytes``), its
+    peak from then to fit start (``peak_since_setup_bytes``), the
+    parameters it holds (``local_parameters``, a DTensor's local shard) and the whole model's parameter bytes
+    (``model_bytes``, the full tensors it holds a piece of)."""
+
+    def __init__(self, path: str, stop: bool = False) -> None:
         self.path = Path(path)
+        self.stop = stop  # end the fit there (memory benchmarks: no step is needed)
+        self.setup_rss = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        try:  # a library's import is not the model's memory: the example HF module imports it in configure_model
+            import transformers.models.llama.modeling_llama  # noqa: F401
+        except ImportError:
+            pass
+        with open("/proc/self/statm") as statm:
+            self.setup_rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        # the peak from here on: rank 0's data preparation (before setup) may have peaked higher than anything after
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the current resident size
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        from torch.distributed.tensor import DTensor
+
         self.path.mkdir(parents=True, exist_ok=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        params = sum(p.numel() for p in pl_module.parameters() if not p.is_meta)
-        (self.path / f"fit_start_rank{trainer.global_rank}.json").write_text(
-            json.dumps({"max_rss_bytes": peak, "local_parameters": params}))
+        params = list({id(p): p for p in pl_module.parameters()}.values())
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        (self.path / f"fit_start_rank{trainer.global_rank}.json").write_text(json.dumps({
+            "max_rss_bytes": peak, "setup_rss_bytes": self.setup_rss, "peak_since_setup_bytes": _peak_since_reset(),
+            "local_parameters": sum(t.numel() for t in local if not t.is_meta),
+            "model_bytes": sum(p.numel() * p.element_size() for p in params),
+            "materialized": getattr(trainer.strategy, "materialized", {})}))
+        if self.stop:
+            trainer.should_stop = True

@@ -25,6 +25,7 @@ from lightning_par.plugins import sharded_checkpoint
 from lightning_par.plugins.checkpoint_export import (
     export_safetensors,
     load_pretrained,
+    parse_size,
     read_hyperparameters,
     read_model_state,
 )
@@ -129,6 +130,99 @@ def test_export_hf_needs_the_model_class_and_casts(tmp_path, capsys):
     assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.bfloat16}
 
 
+def _shard_names(directory) -> dict[str, list[str]]:
+    """Each weight file of a save_pretrained directory -> the tensor names it holds (read from its header)."""
+    from safetensors import safe_open
+
+    names = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names[file.name] = list(handle.keys())  # noqa: SIM118 (a safe_open handle)
+    return names
+
+
+@pytest.mark.parametrize(("fmt", "tied"), [("dcp", False), ("single_file", True)])
+def test_export_hf_in_shards_with_the_index_save_pretrained_writes(tmp_path, fmt, tied):
+    from transformers import AutoModelForCausalLM
+
+    lm = _built(HFLlamaLightningModule, 0, tie_embeddings=tied, **TINY_HF)
+    ckpt = tmp_path / "hf.ckpt"
+    if fmt == "dcp":
+        _save_dcp(lm, ckpt, class_path=HF_CLASS)
+    else:
+        _save_single_file(lm, ckpt)
+    out = tmp_path / "hf_out"
+    command = ["export", str(ckpt), str(out), "--hf", "--model-class", HF_CLASS]
+    cli_main(command)  # the default 5GB: one model.safetensors, no index, as save_pretrained writes a small model
+    assert sorted(_shard_names(out)) == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    cli_main([*command, "--max-shard-size", "100KB"])  # into the same directory: the former weight file goes
+    files = _shard_names(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    # Hugging Face's own save_pretrained of the same model, split at the same size: the same files and index
+    lm.model.save_pretrained(tmp_path / "reference", max_shard_size="100KB")
+    reference = json.loads((tmp_path / "reference" / "model.safetensors.index.json").read_text())
+    assert index == reference
+    assert files == _shard_names(tmp_path / "reference")
+    n = len(files)
+    assert n >= 4 and sorted(files) == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    # every tensor once, in the file the index names; total_size is the tensor bytes of all files
+    held = [name for names in files.values() for name in names]
+    assert sorted(held) == sorted(index["weight_map"]) and len(held) == len(set(held))
+    assert all(name in files[file] for name, file in index["weight_map"].items())
+    saved = {k: v for k, v in lm.model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert set(held) == set(saved)  # a tied head is left out, as save_pretrained leaves it out
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved.values())
+    for file, names in files.items():
+        shard = load_file(out / file)
+        assert len(names) == 1 or sum(t.numel() * t.element_size() for t in shard.values()) <= 100_000
+        assert all(torch.equal(shard[name], saved[name]) for name in names)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    with torch.no_grad():
+        assert _max_diff(model(TOKENS).logits, lm(TOKENS)) <= 1e-6
+
+
+def test_max_shard_size_values_and_where_the_option_applies(tmp_path, capsys):
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1000") == 1000 and parse_size(" 1.5 kb ") == 1500 and parse_size(123) == 123
+    for bad in ("5XB", "-1MB", "0", "MB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    lm = _built(GPTLightningModule, 0, preset="tiny", n_layers=2)
+    _save_dcp(lm, tmp_path / "gpt.ckpt")
+    with pytest.raises(SystemExit) as err:
+        cli_main(["export", str(tmp_path / "gpt.ckpt"), str(tmp_path / "gpt.safetensors"), "--max-shard-size", "1MB"])
+    assert err.value.code == 2 and "--max-shard-size applies with --hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["export", str(tmp_path / "gpt.ckpt"), str(tmp_path / "hf"), "--hf", "--max-shard-size", "5XB"])
+    assert "not a size" in capsys.readouterr().err
+
+
+#: ~35M parameters (132 MiB in fp32) in 75 tensors, the largest 8 MiB: the memory test's model
+MEMORY_MODEL = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 2048, "n_layers": 8, "n_heads": 16,
+                "n_kv_heads": 4, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize(("fmt", "export"), [("dcp", ["--hf", "--max-shard-size", "40MB"]), ("single_file", [])])
+def test_export_memory_is_about_the_largest_tensor_not_the_model(tmp_path, fmt, export):
+    """The exporter, in a subprocess of its own, measured from after its imports to its peak RSS: it reads, casts and
+    writes one tensor at a time, so its extra memory is a fraction of the model's bytes (the export that held the
+    whole model took 1.0-1.1x of them)."""
+    from benchmarks.export_memory import build_checkpoint, measure_export
+
+    size = build_checkpoint(tmp_path / "ckpt", fmt, MEMORY_MODEL)
+    out = tmp_path / ("hf" if "--hf" in export else "model.safetensors")
+    result = measure_export([str(tmp_path / "ckpt"), str(out), *export])
+    extra = result["extra_bytes"]
+    print(f"{fmt} {export}: extra {extra / 2**20:.1f} MiB for a model of {size['model_bytes'] / 2**20:.0f} MiB "
+          f"(largest tensor {size['largest_tensor_bytes'] / 2**20:.0f} MiB), {result['seconds']:.1f} s")
+    assert result["code"] == 0
+    assert extra <= 0.3 * size["model_bytes"], result
+    assert extra <= 2 * size["largest_tensor_bytes"] + 24 * 2**20, result
+    if "--hf" in export:
+        assert len(list(out.glob("model-*-of-*.safetensors"))) == 4  # 132 MiB in files of at most 40 MB
+
+
 # -- (b) import in one process ---------------------------------------------------------------------------------------
 def test_load_pretrained_fills_a_tied_head_and_refuses_a_mismatch(tmp_path):
     source = _built(HFLlamaLightningModule, 0, tie_embeddings=True, **TINY_HF)
@@ -209,7 +303,8 @@ def _start_from_pretrained(layout, tmp_path, cache_dir):
             "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}"]
     run = launch_cli(tmp_path / "run", cache_dir, args, devices=devices).check()
-    assert "FromPretrained: loaded" in run.log
+    # read into the shards while the layout was applied (not loaded over a random initialisation afterwards)
+    assert "pretrained weights: rank 0 read its slices" in run.log
     reference, trained = _one_process(pretrained, cache_dir, tied)
     losses = run.losses()
     # the run's own init (seed 1234) gives losses 1.6e-2 away: this fails if the weights were not loaded

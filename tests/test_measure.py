@@ -72,21 +72,17 @@ def test_optimizer_only_params_grads_count_and_step_counters_skipped():
     assert measured["optimizer_states"] == 8 * 10
 
 
-def test_dtensor_counts_its_local_shard(tmp_path):
+def test_dtensor_counts_its_local_shard(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        full = torch.randn(6, 5)
-        module = nn.Module()
-        module.weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
-        measured = state_bytes(module, [])
-        assert measured["parameters"] == 4 * module.weight.to_local().numel() == 4 * 30
-        assert module.weight.numel() == 30  # the global count, as the StateReport probe reports it
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    full = torch.randn(6, 5)
+    module = nn.Module()
+    module.weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    measured = state_bytes(module, [])
+    assert measured["parameters"] == 4 * module.weight.to_local().numel() == 4 * 30
+    assert module.weight.numel() == 30  # the global count, as the StateReport probe reports it
 
 
 def test_formulas():

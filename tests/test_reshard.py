@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from tests.conftest import EPOCH_STEPS, PARITY_STEPS
 from lightning_par.plugins import checkpoint_files
+from tests.conftest import EPOCH_STEPS, PARITY_STEPS
 from tests.harness import Run, launch_matrix, max_rel_diff
 from tests.reshard_matrix import CASES
 

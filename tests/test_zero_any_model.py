@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_par import LayoutError
@@ -107,14 +106,10 @@ def test_zero2_frees_each_buckets_full_gradient_once_reduced(launches):
 
 # -- in this process, on one rank -----------------------------------------------------------------------------------
 @pytest.fixture
-def dp_mesh(tmp_path):
+def dp_mesh(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))["dp"]
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))["dp"]
 
 
 class _Wrapped(nn.Module):

@@ -302,6 +302,32 @@ class DeferredInit:
             (owner._parameters if is_param else owner._buffers)[leaf] = made[key]
         return module
 
+    def value(self, name: str) -> torch.Tensor:
+        """The full value of the captured tensor ``name``, as a single process would have built it, computed alone
+        (replaying only the log entries it depends on; the RNG state is left as it was)."""
+        if self._entries is None:
+            raise RuntimeError("no module captured yet: call capture(module) first")
+        if name not in self._entries:
+            raise KeyError(f"{name} is not a parameter or buffer of the captured module")
+        entry = self._entries[name]
+        if entry.ref is None:
+            return entry.tensor.detach()
+        return _view(self._replay({entry.ref.sid})[entry.ref.sid], entry.ref)
+
+    def random_states(self) -> list[torch.Tensor]:
+        """The generator state recorded before each random op of the construction, in order."""
+        return [op.rng[1] for op in self._ops if op.rng is not None]
+
+    def use_random_states(self, states: list[torch.Tensor]) -> None:
+        """Replay the random ops from ``states`` (another rank's :meth:`random_states`) instead of this rank's own:
+        ranks that built the same model from different RNG states then materialise the same values."""
+        ops = [op for op in self._ops if op.rng is not None]
+        if len(ops) != len(states):
+            raise DeferredInitError(f"the construction made {len(ops)} random draws here and {len(states)} on the "
+                                    "rank whose draws every rank takes: the model is built differently on each rank")
+        for op, state in zip(ops, states, strict=True):
+            op.rng = (op.rng[0], state)
+
     # ------------------------------------------------------------------ bookkeeping
 
     def _resolve_keep(self, keep) -> set[str]:

@@ -18,7 +18,10 @@ owner                  when
 Under pipeline parallel every owner first sums the gradients of weights held by several pipeline ranks (a tied
 embedding and head) over the pipeline, on full gradients where the owner reduces after the schedule.
 
-Each owner has the same hooks, called by the strategy: ``wrap`` (before the optimizers exist), ``attach``
+Each owner has the same hooks, called by the strategy: ``shard`` (inside
+:func:`~lightning_par.parallel.parallelize.parallelize`, last of the transforms, on meta tensors when the model was
+built deferred), ``bind`` (the pipeline runtime, once it exists), ``wrap`` (real tensors, before the optimizers
+exist), ``attach``
 (after), ``set_enabled`` (off on the non-final micro-batches of gradient accumulation), ``after_backward``
 (before clipping and the step), ``after_step``, ``after_load`` (a checkpoint was loaded) and ``unwrap``. Nothing
 here imports Lightning.
@@ -37,6 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par.parallel.blocks import BlockTypes
 from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
 from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.parallelize import ModelParts
+from lightning_par.parallel.pipeline.fsdp import fully_shard_stages
 from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_units
 
 FULL_PRECISION = ShardPrecision()  # the parameters' own dtype for everything
@@ -49,6 +54,15 @@ class NoSync:
 
     def __init__(self) -> None:
         self.enabled = True
+        self.pipeline: Any = None  # the pipeline runtime (pp > 1), from bind()
+
+    def shard(self, parts: ModelParts) -> list[nn.Module]:
+        """Shard the parameters of ``parts`` over data parallel (ZeRO-3 only); returns the stage modules."""
+        return parts.stages
+
+    def bind(self, pipeline: Any) -> None:
+        """The pipeline runtime, once it exists (it is built around the parts :meth:`shard` saw)."""
+        self.pipeline = pipeline
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
@@ -108,20 +122,23 @@ class FSDPSync(NoSync):
                  block_types: BlockTypes = None, precision: ShardPrecision = FULL_PRECISION) -> None:
         super().__init__()
         self.name = "fsdp2_shard" if shard else "fsdp2_replicate"
-        self.dp_mesh, self.shard, self.offload, self.block_types = dp_mesh, shard, offload, block_types
+        self.dp_mesh, self.sharded, self.offload, self.block_types = dp_mesh, shard, offload, block_types
         self.precision = precision
         self.roots: list[nn.Module] = []
 
+    def shard(self, parts: ModelParts) -> list[nn.Module]:
+        if self.sharded:
+            self.roots = fully_shard_units(parts.root, self.dp_mesh, offload=self.offload,
+                                           block_types=self.block_types, mp_policy=self.precision.fsdp_policy())
+        return parts.stages
+
     def wrap(self, module: nn.Module) -> nn.Module:
-        if self.shard:
-            self.roots = fully_shard_units(module, self.dp_mesh, offload=self.offload, block_types=self.block_types,
-                                           mp_policy=self.precision.fsdp_policy())
-        else:
+        if not self.sharded:  # FSDP2 replicate needs the real tensors
             self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types)
         return module
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        if self.shard:
+        if self.sharded:
             for optimizer in optimizers:
                 check_partitionable(optimizer, 3)
 
@@ -140,12 +157,11 @@ class ZeroSync(NoSync):
     """
 
     def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_cap_mb: float, offload: bool,
-                 pipeline: Any = None, precision: ShardPrecision = FULL_PRECISION) -> None:
+                 precision: ShardPrecision = FULL_PRECISION) -> None:
         super().__init__()
         self.name = f"zero{stage}"
         self.dp_mesh, self.stage, self.bucket_cap_mb, self.offload = dp_mesh, stage, bucket_cap_mb, offload
         self.precision = precision
-        self.pipeline = pipeline
         self.partitioner: ZeroPartitioner | None = None
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -195,13 +211,13 @@ class PipelineSync(NoSync):
 
     name = "pipeline_allreduce"
 
-    def __init__(self, runtime: Any, dp_mesh: DeviceMesh) -> None:
+    def __init__(self, dp_mesh: DeviceMesh) -> None:
         super().__init__()
-        self.runtime, self.dp_mesh = runtime, dp_mesh
+        self.dp_mesh = dp_mesh
 
     def after_backward(self) -> None:
         if self.enabled:
-            self.runtime.sync_gradients(self.dp_mesh.get_group())
+            self.pipeline.sync_gradients(self.dp_mesh.get_group())
 
 
 class PipelineFSDPSync(NoSync):
@@ -212,9 +228,13 @@ class PipelineFSDPSync(NoSync):
 
     name = "fsdp2_shard_stages"
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, dp_mesh: DeviceMesh, offload: bool = False, precision: ShardPrecision = FULL_PRECISION) -> None:
         super().__init__()
-        self.runtime = runtime
+        self.dp_mesh, self.offload, self.precision = dp_mesh, offload, precision
+
+    def shard(self, parts: ModelParts) -> list[nn.Module]:
+        return fully_shard_stages(parts.stages, self.dp_mesh, parts.block_names, offload=self.offload,
+                                  mp_policy=self.precision.fsdp_policy())
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
@@ -222,14 +242,14 @@ class PipelineFSDPSync(NoSync):
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
-        self.runtime.require_sync = enabled
+        self.pipeline.require_sync = enabled
 
     def after_backward(self) -> None:
         if self.enabled:
-            self.runtime.sum_tied_gradients()
+            self.pipeline.sum_tied_gradients()
 
 
-def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pipeline: Any = None,
+def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
                          precision: ShardPrecision = FULL_PRECISION) -> NoSync:
     """The one owner of data-parallel gradient synchronisation for this layout (see the table above).
 
@@ -239,19 +259,18 @@ def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, pip
     every other owner exists only while fitting.
     """
     stage = layout.zero_stage
-    if pipeline is not None:
-        # ZeRO-3 stages were sharded when the pipeline was prepared, and FSDP2 gathers them for evaluation itself;
+    offload = layout.offload_parameters or layout.offload_optimizer
+    if layout.pp > 1:
+        # ZeRO-3 stages are sharded when the pipeline is prepared (for evaluation too: FSDP2 gathers them itself);
         # the tied copies are summed over the pipeline even with a single replica
+        if stage == 3:
+            return PipelineFSDPSync(dp_mesh, offload=offload, precision=precision)
         if not fitting:
             return NoSync()
-        if stage == 3:
-            return PipelineFSDPSync(pipeline)
         if stage in (1, 2):
-            return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, pipeline=pipeline,
-                            precision=precision)
-        return PipelineSync(pipeline, dp_mesh)
+            return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, precision=precision)
+        return PipelineSync(dp_mesh)
     if stage == 3:
-        offload = layout.offload_parameters or layout.offload_optimizer
         return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types, precision=precision)
     if not fitting:
         return NoSync()

@@ -1,10 +1,13 @@
 """Export a checkpoint to the plain model's weights, and start a run from such weights under any layout.
 
-Export (one process, no process group): :func:`read_model_state` reads the whole model state of a lightning-par
-checkpoint -- a sharded DCP directory or a single-file Lightning checkpoint -- without unpickling anything but
-tensors. :func:`export_safetensors` writes it as one ``.safetensors`` file under the plain model's names;
-:func:`export_hf` writes a Hugging Face ``save_pretrained`` directory. Both materialise the full model in the one
-exporting process, which is what a one-file export needs anyway. ``lightning-par export --help`` is the command.
+Export (one process, no process group): :class:`CheckpointTensors` reads the model entries of a lightning-par
+checkpoint -- a sharded DCP directory of any layout or a single-file Lightning checkpoint -- one tensor at a time,
+without unpickling anything but tensors. :func:`export_safetensors` writes them as one ``.safetensors`` file under the
+plain model's names; :func:`export_hf` writes a Hugging Face ``save_pretrained`` directory, its weights split into
+shard files of at most ``max_shard_size`` with an index, as ``save_pretrained`` splits them. Both stream: every file's
+header is planned from the checkpoint's metadata, then each tensor is read, cast and written alone
+(:func:`write_safetensors`), so the exporter holds about one tensor, never the model. ``lightning-par export --help``
+is the command.
 
 Import: :class:`FromPretrained`, a callback, loads such a file or directory into the model after the strategy has
 applied its layout, tensor by tensor, each rank keeping only its share (:func:`load_pretrained`).
@@ -13,72 +16,235 @@ applied its layout, tensor by tensor, each rank keeping only its share (:func:`l
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import inspect
+import io
 import json
+import math
+import mmap
+import os
 import pickle
+import re
+import struct
+import sys
 import warnings
-from collections.abc import Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_par.plugins import checkpoint_files, checkpoint_meta
 from lightning_par.plugins.checkpoint_files import CheckpointError
-from lightning_par.plugins.sharded_checkpoint import _all_gather, _SafeLoadPlanner, _SafeReader
+from lightning_par.plugins.sharded_checkpoint import _SafeLoadPlanner, _SafeReader
 
 _MODEL_KEY = "state_dict"  # the model's entries in a checkpoint (DCP flattens them to "state_dict.<fqn>")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
+#: the default largest shard file of an --hf export: huggingface_hub's split_torch_state_dict_into_shards default,
+#: which transformers 4's save_pretrained used (transformers 5's defaults to 50GB)
+HF_MAX_SHARD_SIZE = "5GB"
+_HF_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-# -- reading a checkpoint in one process -------------------------------------------------------------------------
-def read_model_state(path: str | Path) -> dict[str, Tensor]:
-    """The full (unsharded) model state of a lightning-par checkpoint, keyed by the LightningModule's names.
+# -- reading a checkpoint in one process, one tensor at a time ------------------------------------------------------
+class CheckpointTensors:
+    """The model entries of a lightning-par checkpoint, read in one process, one tensor at a time.
 
-    ``path``: a sharded DCP directory (its manifest is checked first, then only its model entries are read,
-    resharded to full tensors by DCP) or a single-file Lightning checkpoint (one process, ZeRO-0). Runs in one
-    process and needs no process group; nothing but tensors is unpickled. The whole model is materialised in this
-    process's memory (an export needs it whole); to load into a sharded layout, resume with ``ckpt_path=`` instead.
+    ``path``: a sharded DCP directory written by any layout (its manifest is checked first; then each tensor is read
+    alone, assembled to its full shape by DCP from however many shards hold it) or a single-file Lightning checkpoint
+    (memory-mapped). Needs no process group; nothing but tensors is unpickled; optimizer states are never read.
+    :attr:`entries` holds every model tensor's name (the LightningModule's), shape and dtype before any is read, so an
+    export plans its files first and then holds one tensor at a time (:meth:`tensor`).
     """
-    path = checkpoint_files.resolve(Path(path))
-    if path.is_file():
-        return dict(_read_single_file(path)[_MODEL_KEY])
-    _verify(path)
-    reader = _SafeReader(path)
-    metadata = reader.read_metadata()  # DCP's pickled metadata, with only DCP's own classes allowed
-    planner_paths = getattr(metadata, "planner_data", None) or {}
-    state: dict[str, Tensor] = {}
-    skipped = []
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(_MODEL_KEY + "."):
-            continue  # optimizer states: never read here
-        where = planner_paths.get(key)
-        if where is not None and (len(where) != 2 or where[0] != _MODEL_KEY):
-            raise CheckpointError(f"{path}: the entry {key!r} is nested as {where}, not as a model entry "
-                                  f"(state_dict -> parameter name): not a lightning-par model state.")
-        if not isinstance(entry, TensorStorageMetadata):
-            skipped.append(key)  # a module's pickled extra state: not a tensor, and not unpickled
-            continue
-        state[key[len(_MODEL_KEY) + 1:]] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if not state:
-        raise CheckpointError(f"{path} holds no model entries ({_MODEL_KEY}.*): is it a lightning-par checkpoint?")
-    if skipped:
-        rank_zero_warn(f"{path}: {len(skipped)} non-tensor model entries not exported, e.g. {skipped[:3]}")
-    # no_dist: one process reads every shard, even inside a job that has a process group
-    with warnings.catch_warnings():  # DCP warns that it assumes one process even when told so
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({_MODEL_KEY: state}, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
-    return state
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = checkpoint_files.resolve(Path(path))
+        self.entries: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._mapped: dict[str, Tensor] = {}  # a single file's tensors, memory-mapped: nothing read yet
+        self._file_ranges: list[tuple[int, int]] = []  # where this process maps that file
+        self._reader: _SafeReader | None = None
+        skipped = []
+        if self.path.is_file():
+            for name, value in _read_single_file(self.path)[_MODEL_KEY].items():
+                if isinstance(value, Tensor):
+                    self._mapped[name] = value
+                else:
+                    skipped.append(name)
+            self.entries = {name: (tensor.shape, tensor.dtype) for name, tensor in self._mapped.items()}
+            self._file_ranges = _mapped_ranges(self.path)
+        else:
+            _verify(self.path)
+            self._reader = _OneMetadataReader(self.path)
+            metadata = self._reader.read_metadata()  # DCP's pickled metadata, with only DCP's own classes allowed
+            planner_paths = getattr(metadata, "planner_data", None) or {}
+            for key, entry in metadata.state_dict_metadata.items():
+                if not key.startswith(_MODEL_KEY + "."):
+                    continue  # optimizer states: never read here
+                where = planner_paths.get(key)
+                if where is not None and (len(where) != 2 or where[0] != _MODEL_KEY):
+                    raise CheckpointError(f"{self.path}: the entry {key!r} is nested as {where}, not as a model entry "
+                                          f"(state_dict -> parameter name): not a lightning-par model state.")
+                if not isinstance(entry, TensorStorageMetadata):
+                    skipped.append(key)  # a module's pickled extra state: not a tensor, and not unpickled
+                    continue
+                self.entries[key[len(_MODEL_KEY) + 1:]] = (torch.Size(entry.size), entry.properties.dtype)
+        if not self.entries:
+            raise CheckpointError(f"{self.path} holds no model tensors ({_MODEL_KEY}.*): is it a lightning-par "
+                                  "checkpoint?")
+        if skipped:
+            rank_zero_warn(f"{self.path}: {len(skipped)} non-tensor model entries not exported, e.g. {skipped[:3]}")
+
+    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The full tensors ``names`` (a single file's stay memory-mapped; a directory's are read by one DCP load, so
+        this holds them all at once: :meth:`tensor` holds one)."""
+        names = list(names)
+        if self._reader is None:
+            return {name: self._mapped[name] for name in names}
+        state = {name: torch.empty(self.entries[name][0], dtype=self.entries[name][1]) for name in names}
+        # no_dist: one process reads every shard, even inside a job that has a process group
+        with warnings.catch_warnings():  # DCP warns that it assumes one process even when told so
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load({_MODEL_KEY: state}, storage_reader=self._reader, planner=_SafeLoadPlanner(), no_dist=True)
+        return state
+
+    @contextmanager
+    def tensor(self, name: str) -> Iterator[Tensor]:
+        """The full tensor ``name``, released when the block ends: the one read is dropped, and a memory-mapped one's
+        pages leave this process's resident memory (the kernel maps them back from the file if they are touched
+        again), else a single-file export would end up with the whole file resident."""
+        tensor = None if self._reader is None else self._read_stored_whole(name)
+        if tensor is None:
+            tensor = self.read([name])[name]
+        try:
+            yield tensor
+        finally:
+            if self._reader is None:
+                _drop_pages(tensor, self._file_ranges)
+
+    def _read_stored_whole(self, name: str) -> Tensor | None:
+        """``name`` read straight from its file where DCP stored it in one piece (saved by one process, or
+        replicated): the tensor ``torch.load`` gives is the full one, where DCP's read would copy it into another
+        (twice the memory). ``None`` for a tensor stored in shards, or stored transformed: DCP reads those."""
+        key = f"{_MODEL_KEY}.{name}"
+        metadata = self._reader.read_metadata()
+        entry = metadata.state_dict_metadata[key]
+        if len(entry.chunks) != 1 or tuple(entry.chunks[0].sizes) != tuple(entry.size):
+            return None
+        info = metadata.storage_data.get(dcp_metadata.MetadataIndex(key, entry.chunks[0].offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        with open(self.path / info.relative_path, "rb") as file:
+            try:
+                tensor = torch.load(_FileSlice(file, info.offset, info.length), map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(f"{self.path}: loading the entry {key!r} with weights_only=True refuses an "
+                                      f"object in it ({checkpoint_files.refused(err)}: unpickling it could run "
+                                      "code).") from err
+        if not isinstance(tensor, Tensor) or (tensor.shape, tensor.dtype) != self.entries[name]:
+            raise CheckpointError(f"{self.path}: the entry {key!r} holds {type(tensor).__name__} "
+                                  f"{tuple(getattr(tensor, 'shape', ()))}, not the {tuple(self.entries[name][0])} "
+                                  f"{self.entries[name][1]} tensor its metadata describes.")
+        return tensor
+
+    def tied(self) -> list[list[str]]:
+        """The groups of names stored once (a single file keeps tied weights as one storage; DCP stores each name)."""
+        by_storage: dict[int, list[str]] = {}
+        for name, tensor in self._mapped.items():
+            if tensor.numel():
+                by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+        return [names for names in by_storage.values() if len(names) > 1]
+
+
+class _OneMetadataReader(_SafeReader):
+    """:class:`_SafeReader` that unpickles ``.metadata`` once for the many one-tensor loads of an export."""
+
+    _metadata: dcp_metadata.Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of an open file, as a seekable file of their own (what one DCP item
+    is: a ``torch.save`` of its tensor), read into the reader's buffer without an intermediate copy."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.file, self.offset, self.length, self.pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = min(max(base + pos, 0), self.length)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[:max(self.length - self.pos, 0)]
+        self.file.seek(self.offset + self.pos)
+        n = self.file.readinto(view) or 0
+        self.pos += n
+        return n
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps ``path`` (Linux; empty elsewhere)."""
+    target = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return []
+    return ranges
+
+
+def _drop_pages(tensor: Tensor, file_ranges: list[tuple[int, int]]) -> None:
+    """Drop the whole pages of ``tensor``'s storage from this process's resident set (``madvise(MADV_DONTNEED)``),
+    only where they lie inside a mapping of the checkpoint file: there they are the file's pages, read again from it
+    if touched; anonymous memory would lose its contents."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    if advice is None or not storage.nbytes() or not any(lo <= start and end <= hi for lo, hi in file_ranges):
+        return
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), ctypes.c_int(advice))
+
+
+def read_model_state(path: str | Path) -> dict[str, Tensor]:
+    """The full (unsharded) model state of a lightning-par checkpoint, keyed by the LightningModule's names, all at
+    once (see :class:`CheckpointTensors`, which reads one tensor at a time). To load into a sharded layout, resume
+    with ``ckpt_path=`` instead."""
+    tensors = CheckpointTensors(path)
+    return tensors.read(tensors.entries)
 
 
 def read_hyperparameters(path: str | Path) -> dict[str, Any]:
@@ -158,6 +324,88 @@ def _cast(state: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tens
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
+def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor saved as ``saved`` is exported in: ``dtype`` for floating-point ones."""
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+# -- writing safetensors one tensor at a time ------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {getattr(torch, name): code for code, name in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"), ("U64", "uint64"),
+    ("U32", "uint32"), ("U16", "uint16"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("C64", "complex64"),
+) if hasattr(torch, name)}
+_CAST_PIECE = 16 << 20  # bytes of a tensor cast at a time while it is written
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes of ``size``: an int, or a string of bytes (``"1000000"``) or with a unit: ``"500MB"``, ``"5GB"``
+    (powers of 10, as Hugging Face counts), ``"2GiB"`` (powers of 2)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"{size!r} is not a size: bytes (1000000) or a number with a unit (500MB, 5GB, 2GiB)")
+        value = int(float(match[1]) * _SIZE_UNITS[(match[2] or "").upper()])
+    if value <= 0:
+        raise ValueError(f"{size!r}: a size must be positive")
+    return value
+
+
+def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def write_safetensors(out: Path, tensors: Mapping[str, tuple[torch.Size, torch.dtype]],
+                      tensor: Callable[[str], AbstractContextManager[Tensor]], metadata: dict[str, str]) -> int:
+    """Write a ``.safetensors`` file holding ``tensors`` (name -> shape, dtype) one tensor at a time; return its bytes
+    of tensor data.
+
+    The header (each tensor's dtype, shape and byte range) is known before any tensor is read, so it is written
+    first; then each tensor's bytes, from ``tensor(name)`` (a context manager giving the tensor, released after it is
+    written), in the header's order: by element size, then name, as ``safetensors`` orders them, so every tensor's data
+    is aligned to its element size. A floating-point tensor is cast to the dtype of ``tensors`` piece by piece as it is
+    written (16 MiB at a time), so no cast copy of the whole tensor is made. The file is written as ``OUT.partial``
+    and renamed when complete.
+    """
+    if sys.byteorder != "little":
+        raise ValueError("safetensors files are little-endian; writing them from a big-endian machine is not supported")
+    order = sorted(tensors, key=lambda name: (-tensors[name][1].itemsize, name))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        shape, dtype = tensors[name]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: safetensors has no dtype {dtype}")
+        end = offset + _nbytes(shape, dtype)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # padded as safetensors pads it: the data starts 8-byte aligned
+    partial = out.with_name(out.name + ".partial")
+    with open(partial, "wb") as file:
+        file.write(struct.pack("<Q", len(blob)))
+        file.write(blob)
+        for name in order:
+            shape, dtype = tensors[name]
+            with tensor(name) as value:
+                if value.shape != shape or (value.dtype != dtype and not (
+                        value.is_floating_point() and dtype.is_floating_point)):
+                    raise CheckpointError(f"{name}: read as {tuple(value.shape)} {value.dtype}, to be written as "
+                                          f"{tuple(shape)} {dtype}.")
+                flat = value.detach().contiguous().reshape(-1)
+                step = max(1, flat.numel() if value.dtype == dtype else _CAST_PIECE // value.element_size())
+                for start in range(0, flat.numel(), step):
+                    file.write(flat[start:start + step].to(dtype).view(torch.uint8).numpy())
+                del value, flat  # before the next tensor is read
+    os.replace(partial, out)
+    return offset
+
+
 @dataclass
 class ExportReport:
     """What an export wrote."""
@@ -167,10 +415,12 @@ class ExportReport:
     bytes: int
     prefix: str
     tied: list[list[str]] = field(default_factory=list)
+    files: int = 1  # weight files (shards of an --hf export)
 
     def describe(self) -> str:
         tied = "".join(f"\n  {' = '.join(g)}: shared storage, each name written with its own copy" for g in self.tied)
-        return (f"wrote {self.out}: {self.tensors} tensors, {self.bytes / 2**20:.2f} MiB, names without "
+        files = f" in {self.files} shard files + {HF_INDEX}" if self.files > 1 else ""
+        return (f"wrote {self.out}: {self.tensors} tensors, {self.bytes / 2**20:.2f} MiB{files}, names without "
                 f"{self.prefix + '.' if self.prefix else 'a prefix'!r}{tied}")
 
 
@@ -178,33 +428,43 @@ def export_safetensors(ckpt: str | Path, out: str | Path, prefix: str | None = N
                        dtype: torch.dtype | None = None) -> ExportReport:
     """Write the model of checkpoint ``ckpt`` to one ``.safetensors`` file under the plain model's names, which
     ``model.load_state_dict(safetensors.torch.load_file(out))`` loads. ``prefix``: see :func:`strip_prefix`;
-    ``dtype``: cast floating-point tensors (e.g. ``torch.bfloat16``)."""
-    from safetensors.torch import save_file
-
+    ``dtype``: cast floating-point tensors (e.g. ``torch.bfloat16``). Streams: one tensor held at a time."""
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ValueError(f"{out}: the output file must end in .safetensors (or pass --hf for a directory).")
-    state, prefix = strip_prefix(read_model_state(ckpt), prefix)
-    state = _cast(state, dtype)
-    tied = unshare(state)
-    state = {k: v.contiguous() for k, v in state.items()}
+    source = CheckpointTensors(ckpt)
+    entries, prefix = strip_prefix(source.entries, prefix)
+    lead = prefix + "." if prefix else ""
+    # tied weights stored once in a single file are written under each name (safetensors refuses shared storage, and
+    # a strict load_state_dict wants both names); DCP stores every name on its own
+    tied = [[name[len(lead):] for name in group] for group in source.tied()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out), metadata={"format": "pt", "exported_from": str(ckpt)})
-    return ExportReport(out, len(state), sum(v.numel() * v.element_size() for v in state.values()), prefix, tied)
+    planned = {name: (shape, _out_dtype(saved, dtype)) for name, (shape, saved) in entries.items()}
+    written = write_safetensors(out, planned, lambda name: source.tensor(lead + name),
+                                {"format": "pt", "exported_from": str(ckpt)})
+    return ExportReport(out, len(entries), written, prefix, tied)
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = None,
-              dtype: torch.dtype | None = None) -> ExportReport:
+              dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE) -> ExportReport:
     """Write the model of checkpoint ``ckpt`` as a Hugging Face ``save_pretrained`` directory, which
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
 
     The LightningModule is rebuilt on the meta device (no memory) from the checkpoint's hyper-parameters: its class
     is ``model_class`` (``"package.Module"``) or the ``_class_path`` the Lightning CLI saves with them. Its child
     that is a ``transformers.PreTrainedModel`` gives the config and the prefix; the weights come from the checkpoint
-    (checked name by name and shape by shape against that model).
+    (checked name by name and shape by shape against that model). ``save_pretrained`` writes the config files; the
+    weights are written here as it would write them -- the same names (a tied weight's alias and the keys the model
+    ignores on save left out), split in its order into files of at most ``max_shard_size`` bytes (``"5GB"``,
+    ``"500MB"`` or bytes; a larger tensor gets a file of its own), ``model-00001-of-0000N.safetensors`` with
+    ``model.safetensors.index.json``, or one ``model.safetensors`` if they fit in one -- but one tensor at a time,
+    straight from the checkpoint. A model that converts its weights on save (transformers' weight conversions:
+    renamed or fused tensors) is handed whole to ``save_pretrained`` instead, with a warning.
     """
+    from huggingface_hub import split_state_dict_into_shards_factory
     from transformers import PreTrainedModel
 
+    max_shard_size = parse_size(max_shard_size)
     hparams = read_hyperparameters(ckpt)
     class_path = model_class or hparams.get("_class_path")
     if not class_path:
@@ -217,25 +477,77 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         raise ValueError(f"{class_path} holds {len(children)} Hugging Face models after configure_model() "
                          f"({[n for n, _ in children]}); --hf needs exactly one (e.g. self.model = LlamaForCausalLM).")
     prefix, hf_model = children[0]
-    state, _ = strip_prefix(read_model_state(ckpt), prefix)
+    source = CheckpointTensors(ckpt)
+    entries, _ = strip_prefix(source.entries, prefix)
     expected = hf_model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{k} {tuple(state[k].shape)} (model: {tuple(expected[k].shape)})"
-             for k in expected if k in state and state[k].shape != expected[k].shape]
+    missing = sorted(set(expected) - set(entries))
+    unexpected = sorted(set(entries) - set(expected))
+    wrong = [f"{k} {tuple(entries[k][0])} (model: {tuple(expected[k].shape)})"
+             for k in expected if k in entries and entries[k][0] != expected[k].shape]
     if missing or unexpected or wrong:
         raise CheckpointError(f"{ckpt} does not fit {type(hf_model).__name__} built from its hyper-parameters: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]}.")
-    state = _cast(state, dtype)
-    unshare(state)
     if dtype is not None:
         hf_model.to(dtype)  # on the meta device: only so that save_pretrained writes the dtype into config.json
     out_dir = Path(out_dir)
-    # the model is on the meta device: save_pretrained takes its config and its tied-weight rules, the tensors
-    # come from `state_dict=` (its documented use for models whose parameters live elsewhere)
-    report = ExportReport(out_dir, len(state), sum(v.numel() * v.element_size() for v in state.values()), prefix)
-    hf_model.save_pretrained(out_dir, state_dict=dict(state), safe_serialization=True)  # it edits the dict it gets
-    return report
+    if out_dir.is_file():
+        raise ValueError(f"{out_dir} is a file: --hf writes a directory.")
+    # the model is on the meta device: save_pretrained writes config.json (+ generation_config.json ...) and, given
+    # no tensors, no weights; a former export's weight files are removed (a stale model.safetensors would shadow an
+    # index)
+    hf_model.save_pretrained(out_dir, state_dict={})
+    for file in out_dir.iterdir():
+        if file.name in (HF_WEIGHTS, HF_INDEX) or _HF_SHARD.fullmatch(file.name.removesuffix(".partial")):
+            file.unlink()
+    lead = prefix + "."
+    # the tensors in the model's order, as save_pretrained gets them from model.state_dict()
+    planned = {name: (entries[name][0], _out_dtype(entries[name][1], dtype)) for name in expected}
+    names = _hf_saved_names(hf_model, planned)
+    if names is None:
+        rank_zero_warn(f"{type(hf_model).__name__} converts its weights when saving: save_pretrained writes them from "
+                       "the whole model, held in memory here.")
+        state = _cast({name[len(lead):]: t for name, t in source.read(lead + n for n in expected).items()}, dtype)
+        unshare(state)
+        hf_model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
+        return ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected), prefix)
+    split = split_state_dict_into_shards_factory(
+        {name: _nbytes(*planned[name]) for name in names}, get_storage_size=lambda size: size,
+        filename_pattern=HF_WEIGHTS.replace(".safetensors", "{suffix}.safetensors"), max_shard_size=max_shard_size)
+    written = 0
+    for filename, shard in split.filename_to_tensors.items():
+        written += write_safetensors(out_dir / filename, {name: planned[name] for name in shard},
+                                     lambda name: source.tensor(lead + name), {"format": "pt"})
+    if split.is_sharded:  # the index save_pretrained writes
+        index = {"metadata": {"total_parameters": hf_model.num_parameters(), **split.metadata},
+                 "weight_map": split.tensor_to_filename}
+        (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return ExportReport(out_dir, len(names), written, prefix, files=len(split.filename_to_tensors))
+
+
+def _hf_saved_names(hf_model: nn.Module, planned: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str] | None:
+    """The names ``hf_model.save_pretrained`` writes of a state with these names: without the keys the model ignores
+    on save, and without the aliases of a tied weight (transformers' own rule, applied to meta tensors: it finds ties
+    through the model's parameters). ``None`` when the model converts weights on save, which only save_pretrained
+    does."""
+    state = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in planned.items()}
+    for key in getattr(hf_model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # transformers 4: every name is written, tied ones each with their copy
+        return list(state)
+    state = remove_tied_weights_from_state_dict(state, hf_model)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return list(state)
+    try:
+        reverted = revert_weight_conversion(hf_model, dict(state))
+    except Exception:  # noqa: BLE001 (a conversion that cannot run on meta tensors: let save_pretrained do it)
+        return None
+    if set(reverted) != set(state) or any(reverted[name] is not tensor for name, tensor in state.items()):
+        return None
+    return list(state)
 
 
 def _import_class(class_path: str) -> type:
@@ -261,206 +573,9 @@ def _build_on_meta(cls: type, hparams: dict[str, Any]) -> LightningModule:
 
 
 # -- starting a run from exported weights ------------------------------------------------------------------------
-class _Weights:
-    """Tensors of a ``.safetensors`` file or a Hugging Face directory, read one at a time (memory-mapped)."""
-
-    def __init__(self, path: Path, stack: ExitStack) -> None:
-        from safetensors import safe_open
-
-        self.path = path
-        self.tied: dict[str, str] = {}  # name the file may lack -> the name it is tied to
-        files: dict[str, Path] | None = None  # tensor name -> file, for weights sharded over several files
-        single = path
-        if path.is_dir():
-            if (path / checkpoint_files.MANIFEST).is_file():
-                raise ValueError(f"{path} is a lightning-par checkpoint: resume it with ckpt_path=, or export its "
-                                 f"weights first (lightning-par export {path} OUT.safetensors).")
-            if (path / HF_INDEX).is_file():
-                weight_map = json.loads((path / HF_INDEX).read_text())["weight_map"]
-                files = {name: path / file for name, file in weight_map.items()}
-            elif (path / HF_WEIGHTS).is_file():
-                single = path / HF_WEIGHTS
-            else:
-                raise FileNotFoundError(f"{path} holds neither {HF_WEIGHTS} nor {HF_INDEX}: not a Hugging Face "
-                                        "save_pretrained directory (only safetensors weights are read, never "
-                                        "pickled .bin files).")
-            self.tied = _hf_tied_names(path)
-        elif path.suffix != ".safetensors" or not path.is_file():
-            raise FileNotFoundError(f"{path}: pass a .safetensors file or a Hugging Face save_pretrained directory.")
-
-        def open_file(file: Path) -> Any:
-            return stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-
-        if files is None:
-            handle = open_file(single)
-            self._handles = {name: handle for name in handle.keys()}  # noqa: SIM118 (a safe_open handle)
-        else:
-            opened = {file: open_file(file) for file in set(files.values())}
-            self._handles = {name: opened[file] for name, file in files.items()}
-
-    def names(self) -> list[str]:
-        return list(self._handles)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[name].get_slice(name).get_shape())
-
-    def get(self, name: str) -> Tensor:
-        return self._handles[name].get_tensor(name)
-
-
-def _hf_tied_names(path: Path) -> dict[str, str]:
-    """The names ``save_pretrained`` leaves out of a tied model (``lm_head.weight`` -> ``model.embed_tokens.weight``),
-    from the model class's own declaration when config.json says the embeddings are tied."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        return {}
-    config = json.loads(config_file.read_text())
-    if not config.get("tie_word_embeddings"):
-        return {}
-    try:
-        import transformers
-
-        declared = getattr(transformers, (config.get("architectures") or [""])[0])._tied_weights_keys
-    except (ImportError, AttributeError):
-        return {}
-    return dict(declared) if isinstance(declared, Mapping) else {}
-
-
-def _model_prefix(module: nn.Module) -> str:
-    """The attribute of ``module`` holding all its parameters (``model`` for ``self.model``)."""
-    holders = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
-    if len(holders) != 1:
-        raise ValueError(f"{type(module).__name__} holds parameters in {holders}, not in one child module: pass "
-                         "prefix= (the attribute the weights belong to, or '' for the module's own names).")
-    return holders[0]
-
-
-@torch.no_grad()
-def load_pretrained(module: nn.Module, path: str | Path, prefix: str | None = None, strict: bool = True) -> int:
-    """Copy the weights of a ``.safetensors`` file or a Hugging Face directory into ``module``, on any layout.
-
-    Call it on every rank together once the layout is applied (after the strategy's ``setup``). Each rank reads
-    only the tensors its share of the model needs, one at a time: a pipeline stage reads its own stages' tensors,
-    and a tensor- or ZeRO-3-sharded parameter (a DTensor) keeps only its shard of the full tensor it read
-    (``distribute_tensor`` with ``src_data_rank=None``: every rank holds the full tensor, so no communication).
-    The extra memory is the largest single tensor. ``prefix``: the attribute holding the model whose names the file
-    uses (``None``: the module's one child with parameters); ``strict``: a missing or unused tensor is an error
-    (else a warning). Names, shapes and coverage are checked on every rank before anything is copied, and every
-    rank raises the same error. Returns the number of tensors this rank copied.
-    """
-    path = Path(path)
-    lead = prefix if prefix is not None else _model_prefix(module)
-    lead = lead + "." if lead else ""
-    targets = {name[len(lead):]: t for name, t in module.state_dict(keep_vars=True).items() if name.startswith(lead)}
-    aliases: dict[str, list[str]] = {}  # a parameter under several names (tied), from this rank's modules
-    by_id: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if name.startswith(lead):
-            by_id.setdefault(id(param), []).append(name[len(lead):])
-    for names in by_id.values():
-        for name in names:
-            aliases[name] = [n for n in names if n != name]
-    with ExitStack() as stack:
-        weights = _Weights(path, stack)
-        available = set(weights.names())
-        source: dict[str, str] = {}
-        missing, wrong = [], []
-        for name, target in targets.items():
-            candidates = [name, *aliases.get(name, []), *([weights.tied[name]] if name in weights.tied else [])]
-            found = next((c for c in candidates if c in available), None)
-            if found is None:
-                missing.append(name)
-            elif weights.shape(found) != tuple(target.shape):  # a DTensor's shape is the full one
-                wrong.append(f"{name}: {weights.shape(found)} in the file, {tuple(target.shape)} in the model")
-            else:
-                source[name] = found
-        verdicts = _all_gather((missing, wrong, sorted(set(source.values()))))
-        missing = sorted({n for v in verdicts for n in v[0]})
-        wrong = sorted({w for v in verdicts for w in v[1]})
-        unused = sorted(available - {n for v in verdicts for n in v[2]})
-        problems = []
-        if wrong:
-            problems.append(f"{len(wrong)} tensors have another shape, e.g. {wrong[:3]} (is the model built with the "
-                            "same sizes as the one saved?)")
-        if missing:
-            problems.append(f"{len(missing)} of the model's tensors are not in the file, e.g. {missing[:3]}")
-        if unused:
-            problems.append(f"{len(unused)} tensors of the file match nothing in the model, e.g. {unused[:3]}")
-        hint = f" The model's names are taken under {lead[:-1]!r}; pass prefix= if they are elsewhere." if lead else ""
-        if wrong or (strict and problems):
-            raise CheckpointError(f"{path} does not fit {type(module).__name__}: " + "; ".join(problems) + "." + hint)
-        if problems:
-            rank_zero_warn(f"{path}: " + "; ".join(problems) + " (loaded the rest, strict=False).")
-        for name, found in source.items():
-            _copy_full(targets[name], weights.get(found))
-    return len(source)
-
-
-def _copy_full(target: Tensor, full: Tensor) -> None:
-    """Copy the full tensor ``full`` into ``target``, or into this rank's shard of it when it is a DTensor."""
-    full = full.to(device=target.device, dtype=target.dtype)
-    if isinstance(target, DTensor):
-        # the same placements as the target: each rank's local piece of `full`, cut here without communication
-        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        target.to_local().copy_(local)
-    else:
-        target.copy_(full)
-
-
-class FromPretrained(Callback):
-    """Start training (or evaluation) from pretrained weights, under any layout: the fine-tuning workflow.
-
-    Loads a ``.safetensors`` file (``lightning-par export CKPT OUT.safetensors``) or a Hugging Face
-    ``save_pretrained`` directory into the model after the strategy has laid it out, each rank reading only its
-    share (see :func:`load_pretrained`). The LightningModule builds the same architecture as usual in
-    ``configure_model``; this replaces its initial weights. A run resumed with ``ckpt_path=`` keeps the checkpoint's
-    weights and skips this.
-
-    Args:
-        path: the ``.safetensors`` file or the Hugging Face directory.
-        prefix: the LightningModule attribute holding the model the file's names belong to; default: its one child
-            module with parameters (``self.model``).
-        strict: a tensor missing from the file, or a tensor of the file the model lacks, is an error; ``False``
-            warns and loads the rest.
-    """
-
-    def __init__(self, path: str, prefix: str | None = None, strict: bool = True) -> None:
-        self.path = Path(path)
-        self.prefix = prefix
-        self.strict = strict
-        if not self.path.exists():
-            raise FileNotFoundError(f"FromPretrained: {self.path} does not exist.")
-        self._loaded = False
-
-    def _load(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._loaded:
-            return
-        self._loaded = True
-        if trainer.ckpt_path is not None:
-            rank_zero_info(f"FromPretrained: resuming from {trainer.ckpt_path}; {self.path} is not loaded.")
-            return
-        n = load_pretrained(pl_module, self.path, self.prefix, self.strict)
-        # ZeRO-1/2 optimizers hold copies (shards) of the parameters: they take the loaded values
-        sync = getattr(trainer.strategy, "gradient_sync", None)
-        if sync is not None:
-            sync.after_load()
-        rank_zero_info(f"FromPretrained: loaded {n} tensors from {self.path} (rank 0's share)")
-
-    # after the strategy's setup (the layout is applied) and before the first step of each kind of run
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._load(trainer, pl_module)
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._loaded = False
+# Import (FromPretrained, load_pretrained) lives in lightning_par.plugins.pretrained; the names stay importable here
+# for the command lines and configs that name them under this module.
+from lightning_par.plugins.pretrained import FromPretrained, load_pretrained  # noqa: E402,F401
 
 
 # -- the command ----------------------------------------------------------------------------------------------------
@@ -469,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-par export",
         description="Export a lightning-par checkpoint (a sharded directory of any layout, or a single-file "
                     "checkpoint) to the plain model's weights: one .safetensors file, or with --hf a Hugging Face "
-                    "save_pretrained directory. Runs in one process; the whole model is held in memory.",
+                    "save_pretrained directory (weights in shard files with an index). Runs in one process, one tensor "
+                    "at a time: the memory is about the largest tensor, not the model.",
         epilog="Start a run from the result under any layout: lightning-par fit ... "
                "--trainer.callbacks+=lightning_par.plugins.checkpoint_export.FromPretrained "
                "--trainer.callbacks.path=OUT",
@@ -488,7 +604,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: the class the Lightning CLI saved with the hyper-parameters")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating-point weights to this dtype (default: as saved)")
+    parser.add_argument("--max-shard-size", type=_size_argument, default=None,
+                        help=f"with --hf: the largest weight file, e.g. 5GB, 500MB, 2GiB or bytes (default: "
+                             f"{HF_MAX_SHARD_SIZE}, as Hugging Face splits them); more than one file gets "
+                             f"model-00001-of-0000N.safetensors and {HF_INDEX}")
     return parser
+
+
+def _size_argument(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,9 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.hf and args.prefix is not None:
         parser.error("--prefix applies without --hf; with --hf the prefix is the attribute holding the HF model.")
+    if not args.hf and args.max_shard_size is not None:
+        parser.error("--max-shard-size applies with --hf; without it the weights go to one .safetensors file.")
     try:
         if args.hf:
-            report = export_hf(args.checkpoint, args.out, args.model_class, dtype)
+            report = export_hf(args.checkpoint, args.out, args.model_class, dtype,
+                               args.max_shard_size or HF_MAX_SHARD_SIZE)
         else:
             report = export_safetensors(args.checkpoint, args.out, args.prefix, dtype)
     except (CheckpointError, ValueError, FileNotFoundError) as err:

@@ -112,9 +112,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def checksum(file: Path) -> int:
     crc = 0
+    buffer = bytearray(_CHUNK)  # one buffer read into again and again: _CHUNK bytes held, not two chunks at a time
+    view = memoryview(buffer)
     with open(file, "rb") as stream:
-        while chunk := stream.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+        while n := stream.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
     return crc
 
 

@@ -1,11 +1,14 @@
 """The engine's Lightning face: one ``ParallelStrategy`` that applies a :class:`~lightning_par.parallel.layout.Layout`.
 
-Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy) is a thin preset of
+Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy, Hybrid3DStrategy) is a thin preset of
 :class:`LayoutStrategy`. This file holds only Lightning glue -- launcher, cluster environment, process group, mesh,
 sampler, collectives for logging, the step takeover for pipelines, checkpoint hooks. The model transforms live in
-:mod:`lightning_par.parallel`, composed in :meth:`LayoutStrategy.setup` in a fixed order: pipeline split, replicas
-made identical, tensor parallel, then the one owner of data-parallel gradient sync
-(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`).
+:mod:`lightning_par.parallel`: :meth:`LayoutStrategy.setup` picks the one owner of data-parallel gradients
+(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part (the
+whole model, or the pipeline stages the runtime keeps) and hands the part to
+:func:`~lightning_par.parallel.parallelize.parallelize`, which applies every layout in one order: replicas identical,
+tensor parallel, recompute, (compile), the owner's data-parallel sharding, then materialisation of this rank's share
+of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
@@ -46,11 +48,12 @@ from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
+from lightning_par.parallel.parallelize import describe as describe_materialized
 from lightning_par.parallel.pipeline.batches import split_batch
-from lightning_par.parallel.pipeline.fsdp import fully_shard_stages, stage_blocks
+from lightning_par.parallel.pipeline.fsdp import stage_blocks
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
-from lightning_par.parallel.recompute import apply_recompute
-from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel, check_tp_plan
+from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_tp_plan
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
@@ -166,7 +169,9 @@ class LayoutStrategy(ParallelStrategy):
         self._pipeline: PipelineRuntime | None = None
         self._tensor_parallel: TensorParallelPlan | None = None
         self._gradient_sync: NoSync = NoSync()
-        self._deferred: DeferredInit | None = None  # pp > 1: the model's construction, replayed per rank
+        self._deferred: DeferredInit | None = None  # the model's construction, replayed per rank (its share)
+        self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
+        self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
         self._pipeline_module: nn.Module | None = None  # pp > 1: this rank's stages (the rank module)
         self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
 
@@ -321,14 +326,17 @@ class LayoutStrategy(ParallelStrategy):
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
             # size tp does not divide is refused on every rank alike, before any collective
             check_tp_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel)
-        if self.dims.pp > 1:
-            self._setup_pipeline(trainer, fitting)  # composes each stage in its `prepare` callback
-        else:
-            self._compose()
-        # the data-parallel owner takes the precision's dtypes (bf16 buckets with fp32 master shards at ZeRO-1/2,
-        # FSDP2's MixedPrecisionPolicy at ZeRO-3)
-        self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting, self._pipeline,
+        # the one owner of data-parallel gradients, chosen first: its `shard` is the last transform of `parallelize`
+        # (FSDP2 at ZeRO-3, with the precision's dtypes: bf16 buckets with fp32 master shards at ZeRO-1/2,
+        # MixedPrecisionPolicy at ZeRO-3)
+        self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting,
                                                    self.precision_plugin.shard_precision(self.layout.zero_stage))
+        if self.dims.pp > 1:
+            self._setup_pipeline(trainer, fitting)  # the runtime splits, then calls _parallelize per rank module
+        else:
+            blocks = self._find_blocks().block_modules() if self.layout.recompute != "none" else []
+            self._parallelize(ModelParts(root=self.lightning_module, stages=[self.lightning_module], blocks=blocks))
+        self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
         self.model = self._gradient_sync.wrap(self.model)
         if fitting:
             self.setup_optimizers(trainer)
@@ -341,56 +349,58 @@ class LayoutStrategy(ParallelStrategy):
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _compose(self, stage_modules: list[nn.Module] | None = None) -> list[nn.Module] | None:
-        """Apply the layout to this rank's share of the model, in torchtitan's order: materialise this rank's share
-        (deferred init), move it to the device, make the replicas identical, then tensor parallel, recompute and --
-        for pipeline stages under ZeRO-3 -- FSDP2 per stage. Without pipeline parallel the whole model is the share
-        and ``stage_modules`` is None; data parallel is then applied by the gradient-sync owner."""
-        self._materialize_own_share()
-        self.model_to_device()
-        self._make_replicas_identical()
-        if self.dims.tp > 1:
-            self._setup_tensor_parallel()  # before data parallel: FSDP2 / ZeRO then see DTensor parameters
+    def _parallelize(self, parts: ModelParts) -> list[nn.Module]:
+        """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
+        for every layout); returns the stage modules."""
+        config = ParallelizeConfig(device=self.root_device, dp_mesh=self.device_mesh["dp"],
+                                   tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
+                                   recompute=self.layout.recompute)
+        done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._deferred,
+                           pretrained=self.pretrained)
+        self._deferred = None
+        self._tensor_parallel = done.tensor_parallel
+        if done.tensor_parallel is not None:
+            rank_zero_info(
+                f"tensor parallel over tp={self.dims.tp}: plan applied to {len(done.tensor_parallel.styles)} modules"
+                f"{' with sequence parallelism' if self.layout.sequence_parallel else ''}"
+                f"{', vocab-parallel loss' if done.tensor_parallel.vocab_parallel_head else ''}")
         if self.layout.recompute != "none":
-            n = apply_recompute(self._own_blocks(), self.layout.recompute)
-            rank_zero_info(f"activation recompute ({self.layout.recompute}) on {n} blocks of rank 0")
-        if stage_modules is not None and self.layout.zero_stage == 3:
-            offload = self.layout.offload_parameters or self.layout.offload_optimizer
-            return fully_shard_stages(stage_modules, self.device_mesh["dp"], self._block_names, offload=offload,
-                                      mp_policy=self.precision_plugin.shard_precision(3).fsdp_policy())
-        return stage_modules
-
-    def _own_blocks(self) -> list[nn.Module]:
-        """The model's repeated blocks that this rank holds (all of them without pipeline parallel)."""
-        if self._pipeline_module is None:
-            return self._find_blocks().block_modules()
-        return stage_blocks(self._pipeline_module, self._block_names)
+            rank_zero_info(f"activation recompute ({self.layout.recompute}) on {len(parts.blocks)} blocks of rank 0")
+        if "kept_bytes" in done.stats:
+            rank_zero_info(f"deferred init: rank 0 {describe_materialized(done.stats)}")
+        if "pretrained_tensors" in done.stats:
+            rank_zero_info(f"pretrained weights: rank 0 read its slices of {done.stats['pretrained_tensors']} tensors "
+                           f"from {self.pretrained.path}")
+        self.materialized = done.stats
+        return done.stages
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Under pipeline parallel, ``configure_model`` builds the model without memory (deferred: large tensors
-        on the meta device, their initialisation recorded); after the split each rank materialises only its own
-        stages, with the values a single process would have drawn. The full model never exists on any rank."""
-        if self.dims.pp == 1:
+        """When the layout splits parameters (ZeRO-3, tp or pp), ``configure_model`` builds the model without
+        memory (deferred: large tensors on the meta device, their initialisation recorded); the layout is applied
+        on meta and each rank then materialises only its share -- its stages, its tensor-parallel slices, its
+        ZeRO-3 shards -- with the values a single process would have drawn. The full model never exists on any
+        rank."""
+        if not self.layout.shards_parameters:
             yield None
             return
         with deferred_init() as record:
             yield None
-        assert self.lightning_module is not None
-        record.capture(self.lightning_module)
-        self._deferred = record
-
-    def _materialize_own_share(self) -> None:
-        if self._deferred is None:
-            return
         lm = self.lightning_module
         assert lm is not None
-        own = [name for name, _ in lm.named_parameters(remove_duplicate=False)]
-        own += [name for name, _ in lm.named_buffers(remove_duplicate=False)]
-        self._deferred.materialize(lm, keep=set(own) & set(self._deferred.fqns))
-        kept = self._deferred.stats.get("kept_bytes", 0)
-        rank_zero_info(f"deferred init: rank 0 materialised its share of the model, {kept / 2**20:.1f} MiB")
-        self._deferred = None
+        if _distributed_is_initialized() and dist.get_world_size() > 1:
+            # every rank takes global rank 0's construction: its random draws, replayed for the deferred tensors,
+            # and its small tensors (made for real), broadcast -- small by definition. The replicas agree, and every
+            # share (each stage, slice and shard) holds the single process's values, even where ranks drew
+            # differently (unseeded, or seeded per rank); the weights themselves are never broadcast.
+            states = [record.random_states()]
+            dist.broadcast_object_list(states, src=0)
+            record.use_random_states(states[0])
+            for tensor in lm.state_dict().values():
+                if isinstance(tensor, Tensor) and not tensor.is_meta:
+                    dist.broadcast(tensor, src=0)
+        record.capture(lm)
+        self._deferred = record
 
     def _find_blocks(self) -> ModelBlocks:
         assert self.lightning_module is not None
@@ -404,21 +414,6 @@ class LayoutStrategy(ParallelStrategy):
             if self.layout.zero_stage == 3 or self.dims.pp > 1:
                 raise  # these layouts need the blocks: the error says how to declare them
             rank_zero_info("blocks: none found; data parallel treats the model as one unit")
-
-    def _make_replicas_identical(self) -> None:
-        """Broadcast the initial weights over data parallel (and tensor parallel, before the split), so replicas
-        agree by construction, seeded or not: DDP would do it at wrap time, FSDP2 and the ZeRO partitioner keep
-        each rank's own values."""
-        assert self.model is not None
-        for dim in ("dp", "tp"):
-            group = self.device_mesh[dim].get_group()
-            if dist.get_world_size(group) == 1:
-                continue
-            for tensor in self.model.state_dict().values():
-                if isinstance(tensor, Tensor):
-                    # a DTensor's shard goes to the replicas with the same tensor-parallel coordinate
-                    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                    dist.broadcast(local, group=group, group_src=0)
 
     def _scope_metrics_to_data_parallel(self) -> None:
         """torchmetrics sync over the data-parallel group: the tp / pp ranks of one replica saw the same samples."""
@@ -459,7 +454,9 @@ class LayoutStrategy(ParallelStrategy):
             # the LightningModule holds this rank's stages from now on: the rest of the model is never materialised
             setattr(parent, attr, rank_module)
             self._pipeline_module = rank_module
-            return self._compose(stage_modules)
+            return self._parallelize(ModelParts(root=lm, stages=stage_modules, pipelined=True,
+                                                blocks=stage_blocks(rank_module, self._block_names),
+                                                block_names=self._block_names))
 
         accumulate = trainer.accumulate_grad_batches if fitting else 1
         choice = self.layout.schedule_choice()
@@ -467,6 +464,7 @@ class LayoutStrategy(ParallelStrategy):
                                          loss_scale=1.0 / (choice.n_microbatches * accumulate),
                                          device=self.root_device, costs=self.layout.stage_costs,
                                          units=list(blocks.units), prepare=prepare)
+        self._gradient_sync.bind(self._pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
         self._pipeline.make_tied_copies_equal()
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
@@ -541,17 +539,6 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     # Tensor parallel (tp > 1): the model's declared plan, applied by lightning_par.parallel.tensor_parallel
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_tensor_parallel(self) -> None:
-        assert self.model is not None
-        # on a pipeline rank, the plan's patterns for other ranks' units are skipped (checked on the whole model)
-        self._tensor_parallel = apply_tensor_parallel(self.model, self.device_mesh["tp"],
-                                                      self.layout.sequence_parallel, stage=self.dims.pp > 1)
-        rank_zero_info(
-            f"tensor parallel over tp={self.dims.tp}: plan applied to {len(self._tensor_parallel.styles)} modules"
-            f"{' with sequence parallelism' if self.layout.sequence_parallel else ''}"
-            f"{', vocab-parallel loss' if self._tensor_parallel.vocab_parallel_head else ''}"
-        )
-
     @contextmanager
     def _loss_context(self) -> Generator[None, None, None]:
         """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here."""

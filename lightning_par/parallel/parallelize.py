@@ -1,0 +1,134 @@
+"""Apply a layout to this rank's part of the model: one fixed order for every layout.
+
+A rank's part is the whole model without pipeline parallelism, or the rank module holding its pipeline stages
+(:class:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime` calls :func:`parallelize` through its ``prepare``
+callback). The order is torchtitan's (``parallelize_llama``), the same for every layout::
+
+    replicas identical -> tensor parallel -> recompute -> (compile) -> data-parallel sharding -> materialise share
+
+Two ways in, one order:
+
+* a model built under :func:`~lightning_par.parallel.deferred_init.deferred_init` (the strategy does this around
+  ``configure_model`` whenever the layout splits parameters: ZeRO-3, tp or pp) holds its large tensors on the meta
+  device, and every rank holds global rank 0's construction (its random draws and its small tensors), so its
+  replicas are identical already. Every transform then runs on meta and only describes this rank's share; the last step
+  (:func:`~lightning_par.parallel.materialize.materialize_share`) allocates exactly that share and fills it with the
+  single-process values, a tensor at a time. No rank ever holds more than its share plus one tensor.
+* a model built eagerly (in ``__init__``, or handed over whole) is moved to the device first and its replicas are
+  made identical by a broadcast; the transforms then cut what exists.
+
+Pretrained weights (``pretrained``) are read into the share right after it is allocated; their random
+initialisation is never computed. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_par.parallel.deferred_init import DeferredInit
+from lightning_par.parallel.materialize import materialize_share
+from lightning_par.parallel.recompute import apply_recompute
+from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
+
+
+class Pretrained(Protocol):
+    """Weights that replace the initialisation (``lightning_par.plugins.pretrained.PretrainedWeights``)."""
+
+    def check(self, module: nn.Module) -> Collection[str]:
+        """Check names, shapes and dtypes against ``module`` on every rank (collective); the names it fills."""
+
+    def load(self, module: nn.Module) -> int:
+        """Read this rank's slices into ``module``'s share; the number of tensors read."""
+
+
+@dataclass
+class ModelParts:
+    """This rank's part of the model.
+
+    ``root``: the module whose parameter names are the model's (the LightningModule; under pp it holds only this
+    rank's stages). ``stages``: the rank's pipeline stage modules, or ``[root]`` without pipeline parallelism.
+    ``blocks``: the repeated blocks the rank holds (recompute and ZeRO-3 groups act on them); ``block_names``: every
+    block of the model by name, relative to the split model (for the stage modules' FSDP groups).
+    """
+
+    root: nn.Module
+    stages: list[nn.Module]
+    blocks: list[nn.Module]
+    block_names: list[str] = field(default_factory=list)
+    pipelined: bool = False
+
+
+@dataclass
+class ParallelizeConfig:
+    """What :func:`parallelize` applies: the meshes of the dimensions it uses, the per-block options, the device."""
+
+    device: torch.device
+    dp_mesh: DeviceMesh
+    tp_mesh: DeviceMesh
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (left empty for now)
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` made: the rank's stage modules (FSDP2 roots under ZeRO-3), the tensor-parallel plan
+    (tp > 1), and the materialisation figures (``kept_bytes``, ``transient_bytes``, ``pretrained_tensors``)."""
+
+    stages: list[nn.Module]
+    tensor_parallel: TensorParallelPlan | None
+    stats: dict[str, int]
+
+
+def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[ModelParts], Sequence[nn.Module]],
+                deferred: DeferredInit | None = None, pretrained: Pretrained | None = None) -> Parallelized:
+    """Apply the layout to ``parts`` in the fixed order (see the module docstring).
+
+    ``shard``: the data-parallel owner's sharding of the parts (FSDP2 ``fully_shard`` at ZeRO-3, on meta tensors
+    when ``deferred``; nothing for the owners that act on gradients only); returns the stage modules.
+    ``deferred``: the record of the model's construction when it was built deferred.
+    """
+    if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
+        parts.root.to(config.device)
+        make_replicas_identical(parts.root, (config.dp_mesh, config.tp_mesh))
+    plan = None
+    if config.tp_mesh.size() > 1:
+        # before data-parallel sharding: FSDP2 and the ZeRO partitioner then see DTensor parameters
+        plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, stage=parts.pipelined)
+    apply_recompute(parts.blocks, config.recompute)
+    if config.compile is not None:
+        for block in parts.blocks:
+            config.compile(block)
+    stages = list(shard(parts))
+    fills: Collection[str] = pretrained.check(parts.root) if pretrained is not None else ()
+    stats: dict[str, int] = {}
+    if deferred is not None:
+        stats = materialize_share(parts.root, deferred, config.device, skip=fills)
+    if pretrained is not None:
+        stats["pretrained_tensors"] = pretrained.load(parts.root)
+    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats)
+
+
+def make_replicas_identical(module: nn.Module, meshes: Sequence[DeviceMesh]) -> None:
+    """Broadcast the tensors of a model built eagerly over each mesh from its first rank, so replicas agree by
+    construction, seeded or not: DDP would do it at wrap time, FSDP2 and the ZeRO partitioner keep each rank's own
+    values."""
+    for mesh in meshes:
+        group = mesh.get_group()
+        if dist.get_world_size(group) == 1:
+            continue
+        for tensor in module.state_dict().values():
+            if isinstance(tensor, Tensor):
+                dist.broadcast(tensor, group=group, group_src=0)
+
+
+def describe(stats: dict[str, Any]) -> str:
+    kept, transient = stats.get("kept_bytes", 0), stats.get("transient_bytes", 0)
+    return f"materialised {kept / 2**20:.1f} MiB (largest full tensor on the way: {transient / 2**20:.1f} MiB)"
