@@ -261,7 +261,9 @@ def _pretrained_dir(root, tied: bool):
     with torch.no_grad():
         for param in lm.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    lm.model.save_pretrained(root / "pretrained")
+    # in several safetensors shards with their index, as large models are published
+    lm.model.save_pretrained(root / "pretrained", max_shard_size="150KB")
+    assert (root / "pretrained" / "model.safetensors.index.json").is_file()
     return root / "pretrained"
 
 

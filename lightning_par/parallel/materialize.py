@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_par.parallel.deferred_init import DeferredInit
+from lightning_par.parallel.host_memory import release_freed_memory
 
 __all__ = ["local_slices", "local_tensor", "materialize_share", "named_tensors", "has_meta_tensors"]
 
@@ -96,6 +97,7 @@ def materialize_share(module: nn.Module, record: DeferredInit, device: torch.dev
         slices = local_slices(tensor)
         local_tensor(target).copy_(full if slices is None else full[slices])
         del full
+    release_freed_memory()  # the full tensors' blocks
     return stats
 
 

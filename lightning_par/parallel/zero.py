@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
+from lightning_par.parallel.host_memory import release_freed_memory
 from lightning_par.topology import LayoutError
 
 #: Optimizers whose update of an element depends only on that element's own history, so a flat chunk of a
@@ -348,6 +349,8 @@ class ZeroPartitioner:
         bucket.shard = nn.Parameter(bucket.dtensor(local))
         for i, p in enumerate(params):
             self._bucket_of[id(p)] = (bucket, i)
+        if flat.device.type == "cpu":
+            release_freed_memory()  # the parameters' old storage, freed below the new bucket
         return bucket
 
     # -- gradients -----------------------------------------------------------------------------------------------
