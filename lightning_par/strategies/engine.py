@@ -75,7 +75,7 @@ class LayoutStrategy(ParallelStrategy):
             sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.
         offload_parameters: stage 3: keep the resting parameter shards in host memory too.
-        schedule: pp > 1: the pipeline schedule (see ``lightning_par.parallel.pipeline.runtime.SCHEDULES``).
+        schedule: pp > 1: the pipeline schedule (see ``lightning_par.parallel.stage_plan.SCHEDULES``).
         n_microbatches: pp > 1: micro-batches per batch; default 2 * pp.
         virtual_stages: pp > 1: stages per pipeline rank; default 1, or 2 for the interleaved and V schedules.
         stage_costs: pp > 1: relative cost per pipeline unit (a list, or a dict by unit name) to balance the stages;
@@ -459,9 +459,9 @@ class LayoutStrategy(ParallelStrategy):
                                                 block_names=self._block_names))
 
         accumulate = trainer.accumulate_grad_batches if fitting else 1
-        choice = self.layout.schedule_choice()
-        self._pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], choice, lm.loss_fn,
-                                         loss_scale=1.0 / (choice.n_microbatches * accumulate),
+        plan = self.layout.stage_plan
+        self._pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], plan, lm.loss_fn,
+                                         loss_scale=1.0 / (plan.n_microbatches * accumulate),
                                          device=self.root_device, costs=self.layout.stage_costs,
                                          units=list(blocks.units), prepare=prepare)
         self._gradient_sync.bind(self._pipeline)
