@@ -1,8 +1,10 @@
-"""StagePlan: checked once, when built."""
+"""StagePlan (checked once, when built) and the runner interface pp = 1 shares with the pipeline runtime."""
 
 import pytest
 
 from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.pipeline.runtime import PipelineRuntime
+from lightning_par.parallel.runners import SingleRunner
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 from lightning_par.topology import LayoutError
 
@@ -36,3 +38,13 @@ def test_a_plan_that_exists_is_valid(kwargs, message):
     with pytest.raises(LayoutError, match=message):
         StagePlan(**kwargs)
 
+
+def test_single_runner_answers_the_pipeline_hooks():
+    runner = SingleRunner()
+    assert not runner.takes_over_step and PipelineRuntime.takes_over_step
+    assert runner.group is None and runner.counted_elsewhere() == set() and runner.plan == StagePlan.single()
+    runner.make_tied_copies_equal()
+    runner.sum_tied_gradients()
+    assert "one stage" in runner.stage_table()
+    with pytest.raises(RuntimeError, match="Lightning's loop runs the step"):
+        runner.train_step(None, None)

@@ -173,6 +173,9 @@ class PipelineRuntime:
     ``require_sync`` (see :meth:`train_step`).
     """
 
+    #: the schedule runs forward and backward itself (see :class:`~lightning_par.parallel.runners.Runner`)
+    takes_over_step = True
+
     def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, plan: StagePlan,
                  loss_fn: Callable[[Any, Any], Tensor], loss_scale: float, device: torch.device,
                  costs: Costs = None, units: Sequence[str] | None = None, prepare: Prepare | None = None) -> None:
@@ -434,19 +437,6 @@ class PipelineRuntime:
             if param is not None and not tied.counted_here:
                 out.add(id(param))
         return out
-
-    def global_grad_norm(self) -> Tensor:
-        """The 2-norm of the whole model's gradient: squares summed over the pipeline ranks, a tied parameter
-        counted once (on the lowest pipeline rank holding it). Plain (unsplit) gradients only; the engine's
-        :func:`lightning_par.parallel.grad_norm.global_grad_norm` handles DTensors."""
-        skip = self.counted_elsewhere()
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
-        # explicit fp32: under bf16-true the default dtype is bf16, and every rank must send the same bytes
-        square = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            square = torch.nn.utils.get_total_norm(grads).float() ** 2
-        dist.all_reduce(square, group=self.group)
-        return square.sqrt()
 
     def _average_gradients(self, dp_group: dist.ProcessGroup) -> None:
         """Average this rank's gradients over its data-parallel replicas (the same stages on other replicas).
