@@ -123,16 +123,16 @@ class PipelineTimeline(pl.Callback):
             return
         bubble = bubble_fraction(records, pipeline.pp)
         in_flight = peak_in_flight(records)
-        choice = pipeline.choice
-        summary = {"step": trainer.global_step, "schedule": choice.name, "pp": choice.pp,
-                   "n_microbatches": choice.n_microbatches, "virtual_stages": choice.virtual_stages,
+        plan = pipeline.plan
+        summary = {"step": trainer.global_step, "schedule": plan.schedule, "pp": plan.pp,
+                   "n_microbatches": plan.n_microbatches, "virtual_stages": plan.virtual_stages,
                    "bubble_fraction": bubble["mean"], "bubble_per_rank": bubble["per_rank"],
                    "makespan_s": bubble["makespan"], "peak_in_flight": in_flight,
                    "peak_activation_bytes": peak_bytes, "records": [r.__dict__ for r in records]}
         metrics = {"pipeline/bubble_fraction": bubble["mean"],
                    "pipeline/peak_microbatches_in_flight": max(in_flight.values()),
                    "pipeline/peak_activation_MiB": max(peak_bytes) / 2**20}
-        title = (f"{choice.name}: p={choice.pp}, m={choice.n_microbatches}, v={choice.virtual_stages}, "
+        title = (f"{plan.schedule}: p={plan.pp}, m={plan.n_microbatches}, v={plan.virtual_stages}, "
                  f"step {trainer.global_step}, idle {bubble['mean']:.0%}")
         figure = self._draw(records, out_dir / "pipeline_timeline.png", title, pipeline.pp)
         (out_dir / "pipeline_timeline.json").write_text(json.dumps(summary, indent=1))

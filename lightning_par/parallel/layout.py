@@ -1,8 +1,8 @@
 """A layout: how one model is spread over ranks. Every strategy is a preset of this one description.
 
-All layout rules live here and are checked once: value types and ranges when the layout is made, sizes and the
-pipeline schedule against the world size in :meth:`Layout.resolve`, which runs in the launching process before any
-rank starts or waits on a collective.
+All layout rules live here and are checked once: value types and ranges, and the pipeline's stages and schedule (a
+:class:`~lightning_par.parallel.stage_plan.StagePlan`), when the layout is made; sizes against the world size in
+:meth:`Layout.resolve`, which runs in the launching process before any rank starts or waits on a collective.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_par.parallel.pipeline.runtime import ScheduleChoice, check_schedule_name, resolve_schedule
 from lightning_par.parallel.recompute import check_recompute
+from lightning_par.parallel.stage_plan import StagePlan, check_schedule_name
 from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size
 
 #: ZeRO stages: 0 replicas (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters.
@@ -81,16 +81,19 @@ class Layout:
                 isinstance(t, str | type) for t in self.block_types)):
             raise LayoutError(f"block_types={self.block_types!r} is not valid: give a list of classes or class "
                               "names, e.g. block_types=['Block'].")
-        if self.pp > 1:
-            self.schedule_choice()  # micro-batches and virtual stages against pp: fails here, not on the ranks
+        # checked once, here: a bad schedule fails in the launching process, not on the ranks
+        plan = StagePlan.for_schedule(self.schedule, self.pp, self.n_microbatches, self.virtual_stages) \
+            if self.pp > 1 else StagePlan.single()
+        object.__setattr__(self, "_stage_plan", plan)  # not a field: made from the fields
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The concrete sizes for ``world_size`` ranks, or a :class:`LayoutError` that says how to fix them."""
         return ParallelDims.resolve(world_size, dp=self.dp, tp=self.tp, pp=self.pp)
 
-    def schedule_choice(self) -> ScheduleChoice:
-        """The pipeline schedule resolved against pp (micro-batches, virtual stages); pp > 1 only."""
-        return resolve_schedule(self.schedule, self.pp, self.n_microbatches, self.virtual_stages)
+    @property
+    def stage_plan(self) -> StagePlan:
+        """The pipeline's stages, their ranks and its schedule (``StagePlan.single()`` for pp = 1)."""
+        return self._stage_plan  # type: ignore[attr-defined]
 
     @property
     def shards_parameters(self) -> bool:

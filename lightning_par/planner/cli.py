@@ -15,8 +15,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from lightning_par.parallel.pipeline.runtime import SCHEDULES
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
+from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.model import build_model, inspect_model
 from lightning_par.planner.plan import Candidate, Planner, Workload, rank_table

@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.pipeline.runtime import SCHEDULES, resolve_schedule
-from lightning_par.parallel.pipeline.split import plan_stages, stage_indices
+from lightning_par.parallel.pipeline.split import plan_stages
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
+from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
 from lightning_par.planner.schedule import Simulation, action_order, rank_of_stage, simulate
@@ -467,9 +467,8 @@ class Planner:
         unit), as :mod:`lightning_par.parallel.pipeline.split` places them."""
         if c.pp == 1:
             return self.stages(1, 1, "loop"), [[0]]
-        style = SCHEDULES[c.schedule].style
-        return (self.stages(c.pp, c.virtual_stages, style),
-                [stage_indices(r, c.pp, c.virtual_stages, style) for r in range(c.pp)])
+        plan = StagePlan(c.pp, c.virtual_stages, SCHEDULES[c.schedule].style)
+        return self.stages(plan.pp, plan.virtual_stages, plan.style), [plan.stages_of(r) for r in range(c.pp)]
 
     def _rank_params(self, units: set[str]) -> list[ParamInfo]:
         """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
@@ -558,7 +557,7 @@ class Planner:
                                 skip(f"pp={pp} x v={v}: more stages than units")
                                 continue
                             try:
-                                resolve_schedule(name, pp, m, v)
+                                StagePlan.for_schedule(name, pp, m, v)
                             except LayoutError:
                                 skip(f"{name} with pp={pp}, m={m}, v={v}")
                                 continue

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import NamedTuple
 
-from lightning_par.parallel.pipeline.runtime import SCHEDULES, resolve_schedule
-from lightning_par.parallel.pipeline.split import stage_indices, stage_rank
+from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 
 #: Of what a zero-bubble input-gradient backward's graph saved, the share counted as held until the step ends
 #: (see :func:`simulate`): the middle of the bracket [0, 1] the collector's timing spans.
@@ -85,7 +84,7 @@ def _order(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]
     else:
         from torch.distributed import pipelining
 
-        stages = [_StandInStage(i, pp * v, pp, 0) for i in stage_indices(0, pp, v, spec.style)]
+        stages = [_StandInStage(i, pp * v, pp, 0) for i in StagePlan(pp, v, spec.style).stages_of(0)]
         schedule = _compute_order_only(getattr(pipelining, spec.torch_class))(
             stages, n_microbatches=m, loss_fn=lambda out, target: out, scale_grads=False)
         order = {}
@@ -106,14 +105,13 @@ def _order(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]
 def action_order(name: str, pp: int, n_microbatches: int | None = None,
                  virtual_stages: int | None = None) -> dict[int, list[Action]]:
     """Each pipeline rank's compute actions, in the order the runtime runs them."""
-    choice = resolve_schedule(name, pp, n_microbatches, virtual_stages)
-    order = _order(name, pp, choice.n_microbatches, choice.virtual_stages)
+    plan = StagePlan.for_schedule(name, pp, n_microbatches, virtual_stages)
+    order = _order(name, pp, plan.n_microbatches, plan.virtual_stages)
     return {rank: list(actions) for rank, actions in enumerate(order)}
 
 
 def rank_of_stage(name: str, pp: int, virtual_stages: int) -> Callable[[int], int]:
-    style = SCHEDULES[name].style
-    return lambda stage: stage_rank(stage, pp, virtual_stages, style)
+    return StagePlan(pp, virtual_stages, SCHEDULES[name].style).rank_of
 
 
 @dataclass

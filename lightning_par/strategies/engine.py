@@ -53,6 +53,7 @@ from lightning_par.parallel.parallelize import describe as describe_materialized
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.fsdp import stage_blocks
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
+from lightning_par.parallel.runners import Runner, SingleRunner
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_tp_plan
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
@@ -75,7 +76,7 @@ class LayoutStrategy(ParallelStrategy):
             sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.
         offload_parameters: stage 3: keep the resting parameter shards in host memory too.
-        schedule: pp > 1: the pipeline schedule (see ``lightning_par.parallel.pipeline.runtime.SCHEDULES``).
+        schedule: pp > 1: the pipeline schedule (see ``lightning_par.parallel.stage_plan.SCHEDULES``).
         n_microbatches: pp > 1: micro-batches per batch; default 2 * pp.
         virtual_stages: pp > 1: stages per pipeline rank; default 1, or 2 for the interleaved and V schedules.
         stage_costs: pp > 1: relative cost per pipeline unit (a list, or a dict by unit name) to balance the stages;
@@ -166,7 +167,7 @@ class LayoutStrategy(ParallelStrategy):
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
         # the mode components this layout switched on (set in setup)
-        self._pipeline: PipelineRuntime | None = None
+        self._runner: Runner = SingleRunner()  # the PipelineRuntime under pp > 1 (from setup)
         self._tensor_parallel: TensorParallelPlan | None = None
         self._gradient_sync: NoSync = NoSync()
         self._deferred: DeferredInit | None = None  # the model's construction, replayed per rank (its share)
@@ -193,7 +194,7 @@ class LayoutStrategy(ParallelStrategy):
     @property
     def pipeline(self) -> PipelineRuntime | None:
         """This rank's pipeline runtime (pp > 1, after setup): its stages, schedule and recording switch."""
-        return self._pipeline
+        return self._runner if isinstance(self._runner, PipelineRuntime) else None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -459,24 +460,24 @@ class LayoutStrategy(ParallelStrategy):
                                                 block_names=self._block_names))
 
         accumulate = trainer.accumulate_grad_batches if fitting else 1
-        choice = self.layout.schedule_choice()
-        self._pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], choice, lm.loss_fn,
-                                         loss_scale=1.0 / (choice.n_microbatches * accumulate),
-                                         device=self.root_device, costs=self.layout.stage_costs,
-                                         units=list(blocks.units), prepare=prepare)
-        self._gradient_sync.bind(self._pipeline)
+        plan = self.layout.stage_plan
+        pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], plan, lm.loss_fn,
+                                   loss_scale=1.0 / (plan.n_microbatches * accumulate), device=self.root_device,
+                                   costs=self.layout.stage_costs, units=list(blocks.units), prepare=prepare)
+        self._runner = pipeline
+        self._gradient_sync.bind(pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
-        self._pipeline.make_tied_copies_equal()
+        pipeline.make_tied_copies_equal()
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
-        self._pipeline.module.forward = self._pipeline.forward_only
-        rank_zero_info(self._pipeline.stage_table())
-        log.info(self._pipeline.describe())
+        pipeline.module.forward = pipeline.forward_only
+        rank_zero_info(pipeline.stage_table())
+        log.info(pipeline.describe())
         if fitting:
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
             trainer.fit_loop._skip_backward = True
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
+        if not self._runner.takes_over_step:
             with self._loss_context():
                 return super().training_step(*args, **kwargs)
         lm = self.lightning_module
@@ -487,7 +488,7 @@ class LayoutStrategy(ParallelStrategy):
                 for optimizer in self.optimizers:
                     optimizer.zero_grad(set_to_none=True)
             with self._loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
-                loss = self._pipeline.train_step(*split_batch(batch))
+                loss = self._runner.train_step(*split_batch(batch))
             self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
@@ -503,12 +504,12 @@ class LayoutStrategy(ParallelStrategy):
     @contextmanager
     def _pipeline_eval_loss(self) -> Generator[None, None, None]:
         """Evaluation's ``compute_loss`` runs forward-only through the stages; the loss comes from the last."""
-        if self._pipeline is None:
+        if not self._runner.takes_over_step:
             yield None
             return
-        pipeline = self._pipeline
+        runner = self._runner
         assert self.lightning_module is not None
-        with _loss_given(self.lightning_module, lambda batch: pipeline.forward_only(*split_batch(batch))):
+        with _loss_given(self.lightning_module, lambda batch: runner.forward_only(*split_batch(batch))):
             yield None
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -522,13 +523,8 @@ class LayoutStrategy(ParallelStrategy):
         """
         optimizers = [optimizer] if optimizer is not None else self.optimizers
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        skip: set[int] = set()
-        pp_group = None
-        if self._pipeline is not None:
-            skip = self._pipeline.counted_elsewhere()
-            pp_group = self._pipeline.group
-        grads = self._gradient_sync.norm_grads(params, skip)
-        return global_grad_norm(grads, pp_group, device=self.root_device)
+        grads = self._gradient_sync.norm_grads(params, self._runner.counted_elsewhere())
+        return global_grad_norm(grads, self._runner.group, device=self.root_device)
 
     def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         total = self.global_grad_norm(optimizer)
@@ -714,7 +710,7 @@ class LayoutStrategy(ParallelStrategy):
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat = None
-            if self._pipeline is not None and self.lightning_module is not None:
+            if self._runner.takes_over_step and self.lightning_module is not None:
                 self.lightning_module.trainer.fit_loop._skip_backward = False
             if self.model is not None:
                 self.model = self._gradient_sync.unwrap(self.model)

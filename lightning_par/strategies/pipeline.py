@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.parallel.pipeline.runtime import SCHEDULES
+from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.strategies.engine import LayoutStrategy
 from lightning_par.topology import Size
 

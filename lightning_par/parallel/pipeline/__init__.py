@@ -6,7 +6,6 @@ from lightning_par.parallel.pipeline.adapter import PipelineOutput, StageIO, sta
 from lightning_par.parallel.pipeline.batches import ACCEPTED_FORMS, next_token_targets, split_batch
 from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count, fully_shard_stages
 from lightning_par.parallel.pipeline.split import (
-    STAGE_STYLES,
     KeptModuleList,
     RemovedUnit,
     TiedParameter,
@@ -22,6 +21,7 @@ from lightning_par.parallel.pipeline.split import (
     stage_view,
     tied_parameter_groups,
 )
+from lightning_par.parallel.stage_plan import STAGE_STYLES
 
 __all__ = [
     "ACCEPTED_FORMS",

@@ -1,7 +1,7 @@
 """Run one pipeline rank: its stage modules, the training schedule, forward-only evaluation, tied gradients.
 
-Training uses the schedules of ``torch.distributed.pipelining`` (:data:`SCHEDULES`). Two things are written here
-because torch lacks them:
+Training uses the schedules of ``torch.distributed.pipelining``
+(:data:`~lightning_par.parallel.stage_plan.SCHEDULES`). Two things are written here because torch lacks them:
 
 * **forward-only passes with changing shapes** (:meth:`PipelineRuntime.forward_only`): a ``PipelineStage`` fixes
   its activation shapes at its first step, but validation sees a short last batch and generation a growing
@@ -27,7 +27,8 @@ counts). The runtime does not synchronise data-parallel gradients itself, except
 the ZeRO-0 owner calls.
 
 Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
-checked in :func:`resolve_schedule`, which the strategy calls in the launching process.
+checked once, when the :class:`~lightning_par.parallel.stage_plan.StagePlan` is built (by the layout, in the
+launching process); the runtime takes the plan as it is.
 """
 
 from __future__ import annotations
@@ -54,94 +55,12 @@ from lightning_par.parallel.pipeline.split import (
     plan_stages,
     rank_module,
     removes_to_none,
-    stage_indices,
-    stage_rank,
     stage_view,
     tied_parameter_groups,
 )
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
+from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan  # noqa: F401 -- SCHEDULES: the old import path
 from lightning_par.topology import LayoutError
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """A schedule users can name, and what it needs."""
-
-    torch_class: str  # in torch.distributed.pipelining
-    style: str  # stage placement: "loop" (rank r holds r, r+p, ...) or "v" (r and 2p-1-r)
-    default_virtual: int
-    fixed_virtual: int | None  # the only number of stages per rank the schedule runs, if it has one
-    summary: str
-    split_backward: bool = False  # backward in two halves: input gradients, later weight gradients (I / W)
-
-
-SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec("ScheduleGPipe", "loop", 1, 1, "all forwards, then all backwards; holds m micro-batches"),
-    "1f1b": ScheduleSpec("Schedule1F1B", "loop", 1, 1, "PipeDream-Flush: GPipe's bubble, at most p in flight"),
-    "interleaved_1f1b": ScheduleSpec("ScheduleInterleaved1F1B", "loop", 2, None,
-                                     "v stages per rank: bubble (p-1)/(m v)"),
-    "looped_bfs": ScheduleSpec("ScheduleLoopedBFS", "loop", 2, None, "v stages per rank, breadth first"),
-    "zero_bubble": ScheduleSpec("ScheduleInterleavedZeroBubble", "loop", 2, None,
-                                "interleaved, backward split into input and weight gradients", True),
-    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, 2, "zero-bubble V: 2 stages per rank in a V", True),
-    "dualpipev": ScheduleSpec("ScheduleDualPipeV", "v", 2, 2, "DualPipe-V: 2 stages per rank, m >= 2p", True),
-}
-
-
-@dataclass(frozen=True)
-class ScheduleChoice:
-    """A schedule resolved against the pipeline size: what the runtime builds."""
-
-    name: str
-    spec: ScheduleSpec
-    pp: int
-    n_microbatches: int
-    virtual_stages: int
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-
-def default_microbatches(pp: int) -> int:
-    """Two micro-batches per pipeline rank: every schedule runs, and GPipe / 1F1B idle (p-1)/(2p) of compute."""
-    return 2 * pp
-
-
-def check_schedule_name(schedule: str) -> ScheduleSpec:
-    if schedule not in SCHEDULES:
-        valid = ", ".join(f"{name!r} ({spec.summary})" for name, spec in SCHEDULES.items())
-        raise LayoutError(f"unknown pipeline schedule {schedule!r}; valid schedules: {valid}.")
-    return SCHEDULES[schedule]
-
-
-def resolve_schedule(schedule: str, pp: int, n_microbatches: int | None = None,
-                     virtual_stages: int | None = None) -> ScheduleChoice:
-    """Check a schedule against the pipeline size; raise a :class:`LayoutError` that says what to change."""
-    spec = check_schedule_name(schedule)
-    m = default_microbatches(pp) if n_microbatches is None else n_microbatches
-    v = spec.default_virtual if virtual_stages is None else virtual_stages
-    for name, value in (("n_microbatches", m), ("virtual_stages", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise LayoutError(f"{name}={value!r} is not valid: use a positive integer.")
-    if spec.fixed_virtual is not None and v != spec.fixed_virtual:
-        other = "interleaved_1f1b or zero_bubble" if v > 1 else "gpipe or 1f1b"
-        raise LayoutError(f"schedule {schedule!r} runs exactly {spec.fixed_virtual} stage(s) per rank, got "
-                          f"virtual_stages={v}; leave virtual_stages unset, or use {other}.")
-    n_stages = pp * v
-    # the same conditions torch checks when the schedule is built, here so that they fail before launch
-    if schedule == "1f1b" and m < pp:
-        raise LayoutError(f"1f1b needs at least as many micro-batches as pipeline stages: n_microbatches={m} < "
-                          f"pp={pp}. Use n_microbatches >= {pp}.")
-    if schedule == "dualpipev" and m < n_stages:
-        raise LayoutError(f"dualpipev needs n_microbatches >= 2 * pp = {n_stages}, got {m}.")
-    if spec.style == "loop" and v > 1:
-        rounds = max(1, m // pp)
-        if m % rounds:
-            raise LayoutError(f"{schedule} runs micro-batches in rounds of pp={pp}: n_microbatches={m} is not a "
-                              f"multiple of its {rounds} rounds. Use a multiple of {pp}, e.g. {rounds * pp}.")
-    return ScheduleChoice(schedule, spec, pp, m, v)
-
 
 # -- point-to-point transfer of tensors whose shape the receiver does not know -------------------------------------
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -187,6 +106,9 @@ class _Tied(NamedTuple):
     dtype: torch.dtype
 
 
+#: the old name of :meth:`StagePlan.for_schedule` (tests and benchmarks build plans with it)
+resolve_schedule = StagePlan.for_schedule
+
 #: ``prepare(rank_module, stage_modules) -> stage_modules`` (see :class:`PipelineRuntime`).
 Prepare = Callable[[nn.Module, list[nn.Module]], Sequence[nn.Module] | None]
 
@@ -228,7 +150,7 @@ class PipelineRuntime:
     Args:
         model: the full model, identical on every rank; it is not modified.
         pp_mesh: the 1-D pipeline mesh this rank belongs to.
-        choice: from :func:`resolve_schedule`.
+        plan: the stages and schedule (:class:`StagePlan`, e.g. ``Layout.stage_plan``), for this mesh's pp.
         loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage.
         loss_scale: the factor applied to each micro-batch loss before backward (1 / (m * accumulation)).
         device: where the stages compute.
@@ -245,26 +167,32 @@ class PipelineRuntime:
             called (evaluation through :meth:`forward_only`), hooks registered on a stage module only when that
             stage runs. If it raises on one pipeline rank, every pipeline rank raises (they agree right after).
 
-    Attributes after construction: ``module`` (the rank module: all of this rank's units, original names),
+    Attributes after construction: ``plan``, ``module`` (the rank module: all of this rank's units, original names),
     ``stage_modules`` (what ``prepare`` returned), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
     ``units_by_stage``, ``stage_ids``, ``block_units`` (the units that are repeated blocks),
     ``require_sync`` (see :meth:`train_step`).
     """
 
-    def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, choice: ScheduleChoice,
+    #: the schedule runs forward and backward itself (see :class:`~lightning_par.parallel.runners.Runner`)
+    takes_over_step = True
+
+    def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, plan: StagePlan,
                  loss_fn: Callable[[Any, Any], Tensor], loss_scale: float, device: torch.device,
                  costs: Costs = None, units: Sequence[str] | None = None, prepare: Prepare | None = None) -> None:
-        self.choice = choice
+        spec = plan.spec
+        if spec is None or plan.pp != pp_mesh.size():
+            raise LayoutError(f"the pipeline runtime needs a plan with a schedule for its mesh's pp={pp_mesh.size()}, "
+                              f"got {plan}.")
+        self.plan = plan
         self.group = pp_mesh.get_group()
-        self.pp_rank, self.pp = pp_mesh.get_local_rank(), pp_mesh.size()
+        self.pp_rank, self.pp = pp_mesh.get_local_rank(), plan.pp
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.device = device
-        style, v = choice.spec.style, choice.virtual_stages
         self.units = model_units(model, units)
         self.io = stage_io(model)
-        self.units_by_stage = plan_stages(model, self.pp, v, style, costs, units=self.units)
+        self.units_by_stage = plan_stages(model, plan, costs=costs, units=self.units)
         self.block_units = block_units(model, self.units)
-        self.stage_ids = stage_indices(self.pp_rank, self.pp, v, style)
+        self.stage_ids = plan.stages_of(self.pp_rank)
         self.module = rank_module(model, self.units_by_stage, self.stage_ids, units=self.units)
         to_none = removes_to_none(model)
         self.stage_modules = [stage_view(self.module, self.units_by_stage[i], units=self.units, to_none=to_none)
@@ -273,7 +201,7 @@ class PipelineRuntime:
             # an instance attribute, so the stage keeps the model's class and parameter names
             view.forward = stage_forward(view, self.io, first=i == 0,
                                          entry=view.get_submodule(self.units_by_stage[i][0]))
-        self.last_rank = self._rank_of(choice.n_stages - 1)  # pipeline rank that computes the loss
+        self.last_rank = plan.rank_of(plan.n_stages - 1)  # pipeline rank that computes the loss
         self._tied = self._tied_across_ranks(model)
         self._tied_grad_meta: list[tuple[list[int], torch.dtype]] | None = None  # local shapes, after the 1st sum
         # False while Lightning accumulates gradients: FSDP stage modules keep their gradients unreduced
@@ -290,19 +218,19 @@ class PipelineRuntime:
 
         if prepare is not None:
             self.stage_modules = self._prepare(prepare)
-        n = choice.n_stages
+        n = plan.n_stages
         self.stages = [pipelining.PipelineStage(mod, i, n, device, group=self.group)
                        for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
-        schedule_cls = getattr(pipelining, choice.spec.torch_class)
-        stages = self.stages[0] if choice.spec.torch_class in ("ScheduleGPipe", "Schedule1F1B") else self.stages
+        schedule_cls = getattr(pipelining, spec.torch_class)
+        stages = self.stages[0] if spec.torch_class in ("ScheduleGPipe", "Schedule1F1B") else self.stages
         try:
             # scale_grads=False: torch would divide *all* gradients every step, which breaks accumulation over
             # several Lightning batches; the loss is scaled instead
-            self.schedule = schedule_cls(stages, n_microbatches=choice.n_microbatches, loss_fn=scaled_loss,
+            self.schedule = schedule_cls(stages, n_microbatches=plan.n_microbatches, loss_fn=scaled_loss,
                                          scale_grads=False)
         except ValueError as err:  # raised alike on every rank, before any communication
-            raise LayoutError(f"pipeline schedule {choice.name!r} with pp={self.pp}, n_microbatches="
-                              f"{choice.n_microbatches}, virtual_stages={v}: {err}") from err
+            raise LayoutError(f"pipeline schedule {plan.schedule!r} with pp={self.pp}, n_microbatches="
+                              f"{plan.n_microbatches}, virtual_stages={plan.virtual_stages}: {err}") from err
 
     def _prepare(self, prepare: Prepare) -> list[nn.Module]:
         """Run ``prepare`` on this rank's stages; the pipeline ranks then agree (one ``all_gather_object``), so that
@@ -317,7 +245,7 @@ class PipelineRuntime:
                     raise TypeError(f"prepare must return this rank's {len(self.stage_modules)} stage modules (or "
                                     f"None), got {out!r}")
                 prepared = out
-            if self.choice.spec.split_backward:
+            if self.plan.spec.split_backward:
                 # the weight-gradient half of a backward finds the weights through the stage module's parameters:
                 # FSDP2 must keep the gathered ones registered from the forward on (freed after a forward, the
                 # sharded ones would be found, and the weight gradients silently lost)
@@ -336,9 +264,6 @@ class PipelineRuntime:
             raise LayoutError(f"pipeline rank {rank} could not prepare its stages (so none of the ranks goes on): "
                               f"{message}")
         return prepared
-
-    def _rank_of(self, stage: int) -> int:
-        return stage_rank(stage, self.pp, self.choice.virtual_stages, self.choice.spec.style)
 
     @property
     def is_first(self) -> bool:
@@ -381,7 +306,7 @@ class PipelineRuntime:
         (the non-final batches of gradient accumulation) that reduce-scatter is skipped too: the gradients stay
         unreduced (and the parameters gathered) until the step whose ``require_sync`` is True.
         """
-        m = self.choice.n_microbatches
+        m = self.plan.n_microbatches
         ids, extra = self._model_inputs(inputs)
         if ids.size(0) % m:
             raise LayoutError(f"the batch of {ids.size(0)} samples does not split into n_microbatches={m} equal "
@@ -423,7 +348,7 @@ class PipelineRuntime:
         for tied in tied_parameter_groups(model, self.units_by_stage, units=self.units):
             by_rank: dict[int, str] = {}
             for stage, name in tied.name_by_stage.items():
-                by_rank.setdefault(self._rank_of(stage), name)
+                by_rank.setdefault(self.plan.rank_of(stage), name)
             if len(by_rank) > 1:
                 source = min(by_rank)
                 out.append(_Tied(by_rank.get(self.pp_rank), source, source == self.pp_rank,
@@ -513,19 +438,6 @@ class PipelineRuntime:
                 out.add(id(param))
         return out
 
-    def global_grad_norm(self) -> Tensor:
-        """The 2-norm of the whole model's gradient: squares summed over the pipeline ranks, a tied parameter
-        counted once (on the lowest pipeline rank holding it). Plain (unsplit) gradients only; the engine's
-        :func:`lightning_par.parallel.grad_norm.global_grad_norm` handles DTensors."""
-        skip = self.counted_elsewhere()
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
-        # explicit fp32: under bf16-true the default dtype is bf16, and every rank must send the same bytes
-        square = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            square = torch.nn.utils.get_total_norm(grads).float() ** 2
-        dist.all_reduce(square, group=self.group)
-        return square.sqrt()
-
     def _average_gradients(self, dp_group: dist.ProcessGroup) -> None:
         """Average this rank's gradients over its data-parallel replicas (the same stages on other replicas).
 
@@ -573,10 +485,10 @@ class PipelineRuntime:
                             f"{self.io.input_key or 'input_ids'}= and attention_mask=) and targets; it got "
                             f"{'no inputs' if inputs is None else 'also ' + str(sorted(model_kwargs))}.")
         ids, extra = self._model_inputs(inputs)
-        m = math.gcd(ids.size(0), n_microbatches or self.choice.n_microbatches)  # equal micro-batches
+        m = math.gcd(ids.size(0), n_microbatches or self.plan.n_microbatches)  # equal micro-batches
         chunks = ids.tensor_split(m)
         masks = extra["attention_mask"].tensor_split(m) if extra else [None] * m
-        last_stage = self.choice.n_stages - 1
+        last_stage = self.plan.n_stages - 1
         handoff: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> input, between stages of this rank
         pending: list = []
         outputs: list[Tensor] = []
@@ -589,17 +501,17 @@ class PipelineRuntime:
                 elif (stage, k) in handoff:
                     x = handoff.pop((stage, k))
                 else:
-                    x = _recv(self.global_ranks[self._rank_of(stage - 1)], self.group, self.device)
+                    x = _recv(self.global_ranks[self.plan.rank_of(stage - 1)], self.group, self.device)
                 kwargs = {} if masks[k] is None else {"attention_mask": masks[k]}
                 if self.io.inject:
                     kwargs["model_inputs"] = chunks[k]
                 y = module(x, **kwargs)
                 if stage == last_stage:
                     outputs.append(y)
-                elif self._rank_of(stage + 1) == self.pp_rank:
+                elif self.plan.rank_of(stage + 1) == self.pp_rank:
                     handoff[(stage + 1, k)] = y
                 else:
-                    pending += _isend(y, self.global_ranks[self._rank_of(stage + 1)], self.group)
+                    pending += _isend(y, self.global_ranks[self.plan.rank_of(stage + 1)], self.group)
         for work in pending:
             if not isinstance(work, Tensor):
                 work.wait()
@@ -631,15 +543,15 @@ class PipelineRuntime:
 
     def stage_table(self) -> str:
         """Every stage of the pipeline (not only this rank's): its pipeline rank and the units it holds."""
-        lines = [f"pipeline: {self.choice.n_stages} stages, schedule {self.choice.name}, "
-                 f"{self.choice.n_microbatches} micro-batches"]
+        lines = [f"pipeline: {self.plan.n_stages} stages, schedule {self.plan.schedule}, "
+                 f"{self.plan.n_microbatches} micro-batches"]
         for stage, units in enumerate(self.units_by_stage):
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]}"
-            lines.append(f"  stage {stage} on pipeline rank {self._rank_of(stage)}: {len(units)} units ({span})")
+            lines.append(f"  stage {stage} on pipeline rank {self.plan.rank_of(stage)}: {len(units)} units ({span})")
         return "\n".join(lines)
 
     def describe(self) -> str:
         units = [u for i in self.stage_ids for u in self.units_by_stage[i]]
-        return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.choice.n_stages} "
-                f"({len(units)} units, {units[0]} .. {units[-1]}), schedule {self.choice.name}, "
-                f"{self.choice.n_microbatches} micro-batches")
+        return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.plan.n_stages} "
+                f"({len(units)} units, {units[0]} .. {units[-1]}), schedule {self.plan.schedule}, "
+                f"{self.plan.n_microbatches} micro-batches")

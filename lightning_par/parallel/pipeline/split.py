@@ -42,10 +42,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_par.parallel.blocks import is_hf_model
+from lightning_par.parallel.stage_plan import StagePlan, check_positive_int
 from lightning_par.topology import LayoutError
-
-#: How virtual stages are laid out over the pipeline ranks (see :func:`stage_indices`).
-STAGE_STYLES: tuple[str, ...] = ("loop", "v")
 
 Costs = dict[str, float] | Sequence[float] | None
 
@@ -57,11 +55,6 @@ def _short(names: Sequence[str], limit: int = 8) -> str:
         return repr(names)
     head, tail = names[: limit // 2], names[-(limit // 2):]
     return f"[{', '.join(map(repr, head))}, ... ({len(names) - limit} more) ..., {', '.join(map(repr, tail))}]"
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LayoutError(f"{name}={value!r} is not valid: use a positive integer.")
 
 
 # -- removed units -------------------------------------------------------------------------------------------------
@@ -391,7 +384,7 @@ def assign_units(units: list[str], n_stages: int, costs: Costs = None, *,
     With ``costs`` (one per unit, in unit order, or a dict unit -> cost) the split minimises the largest stage cost
     exactly. Stage 0 always holds the first unit and the last stage the last one.
     """
-    _check_positive_int("n_stages", n_stages)
+    check_positive_int("n_stages", n_stages)
     units = list(units)
     if not units:
         raise LayoutError("there are no pipeline units to assign to stages.")
@@ -405,72 +398,40 @@ def assign_units(units: list[str], n_stages: int, costs: Costs = None, *,
     return _split_by_cost(units, _unit_costs(units, costs), n_stages)
 
 
-def plan_stages(model_or_units: nn.Module | list[str], pp_size: int, virtual_stages: int = 1, style: str = "loop",
-                costs: Costs = None, *, units: Sequence[str] | None = None) -> list[list[str]]:
-    """Units of each of the ``pp_size * virtual_stages`` stages, validated in terms of the pipeline layout.
+def plan_stages(model_or_units: nn.Module | list[str], plan: StagePlan | int, virtual_stages: int = 1,
+                style: str = "loop", costs: Costs = None, *, units: Sequence[str] | None = None) -> list[list[str]]:
+    """Units of each of the plan's stages, validated against the model.
 
     ``model_or_units`` is the model (its units are ``units`` when given, else its ``pipeline_units()``; the blocks
-    are the units inside a container) or the ordered unit names themselves. Call this in the launching process:
-    every error says which setting to change.
+    are the units inside a container) or the ordered unit names themselves. ``plan``: a :class:`StagePlan`, or pp
+    (with ``virtual_stages`` and ``style``) to build one. Call this in the launching process: every error says which
+    setting to change.
     """
-    _check_positive_int("pp", pp_size)
-    _check_positive_int("virtual_stages", virtual_stages)
-    _check_style(style, virtual_stages)
+    if not isinstance(plan, StagePlan):
+        plan = StagePlan(plan, virtual_stages, style)
     blocks = None
     if isinstance(model_or_units, nn.Module):
         units = model_units(model_or_units, units)
         blocks = block_units(model_or_units, units)
     else:
         units = list(model_or_units)
-    n_stages = pp_size * virtual_stages
-    if n_stages > len(units):
+    if plan.n_stages > len(units):
         raise LayoutError(
-            f"pp={pp_size} x virtual_stages={virtual_stages} = {n_stages} stages but the model declares only "
-            f"{len(units)} pipeline units ({_short(units)}); use at most {len(units)} stages."
+            f"pp={plan.pp} x virtual_stages={plan.virtual_stages} = {plan.n_stages} stages but the model declares "
+            f"only {len(units)} pipeline units ({_short(units)}); use at most {len(units)} stages."
         )
-    return assign_units(units, n_stages, costs, blocks=blocks)
+    return assign_units(units, plan.n_stages, costs, blocks=blocks)
 
 
-# -- which rank holds which stages ---------------------------------------------------------------------------------
-def _check_style(style: str, virtual_stages: int) -> None:
-    if style not in STAGE_STYLES:
-        raise LayoutError(f"unknown stage style {style!r}; use 'loop' (interleaved 1F1B) or 'v' (ZBV / DualPipeV).")
-    if style == "v" and virtual_stages % 2:
-        raise LayoutError(
-            f"style='v' needs an even virtual_stages (the stages go down the ranks and back up, so each rank holds "
-            f"them in pairs), got {virtual_stages}. Use virtual_stages=2 for ZBV / DualPipeV, or style='loop'."
-        )
-
-
+# -- which rank holds which stages (for callers without a StagePlan) ------------------------------------------------
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, style: str = "loop") -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds, in increasing order, among ``pp_size * virtual_stages``.
-
-    ``"loop"`` (interleaved 1F1B): rank r holds r, r + p, r + 2p, ... -- each pass runs down all ranks.
-    ``"v"`` (ZBV, DualPipeV): the passes alternate direction, so rank r holds r and 2p - 1 - r (and 2p + r,
-    4p - 1 - r, ... for more virtual stages). Rank 0 then holds both the first and the last stage.
-    """
-    _check_positive_int("pp", pp_size)
-    _check_positive_int("virtual_stages", virtual_stages)
-    _check_style(style, virtual_stages)
-    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
-        raise LayoutError(f"pp_rank={pp_rank!r} is outside the {pp_size} pipeline ranks 0..{pp_size - 1}.")
-    indices = []
-    for chunk in range(virtual_stages):
-        reverse = style == "v" and chunk % 2 == 1
-        indices.append(chunk * pp_size + (pp_size - 1 - pp_rank if reverse else pp_rank))
-    return indices
+    """The stages pipeline rank ``pp_rank`` holds: :meth:`StagePlan.stages_of`."""
+    return StagePlan(pp_size, virtual_stages, style).stages_of(pp_rank)
 
 
 def stage_rank(stage: int, pp_size: int, virtual_stages: int, style: str = "loop") -> int:
-    """The pipeline rank that holds ``stage``: the inverse of :func:`stage_indices`."""
-    _check_positive_int("pp", pp_size)
-    _check_positive_int("virtual_stages", virtual_stages)
-    _check_style(style, virtual_stages)
-    n_stages = pp_size * virtual_stages
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
-        raise LayoutError(f"stage {stage!r} is outside the {n_stages} stages 0..{n_stages - 1}.")
-    chunk, offset = divmod(stage, pp_size)
-    return pp_size - 1 - offset if style == "v" and chunk % 2 == 1 else offset
+    """The pipeline rank that holds ``stage``: :meth:`StagePlan.rank_of`."""
+    return StagePlan(pp_size, virtual_stages, style).rank_of(stage)
 
 
 # -- building stage modules ----------------------------------------------------------------------------------------
@@ -560,7 +521,7 @@ def split_model(model: nn.Module, n_stages: int, stage_index: int | list[int], c
     gradients can be summed. Within one stage module a shared parameter stays one ``Parameter``.
     """
     units = model_units(model, units)
-    _check_positive_int("n_stages", n_stages)
+    check_positive_int("n_stages", n_stages)
     if units_by_stage is None:
         units_by_stage = assign_units(units, n_stages, costs, blocks=block_units(model, units))
     else:

@@ -1,0 +1,78 @@
+"""What runs a rank's part of the model: one interface for pp = 1 and pp > 1, so the engine asks instead of branching.
+
+:class:`SingleRunner` (pp = 1) leaves the step to Lightning's loop; the pipeline runner is
+:class:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime`, whose schedule runs forward and backward itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lightning_par.parallel.stage_plan import StagePlan
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import Tensor
+
+
+class Runner(Protocol):
+    """The hooks the engine calls on every layout."""
+
+    plan: StagePlan
+    #: True: :meth:`train_step` runs forward and backward, and evaluation's loss comes from :meth:`forward_only`
+    #: (Lightning must not run backward); False: Lightning's loop runs the step, and neither is called
+    takes_over_step: bool
+    #: the group whose ranks hold different stages (the pipeline's): the gradient norm sums over it; None for one
+    group: dist.ProcessGroup | None
+
+    def counted_elsewhere(self) -> set[int]:
+        """ids of this rank's parameters whose gradient another rank counts in the global norm."""
+
+    def make_tied_copies_equal(self) -> None:
+        """Make the copies of a parameter held by several ranks equal (collective, at setup)."""
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of those copies, so they take the same step (collective, before the step)."""
+
+    def train_step(self, inputs: Any, targets: Tensor) -> Tensor:
+        """Forward and backward of one batch; its loss."""
+
+    def forward_only(self, inputs: Any = None, targets: Tensor | None = None) -> Any:
+        """Forward without backward: the loss with ``targets``, else the output."""
+
+    def stage_table(self) -> str:
+        """Every stage and the rank holding it (logged once, by rank 0)."""
+
+    def describe(self) -> str:
+        """This rank's share."""
+
+
+class SingleRunner:
+    """pp = 1: the whole model is one stage on every rank, and Lightning's loop runs the step."""
+
+    takes_over_step = False
+    group = None
+
+    def __init__(self) -> None:
+        self.plan = StagePlan.single()
+
+    def counted_elsewhere(self) -> set[int]:
+        return set()
+
+    def make_tied_copies_equal(self) -> None:
+        pass  # a tied weight is one Parameter on one stage
+
+    def sum_tied_gradients(self) -> None:
+        pass
+
+    def train_step(self, inputs: Any, targets: Tensor) -> Tensor:
+        raise RuntimeError("pp = 1: Lightning's loop runs the step (takes_over_step is False)")
+
+    def forward_only(self, inputs: Any = None, targets: Tensor | None = None) -> Any:
+        raise RuntimeError("pp = 1: the model's own forward runs (takes_over_step is False)")
+
+    def stage_table(self) -> str:
+        return "no pipeline: one stage, the whole model, on every rank"
+
+    def describe(self) -> str:
+        return self.stage_table()
