@@ -47,6 +47,7 @@ from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
+from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
@@ -93,8 +94,8 @@ class LayoutStrategy(ParallelStrategy):
         timeout: how long a collective may wait before the process group gives up (a last resort: a long one
             also cuts legitimately slow collectives).
         heartbeat_timeout: seconds after which a rank that died or froze is named and every other rank stops
-            (exit code 75) instead of waiting in a collective (:mod:`lightning_par.parallel.heartbeat`); ``None``
-            or 0 turns the check off.
+            (exit code 75) instead of waiting in a collective (:mod:`lightning_par.parallel.heartbeat`); at least
+            1.5 (three beats); ``None`` or 0 turns the check off.
         async_save: sharded layouts: write checkpoints in the background with DCP's ``async_save`` (training stalls
             only for the copy to host memory); committed atomically when complete, at most one in flight, an error
             raised at the next save or at teardown (:mod:`lightning_par.plugins.async_checkpoint`).
@@ -151,10 +152,7 @@ class LayoutStrategy(ParallelStrategy):
         self.precision_plugin = self._precision_plugin  # checks the precision against the layout, now it exists
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        if heartbeat_timeout is not None and heartbeat_timeout < 0:
-            raise LayoutError(f"heartbeat_timeout={heartbeat_timeout} must be a number of seconds > 0, or None/0 to "
-                              "turn the liveness check off.")
-        self._heartbeat_timeout = heartbeat_timeout or None
+        self._heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)  # in the launching process
         self._heartbeat: Heartbeat | None = None
         if async_save and not self.layout.sharded_checkpoint:
             raise LayoutError("async_save=True writes sharded (DCP) checkpoints; this layout (ZeRO stage 0 without tp "
