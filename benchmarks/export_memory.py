@@ -156,12 +156,13 @@ def _child(args: list[str], module_file: str | None) -> None:
 
 # -- the benchmark -----------------------------------------------------------------------------------------------------
 #: (name, checkpoint format, export arguments after CKPT OUT)
+HF = ["--hf", "--model-class", HF_CLASS]
 EXPORTS = [
-    ("--hf (default 5GB: one file)", "dcp", ["--hf"]),
-    ("--hf --max-shard-size 200MB", "dcp", ["--hf", "--max-shard-size", "200MB"]),
-    ("--hf --max-shard-size 200MB --dtype bf16", "dcp", ["--hf", "--max-shard-size", "200MB", "--dtype", "bf16"]),
+    ("--hf (default 5GB: one file)", "dcp", HF),
+    ("--hf --max-shard-size 200MB", "dcp", [*HF, "--max-shard-size", "200MB"]),
+    ("--hf --max-shard-size 200MB --dtype bf16", "dcp", [*HF, "--max-shard-size", "200MB", "--dtype", "bf16"]),
     ("OUT.safetensors", "dcp", []),
-    ("--hf --max-shard-size 200MB", "single_file", ["--hf", "--max-shard-size", "200MB"]),
+    ("--hf --max-shard-size 200MB", "single_file", [*HF, "--max-shard-size", "200MB"]),
     ("OUT.safetensors", "single_file", []),
 ]
 

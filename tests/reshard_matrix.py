@@ -35,6 +35,7 @@ class Case:
     source: str | None = None
     precision: str = "32-true"
     link_last: bool = False  # also ModelCheckpoint(save_last="link", save_top_k=1) in NAME/linked
+    save_after_fit: bool = False  # a source whose fit stops at step 10 and is then saved by trainer.save_checkpoint
 
 
 CASES: dict[str, Case] = {
@@ -60,6 +61,13 @@ CASES: dict[str, Case] = {
     # bf16-mixed ZeRO-2: the fp32 master weights (not the bf16 parameters) are saved and restored
     "zero2_bf16_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, precision="bf16-mixed"),
     "zero2_bf16_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_bf16_dp2", precision="bf16-mixed"),
+    # trainer.save_checkpoint(path) once fit has returned (the strategy torn down), under ZeRO-1 and 3D (ZeRO-1 over
+    # one replica of a 2-stage pipeline)
+    "zero1_dp2_saved_after_fit": Case(lambda: ZeroStrategy(stage=1), 2, 2, save_after_fit=True),
+    "zero1_dp2_saved_after_fit_to_tp2": Case(lambda: MegatronTPStrategy(tp=2), 2, 1, "zero1_dp2_saved_after_fit"),
+    "3d_pp2_saved_after_fit": Case(lambda: Hybrid3DStrategy(tp=1, pp=2, schedule="1f1b", n_microbatches=2), 2, 1,
+                                   save_after_fit=True),
+    "3d_pp2_saved_after_fit_to_zero2_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "3d_pp2_saved_after_fit"),
 }
 
 
@@ -75,6 +83,9 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // case.dp,
                           cache_dir=cache)
     keep = [ModelCheckpoint(dirpath=root / name / "ckpt", save_top_k=-1)] if case.source is None else []
+    stop = []
+    if case.save_after_fit:  # the step-10 checkpoint is the one saved after fit, with the 20-step LR schedule
+        keep, stop = [], [_StopAt(EPOCH_STEPS)]
     if case.link_last:
         keep.append(ModelCheckpoint(dirpath=root / name / "linked", save_top_k=1, save_last="link",
                                     every_n_train_steps=EPOCH_STEPS))  # (a state key of its own)
@@ -83,10 +94,23 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
         max_steps=PARITY_STEPS,
         limit_train_batches=EPOCH_STEPS, limit_val_batches=2, log_every_n_steps=1,
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name, callbacks=keep,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name, callbacks=[*keep, *stop],
     )
     ckpt = None if case.source is None else sources.get(case.source) or step10(root / case.source)
     trainer.fit(model, data, ckpt_path=ckpt)
+    if case.save_after_fit:
+        trainer.save_checkpoint(root / name / "ckpt" / f"after-fit-step={EPOCH_STEPS}.ckpt")
+
+
+class _StopAt(pl.Callback):
+    """End fit after optimizer step ``step`` (keeping ``max_steps``, which the LR schedule spans)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
 
 
 def main() -> None:

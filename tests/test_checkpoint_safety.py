@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -378,12 +379,14 @@ def test_one_file_checkpoints_are_atomic_synced_and_checked(tmp_path, monkeypatc
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     io.save_checkpoint({"global_step": 3, "w": torch.ones(2)}, path)
     assert synced and io.load_checkpoint(path)["global_step"] == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "other.ckpt.partial"]  # stale one swept
-    # a crash between the two renames of the next save: the previous checkpoint is still found, and loads
+    # the stale partial swept; the checksum beside the file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.crc32.json", "other.ckpt.partial"]
+    # a crash between the two renames of the next save: the previous checkpoint is still found, and loads (its
+    # checksum still accepted)
     real_replace = os.replace
 
     def crash_on_second(src, dst):
-        if str(src).endswith(".partial"):
+        if Path(src) == checkpoint_files.partial_path(path):
             raise KeyboardInterrupt("killed")
         real_replace(src, dst)
 
@@ -397,8 +400,83 @@ def test_one_file_checkpoints_are_atomic_synced_and_checked(tmp_path, monkeypatc
     io.save_checkpoint({"global_step": 9}, path)  # the next save puts things right
     assert io.load_checkpoint(path)["global_step"] == 9 and not checkpoint_files.aside_path(path).exists()
     path.write_bytes(path.read_bytes()[:-50])
-    with pytest.raises(CheckpointError, match=r"last\.ckpt is not a readable checkpoint file \(truncated"):
+    with pytest.raises(CheckpointError, match=r"last\.ckpt is truncated or corrupted: \d+ bytes, \d+ when it was"):
+        io.load_checkpoint(path)
+    checkpoint_files.sidecar_path(path).unlink()  # unchecked, torch still finds the damage
+    with pytest.warns(UserWarning, match="no checksum"), pytest.raises(CheckpointError, match="not a readable"):
         io.load_checkpoint(path)
     (tmp_path / "sharded.ckpt").mkdir()
     with pytest.raises(CheckpointError, match=r"sharded\.ckpt is a sharded checkpoint.*ZeroStrategy\(stage=0\)"):
         io.load_checkpoint(tmp_path / "sharded.ckpt")
+
+
+def _flip_a_tensor_byte(file, tensor):
+    """Flip one byte inside ``tensor``'s data where ``torch.save`` stored it in ``file``."""
+    data = bytearray(file.read_bytes())
+    at = data.find(tensor.numpy().tobytes())
+    assert at > 0
+    data[at + 5] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_a_one_file_checkpoint_with_one_flipped_byte_is_refused_naming_the_file(tmp_path):
+    """One bit of a weight flipped on disk: torch loads the file without complaint, the checksum saved beside it
+    refuses it -- loaded by Lightning's path (AtomicCheckpointIO) and into a sharded layout (sharded_checkpoint)."""
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+
+    model, _ = tiny(seed=0)
+    name, weight = next(iter(model.state_dict().items()))
+    io, path = AtomicCheckpointIO(), tmp_path / "epoch=0-step=3.ckpt"
+    io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 3}, path)
+    _flip_a_tensor_byte(path, weight)
+    assert not torch.equal(torch.load(path, weights_only=True)["state_dict"][name], weight)  # torch sees nothing
+    match = r"epoch=0-step=3\.ckpt is corrupted: its CRC-32 differs from the one saved with it"
+    with pytest.raises(CheckpointError, match=match):
+        io.load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=match):
+        sharded_checkpoint.load(path, tiny(seed=1)[0], [])
+
+
+def test_a_one_file_checkpoint_without_a_checksum_loads_with_one_warning(tmp_path, recwarn):
+    """Lightning's own .ckpt (no sidecar: written by another tool) still loads, with one warning saying it is
+    unchecked -- not one per load."""
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+
+    path = tmp_path / "plain.ckpt"
+    torch.save({"global_step": 4, "w": torch.ones(3)}, path)
+    io = AtomicCheckpointIO()
+    assert io.load_checkpoint(path)["global_step"] == 4
+    assert io.load_checkpoint(path)["global_step"] == 4
+    unchecked = [w for w in recwarn if "no checksum" in str(w.message)]
+    assert len(unchecked) == 1 and "plain.ckpt" in str(unchecked[0].message)
+    io.save_checkpoint({"global_step": 5}, path)  # saved over by lightning-par: checked from now on
+    assert checkpoint_files.sidecar_path(path).is_file() and io.load_checkpoint(path)["global_step"] == 5
+
+
+def test_paths_read_from_a_checkpoint_stay_in_its_directory(tmp_path):
+    """A crafted manifest naming ../outside, an absolute path or a link out of the directory, and a crafted DCP
+    .metadata whose storage path is ../outside, are refused before anything is read."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"a file of the machine")
+    for name in ("../outside.bin", str(outside), "escape"):
+        path = tmp_path / f"crafted{len(name)}.ckpt"
+        save(path, step=3)
+        if name == "escape":
+            (path / name).symlink_to(outside)
+        files = checkpoint_files.read_manifest(path)
+        files[name] = {"bytes": outside.stat().st_size, "crc32": checkpoint_files.checksum(outside)}
+        checkpoint_files.write_manifest(path, files)
+        model, optimizer = tiny(seed=1)
+        with pytest.raises(CheckpointError, match="outside"):
+            sharded_checkpoint.load(path, model, [optimizer])
+    # DCP's metadata: every entry's file renamed to ../<file>, the manifest rewritten to match
+    path = tmp_path / "metadata.ckpt"
+    save(path, step=3)
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = f"../{info.relative_path}"
+    _plant(path, ".metadata", pickle.dumps(metadata))
+    for weights_only in (None, False):
+        model, optimizer = tiny(seed=1)
+        with pytest.raises(CheckpointError, match=r"names the file '\.\./__0_0\.distcp', outside its directory"):
+            sharded_checkpoint.load(path, model, [optimizer], weights_only=weights_only)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_export_hf_directory_loads_with_from_pretrained(tmp_path, tied):
     lm = _built(HFLlamaLightningModule, 0, tie_embeddings=tied, **TINY_HF)
     ckpt = tmp_path / "hf.ckpt"
     _save_dcp(lm, ckpt, class_path=HF_CLASS)  # the Lightning CLI saves the class with the hyper-parameters
-    cli_main(["export", str(ckpt), str(tmp_path / "hf_out"), "--hf"])
+    cli_main(["export", str(ckpt), str(tmp_path / "hf_out"), "--hf", "--trust-checkpoint-class"])
     config = json.loads((tmp_path / "hf_out" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 2
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
@@ -203,7 +204,8 @@ MEMORY_MODEL = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 204
                 "n_kv_heads": 4, "max_position_embeddings": 256}
 
 
-@pytest.mark.parametrize(("fmt", "export"), [("dcp", ["--hf", "--max-shard-size", "40MB"]), ("single_file", [])])
+@pytest.mark.parametrize(("fmt", "export"), [("dcp", ["--hf", "--model-class", HF_CLASS, "--max-shard-size", "40MB"]),
+                                             ("single_file", [])])
 def test_export_memory_is_about_the_largest_tensor_not_the_model(tmp_path, fmt, export):
     """The exporter, in a subprocess of its own, measured from after its imports to its peak RSS: it reads, casts and
     writes one tensor at a time, so its extra memory is a fraction of the model's bytes (the export that held the
@@ -312,7 +314,8 @@ def _start_from_pretrained(layout, tmp_path, cache_dir):
     # the run's own init (seed 1234) gives losses 1.6e-2 away: this fails if the weights were not loaded
     assert max_rel_diff(losses, reference) < STEPS_RTOL, (losses, reference)
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # the layout's own format, sharded or one file
-    cli_main(["export", str(checkpoint), str(tmp_path / "exported"), "--hf"])  # class from the CLI's hparams
+    # the class the CLI saved with the hyper-parameters, trusted
+    cli_main(["export", str(checkpoint), str(tmp_path / "exported"), "--hf", "--trust-checkpoint-class"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     with torch.no_grad():
         logits_diff = _max_diff(model(TOKENS).logits, trained(TOKENS))
@@ -329,3 +332,50 @@ def test_start_from_a_hf_directory_under_zero3(tmp_path, cache_dir):
 def test_start_from_a_hf_directory_under_other_layouts(tmp_path, cache_dir, layout):
     _start_from_pretrained(layout, tmp_path, cache_dir)
 
+
+
+def test_export_hf_imports_no_class_the_checkpoint_names_unless_told(tmp_path, capsys):
+    """A checkpoint naming a module to import (here one whose import would leave a marker) is not imported on its
+    word: the error names the class and both ways on; --model-class or --trust-checkpoint-class proceed."""
+    lm = _built(HFLlamaLightningModule, 0, **TINY_HF)
+    ckpt = tmp_path / "named.ckpt"
+    _save_dcp(lm, ckpt, class_path="planted_module.Evil")
+    (tmp_path / "planted_module.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(SystemExit) as err:
+            cli_main(["export", str(ckpt), str(tmp_path / "out"), "--hf"])
+        out = capsys.readouterr().out
+        assert err.value.code == 2 and not (tmp_path / "imported").exists()
+        assert "'planted_module.Evil'" in out and "--model-class planted_module.Evil" in out
+        assert "--trust-checkpoint-class" in out
+        cli_main(["export", str(ckpt), str(tmp_path / "out"), "--hf", "--model-class", HF_CLASS])  # the user's class
+        assert (tmp_path / "out" / "config.json").is_file() and not (tmp_path / "imported").exists()
+        with pytest.raises(SystemExit):  # trusted: imported (the planted class is no LightningModule)
+            cli_main(["export", str(ckpt), str(tmp_path / "out"), "--hf", "--trust-checkpoint-class"])
+        assert (tmp_path / "imported").exists()
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("planted_module", None)
+
+
+def test_export_refuses_a_one_file_checkpoint_with_one_flipped_byte_naming_it(tmp_path, capsys):
+    """A one-file checkpoint saved by lightning-par (AtomicCheckpointIO: its CRC-32 beside it) with one byte of a
+    weight flipped: the export stops before writing, naming the file."""
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+
+    lm = _built(GPTLightningModule, 0, preset="tiny", n_layers=2)
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": lm.state_dict(), "hyper_parameters": dict(lm.hparams)}, ckpt)
+    cli_main(["export", str(ckpt), str(tmp_path / "good.safetensors")])
+    weight = lm.state_dict()["model.layers.0.attn.q_proj.weight"]
+    data = bytearray(ckpt.read_bytes())
+    data[data.find(weight.numpy().tobytes()) + 7] ^= 0x01
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(SystemExit) as err:
+        cli_main(["export", str(ckpt), str(tmp_path / "bad.safetensors")])
+    out = capsys.readouterr().out
+    assert err.value.code == 2 and f"{ckpt} is corrupted: its CRC-32 differs" in out
+    assert not (tmp_path / "bad.safetensors").exists()
+    with pytest.raises(CheckpointError, match=r"epoch=0-step=3\.ckpt is corrupted"):
+        read_model_state(ckpt)

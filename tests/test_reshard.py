@@ -5,6 +5,8 @@ Sources: one process (Lightning's single file), ZeRO-1 over 2 ranks (bucket shar
 AdamW job (its LR schedule included) and must log the losses of the uninterrupted single process: weights, Adam's
 moments and step, the schedule and the data position all survive the move. Launches of tests/reshard_matrix.py
 (1 rank, then 2), after the 3D matrix's 4-rank launch, then a third on 4 ranks (one file and ZeRO-1 into 3D).
+Two sources are saved by ``trainer.save_checkpoint`` once ``fit`` has returned (ZeRO-1 dp2, and 3D as pp2 with ZeRO-1
+over one replica), and resume under tp2 and ZeRO-2 dp2 like the others.
 """
 
 import os

@@ -191,8 +191,9 @@ class ZeroSync(NoSync):
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         if self.partitioner is not None:
+            # its hooks go, the partitioner stays: the optimizers still hold its bucket shards, and a save after fit
+            # (trainer.save_checkpoint) maps them to the parameters through it
             self.partitioner.remove()
-            self.partitioner = None
         return module
 
     def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:

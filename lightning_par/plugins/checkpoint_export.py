@@ -68,14 +68,15 @@ class CheckpointTensors:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = checkpoint_files.resolve(Path(path))
+        requested = Path(path)
+        self.path = checkpoint_files.resolve(requested)
         self.entries: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._mapped: dict[str, Tensor] = {}  # a single file's tensors, memory-mapped: nothing read yet
         self._file_ranges: list[tuple[int, int]] = []  # where this process maps that file
         self._reader: _SafeReader | None = None
         skipped = []
         if self.path.is_file():
-            for name, value in _read_single_file(self.path)[_MODEL_KEY].items():
+            for name, value in _read_single_file(requested, self.path)[_MODEL_KEY].items():
                 if isinstance(value, Tensor):
                     self._mapped[name] = value
                 else:
@@ -249,9 +250,9 @@ def read_model_state(path: str | Path) -> dict[str, Tensor]:
 
 def read_hyperparameters(path: str | Path) -> dict[str, Any]:
     """The LightningModule hyper-parameters saved in a checkpoint (``{}`` if none), read without running code."""
-    path = checkpoint_files.resolve(Path(path))
+    requested, path = Path(path), checkpoint_files.resolve(Path(path))
     if path.is_file():
-        checkpoint = _read_single_file(path)
+        checkpoint = _read_single_file(requested, path)
     else:
         _verify(path)
         checkpoint = checkpoint_meta.read(path, weights_only=True)
@@ -265,7 +266,9 @@ def _verify(path: Path) -> None:
     checkpoint_files.check_checksums(path, files, sorted(files))
 
 
-def _read_single_file(path: Path) -> dict[str, Any]:
+def _read_single_file(requested: Path, path: Path) -> dict[str, Any]:
+    """One-file checkpoint ``path`` (``requested``, or what a crash left in its place), its checksum checked first."""
+    checkpoint_files.verify_file(requested, path)
     try:
         # mmap: tensors stay on disk until touched, so the exporter holds one copy, not two
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -446,12 +449,14 @@ def export_safetensors(ckpt: str | Path, out: str | Path, prefix: str | None = N
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = None,
-              dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE) -> ExportReport:
+              dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE,
+              trust_checkpoint_class: bool = False) -> ExportReport:
     """Write the model of checkpoint ``ckpt`` as a Hugging Face ``save_pretrained`` directory, which
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
 
     The LightningModule is rebuilt on the meta device (no memory) from the checkpoint's hyper-parameters: its class
-    is ``model_class`` (``"package.Module"``) or the ``_class_path`` the Lightning CLI saves with them. Its child
+    is ``model_class`` (``"package.Module"``), or with ``trust_checkpoint_class`` the ``_class_path`` the Lightning CLI
+    saves with them (importing a module runs its code: a class named by the checkpoint alone is refused). Its child
     that is a ``transformers.PreTrainedModel`` gives the config and the prefix; the weights come from the checkpoint
     (checked name by name and shape by shape against that model). ``save_pretrained`` writes the config files; the
     weights are written here as it would write them -- the same names (a tied weight's alias and the keys the model
@@ -466,11 +471,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
 
     max_shard_size = parse_size(max_shard_size)
     hparams = read_hyperparameters(ckpt)
-    class_path = model_class or hparams.get("_class_path")
-    if not class_path:
-        raise ValueError(f"{ckpt} does not say which LightningModule saved it (no _class_path among its "
-                         "hyper-parameters: it was not run through the lightning-par CLI). Pass --model-class, e.g. "
-                         "--model-class example_models.HFLlamaLightningModule.")
+    class_path = model_class or _checkpoint_class(ckpt, hparams, trust_checkpoint_class)
     lm = _build_on_meta(_import_class(class_path), hparams)
     children = [(name, child) for name, child in lm.named_children() if isinstance(child, PreTrainedModel)]
     if len(children) != 1:
@@ -522,6 +523,22 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
                  "weight_map": split.tensor_to_filename}
         (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return ExportReport(out_dir, len(names), written, prefix, files=len(split.filename_to_tensors))
+
+
+def _checkpoint_class(ckpt: str | Path, hparams: dict[str, Any], trusted: bool) -> str:
+    """The LightningModule class the checkpoint names (the CLI's ``_class_path``), if the user trusts it: importing
+    it runs the code of a module that whoever wrote the checkpoint chose."""
+    named = hparams.get("_class_path")
+    if not named:
+        raise ValueError(f"{ckpt} does not say which LightningModule saved it (no _class_path among its "
+                         "hyper-parameters: it was not run through the lightning-par CLI). Pass --model-class, e.g. "
+                         "--model-class example_models.HFLlamaLightningModule.")
+    if not trusted:
+        raise ValueError(f"{ckpt} names its LightningModule class {named!r}; importing it runs that module's code, "
+                         f"so --hf imports no class on the checkpoint's word alone. Pass --model-class {named} if "
+                         "that is the class you expect, or --trust-checkpoint-class to import the class the "
+                         "checkpoint names.")
+    return named
 
 
 def _hf_saved_names(hf_model: nn.Module, planned: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str] | None:
@@ -600,8 +617,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the LightningModule attribute to strip from the names (default: the one first name "
                              "component all entries share, e.g. 'model'); '' keeps the names. Without --hf only.")
     parser.add_argument("--model-class", default=None,
-                        help="with --hf: the LightningModule class (e.g. example_models.HFLlamaLightningModule); "
-                             "default: the class the Lightning CLI saved with the hyper-parameters")
+                        help="with --hf: the LightningModule class (e.g. example_models.HFLlamaLightningModule)")
+    parser.add_argument("--trust-checkpoint-class", action="store_true",
+                        help="with --hf and no --model-class: import the class the checkpoint names (the Lightning "
+                             "CLI saves it with the hyper-parameters); importing a module runs its code, so only for "
+                             "a checkpoint from a trusted source")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating-point weights to this dtype (default: as saved)")
     parser.add_argument("--max-shard-size", type=_size_argument, default=None,
@@ -625,12 +645,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.hf and args.prefix is not None:
         parser.error("--prefix applies without --hf; with --hf the prefix is the attribute holding the HF model.")
+    if not args.hf and (args.model_class or args.trust_checkpoint_class):
+        parser.error("--model-class and --trust-checkpoint-class apply with --hf.")
     if not args.hf and args.max_shard_size is not None:
         parser.error("--max-shard-size applies with --hf; without it the weights go to one .safetensors file.")
     try:
         if args.hf:
             report = export_hf(args.checkpoint, args.out, args.model_class, dtype,
-                               args.max_shard_size or HF_MAX_SHARD_SIZE)
+                               args.max_shard_size or HF_MAX_SHARD_SIZE, args.trust_checkpoint_class)
         else:
             report = export_safetensors(args.checkpoint, args.out, args.prefix, dtype)
     except (CheckpointError, ValueError, FileNotFoundError) as err:

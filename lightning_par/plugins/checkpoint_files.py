@@ -10,6 +10,10 @@ Hand-written because DCP lacks it: DCP fsyncs its files but writes them in place
 checksums, and POSIX cannot rename a directory over a non-empty one (hence the move aside). The moved-aside name
 keeps Lightning's ``.ckpt`` suffix so that ``ckpt_path="last"`` still finds the previous checkpoint if a crash falls
 between the two renames; :func:`resolve` and :func:`prepare` undo that state.
+
+A one-file checkpoint takes the same path (:func:`commit_file`), its size and CRC-32 in a sidecar, ``NAME.crc32.json``
+(the file itself stays Lightning's, which any tool loads); :func:`verify_file` checks it before a load. Every name read
+from a manifest is confined to its directory (:func:`confined`), as are DCP's storage paths (sharded_checkpoint).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
 MANIFEST = "manifest.json"
+SIDECAR = ".crc32.json"  # a one-file checkpoint's checksum: NAME + SIDECAR
 FORMAT = "lightning-par-checkpoint/1"
 _CHUNK = 16 << 20  # bytes read at a time for checksums
 _STARTED = time.time()  # partial checkpoints older than this process were left by a crash
+_UNCHECKED: set[Path] = set()  # one-file checkpoints without a checksum, warned about once each
 
 
 class CheckpointError(RuntimeError):
@@ -54,11 +62,14 @@ def exists(path: Path) -> bool:
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint: a directory, a file, or a link (not what it points to)."""
+    """Delete a checkpoint: a directory, a file (and its checksum), or a link (not what it points to)."""
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
         shutil.rmtree(path)
+    sidecar = sidecar_path(path)
+    if sidecar.is_file():
+        sidecar.unlink()
 
 
 def link(target: Path, link_path: Path) -> None:
@@ -110,6 +121,19 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def confined(root: Path, name: str) -> Path:
+    """``root / name`` for a ``name`` read from a checkpoint (a manifest entry, a DCP storage path), refused unless it
+    stays inside ``root``: no absolute path, no ``..``, no symlink leading out. A crafted checkpoint could otherwise
+    make a load read (or a check stat) any file of the machine."""
+    pure = Path(name)
+    if not name or pure.is_absolute() or ".." in pure.parts:
+        raise CheckpointError(f"{root}: the checkpoint names the file {name!r}, outside its directory: refused.")
+    file = root / pure
+    if not file.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"{root}: {name!r} is a link to {file.resolve()}, outside the checkpoint: refused.")
+    return file
+
+
 def checksum(file: Path) -> int:
     crc = 0
     buffer = bytearray(_CHUNK)  # one buffer read into again and again: _CHUNK bytes held, not two chunks at a time
@@ -159,9 +183,16 @@ def read_manifest(path: Path) -> dict[str, Any]:
         files = body["files"]
         if body["format"] != FORMAT:
             raise CheckpointError(f"{file} has format {body['format']!r}; this lightning-par reads {FORMAT!r}.")
-        return {name: {"bytes": int(e["bytes"]), "crc32": int(e["crc32"])} for name, e in files.items()}
+        entries = {name: _entry(e) for name, e in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{file} is corrupted ({type(err).__name__}: {err}).") from err
+    for name in entries:
+        confined(path, name)
+    return entries
+
+
+def _entry(entry: dict[str, Any]) -> dict[str, int]:
+    return {"bytes": int(entry["bytes"]), "crc32": int(entry["crc32"])}
 
 
 def check_sizes(path: Path, files: dict[str, Any]) -> None:
@@ -180,5 +211,73 @@ def check_checksums(path: Path, files: dict[str, Any], names: list[str]) -> None
     """The files ``names`` (a share of the manifest's) have the CRC-32 they were saved with."""
     for name in names:
         if checksum(path / name) != files[name]["crc32"]:
-            raise CheckpointError(f"{path / name} is corrupted: its CRC-32 differs from the one saved with it. "
-                                  "Resume from an earlier checkpoint.")
+            raise _corrupted(path / name)
+
+
+def _corrupted(file: Path) -> CheckpointError:
+    return CheckpointError(f"{file} is corrupted: its CRC-32 differs from the one saved with it. Resume from an "
+                           "earlier checkpoint.")
+
+
+# -- one-file checkpoints: the checksum in a sidecar ----------------------------------------------------------------
+def sidecar_path(path: Path) -> Path:
+    """Where the checksum of one-file checkpoint ``path`` is kept: ``last.ckpt`` -> ``last.ckpt.crc32.json``."""
+    return path.with_name(path.name + SIDECAR)
+
+
+def _read_sidecar(sidecar: Path) -> list[dict[str, int]]:
+    try:
+        body = json.loads(sidecar.read_text())
+        if body["format"] != FORMAT:
+            raise CheckpointError(f"{sidecar} has format {body['format']!r}; this lightning-par reads {FORMAT!r}.")
+        return [_entry(e) for e in body["accepted"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{sidecar} is corrupted ({type(err).__name__}: {err}).") from err
+
+
+def _write_sidecar(sidecar: Path, accepted: list[dict[str, int]]) -> None:
+    fresh = partial_path(sidecar)
+    write_synced(fresh, json.dumps({"format": FORMAT, "accepted": accepted}).encode())
+    os.replace(fresh, sidecar)
+    _fsync_dir(sidecar.parent)
+
+
+def commit_file(partial: Path, path: Path) -> None:
+    """:func:`commit` for a one-file checkpoint (one rank, ``partial`` written and synced), with its checksum.
+
+    The sidecar cannot be renamed together with the file, so while the renames are under way it accepts both the
+    previous file and the new one: a crash at any point leaves a checkpoint (``path`` or its moved-aside
+    predecessor) that it vouches for. Then it keeps the new one alone."""
+    new = describe(partial.parent, [partial.name])[partial.name]
+    sidecar = sidecar_path(path)
+    if sidecar.is_file():
+        previous = _read_sidecar(sidecar)
+    elif path.is_file() and not path.is_symlink():  # written without a checksum: vouched for as it is
+        previous = list(describe(path.parent, [path.name]).values())
+    else:
+        previous = []  # none, or a link (checked through its target's sidecar)
+    _write_sidecar(sidecar, [new, *previous])
+    commit(partial, path)
+    _write_sidecar(sidecar, [new])
+
+
+def verify_file(path: Path, file: Path) -> None:
+    """Check one-file checkpoint ``file`` -- ``path``, or what :func:`resolve` found in its place -- against the
+    checksum saved beside ``path`` (beside its target for a link). A file without one (Lightning's own, another
+    tool's) loads unchecked, with a warning the first time."""
+    named = Path(os.path.realpath(path)) if path.is_symlink() else path
+    sidecar = sidecar_path(named)
+    if not sidecar.is_file():
+        if named not in _UNCHECKED:
+            _UNCHECKED.add(named)
+            rank_zero_warn(f"{file} has no checksum ({sidecar.name}): it was not written by lightning-par, and loads "
+                           "unchecked (damage to its tensors would go unnoticed).")
+        return
+    accepted = _read_sidecar(sidecar)
+    size = file.stat().st_size
+    if all(size != e["bytes"] for e in accepted):
+        raise CheckpointError(f"{file} is truncated or corrupted: {size} bytes, "
+                              f"{' or '.join(str(e['bytes']) for e in accepted)} when it was saved. Resume from an "
+                              "earlier checkpoint.")
+    if {"bytes": size, "crc32": checksum(file)} not in accepted:
+        raise _corrupted(file)

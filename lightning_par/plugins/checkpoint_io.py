@@ -5,7 +5,8 @@ Lightning strategy too (``Trainer(plugins=[AtomicCheckpointIO()])``). Lightning'
 temporary file and moves it into place, but never syncs it: after a power loss the new name can point at an empty
 file, and the previous checkpoint is already gone. Here the file is written as ``NAME.partial``, synced, and takes
 its name through :func:`~lightning_par.plugins.checkpoint_files.commit` (the old one moved aside, both renames made
-durable, then the old one deleted) -- the same path a sharded directory takes.
+durable, then the old one deleted) -- the same path a sharded directory takes -- with its size and CRC-32 beside it
+(``NAME.crc32.json``), checked before it loads.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, out)
             out.flush()
             os.fsync(out.fileno())
-        checkpoint_files.commit(partial, path)
+        checkpoint_files.commit_file(partial, path)
 
     def load_checkpoint(self, path: Any, map_location: Callable | None = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -51,6 +52,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise CheckpointError(f"{resolved} is a sharded checkpoint (a directory): resume it under a lightning-par "
                                   "strategy -- ZeroStrategy(stage=0) for one process -- or make one file of its "
                                   "weights with `lightning-par export`.")
+        checkpoint_files.verify_file(path, resolved)
         try:
             return super().load_checkpoint(resolved, map_location=map_location, weights_only=weights_only)
         except pickle.UnpicklingError:

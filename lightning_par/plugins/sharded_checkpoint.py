@@ -164,6 +164,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         rank_zero_warn(f"{path} is missing, but {resolved.name}, the checkpoint it replaced, was left by a crash "
                        f"during the save: loading {resolved}.")
     if resolved.is_file():
+        checkpoint_files.verify_file(path, resolved)  # every rank reads the file, and gets the same verdict
         return _load_single_file(resolved, module, optimizers, partitioner, safe)
     _verify(resolved)
     # under ZeRO-1/2 the weights load into the optimizer's shards (the fp32 masters under mixed precision)
@@ -205,12 +206,9 @@ def _verify(path: Path) -> None:
 
 def _dcp_load(state: dict[str, Any], path: Path, safe: bool) -> None:
     try:
-        if not safe:
-            dcp.load(state, checkpoint_id=path)
-            return
-        reader = _SafeReader(path)
+        reader = _SafeReader(path) if safe else _ConfinedReader(path)
         reader.read_metadata()  # a crafted .metadata is refused here, on every rank, before DCP's collectives
-        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner() if safe else None)
     except CheckpointException as err:  # DCP wraps each rank's error; ours says which entry it refused and why
         ours = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
         if ours:
@@ -254,9 +252,23 @@ class _MetadataUnpickler(pickle.Unpickler):
                               "Then load it with weights_only=False.")
 
 
+def _confine(metadata: dcp_metadata.Metadata, root: Path) -> dcp_metadata.Metadata:
+    """Refuse a ``.metadata`` whose storage paths (the files DCP reads each entry from) lead out of ``root``."""
+    for name in {info.relative_path for info in (metadata.storage_data or {}).values()}:  # a few files, many entries
+        checkpoint_files.confined(root, name)
+    return metadata
+
+
+class _ConfinedReader(FileSystemReader):
+    """DCP's file reader (metadata unpickled as DCP does: ``weights_only=False``), its storage paths confined."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        return _confine(super().read_metadata(*args, **kwargs), Path(self.path))
+
+
 class _SafeReader(FileSystemReader):
-    """DCP's file reader whose ``.metadata`` is unpickled with DCP's own metadata classes allowed and nothing else:
-    DCP reads it with a plain ``pickle.load``, so a crafted file would run code."""
+    """DCP's file reader whose ``.metadata`` is unpickled with DCP's own metadata classes allowed and nothing else
+    (DCP reads it with a plain ``pickle.load``, so a crafted file would run code), its storage paths confined."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         file = Path(self._get_metadata_path(kwargs.get("rank")))
@@ -265,7 +277,7 @@ class _SafeReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return _confine(metadata, Path(self.path))
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
