@@ -4,6 +4,7 @@ calls any model (ours, Hugging Face, a plain nn.ModuleList model), the batch for
 
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, StageIO, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import ACCEPTED_FORMS, next_token_targets, split_batch
+from lightning_par.parallel.pipeline.chain import check_chain
 from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count, fully_shard_stages
 from lightning_par.parallel.pipeline.split import (
     KeptModuleList,
@@ -33,6 +34,7 @@ __all__ = [
     "TiedParameter",
     "assign_units",
     "block_units",
+    "check_chain",
     "check_disjoint",
     "declared_units",
     "fsdp_group_count",

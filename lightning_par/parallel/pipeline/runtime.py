@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
+from lightning_par.parallel.pipeline.chain import check_chain
 from lightning_par.parallel.pipeline.split import (
     Costs,
     block_units,
@@ -191,6 +192,8 @@ class PipelineRuntime:
         self.units = model_units(model, units)
         self.io = stage_io(model)
         self.units_by_stage = plan_stages(model, plan, costs=costs, units=self.units)
+        # before the split and before any collective, on the (meta) model: the same verdict on every rank
+        self.chain_check_seconds = check_chain(model, self.units, self.units_by_stage, self.io)
         self.block_units = block_units(model, self.units)
         self.stage_ids = plan.stages_of(self.pp_rank)
         self.module = rank_module(model, self.units_by_stage, self.stage_ids, units=self.units)
