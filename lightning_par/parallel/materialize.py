@@ -4,12 +4,12 @@ A model built under :func:`~lightning_par.parallel.deferred_init.deferred_init` 
 device. The layout is applied to it there -- pipeline split, tensor parallel (``parallelize_module`` makes meta
 DTensors), recompute, FSDP2 ``fully_shard`` (meta shards) -- so that afterwards every meta tensor of the rank's
 module describes exactly the piece this rank keeps: a DTensor's local shard, or a whole tensor the rank holds alone.
-:func:`materialize_share` then allocates those pieces (``Module.to_empty``, which FSDP2 follows through its
-parameter-swap hook) and fills each one, a tensor at a time, with its slice of the value a single process would have
-built (:meth:`DeferredInit.value`) -- or leaves it to a loader that will overwrite it (pretrained weights). The
-transient memory is one full tensor beyond the rank's share; no rank ever holds the model. This is torchtitan's
-order (parallelise on meta, then initialise), with values bit-for-bit those of one process, which torchtitan's
-per-shard ``init_weights`` does not give.
+:func:`materialize_share` then allocates those pieces (swapped into the existing Parameters, so ties and references
+hold; FSDP2 takes the new local shard at its lazy init) and fills each one, a tensor at a time, with its slice of the
+value a single process would have built (:meth:`DeferredInit.value`) -- or leaves it to a loader that will overwrite
+it (pretrained weights). The transient memory is one full tensor beyond the rank's share; no rank ever holds the
+model. This is torchtitan's order (parallelise on meta, then initialise), with values bit-for-bit those of one
+process, which torchtitan's per-shard ``init_weights`` does not give.
 
 Why by hand: torch has no "materialise the shards of a deferred model" (torchdistx's ``materialize_module`` fills
 whole tensors, for builds that no longer exist), and DTensor's ``distribute_tensor`` needs the full tensor on every
@@ -29,7 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.host_memory import release_freed_memory
 
-__all__ = ["local_slices", "local_tensor", "materialize_share", "named_tensors", "has_meta_tensors"]
+__all__ = ["local_slices", "local_tensor", "materialize_share", "named_tensors"]
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -55,10 +55,6 @@ def named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
         if id(tensor) not in seen:
             seen.add(id(tensor))
             yield name, tensor
-
-
-def has_meta_tensors(module: nn.Module) -> bool:
-    return any(local_tensor(t).is_meta for _, t in named_tensors(module))
 
 
 @torch.no_grad()
