@@ -171,7 +171,6 @@ class LayoutStrategy(ParallelStrategy):
         self._deferred: DeferredInit | None = None  # the model's construction, replayed per rank (its share)
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
-        self._pipeline_module: nn.Module | None = None  # pp > 1: this rank's stages (the rank module)
         self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
 
     @property
@@ -452,7 +451,6 @@ class LayoutStrategy(ParallelStrategy):
         def prepare(rank_module: nn.Module, stage_modules: list[nn.Module]) -> list[nn.Module] | None:
             # the LightningModule holds this rank's stages from now on: the rest of the model is never materialised
             setattr(parent, attr, rank_module)
-            self._pipeline_module = rank_module
             return self._parallelize(ModelParts(root=lm, stages=stage_modules, pipelined=True,
                                                 blocks=stage_blocks(rank_module, self._block_names),
                                                 block_names=self._block_names))
