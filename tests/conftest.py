@@ -64,6 +64,7 @@ RUNS["dp2_pp2_accum_clip"] = (4, [*job(GLOBAL_BATCH // 4, accumulate=2, clip=Tru
 RUNS["single_tied"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true"])
 SGD = ["--model.optimizer=sgd", f"--model.lr={SGD_LR}"]
 RUNS["single_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", *SGD])
+RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true", *SGD])
 
 # tensor parallel: the tp ranks of one replica all see the replica's batch (GLOBAL_BATCH / dp). tp=4 needs 4 kv heads
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation
@@ -103,7 +104,7 @@ FULL_ONLY_RUNS = {
     *(f"pp4_{s}" for s in PIPELINE_SCHEDULES), "pp4_tied_1f1b", "dp2_pp2_accum_clip", "single_kv4", "tp4", "tp4_sp",
     "dp2_tp2_sp", "tp2_sp_tied", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "zero1_dp4_accum_clip",
     "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
-    "hybrid3d_8_ranks", "gpt2_untied_adamw",
+    "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw",
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
@@ -224,18 +225,20 @@ def multinode_run(tmp_path_factory, cache_dir, request) -> Run:
 @pytest.fixture(scope="session")
 def hybrid3d_matrix(tmp_path_factory, cache_dir, request):
     """``matrix(name)``: ``(Run, per-rank reports)`` of a case; each rank count's cases in one launch, on first use
-    (the 8-rank launch in the full run only). Shared by the 3D tests and the reshard matrix."""
+    (the 8-rank launch, and the cases marked ``full``, in a launch of the full run only). Shared by the 3D tests and
+    the reshard matrix."""
     from tests.hybrid3d_matrix import CASES
 
     out: dict[str, tuple[Run, list[dict]]] = {}
 
     def get(name: str) -> tuple[Run, list[dict]]:
-        devices = CASES[name].devices
-        if devices == 8:
-            need_full(request.config, "hybrid3d_8_ranks")
+        devices, full = CASES[name].devices, CASES[name].full or CASES[name].devices == 8
+        if full:
+            need_full(request.config, f"hybrid3d_{devices}_ranks_full")
         if name not in out:
-            names = [n for n, case in CASES.items() if case.devices == devices]
-            root = tmp_path_factory.mktemp(f"hybrid3d_{devices}")
+            names = [n for n, case in CASES.items()
+                     if case.devices == devices and (case.full or case.devices == 8) == full]
+            root = tmp_path_factory.mktemp(f"hybrid3d_{devices}{'_full' if full else ''}")
             run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
                                 ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
                                 timeout=900).check()

@@ -13,6 +13,7 @@ the collectives of optimizer step 3.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ class Case:
     hf: bool = False
     devices: int = 4
     checkpoint: bool = False  # keep every checkpoint (ROOT/NAME/ckpt), for the resume test
+    full: bool = False  # in a launch of the full run only (as every 8-rank case)
 
 
 SGD = dict(optimizer="sgd", lr=SGD_LR)
@@ -55,6 +57,12 @@ CASES: dict[str, Case] = {
     "tp2_pp2_sp_interleaved": Case("single", dict(schedule="interleaved_1f1b", n_microbatches=2,
                                                   sequence_parallel=True), checkpoint=True),
     "tp2_pp2_zbv_tied": Case("single_tied", dict(schedule="zbv", n_microbatches=2), dict(tie_embeddings=True)),
+    # the tied embedding on pipeline rank 0 and the head on rank 1, both vocabulary-sharded over tp: the tp rank k
+    # copies' gradients are summed over pp (SGD: a gradient off by any factor moves the loss; AdamW: the default)
+    "tp2_pp2_interleaved_tied_sgd": Case("single_tied_sgd", dict(schedule="interleaved_1f1b", n_microbatches=2),
+                                         dict(tie_embeddings=True, **SGD)),
+    "tp2_pp2_interleaved_tied": Case("single_tied", dict(schedule="interleaved_1f1b", n_microbatches=2),
+                                     dict(tie_embeddings=True), full=True),
     "hf_llama_tp2_pp2_zbv_full": Case("hf_single", dict(schedule="zbv", n_microbatches=2, recompute="full"), hf=True),
     # dp2 x tp2 x pp2 (8 ranks): ZeRO 1, 2 and 3 across the replicas
     "dp2_tp2_pp2_zero1_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, zero_stage=1), SGD,
@@ -65,6 +73,16 @@ CASES: dict[str, Case] = {
     "dp2_tp2_pp2_zero3_zbv_sgd": Case("single_sgd", dict(schedule="zbv", n_microbatches=2, zero_stage=3), SGD,
                                       devices=8),
 }
+
+
+def _tied_digests(pl_module: pl.LightningModule) -> dict[str, str]:
+    """sha256 of the bytes this rank holds of each copy of the tied embedding / head weight (a DTensor's shard)."""
+    out = {}
+    for name, param in pl_module.named_parameters(remove_duplicate=False):
+        if name.endswith(("embed.weight", "head.weight")):
+            local = (param.to_local() if isinstance(param, DTensor) else param).detach().contiguous().cpu()
+            out[name] = hashlib.sha256(local.numpy().tobytes()).hexdigest()
+    return out
 
 
 def _report(trainer: pl.Trainer, path: Path) -> None:
@@ -89,6 +107,12 @@ class LayoutReport(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         _report(trainer, self.path)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        file = self.path / f"rank{trainer.global_rank}.json"
+        report = json.loads(file.read_text())
+        report["weights_after_fit"] = _tied_digests(pl_module)
+        file.write_text(json.dumps(report, indent=1))
 
 
 def fit(root: Path, cache: str, name: str) -> None:

@@ -12,7 +12,9 @@ import re
 import pytest
 from lightning.pytorch import Trainer
 
+from example_models.gpt import GPT, GPTConfig
 from lightning_par import Hybrid3DStrategy, LayoutError
+from lightning_par.parallel.tensor_parallel import check_tp_plan
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
 from tests.harness import Run, launch_cli, max_rel_diff
 from tests.hybrid3d_matrix import CASES
@@ -78,6 +80,19 @@ def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
         assert groups and calls["reduce_scatter"] == groups and calls["all_gather"] == groups
 
 
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.model.get("tie_embeddings")
+                                  and c.strategy["schedule"] != "zbv"])
+def test_tied_copies_on_two_pipeline_ranks_stay_bit_identical(matrix, name):
+    """The embedding (pipeline rank 0) and the head (rank 1) are one tied weight, vocabulary-sharded alike: after
+    training, tp rank k's shard of the embedding equals tp rank k's shard of the head, bit for bit."""
+    _, reports = matrix(name)
+    embed = {r["coordinates"]["tp"]: r["weights_after_fit"]["model.embed.weight"]
+             for r in reports if r["coordinates"]["pp"] == 0}
+    head = {r["coordinates"]["tp"]: r["weights_after_fit"]["model.head.weight"]
+            for r in reports if r["coordinates"]["pp"] == 1}
+    assert embed == head and len(set(embed.values())) == 2  # (the two tp shards differ)
+
+
 def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_dir):
     """AdamW under tp2 x pp2 with ZeRO-1 (sequence parallel, interleaved): resuming from the step-10 checkpoint
     reproduces steps 10-19, so the sharded model and optimizer states (Adam's moments included) survive."""
@@ -114,6 +129,17 @@ def test_rank_table_and_stages_are_logged(matrix):
 def test_bad_layouts_fail_when_the_trainer_is_made(kwargs, devices, match):
     with pytest.raises(LayoutError, match=match):
         Trainer(accelerator="cpu", devices=devices, strategy=Hybrid3DStrategy(**kwargs), logger=False)
+
+
+def test_a_tied_weight_split_two_ways_is_refused_before_the_split():
+    """The engine checks the whole model's plan before the pipeline split and before any collective (as the launch
+    below shows for a head count): the tied embedding and head, later on two pipeline ranks, must split alike."""
+    model = GPT(GPTConfig.from_preset("tiny", tie_embeddings=True))
+    model.tp_plan = {**GPT.tp_plan, "head": "rowwise"}
+    with pytest.raises(LayoutError, match=r"embed.weight and head.weight are one tied parameter, but the plan splits "
+                                          r"them differently \(Shard\(0\) as 'vocab_parallel' vs Shard\(1\) as "
+                                          r"'rowwise'\)"):
+        check_tp_plan(model, 2)
 
 
 @pytest.mark.parametrize("args,match", [

@@ -124,6 +124,22 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _grad_like_param(param: nn.Parameter) -> Tensor:
+    """This rank's part of ``param``'s gradient, laid out like ``param`` itself (zeros if it has none yet).
+
+    Autograd may hand a DTensor parameter a gradient with other placements: a vocabulary-parallel embedding
+    (``Shard(0)``) gets a ``Replicate()`` one, so its local tensor is the whole table while the tied head's copy on
+    another pipeline rank holds its ``Shard(0)`` rows. The gradient is redistributed to the parameter's placements
+    (here a local slice, no communication) and put back in ``param.grad``, so both copies sum the same rows."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+        param.grad = grad
+    return _local(grad)
+
+
 def fsdp_modules(modules: Sequence[nn.Module]) -> list[FSDPModule]:
     """The FSDP2 modules inside ``modules`` (each once), outermost first within each module."""
     seen: set[int] = set()
@@ -414,17 +430,16 @@ class PipelineRuntime:
         runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this avoids
         extra process groups.
         """
-        if self._tied_grad_meta is None:
-            meta = []
-            for tied in self._tied:
-                param = self._tied_copy(tied)
-                meta.append(self._exchange_meta(tied, _local(param) if param is not None else None))
-            self._tied_grad_meta = meta
-        for tied, (shape, dtype) in zip(self._tied, self._tied_grad_meta, strict=True):
+        grads = []
+        for tied in self._tied:
             param = self._tied_copy(tied)
-            if param is not None and param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = _local(param.grad) if param is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+            grads.append(_grad_like_param(param) if param is not None else None)
+        if self._tied_grad_meta is None:  # the gradients' layouts, as the all-reduce will move them
+            self._tied_grad_meta = [self._exchange_meta(tied, grad) for tied, grad in zip(self._tied, grads,
+                                                                                          strict=True)]
+        for grad, (shape, dtype) in zip(grads, self._tied_grad_meta, strict=True):
+            if grad is None:
+                grad = torch.zeros(shape, dtype=dtype, device=self.device)
             buffer = grad if grad.is_contiguous() else grad.contiguous()
             dist.all_reduce(buffer, group=self.group)
             if buffer is not grad:
