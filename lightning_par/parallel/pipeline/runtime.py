@@ -425,8 +425,9 @@ class PipelineRuntime:
     def sum_tied_gradients(self) -> None:
         """Sum the gradients of parameters held on several pipeline ranks, so their copies take the same step.
 
-        Call on every pipeline rank together, after the data-parallel reduction of the step (a sharded gradient
-        is summed shard by shard: the copies must be sharded alike, which the first call checks). The all-reduce
+        Call on every pipeline rank together, once per step: the data-parallel owner decides when (before the
+        ZeRO-1/2 reduce-scatter, on full gradients; after ZeRO-3's reduction, shard by shard). Either way the sum
+        commutes with the data-parallel one; the copies must be laid out alike, which the first call checks. The all-reduce
         runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this avoids
         extra process groups.
         """
