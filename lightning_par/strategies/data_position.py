@@ -83,35 +83,42 @@ class DataPosition:
         self.sampler = sampler
         self.global_batch = batch_size * sampler.num_replicas
 
-    def resume_point(self) -> tuple[int, int]:
-        """``(epoch, batches)``: where the epoch that a fit resumed from a checkpoint saved now continues, in the
-        sampler's epochs and in batches of it already trained -- the count Lightning's restarted loop starts from.
+    def resume_point(self) -> tuple[int, int, bool]:
+        """``(epoch, batches, ended)``: where the epoch that a fit resumed from a checkpoint saved now continues, in
+        the sampler's epochs and in batches of it already trained -- the count Lightning's restarted loop starts
+        from -- and whether that epoch's loop has ended.
 
         Lightning counts a batch as trained once ``processed`` (a checkpoint saved from ``on_train_batch_end`` has
         its optimizer step; ``completed`` is raised after that hook). A restarted epoch continues at that count,
         except when the checkpoint was saved from the last batch's ``on_train_batch_end``: then the next epoch starts
         afresh. After an epoch's loop has ended (saved at the epoch's end, after validation, after ``fit``), its
-        batches stay counted until the next epoch starts, and Lightning resumes into an epoch already at its end
-        (under the next epoch number): that iteration is given nothing, and the next epoch comes next, as in the
-        uninterrupted run.
+        batches stay counted until the next epoch starts, and Lightning resumes into that epoch, at its end (under
+        the next epoch number if the epoch was closed): that iteration is given nothing, and the next epoch follows,
+        as in the uninterrupted run.
         """
         fit_loop = self.trainer.fit_loop
         epochs = fit_loop.epoch_progress.current
         batches = fit_loop.epoch_loop.batch_progress.current
         if epochs.ready > epochs.started:  # an epoch is being started: its sampler epoch is set, no batch yet
-            return self.sampler.epoch, 0
-        if batches.processed >= self.trainer.num_training_batches and batches.completed < batches.processed:
-            return self.sampler.epoch + 1, 0
-        return self.sampler.epoch, batches.processed
+            return self.sampler.epoch, 0, False
+        if batches.processed >= self.trainer.num_training_batches:
+            if batches.completed < batches.processed:
+                return self.sampler.epoch + 1, 0, False
+            return self.sampler.epoch, batches.processed, True
+        return self.sampler.epoch, batches.processed, False
 
     def state_dict(self) -> dict[str, Any]:
-        epoch, batches = self.resume_point()
-        return {"epoch": epoch, "consumed_samples": batches * self.global_batch, "global_batch": self.global_batch,
-                "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
+        epoch, batches, ended = self.resume_point()
+        return {"epoch": epoch, "consumed_samples": batches * self.global_batch, "epoch_ended": ended,
+                "global_batch": self.global_batch, "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
                 "dataset_length": self.sampler.dataset_length}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, consumed = int(state["epoch"]), int(state["consumed_samples"])
+        self.sampler.seed = int(state["seed"])  # the order the checkpoint's run followed, whatever seed this run set
+        if state["epoch_ended"]:  # Lightning resumes at the end of this epoch: nothing of it is left
+            self.sampler.resume(epoch, self.sampler.total_size)
+            return
         if consumed and state["global_batch"] != self.global_batch:
             raise ValueError(
                 f"The checkpoint was saved {consumed} samples into epoch {epoch}, in global batches of "
@@ -119,11 +126,11 @@ class DataPosition:
                 f"{self.global_batch // self.sampler.num_replicas} x data-parallel size {self.sampler.num_replicas}). "
                 "Lightning counts the batches of the resumed epoch, so a mid-epoch resume needs the same global "
                 "batch: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
-        if state["dataset_length"] != self.sampler.dataset_length or state["shuffle"] != self.sampler.shuffle:
+        if consumed and (state["dataset_length"], state["shuffle"]) != (self.sampler.dataset_length,
+                                                                         self.sampler.shuffle):
             _warnings.warn(
                 f"The checkpoint's training data had {state['dataset_length']} samples (shuffle={state['shuffle']}), "
                 f"this run's has {self.sampler.dataset_length} (shuffle={self.sampler.shuffle}): epoch {epoch} "
                 f"continues after {consumed} samples of the new order, which is not the order the checkpoint's run "
                 "trained in.")
-        self.sampler.seed = int(state["seed"])  # the order the checkpoint's run followed, whatever seed this run set
         self.sampler.resume(epoch, consumed)
