@@ -126,8 +126,6 @@ FULL_ONLY_TESTS = (
     "tests/test_zero_3d.py",
     "tests/test_precision.py::test_bf16_mixed_tracks_fp32_over_50_steps",  # 5 fits of 50 steps, ~75 s
     "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
-    "tests/test_resume.py::test_a_mid_epoch_checkpoint_resumes_with_the_uninterrupted_losses[3d_text",  # 4 ranks
-    "tests/test_resume.py::test_text_data_module_resumes_mid_epoch_in_one_process[2]",  # accumulation: 36 batches
 )
 
 

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from example_models import GPTLightningModule
-from lightning_par import Hybrid3DStrategy, ZeroStrategy
+from lightning_par import Hybrid3DStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 
 EPOCH_STEPS = 12
@@ -46,6 +46,9 @@ class Case:
 CASES: dict[str, Case] = {
     "zero1_user": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user"),
     "zero1_user_resumed": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user", source="zero1_user"),
+    # dp=1 (a 2-stage pipeline, batch 8) resumed at dp=2 (ZeRO-2, batch 4 per rank): the same global batches
+    "pp2_text": Case(lambda: PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2), 2, 1, "text"),
+    "pp2_text_to_zero2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "text", source="pp2_text"),
     "3d_text": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1, "text"),
     "3d_text_resumed": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1, "text",
                             source="3d_text"),

@@ -208,7 +208,8 @@ def test_text_data_module_resumes_mid_epoch_in_one_process(tmp_path, cache_dir, 
     assert len(full) == MAX_STEPS * accumulate and diff <= LOSS_RTOL
 
 
-# -- launched: ZeRO-1 dp2 with a user's shuffled DataLoader; tp2 x pp2; tp2 x pp2 resumed under ZeRO-2 dp2 -----------
+# -- launched: ZeRO-1 dp2 with a user's shuffled DataLoader; pp2 (dp=1) resumed under ZeRO-2 dp2 (2 ranks); tp2 x pp2,
+#    and tp2 x pp2 resumed under ZeRO-2 dp2 (4 ranks): about 40 s for the whole file on 2 cores ---------------------
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory, cache_dir):
     """``get(case)``: the Run of a case of tests/resume_worker.py; each rank count's cases in one launch, on first use
@@ -220,7 +221,8 @@ def resume_runs(tmp_path_factory, cache_dir):
 
     def get(name: str) -> Run:
         if name not in out:
-            groups = [["zero1_user", "zero1_user_resumed"], ["3d_text", "3d_text_resumed"], ["3d_text_to_zero2"]]
+            groups = [["zero1_user", "zero1_user_resumed", "pp2_text", "pp2_text_to_zero2"],
+                      ["3d_text", "3d_text_resumed"], ["3d_text_to_zero2"]]
             names = next(g for g in groups if name in g)
             args = ["--root", str(root), "--cache", str(cache_dir), "--cases", *names]
             for source in {CASES[n].source for n in names} - set(names) - {None}:
@@ -234,6 +236,7 @@ def resume_runs(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize(("resumed", "source"), [("zero1_user_resumed", "zero1_user"),
+                                                 ("pp2_text_to_zero2", "pp2_text"),
                                                  ("3d_text_resumed", "3d_text"),
                                                  ("3d_text_to_zero2", "3d_text")])
 def test_a_mid_epoch_checkpoint_resumes_with_the_uninterrupted_losses(resume_runs, resumed, source):
