@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from lightning_par.parallel.data_order import DataParallelSampler
@@ -111,7 +112,10 @@ def test_plain_loaders_get_a_resumable_sampler_and_others_one_warning(monkeypatc
     with pytest.warns(UserWarning, match="will replay that epoch") as record:
         for _ in range(3):  # e.g. reload_dataloaders_every_n_epochs: still one warning
             assert resumable_train_loader(own, _Trainer()) is own
-    assert len(record) == 1 and "_OwnSampler" in str(record[0].message)
+    assert len(record) == 1 and "has its own sampler (_OwnSampler)" in str(record[0].message)
+    wrapped = DataLoader(dataset, batch_size=4, sampler=DistributedSamplerWrapper(_OwnSampler(dataset), 2, 0))
+    with pytest.warns(UserWarning, match=r"\(_OwnSampler, in Lightning's DistributedSamplerWrapper\)"):
+        resumable_train_loader(wrapped, _Trainer())  # what Lightning makes of a user's sampler under a strategy
     with pytest.warns(UserWarning, match="IterableDataset"):
         resumable_train_loader(DataLoader(_Stream(), batch_size=2), _Trainer())
 

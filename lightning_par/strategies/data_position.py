@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -40,18 +41,18 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
     if isinstance(loader, _Stateful):
         return loader
     if not isinstance(loader, DataLoader):
-        return _not_resumable(loader, f"a {type(loader).__name__}, not a DataLoader")
+        return _not_resumable(loader, f"is a {type(loader).__name__}, not a DataLoader")
     if isinstance(loader.dataset, IterableDataset):
-        return _not_resumable(loader, f"an IterableDataset ({type(loader.dataset).__name__})")
+        return _not_resumable(loader, f"reads an IterableDataset ({type(loader.dataset).__name__})")
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
-        return _not_resumable(loader, f"its own batch sampler ({type(loader.batch_sampler).__name__})")
+        return _not_resumable(loader, f"has its own batch sampler ({type(loader.batch_sampler).__name__})")
     sampler = loader.sampler
     if type(sampler) is DistributedSampler:
         sampler = DataParallelSampler(sampler.dataset, num_replicas=sampler.num_replicas, rank=sampler.rank,
                                       shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
         loader = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     elif not isinstance(sampler, DataParallelSampler):
-        return _not_resumable(loader, f"its own sampler ({type(sampler).__name__})")
+        return _not_resumable(loader, f"has its own sampler ({_sampler_name(sampler)})")
     position = DataPosition(trainer, sampler, loader.batch_size)
     # instance attributes: Lightning's `_Stateful` check (a Protocol) accepts them, and the loader keeps its class
     loader.state_dict = position.state_dict
@@ -61,12 +62,20 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
 
 def _not_resumable(loader: Any, what: str) -> Any:
     _warnings.warn(
-        f"lightning-par cannot save the position of the training data in an epoch: the training loader has {what}. "
+        f"lightning-par cannot save the position of the training data in an epoch: the training loader {what}. "
         "A run resumed from a checkpoint saved mid-epoch will replay that epoch from its start. A DataLoader with "
         "a plain or shuffled sampler is positioned (lightning-par gives it a resumable sampler), as is one with "
         "lightning_par.parallel.data_order.DataParallelSampler or torchdata's StatefulDataLoader."
     )
     return loader
+
+
+def _sampler_name(sampler: Any) -> str:
+    """The user's sampler's class, also inside the DistributedSamplerWrapper Lightning puts around it."""
+    if isinstance(sampler, DistributedSamplerWrapper):
+        inner = getattr(sampler.dataset, "_sampler", sampler)
+        return f"{type(inner).__name__}, in Lightning's DistributedSamplerWrapper"
+    return type(sampler).__name__
 
 
 class DataPosition:
