@@ -21,7 +21,10 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_par.parallel.data_order import DataParallelSampler
+from lightning_par.strategies.data_position import resumable_train_loader
 
 VOCAB_SIZE = 256
 # Byte written after every document when documents are concatenated; NUL never occurs in normal text,
@@ -352,9 +355,8 @@ class TextDataModule(L.LightningDataModule):
             self.train_dataset = NextByteDataset(train)
             self.val_dataset = NextByteDataset(val)
 
-    def _loader(
-        self, dataset: Dataset | None, shuffle: bool, drop_last: bool, sampler: DistributedSampler | None = None
-    ) -> DataLoader:
+    def _loader(self, dataset: Dataset | None, shuffle: bool, drop_last: bool,
+                sampler: DataParallelSampler | None = None) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
         return DataLoader(
@@ -368,28 +370,32 @@ class TextDataModule(L.LightningDataModule):
             collate_fn=BATCH_FORMATS[self.batch_format],
         )
 
-    def _data_parallel_sampler(self, dataset: Dataset, shuffle: bool) -> DistributedSampler | None:
-        """A DistributedSampler over the data-parallel ranks that honours ``shuffle``.
+    def _data_parallel_sampler(self, dataset: Dataset) -> DataParallelSampler | None:
+        """The training sampler: this data-parallel rank's share of one global order, resumable mid-epoch.
 
-        Lightning injects its own sampler for training with ``shuffle=True`` whatever the DataLoader says (for
-        evaluation it keeps the DataLoader's order, so only training needs this); it leaves
-        an existing DistributedSampler alone, so building it here keeps ``shuffle=False`` meaningful (and makes a
-        parallel run see exactly the batches of a single-process run). The kwargs come from the strategy, which
-        splits by data-parallel rank, not global rank.
+        The order depends only on the seed (``PL_GLOBAL_SEED``, set by ``seed_everything``), the epoch and the
+        dataset, not on the layout: one process and any number of data-parallel ranks see the same global batches.
+        Built here for every trainer, one process included, so ``shuffle=False`` stays meaningful (Lightning would
+        inject a shuffling sampler under a distributed strategy) and the position is saved in checkpoints
+        (:func:`~lightning_par.strategies.data_position.resumable_train_loader`). The split is by data-parallel
+        rank, from the strategy's ``distributed_sampler_kwargs``. ``None`` where the Trainer has
+        ``use_distributed_sampler=False`` under a distributed strategy: the user shards the data then.
         """
         trainer = self.trainer
-        # any parallel strategy, one process included: Lightning's sampler would shuffle there too
         kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        if not kwargs or not trainer._accelerator_connector.use_distributed_sampler:
+        if kwargs and not trainer._accelerator_connector.use_distributed_sampler:
             return None
         seed = int(os.getenv("PL_GLOBAL_SEED", "0"))
-        return DistributedSampler(dataset, shuffle=shuffle, seed=seed, **kwargs)
+        return DataParallelSampler(dataset, shuffle=self.shuffle, seed=seed, **(kwargs or {}))
 
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
-        sampler = self._data_parallel_sampler(self.train_dataset, self.shuffle)
-        return self._loader(self.train_dataset, shuffle=self.shuffle, drop_last=True, sampler=sampler)
+        sampler = self._data_parallel_sampler(self.train_dataset)
+        loader = self._loader(self.train_dataset, shuffle=self.shuffle, drop_last=True, sampler=sampler)
+        if sampler is not None and self.trainer is not None:
+            loader = resumable_train_loader(loader, self.trainer)
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False, drop_last=False)

@@ -61,6 +61,7 @@ from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_che
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
+from lightning_par.strategies.data_position import resumable_train_loader
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,16 @@ class LayoutStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # By data-parallel rank, not global rank: every TP/PP rank of one replica must see the same batch.
         return {"num_replicas": self.dims.dp, "rank": self.coordinates["dp"]}
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader gets a sampler whose position is saved in checkpoints, in place of the
+        DistributedSampler Lightning injected (:mod:`~lightning_par.strategies.data_position`): a run resumed from a
+        mid-epoch checkpoint, under this layout or another with the same global batch, trains on the samples the
+        uninterrupted run would have. Evaluation and prediction loaders are left as Lightning made them."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:
+            return resumable_train_loader(dataloader, trainer)
+        return dataloader
 
     @property
     def process_group_backend(self) -> str | None:

@@ -1,0 +1,145 @@
+"""The training data's position in Lightning's checkpoints, so a run resumed anywhere in an epoch goes on exactly.
+
+Lightning saves the state of every training loader that has ``state_dict`` / ``load_state_dict`` (its "stateful"
+loaders, e.g. torchdata's StatefulDataLoader) with the fit loop's state, and loads it when a fit restarts, before the
+loader's iterator is made. :func:`resumable_train_loader` makes a training DataLoader one of them: its sampler becomes
+a :class:`~lightning_par.parallel.data_order.DataParallelSampler` (in place of the DistributedSampler Lightning
+injects into a plain or shuffled DataLoader), and a :class:`DataPosition` answers for it. The saved position is
+``(epoch, samples consumed, seed)`` of the global order, computed at save time from Lightning's own progress
+counters, so it does not depend on the layout: a checkpoint saved at dp=1 resumes at dp=2 with the same global
+batches. The state travels in the checkpoint's loop state -- in a one-file checkpoint, and in the ``meta.json`` of a
+sharded one, which every rank reads.
+
+The strategies call it on the training loader (``LayoutStrategy.process_dataloader``); ``TextDataModule`` calls it
+on its own loader, so it resumes exactly under Lightning's own strategies too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+from lightning_par.parallel.data_order import DataParallelSampler
+
+_warnings = WarningCache()
+
+
+def resumable_train_loader(loader: Any, trainer: Any) -> Any:
+    """``loader`` with a resumable data-parallel sampler and a saved position (see the module docstring).
+
+    Left as it is: a loader that keeps its own state (torchdata's StatefulDataLoader: Lightning saves and loads it).
+    Given a :class:`DataParallelSampler` in place of a plain DistributedSampler (Lightning's injected one, or the
+    user's with the same arguments). Any other sampler, batch sampler or iterable dataset cannot be positioned:
+    one warning says that a mid-epoch resume replays that epoch, and the loader is left as it is.
+    """
+    if isinstance(loader, _Stateful):
+        return loader
+    if not isinstance(loader, DataLoader):
+        return _not_resumable(loader, f"is a {type(loader).__name__}, not a DataLoader")
+    if isinstance(loader.dataset, IterableDataset):
+        return _not_resumable(loader, f"reads an IterableDataset ({type(loader.dataset).__name__})")
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        return _not_resumable(loader, f"has its own batch sampler ({type(loader.batch_sampler).__name__})")
+    sampler = loader.sampler
+    if type(sampler) is DistributedSampler:
+        sampler = DataParallelSampler(sampler.dataset, num_replicas=sampler.num_replicas, rank=sampler.rank,
+                                      shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+        loader = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
+    elif not isinstance(sampler, DataParallelSampler):
+        return _not_resumable(loader, f"has its own sampler ({_sampler_name(sampler)})")
+    position = DataPosition(trainer, sampler, loader.batch_size)
+    # instance attributes: Lightning's `_Stateful` check (a Protocol) accepts them, and the loader keeps its class
+    loader.state_dict = position.state_dict
+    loader.load_state_dict = position.load_state_dict
+    return loader
+
+
+def _not_resumable(loader: Any, what: str) -> Any:
+    _warnings.warn(
+        f"lightning-par cannot save the position of the training data in an epoch: the training loader {what}. "
+        "A run resumed from a checkpoint saved mid-epoch will replay that epoch from its start. A DataLoader with "
+        "a plain or shuffled sampler is positioned (lightning-par gives it a resumable sampler), as is one with "
+        "lightning_par.parallel.data_order.DataParallelSampler or torchdata's StatefulDataLoader."
+    )
+    return loader
+
+
+def _sampler_name(sampler: Any) -> str:
+    """The user's sampler's class, also inside the DistributedSamplerWrapper Lightning puts around it."""
+    if isinstance(sampler, DistributedSamplerWrapper):
+        inner = getattr(sampler.dataset, "_sampler", sampler)
+        return f"{type(inner).__name__}, in Lightning's DistributedSamplerWrapper"
+    return type(sampler).__name__
+
+
+class DataPosition:
+    """Where a training loader stands in its global order, as Lightning's progress counters say.
+
+    Args:
+        trainer: the Trainer whose fit loop counts the batches.
+        sampler: the loader's sampler.
+        batch_size: the loader's per-rank batch size.
+    """
+
+    def __init__(self, trainer: Any, sampler: DataParallelSampler, batch_size: int) -> None:
+        self.trainer = trainer
+        self.sampler = sampler
+        self.global_batch = batch_size * sampler.num_replicas
+
+    def resume_point(self) -> tuple[int, int, bool]:
+        """``(epoch, batches, ended)``: where the epoch that a fit resumed from a checkpoint saved now continues, in
+        the sampler's epochs and in batches of it already trained -- the count Lightning's restarted loop starts
+        from -- and whether that epoch's loop has ended.
+
+        Lightning counts a batch as trained once ``processed`` (a checkpoint saved from ``on_train_batch_end`` has
+        its optimizer step; ``completed`` is raised after that hook). A restarted epoch continues at that count,
+        except when the checkpoint was saved from the last batch's ``on_train_batch_end``: then the next epoch starts
+        afresh. After an epoch's loop has ended (saved at the epoch's end, after validation, after ``fit``), its
+        batches stay counted until the next epoch starts, and Lightning resumes into that epoch, at its end (under
+        the next epoch number if the epoch was closed): that iteration is given nothing, and the next epoch follows,
+        as in the uninterrupted run.
+        """
+        fit_loop = self.trainer.fit_loop
+        epochs = fit_loop.epoch_progress.current
+        batches = fit_loop.epoch_loop.batch_progress.current
+        if epochs.ready > epochs.started:  # an epoch is being started: its sampler epoch is set, no batch yet
+            return self.sampler.epoch, 0, False
+        if batches.processed >= self.trainer.num_training_batches:
+            if batches.completed < batches.processed:
+                return self.sampler.epoch + 1, 0, False
+            return self.sampler.epoch, batches.processed, True
+        return self.sampler.epoch, batches.processed, False
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, batches, ended = self.resume_point()
+        return {"epoch": epoch, "consumed_samples": batches * self.global_batch, "epoch_ended": ended,
+                "global_batch": self.global_batch, "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
+                "dataset_length": self.sampler.dataset_length}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch, consumed = int(state["epoch"]), int(state["consumed_samples"])
+        self.sampler.seed = int(state["seed"])  # the order the checkpoint's run followed, whatever seed this run set
+        if state["epoch_ended"]:  # Lightning resumes at the end of this epoch: nothing of it is left
+            self.sampler.resume(epoch, self.sampler.total_size)
+            return
+        if consumed and state["global_batch"] != self.global_batch:
+            raise ValueError(
+                f"The checkpoint was saved {consumed} samples into epoch {epoch}, in global batches of "
+                f"{state['global_batch']} samples; this run's global batch is {self.global_batch} (per-rank batch "
+                f"{self.global_batch // self.sampler.num_replicas} x data-parallel size {self.sampler.num_replicas}). "
+                "Lightning counts the batches of the resumed epoch, so a mid-epoch resume needs the same global "
+                "batch: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
+        if consumed and (state["dataset_length"], state["shuffle"]) != (self.sampler.dataset_length,
+                                                                         self.sampler.shuffle):
+            _warnings.warn(
+                f"The checkpoint's training data had {state['dataset_length']} samples (shuffle={state['shuffle']}), "
+                f"this run's has {self.sampler.dataset_length} (shuffle={self.sampler.shuffle}): epoch {epoch} "
+                f"continues after {consumed} samples of the new order, which is not the order the checkpoint's run "
+                "trained in.")
+        self.sampler.resume(epoch, consumed)

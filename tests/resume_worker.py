@@ -1,0 +1,108 @@
+"""Mid-epoch resume: fits that keep a checkpoint every 5 steps of a 12-step epoch, and fits resumed from step 5.
+
+Run under torchrun (``tests.harness.launch_matrix``); the cases of one rank count run one after another in the same
+ranks. A *source* case trains 18 steps (plain SGD, so a replayed or skipped batch shows in the loss) with
+``ModelCheckpoint(every_n_train_steps=5)``; a *resumed* case builds a fresh model under its own layout and continues
+from a source's step-5 checkpoint (of this launch, or passed with ``--source NAME=PATH``). Each case writes
+``ROOT/NAME/tb`` (per-step losses) for ``tests.harness.Run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from example_models import GPTLightningModule
+from lightning_par import Hybrid3DStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par.data import TextDataModule
+
+EPOCH_STEPS = 12
+MAX_STEPS = 18  # into the second epoch: its order must follow too
+SAVE_EVERY = 5
+GLOBAL_BATCH = 8
+SEQ = 32
+
+
+@dataclass
+class Case:
+    """A layout (``strategy()`` on ``devices`` ranks, ``dp`` replicas), its data (``"user"``: a plain shuffled
+    DataLoader of random tokens; ``"text"``: the shuffled TextDataModule) and the source it resumes (or None)."""
+
+    strategy: Callable[[], pl.strategies.Strategy]
+    devices: int
+    dp: int
+    data: str
+    source: str | None = None
+
+
+CASES: dict[str, Case] = {
+    "zero1_user": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user"),
+    "zero1_user_resumed": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user", source="zero1_user"),
+    # dp=1 (a 2-stage pipeline, batch 8) resumed at dp=2 (ZeRO-2, batch 4 per rank): the same global batches
+    "pp2_text": Case(lambda: PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2), 2, 1, "text"),
+    "pp2_text_to_zero2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "text", source="pp2_text"),
+    "3d_text": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1, "text"),
+    "3d_text_resumed": Case(lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1, "text",
+                            source="3d_text"),
+    # saved at dp=1 (tp2 x pp2, batch 8), resumed at dp=2 (batch 4 per rank): the same global batches
+    "3d_text_to_zero2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "text", source="3d_text"),
+}
+
+
+def user_loader(batch: int) -> DataLoader:
+    """What a user writes: a map-style dataset and ``DataLoader(ds, batch_size, shuffle=True)``; 12 global batches."""
+    tokens = torch.randint(0, 256, (EPOCH_STEPS * GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    samples = [(row[:-1], row[1:]) for row in tokens]
+    return DataLoader(samples, batch_size=batch, shuffle=True)
+
+
+def step_checkpoint(root: Path, step: int) -> Path:
+    (path,) = sorted(root.glob(f"ckpt/*step={step}.ckpt"))
+    return path
+
+
+def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
+    case = CASES[name]
+    pl.seed_everything(1234)
+    model = GPTLightningModule(preset="tiny", n_layers=4, optimizer="sgd", lr=0.2)
+    batch = GLOBAL_BATCH // case.dp
+    keep = [] if case.source else [ModelCheckpoint(dirpath=root / name / "ckpt", every_n_train_steps=SAVE_EVERY,
+                                                   save_top_k=-1)]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=case.devices, strategy=case.strategy(), max_steps=MAX_STEPS,
+        limit_train_batches=EPOCH_STEPS, limit_val_batches=0, log_every_n_steps=1,
+        logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name, callbacks=keep,
+    )
+    ckpt = None
+    if case.source is not None:
+        ckpt = sources.get(case.source) or step_checkpoint(root / case.source, SAVE_EVERY)
+    if case.data == "user":
+        trainer.fit(model, train_dataloaders=user_loader(batch), ckpt_path=ckpt)
+    else:
+        data = TextDataModule(seq_len=SEQ, max_corpus_bytes=300_000, shuffle=True, batch_size=batch, cache_dir=cache)
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--cases", nargs="+", required=True)
+    parser.add_argument("--source", action="append", default=[], help="NAME=PATH: a checkpoint made elsewhere")
+    args = parser.parse_args()
+    sources = {name: Path(path) for name, path in (s.split("=", 1) for s in args.source)}
+    for name in args.cases:
+        fit(Path(args.root), args.cache, name, sources)
+
+
+if __name__ == "__main__":
+    main()
