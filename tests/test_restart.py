@@ -1,0 +1,149 @@
+"""Checkpoints by default, ``--ckpt_path=last``, and automatic restart.
+
+The CLI saves every N steps and at the end, ``last.ckpt`` linking to the newest; ``last`` means the newest COMPLETE
+checkpoint of the logger name's runs; a job that torchrun (``--max-restarts``) or SLURM restarts continues by itself
+from its newest complete checkpoint, in the same run directory, with the losses of an uninterrupted run.
+"""
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from lightning_par.cli import restart_count
+from lightning_par.plugins import checkpoint_files
+from lightning_par.plugins.checkpoint_files import newest_complete
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job
+from tests.harness import REPO, launch_command, launch_torchrun, max_rel_diff
+
+
+# -- the newest complete checkpoint ----------------------------------------------------------------------------------
+def _directory_checkpoint(path: Path, payload: bytes = b"x" * 100) -> Path:
+    path.mkdir()
+    (path / "data.distcp").write_bytes(payload)
+    checkpoint_files.write_manifest(path, checkpoint_files.describe(path, ["data.distcp"]))
+    return path
+
+
+def _aged(path: Path, seconds_ago: float) -> None:
+    when = time.time() - seconds_ago
+    target = path / checkpoint_files.MANIFEST if path.is_dir() else path
+    os.utime(target, (when, when))
+
+
+def test_newest_complete_never_takes_an_interrupted_save(tmp_path):
+    """Of a directory of checkpoints, the newest complete one; a newer one without its manifest, with a truncated
+    file, a ``.partial``, a dangling link or a truncated one-file checkpoint is passed over."""
+    run0, run1 = tmp_path / "version_0" / "checkpoints", tmp_path / "version_1" / "checkpoints"
+    run0.mkdir(parents=True)
+    run1.mkdir(parents=True)
+    old = _directory_checkpoint(run0 / "epoch=0-step=5.ckpt")
+    _aged(old, 100)
+    good = _directory_checkpoint(run1 / "epoch=0-step=10.ckpt")
+    _aged(good, 50)
+    (run1 / "last.ckpt").symlink_to(good.name)
+    assert newest_complete([run0, run1]) == good.resolve()
+
+    no_manifest = run1 / "epoch=0-step=15.ckpt"  # a save that never committed (a crash before the rename, by hand)
+    no_manifest.mkdir()
+    (no_manifest / "data.distcp").write_bytes(b"x")
+    truncated = _directory_checkpoint(run1 / "epoch=0-step=20.ckpt")
+    (truncated / "data.distcp").write_bytes(b"x" * 10)
+    _directory_checkpoint(run1 / "epoch=0-step=25.ckpt.partial")
+    (run0 / "last.ckpt").symlink_to("epoch=0-step=30.ckpt")  # dangling
+    one_file = run0 / "epoch=0-step=35.ckpt"  # torch.save's zip, cut short, without a sidecar
+    import torch
+
+    torch.save({"w": torch.zeros(1000)}, one_file)
+    one_file.write_bytes(one_file.read_bytes()[:-200])
+    assert newest_complete([run0, run1]) == good.resolve()
+
+    torch.save({"w": torch.zeros(1000)}, one_file)  # whole: the newest complete one now
+    assert newest_complete([run0, run1]) == one_file.resolve()
+    assert newest_complete([tmp_path / "missing"]) is None
+
+
+def test_restart_count(monkeypatch):
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert restart_count() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert restart_count() is None
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert restart_count() == ("SLURM_RESTART_COUNT", 2)
+
+
+# -- the README's commands, as written ---------------------------------------------------------------------------
+#: appended to the README's commands: the demo at a size that runs in seconds
+TINY_DEMO = ["--model.preset=tiny", "--data.seq_len=32", "--data.batch_size=8", "--data.max_corpus_bytes=300000",
+             "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false", "--sample_tokens=0"]
+DEMO = f"--config={REPO / 'configs' / 'demo.yaml'}"
+LAST0 = "lightning_logs/demo/version_0/checkpoints/last.ckpt"
+
+
+def _readme_commands() -> list[str]:
+    """The README's command lines that name a checkpoint of the demo (``.../checkpoints/last.ckpt``)."""
+    text = (REPO / "README.md").read_text()
+    return [line.split("#")[0].strip() for line in text.splitlines() if LAST0 in line]
+
+
+def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
+    """fit the demo (3D, 4 ranks) for 4 steps; then, as the README writes them: resume its ``last.ckpt`` on one
+    process (ZeRO stage 0), export it, validate it under the demo's 3D layout; and ``--ckpt_path=last`` finds the
+    resumed run's checkpoint (version_1), the newest complete one."""
+    commands = _readme_commands()
+    assert len(commands) == 3, commands  # resume (fit), export, validate
+    data = [f"--data.cache_dir={cache_dir}"]
+    fit = launch_command(tmp_path, cache_dir, ["fit", DEMO, "--trainer.max_steps=4", *TINY_DEMO, *data]).check()
+    ckpts = tmp_path / "lightning_logs" / "demo" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=1-step=4.ckpt", "last.ckpt"], fit.log[-2000:]
+    assert (ckpts / "last.ckpt").readlink() == Path("epoch=1-step=4.ckpt")
+    for command in commands:
+        argv = command.removeprefix("lightning-par ").replace("--config configs/demo.yaml", DEMO)
+        argv = argv.replace("--config=configs/demo.yaml", DEMO).split()
+        if argv[0] == "export":
+            launch_command(tmp_path, cache_dir, argv).check()
+            assert (tmp_path / argv[2]).stat().st_size > 0
+            continue
+        extra = ["--trainer.max_steps=6"] if argv[0] == "fit" else []
+        run = launch_command(tmp_path, cache_dir, [*argv, *TINY_DEMO, *extra, *data]).check()
+        assert f"Restored all states from the checkpoint at {LAST0}" in run.log or argv[0] != "fit", run.log[-2000:]
+    resumed = tmp_path / "lightning_logs" / "demo" / "version_1" / "checkpoints"
+    assert (resumed / "last.ckpt").resolve().name == "epoch=2-step=6.ckpt"
+    # --ckpt_path=last: the newest complete checkpoint over every version (the resumed run's, at step 6); nothing to
+    # train from there with max_steps=6, so the run ends at once
+    last = launch_command(tmp_path, cache_dir, ["fit", DEMO, "--trainer.devices=1", "--trainer.strategy=zero0",
+                                                "--ckpt_path=last", "--trainer.max_steps=6", *TINY_DEMO, *data]).check()
+    assert re.search(r"--ckpt_path=last is \S+/version_1/checkpoints/epoch=2-step=6\.ckpt", last.log), last.log[-2000:]
+
+
+# -- automatic restart ---------------------------------------------------------------------------------------------
+def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, cache_dir, runs):
+    """ZeRO-1 on 2 ranks under ``torchrun --max-restarts=1``, the CLI's default checkpoints every 5 steps (10-step
+    epochs); rank 1 is SIGKILLed at step 12 of the first attempt. torchrun restarts both ranks, the CLI resumes from
+    the step-10 checkpoint in the same run directory, and the job ends with exit 0 and the uninterrupted losses."""
+    killed = tmp_path / "killed.json"
+    args = [*job(GLOBAL_BATCH // 2), "--trainer.strategy=zero1", "--trainer.enable_checkpointing=true",
+            "--checkpoint_every_n_steps=5", "--trainer.callbacks+=tests.probes.FreezeAt", "--trainer.callbacks.rank=1",
+            "--trainer.callbacks.step=12", f"--trainer.callbacks.path={killed}", "--trainer.callbacks.sig=SIGKILL",
+            "--trainer.callbacks.attempt=0"]
+    run = launch_torchrun(tmp_path / "run", cache_dir, args, nnodes=1, nproc_per_node=2, timeout=240,
+                          torchrun_args=("--max-restarts=1",))
+    print(f"torchrun with a restart: {run.seconds:.1f} s, exit {run.returncode}")
+    run.check()
+    assert json.loads(killed.read_text())["pid"] > 0  # the first attempt's rank 1 was killed
+    versions = run.root / "tb" / "lightning_logs"
+    assert sorted(p.name for p in versions.iterdir()) == ["version_0"]  # the restart continued the same run
+    assert re.search(r"lightning-par: restart 1 of this job \(TORCHELASTIC_RESTART_COUNT=1\): resuming from "
+                     r"\S+/version_0/checkpoints/epoch=0-step=10\.ckpt", run.log), run.log[-3000:]
+    ckpts = versions / "version_0" / "checkpoints"
+    # step 10 is kept (Lightning never deletes the checkpoint a run resumed from), step 15 gave way to step 20
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"]
+    assert (ckpts / "last.ckpt").readlink() == Path("epoch=1-step=20.ckpt")
+    losses = run.scalars()["train/loss"]  # the restarted attempt's event file is read last: its steps 10-19
+    reference = runs("zero1_dp2").losses()
+    assert len(losses) == len(reference)
+    diff = max_rel_diff([losses[s] for s in sorted(losses)[EPOCH_STEPS:]], reference[EPOCH_STEPS:])
+    print(f"steps {EPOCH_STEPS}-19 after the restart: within {diff:.2e} of the uninterrupted run")
+    assert diff <= 1e-6
