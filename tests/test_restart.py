@@ -84,16 +84,17 @@ LAST0 = "lightning_logs/demo/version_0/checkpoints/last.ckpt"
 
 def _readme_commands() -> list[str]:
     """The README's command lines that name a checkpoint of the demo (``.../checkpoints/last.ckpt``)."""
-    text = (REPO / "README.md").read_text()
-    return [line.split("#")[0].strip() for line in text.splitlines() if LAST0 in line]
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")  # continued lines joined
+    lines = [" ".join(line.split("#")[0].split()) for line in text.splitlines()]
+    return [line for line in lines if LAST0 in line or line.startswith("lightning-par") and "--ckpt_path=last" in line]
 
 
 def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
     """fit the demo (3D, 4 ranks) for 4 steps; then, as the README writes them: resume its ``last.ckpt`` on one
-    process (ZeRO stage 0), export it, validate it under the demo's 3D layout; and ``--ckpt_path=last`` finds the
-    resumed run's checkpoint (version_1), the newest complete one."""
+    process (ZeRO stage 0), resume ``--ckpt_path=last`` under ZeRO-2 -- the newest complete checkpoint, the one-process
+    run's in version_1 --, export version_0's, validate it under the demo's 3D layout."""
     commands = _readme_commands()
-    assert len(commands) == 3, commands  # resume (fit), export, validate
+    assert [c.split()[1] for c in commands] == ["fit", "fit", "export", "validate"], commands
     data = [f"--data.cache_dir={cache_dir}"]
     fit = launch_command(tmp_path, cache_dir, ["fit", DEMO, "--trainer.max_steps=4", *TINY_DEMO, *data]).check()
     ckpts = tmp_path / "lightning_logs" / "demo" / "version_0" / "checkpoints"
@@ -106,16 +107,21 @@ def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
             launch_command(tmp_path, cache_dir, argv).check()
             assert (tmp_path / argv[2]).stat().st_size > 0
             continue
-        extra = ["--trainer.max_steps=6"] if argv[0] == "fit" else []
+        if "--ckpt_path=last" in argv:  # from version_1's step 6 (the newest) to step 8, in version_2
+            run = launch_command(tmp_path, cache_dir, [*argv, *TINY_DEMO, "--trainer.max_steps=8", *data]).check()
+            assert re.search(r"--ckpt_path=last is \S+/version_1/checkpoints/epoch=2-step=6\.ckpt", run.log), \
+                run.log[-2000:]
+            last = tmp_path / "lightning_logs" / "demo" / "version_2" / "checkpoints" / "last.ckpt"
+            assert re.fullmatch(r"epoch=\d+-step=8\.ckpt", last.resolve().name)
+            continue
+        extra = ["--trainer.max_steps=6"] if argv[0] == "fit" else []  # version_0's step 4 to step 6, in version_1
         run = launch_command(tmp_path, cache_dir, [*argv, *TINY_DEMO, *extra, *data]).check()
-        assert f"Restored all states from the checkpoint at {LAST0}" in run.log or argv[0] != "fit", run.log[-2000:]
-    resumed = tmp_path / "lightning_logs" / "demo" / "version_1" / "checkpoints"
-    assert (resumed / "last.ckpt").resolve().name == "epoch=2-step=6.ckpt"
-    # --ckpt_path=last: the newest complete checkpoint over every version (the resumed run's, at step 6); nothing to
-    # train from there with max_steps=6, so the run ends at once
-    last = launch_command(tmp_path, cache_dir, ["fit", DEMO, "--trainer.devices=1", "--trainer.strategy=zero0",
-                                                "--ckpt_path=last", "--trainer.max_steps=6", *TINY_DEMO, *data]).check()
-    assert re.search(r"--ckpt_path=last is \S+/version_1/checkpoints/epoch=2-step=6\.ckpt", last.log), last.log[-2000:]
+        if argv[0] == "fit":
+            assert f"Restored all states from the checkpoint at {LAST0}" in run.log, run.log[-2000:]
+            last = tmp_path / "lightning_logs" / "demo" / "version_1" / "checkpoints" / "last.ckpt"
+            assert last.resolve().name == "epoch=2-step=6.ckpt"
+        else:
+            assert re.search(r"val/loss\s+\S+\s+\d", run.log), run.log[-2000:]
 
 
 # -- automatic restart ---------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ between the two renames; :func:`resolve` and :func:`prepare` undo that state.
 A one-file checkpoint takes the same path (:func:`commit_file`), its size and CRC-32 in a sidecar, ``NAME.crc32.json``
 (the file itself stays Lightning's, which any tool loads); :func:`verify_file` checks it before a load. Every name read
 from a manifest is confined to its directory (:func:`confined`), as are DCP's storage paths (sharded_checkpoint).
+
+:func:`newest_complete` picks the checkpoint to resume from (the CLI's ``--ckpt_path=last`` and automatic restart):
+the newest one that is complete by these marks, never an interrupted save.
 """
 
 from __future__ import annotations
