@@ -74,6 +74,32 @@ def test_restart_count(monkeypatch):
     assert restart_count() == ("SLURM_RESTART_COUNT", 2)
 
 
+def test_run_checkpoint_saves_every_n_steps_and_the_last_step(tmp_path):
+    """Every 3 steps and at the end (step 7, named epoch=2: Lightning has counted the epoch ended); the epoch end at
+    step 5 relinks nothing to an older step (a plain ``ModelCheckpoint(save_last="link")`` points ``last`` at step 3
+    there, and saves nothing at the end). ``last.ckpt`` links to step 7's checkpoint, the earlier ones are gone."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_par.callbacks import RunCheckpoint
+
+    links = []
+
+    class Watch(RunCheckpoint):
+        def _save_last_checkpoint(self, trainer, monitor_candidates):
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+            links.append((trainer.global_step, Path(self.last_model_path).resolve().name))
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=7, limit_train_batches=5, limit_val_batches=1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Watch(every_n_train_steps=3)])
+    trainer.fit(BoringModel())
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=2-step=7.ckpt", "last.ckpt"]
+    assert (ckpts / "last.ckpt").readlink() == Path("epoch=2-step=7.ckpt")
+    assert links == [(3, "epoch=0-step=3.ckpt"), (6, "epoch=1-step=6.ckpt"), (7, "epoch=2-step=7.ckpt")]
+
+
 # -- the README's commands, as written ---------------------------------------------------------------------------
 #: appended to the README's commands: the demo at a size that runs in seconds
 TINY_DEMO = ["--model.preset=tiny", "--data.seq_len=32", "--data.batch_size=8", "--data.max_corpus_bytes=300000",
@@ -98,8 +124,9 @@ def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
     data = [f"--data.cache_dir={cache_dir}"]
     fit = launch_command(tmp_path, cache_dir, ["fit", DEMO, "--trainer.max_steps=4", *TINY_DEMO, *data]).check()
     ckpts = tmp_path / "lightning_logs" / "demo" / "version_0" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=1-step=4.ckpt", "last.ckpt"], fit.log[-2000:]
-    assert (ckpts / "last.ckpt").readlink() == Path("epoch=1-step=4.ckpt")
+    step4, last = sorted(p.name for p in ckpts.iterdir())  # saved at the end of fit (every 500 steps by default)
+    assert re.fullmatch(r"epoch=\d+-step=4\.ckpt", step4) and last == "last.ckpt", fit.log[-2000:]
+    assert (ckpts / "last.ckpt").readlink() == Path(step4)
     for command in commands:
         argv = command.removeprefix("lightning-par ").replace("--config configs/demo.yaml", DEMO)
         argv = argv.replace("--config=configs/demo.yaml", DEMO).split()
@@ -109,7 +136,7 @@ def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
             continue
         if "--ckpt_path=last" in argv:  # from version_1's step 6 (the newest) to step 8, in version_2
             run = launch_command(tmp_path, cache_dir, [*argv, *TINY_DEMO, "--trainer.max_steps=8", *data]).check()
-            assert re.search(r"--ckpt_path=last is \S+/version_1/checkpoints/epoch=2-step=6\.ckpt", run.log), \
+            assert re.search(r"--ckpt_path=last is \S+/version_1/checkpoints/epoch=\d+-step=6\.ckpt", run.log), \
                 run.log[-2000:]
             last = tmp_path / "lightning_logs" / "demo" / "version_2" / "checkpoints" / "last.ckpt"
             assert re.fullmatch(r"epoch=\d+-step=8\.ckpt", last.resolve().name)
@@ -119,7 +146,7 @@ def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
         if argv[0] == "fit":
             assert f"Restored all states from the checkpoint at {LAST0}" in run.log, run.log[-2000:]
             last = tmp_path / "lightning_logs" / "demo" / "version_1" / "checkpoints" / "last.ckpt"
-            assert last.resolve().name == "epoch=2-step=6.ckpt"
+            assert re.fullmatch(r"epoch=\d+-step=6\.ckpt", last.resolve().name)
         else:
             assert re.search(r"val/loss\s+\S+\s+\d", run.log), run.log[-2000:]
 
