@@ -1,4 +1,4 @@
-"""Callbacks that make a parallel run readable in TensorBoard."""
+"""Callbacks that make a parallel run readable in TensorBoard, and the CLI's default checkpoints."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
@@ -184,3 +185,30 @@ class MemoryPerRank(pl.Callback):
         if trainer.is_global_zero and trainer.logger is not None:
             metrics = {f"memory/rank{rank}_MiB": value / 2**20 for rank, value in enumerate(values)}
             trainer.logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """The ``lightning-par`` CLI's checkpoints when the user configures none: every ``every_n_train_steps`` optimizer
+    steps and when fit ends, each named by its step (``epoch=E-step=S.ckpt``), the previous one deleted once the new
+    one is complete, and ``last.ckpt`` a link to the newest.
+
+    A plain ``ModelCheckpoint(save_last="link", every_n_train_steps=N)`` would leave the last steps of a run unsaved
+    (Lightning 2.6 saves ``last`` at the end only if nothing was saved before) and would, at an epoch or validation
+    end, point ``last`` at the checkpoint of an earlier step. Here ``last`` is only ever linked to a checkpoint of the
+    current step, written first.
+    """
+
+    def __init__(self, every_n_train_steps: int = 500, dirpath: str | None = None) -> None:
+        super().__init__(dirpath=dirpath, save_last="link", save_top_k=1, every_n_train_steps=every_n_train_steps)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass  # every N steps and at the end, not at epoch or validation ends (Lightning's would relink a stale one)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # the final step, unless saved already
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)

@@ -5,6 +5,13 @@
     lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every strategy option
     lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8   # before launching
     lightning-par export CKPT OUT.safetensors          # or: lightning-par export CKPT OUT_DIR --hf
+
+Checkpoints by default: ``fit`` saves every ``--checkpoint_every_n_steps`` steps and at the end into the logger's run
+directory (``lightning_logs/version_N/checkpoints``), ``last.ckpt`` linking to the newest, unless the user passes a
+``ModelCheckpoint`` or ``--trainer.enable_checkpointing=false``. ``--ckpt_path=last`` takes the newest complete
+checkpoint of every run of the logger's name (``save_dir/name/version_*/checkpoints``, and a ``ModelCheckpoint``'s own
+dirpath). Restarted by torchrun (``--max-restarts``) or a SLURM requeue, ``fit`` continues the run it restarts: the
+same version directory, from its newest complete checkpoint (:meth:`LightningParCLI.resume`).
 """
 
 from __future__ import annotations
@@ -12,18 +19,23 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.callbacks import LearningRateMonitor
+from jsonargparse.typing import NonNegativeInt
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
-from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, TokensPerSecond
+from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, RunCheckpoint, TokensPerSecond
+from lightning_par.plugins.checkpoint_files import newest_complete
 from lightning_par.strategies import ALL_STRATEGIES
 
 
@@ -45,6 +57,27 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """Keep the strategy catalogue's line breaks in ``--help``."""
 
 
+CKPT_PATH_HELP = (
+    "Checkpoint to start from: a path, or 'last': the newest COMPLETE checkpoint (one whose save was interrupted is "
+    "never taken) of every run of this logger name -- save_dir/name/version_*/checkpoints, e.g. "
+    "lightning_logs/version_*/checkpoints -- and of a ModelCheckpoint's own dirpath; a new run still gets a new "
+    "version directory. Under torchrun --max-restarts or a SLURM requeue (a restart count > 0) fit continues the "
+    "run it restarts by itself: the same version directory, from its newest complete checkpoint (if it has none, "
+    "from this ckpt_path).")
+
+#: environment variables that count the restarts of a job: torchrun's (--max-restarts), SLURM's (requeue)
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restart_count() -> tuple[str, int] | None:
+    """``(variable, count)`` when this process belongs to a restarted job (a count > 0), else ``None``."""
+    for name in RESTART_COUNTS:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return name, int(value)
+    return None
+
+
 class LightningParCLI(LightningCLI):
     """LightningCLI with throughput and learning-rate logging always on, and a demo report after ``fit``."""
 
@@ -56,6 +89,113 @@ class LightningParCLI(LightningCLI):
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_argument("--sample_tokens", type=int, default=240,
                             help="After fit: how many tokens to sample from a model with sample_text(); 0 skips it.")
+        parser.add_argument("--checkpoint_every_n_steps", type=NonNegativeInt, default=500,
+                            help="fit saves a checkpoint every this many optimizer steps and when it ends (0: only "
+                                 "at the end), in the logger's version directory (.../version_N/checkpoints), "
+                                 "last.ckpt linking to the newest, the older one deleted -- unless the trainer has "
+                                 "its own ModelCheckpoint callback, or --trainer.enable_checkpointing=false.")
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        for action in parser._actions:  # Lightning's own words do not say what 'last' means here
+            if action.dest == "ckpt_path":
+                action.help = CKPT_PATH_HELP
+        return parser
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with :class:`~lightning_par.callbacks.RunCheckpoint` unless the user has a ModelCheckpoint or
+        turned checkpointing off (outside fit it saves nothing, but Lightning expects it when a checkpoint loads)."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
+        if (config.get("enable_checkpointing") is not False
+                and not any(isinstance(c, ModelCheckpoint) for c in callbacks)):
+            every = self._get(self.config_init, "checkpoint_every_n_steps", default=500)
+            kwargs["callbacks"] = [*callbacks, RunCheckpoint(every_n_train_steps=every)]
+        return super().instantiate_trainer(**kwargs)
+
+    # -- which checkpoint to start from ----------------------------------------------------------------------------
+    def before_fit(self) -> None:
+        self.resume()
+
+    def before_validate(self) -> None:
+        self.resume()
+
+    def before_test(self) -> None:
+        self.resume()
+
+    def before_predict(self) -> None:
+        self.resume()
+
+    def resume(self) -> None:
+        """Replace ``ckpt_path`` by the checkpoint to start from (see ``CKPT_PATH_HELP``): on a restart of ``fit``,
+        the newest complete checkpoint of the run restarted; for ``last``, the newest complete one of the logger
+        name's runs. Every rank decides alike (the same files, before any of them saves)."""
+        config = self.config_init[self.subcommand]
+        given = config.get("ckpt_path")
+        restarted = restart_count() if self.subcommand == "fit" else None
+        if restarted is not None:
+            variable, count = restarted
+            run_dirs = self._continue_run()
+            found = newest_complete(run_dirs)
+            where = " or ".join(str(d) for d in run_dirs) or "(no checkpoint directory)"
+            if found is not None:
+                rank_zero_info(f"lightning-par: restart {count} of this job ({variable}={count}): resuming from "
+                               f"{found}, the newest complete checkpoint in {where}")
+                config["ckpt_path"] = str(found)
+                return
+            rank_zero_info(f"lightning-par: restart {count} of this job ({variable}={count}): no complete checkpoint "
+                           f"in {where} yet; starting from {given or 'scratch'}")
+        if given != "last":
+            return
+        found = newest_complete(self._checkpoint_dirs(every_version=True))
+        if found is None:
+            searched = ", ".join(str(d) for d in self._checkpoint_dirs(every_version=True, existing=False))
+            if self.subcommand != "fit":
+                raise SystemExit(f"lightning-par {self.subcommand}: --ckpt_path=last found no complete checkpoint "
+                                 f"(searched {searched}).")
+            rank_zero_warn(f"--ckpt_path=last: no complete checkpoint in {searched}; starting from scratch.")
+            config["ckpt_path"] = None
+            return
+        rank_zero_info(f"lightning-par: --ckpt_path=last is {found}")
+        config["ckpt_path"] = str(found)
+
+    def _continue_run(self) -> list[Path]:
+        """On a restart: write into the newest version directory of the logger name (the run this job started,
+        which made it at start) rather than a new one; return the checkpoint directories of that run."""
+        logger = self.trainer.logger
+        root = self._logger_root()
+        if logger is not None and root is not None and getattr(logger, "_version", 0) is None:
+            numbered = (re.fullmatch(r"version_(\d+)", d.name) for d in root.glob("version_*") if d.is_dir())
+            versions = [int(m.group(1)) for m in numbered if m]
+            if versions:
+                logger._version = max(versions)  # noqa: SLF001 -- Lightning's loggers read it before choosing one
+        return self._checkpoint_dirs(every_version=False)
+
+    def _logger_root(self) -> Path | None:
+        """``save_dir/name`` of the first logger, where its version directories are (``None`` without one)."""
+        trainer = self.trainer
+        if not trainer.loggers:
+            return None
+        logger = trainer.loggers[0]
+        return Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
+
+    def _checkpoint_dirs(self, every_version: bool, existing: bool = True) -> list[Path]:
+        """Where checkpoints of this job are: a ModelCheckpoint's own dirpath, and the run directories Lightning
+        gives the others -- ``save_dir/name/VERSION/checkpoints`` of every version (``every_version``) or of this
+        run's, or ``default_root_dir/checkpoints`` without a logger."""
+        trainer = self.trainer
+        dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        root = self._logger_root()
+        if root is None:
+            dirs.append(Path(trainer.default_root_dir) / "checkpoints")
+        elif every_version:
+            dirs += sorted(root.glob("*/checkpoints")) if existing else [root / "*" / "checkpoints"]
+        else:
+            version = trainer.loggers[0].version
+            dirs.append(root / (version if isinstance(version, str) else f"version_{version}") / "checkpoints")
+        return [d for d in dict.fromkeys(dirs) if not existing or d.is_dir()]
 
     def after_fit(self) -> None:
         trainer, model = self.trainer, self.model

@@ -139,9 +139,11 @@ def launch_cli(
 
 
 def launch_torchrun(
-    root: Path, cache_dir: Path, args: list[str], nnodes: int, nproc_per_node: int, timeout: float = 300
+    root: Path, cache_dir: Path, args: list[str], nnodes: int, nproc_per_node: int, timeout: float = 300,
+    torchrun_args: tuple[str, ...] = (),
 ) -> Run:
-    """One torchrun agent per node, all on this machine over loopback: the multi-node path users take."""
+    """One torchrun agent per node, all on this machine over loopback: the multi-node path users take.
+    ``torchrun_args``: more of torchrun's options (``--max-restarts=1``)."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     cli = ["-m", "lightning_par.cli", "fit", *TINY_JOB, f"--trainer.devices={nproc_per_node}"]
@@ -152,11 +154,24 @@ def launch_torchrun(
     for node in range(nnodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}"]
         cmd += [f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
-        cmd += ["--no-python", sys.executable, *cli]
+        cmd += [*torchrun_args, "--no-python", sys.executable, *cli]
         logs.append(root / f"node{node}.log")
         procs.append(subprocess.Popen(cmd, cwd=root, env=base_env(cache_dir), stdout=logs[-1].open("w"),
                                       stderr=subprocess.STDOUT))
     return _finish(root, procs, logs, start, timeout)
+
+
+def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float = 300) -> Run:
+    """``lightning-par ARGV`` exactly as given (no job arguments added), in ``root``, as a user types it."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = base_env(cache_dir)
+    env["MASTER_PORT"] = str(free_port())
+    log = root / f"command{len(list(root.glob('command*.log')))}.log"
+    start = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lightning_par.cli", *argv], cwd=root, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        return _finish(root, [proc], [log], start, timeout)
 
 
 def launch_matrix(root: Path, cache_dir: Path, module: str, args: list[str], nproc: int,

@@ -82,12 +82,16 @@ class DieAt(pl.Callback):
 class FreezeAt(pl.Callback):
     """Freeze one rank (SIGSTOP: alive, holding its sockets, answering nothing) when it starts a given training step;
     its pid and the time go to ``path`` first, so the test can measure the others' reaction and kill it after.
-    ``sig="SIGKILL"`` kills it instead."""
+    ``sig="SIGKILL"`` kills it instead. ``attempt=K``: only in the job's attempt K (torchrun's restart count)."""
 
-    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGSTOP") -> None:
+    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGSTOP", attempt: int | None = None) -> None:
         self.rank, self.step, self.path, self.sig = rank, step, path, getattr(signal, sig)
+        self.attempt = attempt
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.attempt is not None and restarts != self.attempt:
+            return
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             Path(self.path).write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
             os.kill(os.getpid(), self.sig)

@@ -201,12 +201,15 @@ class Heartbeat:
         if self._store is None or not (isinstance(error, dist.DistError)
                                        or "gloo" in text or "NCCL" in text):  # gloo's errors name its sources
             return
-        lost = self._local_peer_lost([r for r in range(self.world_size) if r != self.rank], states="ZXT")
-        if lost:
-            self._stop_process(f"{lost}; this rank's collective failed ({_clean(text.splitlines()[0][:200])})")
+        peers = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + self.timeout + 2 * self.interval
         while time.monotonic() < deadline and self._threads and self._threads[-1].is_alive():
-            time.sleep(0.2)  # the watch thread names the lost rank and ends the process
+            # looked up again and again: a killed peer's sockets close (failing this collective) before its process
+            # is a zombie, and a job under torchrun restarts only once every rank of it has exited
+            lost = self._local_peer_lost(peers, states="ZXT")
+            if lost:
+                self._stop_process(f"{lost}; this rank's collective failed ({_clean(text.splitlines()[0][:200])})")
+            time.sleep(0.2)  # else the watch thread names the lost rank and ends the process
 
     def _stop_process(self, why: str, write: bool = True) -> None:
         with self._ending:  # one verdict per process: a second thread that finds one waits here for the exit

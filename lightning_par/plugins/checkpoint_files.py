@@ -14,6 +14,9 @@ between the two renames; :func:`resolve` and :func:`prepare` undo that state.
 A one-file checkpoint takes the same path (:func:`commit_file`), its size and CRC-32 in a sidecar, ``NAME.crc32.json``
 (the file itself stays Lightning's, which any tool loads); :func:`verify_file` checks it before a load. Every name read
 from a manifest is confined to its directory (:func:`confined`), as are DCP's storage paths (sharded_checkpoint).
+
+:func:`newest_complete` picks the checkpoint to resume from (the CLI's ``--ckpt_path=last`` and automatic restart):
+the newest one that is complete by these marks, never an interrupted save.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -281,3 +285,43 @@ def verify_file(path: Path, file: Path) -> None:
                               "earlier checkpoint.")
     if {"bytes": size, "crc32": checksum(file)} not in accepted:
         raise _corrupted(file)
+
+
+# -- finding the newest complete checkpoint (``ckpt_path="last"``, automatic restart) --------------------------------
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` (a link is followed) is a checkpoint written to the end, judged cheaply (no checksums): a
+    directory with its manifest and every listed file at its size; a file at a size its checksum sidecar accepts,
+    or, without one (Lightning's own writer), a whole zip archive (``torch.save``'s format: a truncated one lacks
+    the directory at its end)."""
+    target = Path(os.path.realpath(path))
+    try:
+        if target.is_dir():
+            check_sizes(target, read_manifest(target))
+            return True
+        if not target.is_file():
+            return False  # a dangling link
+        sidecar = sidecar_path(target)
+        if sidecar.is_file():
+            return any(target.stat().st_size == e["bytes"] for e in _read_sidecar(sidecar))
+        return zipfile.is_zipfile(target)
+    except (CheckpointError, OSError):
+        return False
+
+
+def _saved_at(target: Path) -> float:
+    """When ``target`` was completed: its manifest's time for a directory (written last), else the file's."""
+    return (target / MANIFEST).stat().st_mtime if target.is_dir() else target.stat().st_mtime
+
+
+def newest_complete(directories: list[Path]) -> Path | None:
+    """The complete checkpoint (``*.ckpt``, a link resolved to what it names) saved last in any of ``directories``;
+    ``None`` if there is none. Interrupted saves (``*.partial``) and dangling links are never taken."""
+    found: dict[Path, float] = {}
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for entry in directory.glob("*.ckpt"):
+            target = Path(os.path.realpath(entry))
+            if target not in found and is_complete(target):
+                found[target] = _saved_at(target)
+    return max(found, key=lambda target: (found[target], target.name)) if found else None

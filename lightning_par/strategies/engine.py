@@ -289,7 +289,8 @@ class LayoutStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              **_attempt_store(self.cluster_environment, self._timeout))
         if self._heartbeat_timeout and self.world_size > 1:  # every rank has joined: from here a lost one is named
             self._heartbeat = Heartbeat(self.global_rank, self.world_size, self.cluster_environment.main_address,
                                         self.cluster_environment.main_port, self._heartbeat_timeout)
@@ -731,6 +732,19 @@ class LayoutStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout})"
+
+
+def _attempt_store(environment: Any, timeout: timedelta) -> dict[str, Any]:
+    """Under torchrun, the process group's store as a fresh namespace of each attempt of the job.
+
+    torchrun's static rendezvous (``--master-addr/--master-port``, its default) keeps one agent store across
+    ``--max-restarts``, and c10d's keys do not name the attempt: a restarted rank would read the previous attempt's
+    addresses (gloo: "connectFullMesh failed ... Connection refused"). Empty outside torchrun (Lightning's default)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(environment.main_address, environment.main_port, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"lightning_par/attempt_{attempt}/", store)}
 
 
 @contextmanager
