@@ -19,12 +19,12 @@ from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, TokensPerSecond
 from lightning_par.strategies import ALL_STRATEGIES
+from lightning_par.strategies.names import registered_names, unknown_strategy_message
 
 
 def strategies_help() -> str:
@@ -33,8 +33,7 @@ def strategies_help() -> str:
     for cls in ALL_STRATEGIES:
         summary = (inspect.getdoc(cls) or "").splitlines()[0]
         lines.append(f"  lightning_par.{cls.__name__}: {summary}")
-    names = sorted(name for name, entry in StrategyRegistry.items() if entry["strategy"] in ALL_STRATEGIES)
-    lines.append(f"Registered names: {', '.join(names)}.")
+    lines.append(f"Registered names: {', '.join(registered_names())}.")
     lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
     lines.append("Before launching: lightning-par plan --model=CLASS --world N (bytes per rank, traffic, bubble and "
                  "step time of every layout; lightning-par plan --help)")
@@ -57,6 +56,9 @@ class LightningParCLI(LightningCLI):
         parser.add_argument("--sample_tokens", type=int, default=240,
                             help="After fit: how many tokens to sample from a model with sample_text(); 0 skips it.")
 
+    def before_instantiate_classes(self) -> None:
+        _refuse_unknown_strategy(self._get(self.config, "trainer", {}).get("strategy"))
+
     def after_fit(self) -> None:
         trainer, model = self.trainer, self.model
         if trainer.interrupted:
@@ -76,6 +78,15 @@ class LightningParCLI(LightningCLI):
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+
+
+def _refuse_unknown_strategy(strategy: object) -> None:
+    """Exit 2 with a did-you-mean over lightning-par's names for a strategy name nobody registered, before the
+    Trainer answers with Lightning's generic error (which lists none of them)."""
+    message = unknown_strategy_message(strategy)
+    if message is not None:
+        print(f"lightning-par: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -33,7 +33,6 @@ behind a firewall.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import socket
@@ -45,7 +44,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_par.topology import LayoutError
+from lightning_par.topology import LayoutError, is_number
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
 MIN_INTERVAL = 0.5  # seconds between beats at the least; a bound must span a few of them (a late beat is no death)
@@ -57,10 +56,9 @@ _MAX_TEXT = 500  # characters of a verdict printed
 def check_timeout(value: object) -> float | None:
     """``heartbeat_timeout`` as the strategy takes it: seconds (a number >= ``MIN_TIMEOUT``), or ``None``/0 for no
     heartbeat; anything else raises :class:`LayoutError` in the launching process."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if value is None or (number and value == 0):
+    if value is None or (is_number(value) and value == 0):
         return None
-    if not number or not math.isfinite(value) or value < MIN_TIMEOUT:
+    if not is_number(value, minimum=MIN_TIMEOUT):
         raise LayoutError(f"heartbeat_timeout={value!r} must be a number of seconds >= {MIN_TIMEOUT:g} (at least three "
                           f"beats of {MIN_INTERVAL:g} s or more: a shorter bound stops a healthy job), or None/0 to "
                           "turn the liveness check off.")
