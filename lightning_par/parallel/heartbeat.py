@@ -44,6 +44,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_par.parallel import shutdown
 from lightning_par.topology import LayoutError, is_number
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
@@ -114,8 +115,11 @@ class Heartbeat:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2 * self.interval)  # the exchange thread may be stuck in a store that froze
+            if thread.is_alive():
+                shutdown.straggler(thread)  # joined (bounded) at exit, before the interpreter finalizes
         if self._store is not None:
             _within(self.interval, self._store.set, self._key(self.rank), _FAILED if failed else _DONE)
+            self._store = None  # this client closes with the last thread using it
 
     # -- the threads ---------------------------------------------------------------------------------------------
     def _exchange(self) -> None:
@@ -241,6 +245,8 @@ def _within(seconds: float, call: Callable, *args) -> None:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
+    if thread.is_alive():
+        shutdown.straggler(thread)
 
 
 def _clean(text: str) -> str:
