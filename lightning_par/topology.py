@@ -36,7 +36,7 @@ def is_number(value: object, *, integer: bool = False, minimum: float | None = N
     least ``minimum`` and more than ``above`` where given. The one rule behind every numeric option's check."""
     if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
         return False
-    if not math.isfinite(value):  # nan and +-inf: no bound below holds for nan, and inf passes every one
+    if isinstance(value, float) and not math.isfinite(value):  # nan fails no bound test, inf passes every one
         return False
     return (minimum is None or value >= minimum) and (above is None or value > above)
 

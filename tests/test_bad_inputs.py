@@ -37,6 +37,7 @@ CPU_JOB = ["--model=example_models.GPTLightningModule", "--model.preset=tiny",
 # -- numeric options: one rule (lightning_par.topology.is_number) --------------------------------------------------
 def test_the_number_rule():
     assert is_number(3, integer=True, minimum=1) and is_number(2.5, above=0) and is_number(0, minimum=0)
+    assert is_number(10**400, integer=True, minimum=1)  # an int too large for a float is still an int
     for value in (True, False, 1.0, "1", None, 0, -2):
         assert not is_number(value, integer=True, minimum=1), value
     for value in (True, math.inf, -math.inf, math.nan, 0, -1.0, "25"):
