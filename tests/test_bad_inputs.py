@@ -181,3 +181,25 @@ def test_a_one_file_checkpoint_of_another_size_is_named_too(tmp_path):
     with pytest.raises(CheckpointError, match=r"parameter '0\.weight' has shape \(16,\) in the checkpoint but "
                                               r"\(8,\) in this model\.$"):
         sharded_checkpoint.load(path, _model(width=8), [])
+
+
+def test_every_pipeline_rank_names_the_same_parameter(tmp_path, cache_dir, request):
+    """Launched (full run): pipeline stages ask for different entries, so the entries no rank of this model has are
+    found over all of them -- an 8-block checkpoint into 4 blocks would otherwise load its first 4 blocks silently."""
+    from tests.conftest import full_run
+    from tests.harness import launch_cli
+
+    if not full_run(request.config):
+        pytest.skip("two launches: the full run only (pytest --full)")
+    short = ["--trainer.max_steps=2", "--data.batch_size=8", "--trainer.limit_val_batches=0", "--sample_tokens=0",
+             "--trainer.strategy=pipeline2_1f1b"]
+    launch_cli(tmp_path / "a", cache_dir, [*short, "--trainer.enable_checkpointing=true",
+                                           "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                                           f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}"], devices=2).check()
+    (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    run = launch_cli(tmp_path / "b", cache_dir, [*short, "--model.n_layers=4", f"--ckpt_path={path}"], devices=2)
+    said = ("does not fit this model (saved from another model, size or optimizer?): the checkpoint's parameter "
+            "'model.layers.4.attn_norm.weight' (shape (64,)) is not in this model (35 more such entries).")
+    assert run.returncode != 0
+    assert run.log.count(said) >= 2, run.log[-4000:]  # rank 0 and rank 1, the same line
+    assert "Missing key" not in run.log
