@@ -30,13 +30,13 @@ from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, RunCheckpoint, TokensPerSecond
 from lightning_par.plugins.checkpoint_files import newest_complete
 from lightning_par.strategies import ALL_STRATEGIES
+from lightning_par.strategies.names import registered_names, unknown_strategy_message
 
 
 def strategies_help() -> str:
@@ -45,8 +45,7 @@ def strategies_help() -> str:
     for cls in ALL_STRATEGIES:
         summary = (inspect.getdoc(cls) or "").splitlines()[0]
         lines.append(f"  lightning_par.{cls.__name__}: {summary}")
-    names = sorted(name for name, entry in StrategyRegistry.items() if entry["strategy"] in ALL_STRATEGIES)
-    lines.append(f"Registered names: {', '.join(names)}.")
+    lines.append(f"Registered names: {', '.join(registered_names())}.")
     lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
     lines.append("Before launching: lightning-par plan --model=CLASS --world N (bytes per rank, traffic, bubble and "
                  "step time of every layout; lightning-par plan --help)")
@@ -197,6 +196,9 @@ class LightningParCLI(LightningCLI):
             dirs.append(root / (version if isinstance(version, str) else f"version_{version}") / "checkpoints")
         return [d for d in dict.fromkeys(dirs) if not existing or d.is_dir()]
 
+    def before_instantiate_classes(self) -> None:
+        _refuse_unknown_strategy(self._get(self.config, "trainer", {}).get("strategy"))
+
     def after_fit(self) -> None:
         trainer, model = self.trainer, self.model
         if trainer.interrupted:
@@ -216,6 +218,15 @@ class LightningParCLI(LightningCLI):
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+
+
+def _refuse_unknown_strategy(strategy: object) -> None:
+    """Exit 2 with a did-you-mean over lightning-par's names for a strategy name nobody registered, before the
+    Trainer answers with Lightning's generic error (which lists none of them)."""
+    message = unknown_strategy_message(strategy)
+    if message is not None:
+        print(f"lightning-par: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ process before any rank is started or waits on a collective.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -28,12 +29,30 @@ class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message says what is wrong and how to fix it."""
 
 
+def is_number(value: object, *, integer: bool = False, minimum: float | None = None,
+              above: float | None = None) -> bool:
+    """Whether ``value`` is a number an option may take: an ``int`` (``integer=True``: only an ``int``, so ``1.0``
+    is refused) or a finite ``float``, never a ``bool`` (``True`` is an ``int`` in Python, and would pass as 1), at
+    least ``minimum`` and more than ``above`` where given. The one rule behind every numeric option's check."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):  # nan fails no bound test, inf passes every one
+        return False
+    return (minimum is None or value >= minimum) and (above is None or value > above)
+
+
+def check_number(name: str, value: object, use: str, *, integer: bool = False, minimum: float | None = None,
+                 above: float | None = None, what: str = "valid") -> None:
+    """:class:`LayoutError` ``NAME=VALUE is not WHAT: use USE.`` unless :func:`is_number` accepts ``value``."""
+    if not is_number(value, integer=integer, minimum=minimum, above=above):
+        raise LayoutError(f"{name}={value!r} is not {what}: use {use}.")
+
+
 def _check_size(name: str, value: object, allow_auto: bool) -> None:
     if allow_auto and value == "auto":
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = 'a positive integer or "auto"' if allow_auto else "a positive integer"
-        raise LayoutError(f"{name}={value!r} is not a valid size: use {allowed}.")
+    allowed = 'a positive integer or "auto"' if allow_auto else "a positive integer"
+    check_number(name, value, allowed, integer=True, minimum=1, what="a valid size")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ behind a firewall.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import socket
@@ -45,7 +44,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_par.topology import LayoutError
+from lightning_par.parallel import shutdown
+from lightning_par.topology import LayoutError, is_number
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
 MIN_INTERVAL = 0.5  # seconds between beats at the least; a bound must span a few of them (a late beat is no death)
@@ -57,10 +57,9 @@ _MAX_TEXT = 500  # characters of a verdict printed
 def check_timeout(value: object) -> float | None:
     """``heartbeat_timeout`` as the strategy takes it: seconds (a number >= ``MIN_TIMEOUT``), or ``None``/0 for no
     heartbeat; anything else raises :class:`LayoutError` in the launching process."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if value is None or (number and value == 0):
+    if value is None or (is_number(value) and value == 0):
         return None
-    if not number or not math.isfinite(value) or value < MIN_TIMEOUT:
+    if not is_number(value, minimum=MIN_TIMEOUT):
         raise LayoutError(f"heartbeat_timeout={value!r} must be a number of seconds >= {MIN_TIMEOUT:g} (at least three "
                           f"beats of {MIN_INTERVAL:g} s or more: a shorter bound stops a healthy job), or None/0 to "
                           "turn the liveness check off.")
@@ -116,8 +115,11 @@ class Heartbeat:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2 * self.interval)  # the exchange thread may be stuck in a store that froze
+            if thread.is_alive():
+                shutdown.straggler(thread)  # joined (bounded) at exit, before the interpreter finalizes
         if self._store is not None:
             _within(self.interval, self._store.set, self._key(self.rank), _FAILED if failed else _DONE)
+            self._store = None  # this client closes with the last thread using it
 
     # -- the threads ---------------------------------------------------------------------------------------------
     def _exchange(self) -> None:
@@ -246,6 +248,8 @@ def _within(seconds: float, call: Callable, *args) -> None:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
+    if thread.is_alive():
+        shutdown.straggler(thread)
 
 
 def _clean(text: str) -> str:

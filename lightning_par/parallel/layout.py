@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_par.parallel.recompute import check_recompute
-from lightning_par.parallel.stage_plan import StagePlan, check_schedule_name
-from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size
+from lightning_par.parallel.stage_plan import StagePlan, check_positive_int, check_schedule_name
+from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size, check_number, is_number
 
 #: ZeRO stages: 0 replicas (DDP), 1 optimizer states sharded, 2 + gradients, 3 + parameters.
 SUPPORTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -53,10 +53,14 @@ class Layout:
         _check_size("tp", self.tp, allow_auto=False)
         _check_size("pp", self.pp, allow_auto=False)
         check_schedule_name(self.schedule)
+        for name in ("n_microbatches", "virtual_stages"):  # checked here even where pp = 1 leaves them unused
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         check_recompute(self.recompute)
-        if self.zero_stage not in SUPPORTED_ZERO_STAGES:
+        # an int, not a bool or a float: True == 1 and 1.0 == 1 would pass a bare membership test
+        if not is_number(self.zero_stage, integer=True) or self.zero_stage not in SUPPORTED_ZERO_STAGES:
             raise LayoutError(
-                f"zero_stage={self.zero_stage!r} is not available; this version supports "
+                f"zero_stage={self.zero_stage!r} is not available; this version supports the integers "
                 f"{list(SUPPORTED_ZERO_STAGES)} (0 = replicas like DDP, 1 = optimizer states sharded, "
                 "2 = + gradients sharded, 3 = + parameters sharded)."
             )
@@ -75,8 +79,7 @@ class Layout:
                 "sequence_parallel=True needs tp > 1: it splits the sequence over the tensor-parallel ranks. "
                 "Set tp to 2 or more, or sequence_parallel=False."
             )
-        if not (isinstance(self.bucket_cap_mb, int | float) and self.bucket_cap_mb > 0):
-            raise LayoutError(f"bucket_cap_mb={self.bucket_cap_mb!r} is not valid: use a positive number of MiB.")
+        check_number("bucket_cap_mb", self.bucket_cap_mb, "a positive, finite number of MiB (default 25)", above=0)
         if self.block_types is not None and (isinstance(self.block_types, str | type) or not all(
                 isinstance(t, str | type) for t in self.block_types)):
             raise LayoutError(f"block_types={self.block_types!r} is not valid: give a list of classes or class "

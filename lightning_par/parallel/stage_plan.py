@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_par.topology import LayoutError
+from lightning_par.topology import LayoutError, check_number
 
 #: How virtual stages are laid out over the pipeline ranks (see :meth:`StagePlan.stages_of`).
 STAGE_STYLES: tuple[str, ...] = ("loop", "v")
@@ -53,8 +53,7 @@ def check_schedule_name(schedule: str) -> ScheduleSpec:
 
 
 def check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LayoutError(f"{name}={value!r} is not valid: use a positive integer.")
+    check_number(name, value, "a positive integer", integer=True, minimum=1)
 
 
 @dataclass(frozen=True)

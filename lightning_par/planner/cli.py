@@ -22,7 +22,7 @@ from lightning_par.planner.model import build_model, inspect_model
 from lightning_par.planner.plan import Candidate, Planner, Workload, rank_table
 from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
 from lightning_par.planner.trace import PRECISIONS
-from lightning_par.topology import LayoutError
+from lightning_par.topology import LayoutError, check_number, is_number
 
 _LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "schedule", "v", "sp", "recompute", "precision", "m")
 
@@ -37,6 +37,18 @@ def _csv(kind: type, allowed: Any = None):
     return parse
 
 
+def _positive(kind: type):
+    """An argparse type: a positive ``int`` (or finite ``float``); 0, negative, nan and inf are refused."""
+    def parse(text: str) -> int | float:
+        value = kind(text)  # a ValueError here: argparse's "invalid int value"
+        if not is_number(value, integer=kind is int, above=0):
+            raise argparse.ArgumentTypeError(f"{text} is not valid: use a positive "
+                                             f"{'integer' if kind is int else 'finite number'}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lightning-par plan", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -47,15 +59,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="class path of a LightningModule or nn.Module, e.g. "
                                    "example_models.GPTLightningModule; init arguments as --model.NAME=VALUE")
     p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) instead of --model")
-    p.add_argument("--world", type=int, help="number of ranks (devices); default: the product of --layout")
+    p.add_argument("--world", type=_positive(int), help="number of ranks (devices); default: the product of --layout")
     p.add_argument("--layout", help="one layout, e.g. dp=2,tp=2,pp=2 (prints its rank table) or with "
                                     "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8")
     p.add_argument("--hardware", default="h100-sxm", help=f"a preset ({', '.join(PRESETS)}) or a JSON/YAML file "
                                                           "of lightning_par.planner.hardware.Hardware fields")
-    p.add_argument("--gpu-memory", type=float, help="device memory in GiB (overrides the hardware's)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
-    p.add_argument("--seq", type=int, help="sequence length (default: the model's longest, at most 8192)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 8 x world x micro-batch)")
+    p.add_argument("--gpu-memory", type=_positive(float), help="device memory in GiB (overrides the hardware's)")
+    p.add_argument("--micro-batch", type=_positive(int), default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--seq", type=_positive(int), help="sequence length (default: the model's longest, at most 8192)")
+    p.add_argument("--global-batch", type=_positive(int),
+                   help="sequences per optimizer step (default 8 x world x micro-batch)")
     p.add_argument("--optimizer", help="adamw (2 states, the default), sgd (none), sgd_momentum (1)")
     p.add_argument("--zero", type=_csv(int, (0, 1, 2, 3)), default=[0, 1, 2, 3], help="ZeRO stages to consider")
     p.add_argument("--schedules", type=_csv(str, SCHEDULES), default=list(SCHEDULES), help="pipeline schedules")
@@ -64,8 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"activation recompute kinds to consider (default: {','.join(RECOMPUTE_KINDS)})")
     p.add_argument("--precision", type=_csv(str, PRECISIONS), default=list(PRECISIONS),
                    help=f"precisions to consider (default: {','.join(PRECISIONS)})")
-    p.add_argument("--max-tp", type=int, help="largest tensor-parallel size (default: devices per node)")
-    p.add_argument("--top", type=int, default=15, help="rows to print (default 15)")
+    p.add_argument("--max-tp", type=_positive(int), help="largest tensor-parallel size (default: devices per node)")
+    p.add_argument("--top", type=_positive(int), default=15, help="rows to print (default 15)")
     p.add_argument("--all", action="store_true", help="print every layout")
     p.add_argument("--runnable", action="store_true", help="only layouts this version of lightning-par runs")
     p.add_argument("--json", dest="json_out", help="write every estimate to this JSON file")
@@ -104,8 +117,11 @@ def parse_layout(text: str) -> dict[str, Any]:
             out[key] = value
         elif key == "sp":
             out[key] = value.lower() in ("1", "true", "yes", "y")
-        else:
-            out[key] = int(value)
+        else:  # sizes, micro-batches and virtual stages at least 1; a ZeRO stage at least 0
+            number = int(value) if value.strip().lstrip("-").isdigit() else value
+            check_number(f"--layout {key}", number, "an integer >= 0" if key == "zero" else "a positive integer",
+                         integer=True, minimum=0 if key == "zero" else 1)
+            out[key] = number
     return out
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
@@ -176,6 +177,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
             state[f"optimizer_{index}"] = zero_checkpoint.optimizer_state(module, optimizer, partitioner)
         else:
             state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
+    _check_fits(resolved, state, _saved_shapes(resolved, safe))  # before DCP, whose error names no parameter
     _dcp_load(state, resolved, safe)
     if partitioner is not None:
         zero_checkpoint.finish_model_load(module, partitioner, state["state_dict"])
@@ -202,6 +204,68 @@ def _verify(path: Path) -> None:
     first = next((e for e in _all_gather(error) if e is not None), None)
     if first is not None:
         raise CheckpointError(first)
+
+
+def _saved_shapes(path: Path, safe: bool) -> dict[str, tuple[int, ...] | None]:
+    """Every entry of a DCP checkpoint, as DCP names it (``state_dict.<fqn>``, ``optimizer_0.state.<fqn>.exp_avg``),
+    with its full shape (``None``: stored as bytes, not a tensor), from its ``.metadata``."""
+    metadata = (_SafeReader(path) if safe else _ConfinedReader(path)).read_metadata()
+    return {key: tuple(entry.size) if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None
+            for key, entry in metadata.state_dict_metadata.items()}
+
+
+def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[int, ...] | None]:
+    """The entries of a state to load, keyed as DCP flattens nested dicts, with the full shapes of the tensors (a
+    DTensor's and a ShardedTensor's global ones; ``None`` for other values)."""
+    out: dict[str, tuple[int, ...] | None] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flat_shapes(value, f"{prefix}{key}."))
+        elif isinstance(value, ShardedTensor):
+            out[f"{prefix}{key}"] = tuple(value.size())
+        else:
+            out[f"{prefix}{key}"] = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    return out
+
+
+def _entry(key: str) -> str:
+    """``state_dict.layers.0.w`` -> ``parameter 'layers.0.w'``; ``optimizer_0.state.layers.0.w.exp_avg`` ->
+    ``optimizer 0 state 'layers.0.w.exp_avg'``."""
+    top, _, rest = key.partition(".")
+    if top == "state_dict":
+        return f"parameter {rest!r}"
+    return f"optimizer {top.removeprefix('optimizer_')} {rest.partition('.')[0]} {rest.partition('.')[2]!r}"
+
+
+def _check_fits(path: Path, state: dict[str, Any], saved: dict[str, tuple[int, ...] | None],
+                extra: bool = True) -> None:
+    """Refuse, on every rank with the same one-line :class:`CheckpointError`, a checkpoint of another model: the
+    first of this model's tensors (model first, then optimizer states) that the checkpoint lacks or holds in another
+    shape, else (``extra``) the first saved model entry that no rank of this model has. Every rank calls it (a
+    collective): a pipeline stage, or a ZeRO-1/2 rank, asks for part of the entries."""
+    wanted = _flat_shapes(state)
+    first = None
+    for key, shape in wanted.items():
+        if shape is None:  # hyper-parameters, extra state: named by their parameter's tensors, or loaded as bytes
+            continue
+        if key not in saved:
+            first = f"{_entry(key)} (shape {shape}) is not in the checkpoint"
+        elif saved[key] is not None and saved[key] != shape:
+            first = f"{_entry(key)} has shape {saved[key]} in the checkpoint but {shape} in this model"
+        if first is not None:
+            break
+    gathered = _all_gather((first, [k for k in wanted if k.startswith("state_dict.")]))
+    first = next((f for f, _ in gathered if f is not None), None)
+    if first is None and extra:
+        held = {k for _, keys in gathered for k in keys}  # DCP may flatten a value further: a list into k.0, k.1
+        extra = [k for k in saved if k.startswith("state_dict.") and k not in held
+                 and not any(k.startswith(f"{h}.") for h in held if k.startswith(h))]
+        if extra:
+            first = f"the checkpoint's {_entry(extra[0])} (shape {saved[extra[0]]}) is not in this model" + \
+                (f" ({len(extra) - 1} more such entries)" if len(extra) > 1 else "")
+    if first is not None:
+        raise CheckpointError(f"{path} does not fit this model (saved from another model, size or optimizer?): "
+                              f"{first}.")
 
 
 def _dcp_load(state: dict[str, Any], path: Path, safe: bool) -> None:
@@ -316,6 +380,8 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} of this model's {len(own)} entries, e.g. {missing[:3]}: "
                               "was it saved from another model?")
+    _check_fits(path, {"state_dict": own}, {f"state_dict.{name}": tuple(value.shape) if isinstance(
+        value, torch.Tensor) else None for name, value in states.items()}, extra=False)  # the shapes
     saved = checkpoint.pop("optimizer_states", None) or []
     if saved and len(saved) != len(optimizers):
         raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")

@@ -42,6 +42,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.parallel import shutdown
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
@@ -289,6 +290,8 @@ class LayoutStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
+        if not dist.is_initialized():  # ours to destroy at exit, before the interpreter finalizes (exit code 0)
+            shutdown.close_at_exit()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               **_attempt_store(self.cluster_environment, self._timeout))
         if self._heartbeat_timeout and self.world_size > 1:  # every rank has joined: from here a lost one is named
@@ -704,6 +707,7 @@ class LayoutStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # a rank that fails says so, and the others stop at once naming it (a rank that died is already reported by
         # the launcher -- Lightning's, or torchrun's agent -- and its collectives fail here at once)
+        shutdown.mark_failed()
         if self._heartbeat is not None:
             self._heartbeat.name_lost_peer(exception)  # a failed collective: name the lost rank and stop (exit 75)
             self._heartbeat.stop(failed=True)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from lightning_par.parallel.blocks import is_hf_model
 from lightning_par.parallel.stage_plan import StagePlan, check_positive_int
-from lightning_par.topology import LayoutError
+from lightning_par.topology import LayoutError, is_number
 
 Costs = dict[str, float] | Sequence[float] | None
 
@@ -307,7 +307,7 @@ def _unit_costs(units: list[str], costs: Costs) -> list[float]:
             raise LayoutError(f"costs has {len(values)} entries but there are {len(units)} pipeline units "
                               f"({_short(units)}); give one cost per unit, in unit order, or a dict unit -> cost.")
     for unit, value in zip(units, values, strict=True):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if not is_number(value, minimum=0):
             raise LayoutError(f"the cost of pipeline unit {unit!r} is {value!r}; costs must be finite and >= 0.")
     return [float(v) for v in values]
 

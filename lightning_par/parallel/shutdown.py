@@ -1,0 +1,73 @@
+"""A run that completed exits 0: the process group is destroyed before the interpreter finalizes.
+
+Lightning never destroys the process group (a script may use it after ``trainer.fit``, or fit again), so without
+this it lives until the interpreter shuts down. There, a thread of ours or of torch's that is inside C++ when the
+interpreter finalizes -- a gloo worker that drops the last reference to a collective's tensors (their Python objects
+need the GIL), a daemon thread returning from a c10d store call -- is ended by CPython with a forced unwind, and the C++
+runtime aborts the process: "terminate called without an active exception", exit code 134, after a run that
+finished. (Reproduced with a daemon thread in a store call at exit; the gloo case is torch's own account in
+pytorch/pytorch#179291.)
+
+So the engine registers :func:`close_at_exit` when it creates the process group. At exit -- after the heartbeat was
+stopped and the last asynchronous save committed (the strategy's teardown), while the interpreter is still whole --
+every rank that finished without an exception joins the threads of ours that outlived their deadline, waits at a
+barrier (bounded: a rank still busy elsewhere does not hold this one), and destroys the process group: gloo's workers
+finish their queue and are joined, and rank 0's store is closed. A rank that raised skips this: its peers may be
+anywhere, and it exits non-zero anyway.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+#: how long a finished rank waits at exit for the others before it leaves without destroying the group
+BARRIER_TIMEOUT = timedelta(seconds=60)
+#: how long exit waits for a thread of ours still inside a store call (one whose store host froze never returns)
+STRAGGLER_TIMEOUT = 5.0
+
+_registered = False
+_failed = False
+_stragglers: list[threading.Thread] = []
+
+
+def close_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (once per process; see the module doc)."""
+    global _registered
+    if not _registered:
+        atexit.register(_close)
+        _registered = True
+
+
+def mark_failed() -> None:
+    """This rank's run raised: at exit, leave the process group as it is (no barrier with peers that may be
+    anywhere)."""
+    global _failed
+    _failed = True
+
+
+def straggler(thread: threading.Thread) -> None:
+    """A daemon thread of ours that outlived its deadline inside a c10d call: exit waits for it (bounded)."""
+    _stragglers.append(thread)
+
+
+def _close() -> None:
+    for thread in _stragglers:
+        thread.join(STRAGGLER_TIMEOUT)
+    if _failed or not dist.is_initialized():
+        return
+    gc.collect()  # DDP / FSDP objects in reference cycles still hold the group and their last collectives' tensors
+    try:
+        dist.barrier(async_op=True).wait(timeout=BARRIER_TIMEOUT)
+    except Exception as err:  # noqa: BLE001 -- a peer failed or is elsewhere: destroying now would wait on it
+        log.warning("lightning-par: not every rank reached the end of the run within %s (%s); leaving the process "
+                    "group as it is.", BARRIER_TIMEOUT, err)
+        return
+    dist.destroy_process_group()

@@ -1,0 +1,75 @@
+"""A run that completed exits 0, every time (issue 18): no "terminate called without an active exception" at exit.
+
+That abort is the C++ runtime's answer to a thread that is inside C++ when the interpreter finalizes (see
+lightning_par/parallel/shutdown.py): the first test makes it happen on purpose, with a daemon thread in a c10d store
+call, and shows that the engine's exit sequence prevents it. The others repeat short tensor-parallel and 3D runs
+through the CLI (one of each in the default run, four of each in the full run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import full_run
+from tests.harness import REPO, base_env, launch_cli
+
+ABORT = "terminate called without an active exception"
+
+#: a daemon thread waits on a store key that never comes, with a deadline 1.5 s away; the main thread ends at once
+STORE_CALL_AT_EXIT = textwrap.dedent("""
+    import sys, threading, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from lightning_par.parallel import shutdown
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=1.5))
+
+    def wait_for_a_key():
+        try:
+            client.get("never set")
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=wait_for_a_key, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    if sys.argv[1] == "engine":  # what the heartbeat does with a thread that outlives its deadline
+        shutdown.straggler(thread)
+        shutdown.close_at_exit()
+    print("main thread done", flush=True)
+""")
+
+
+def test_a_thread_inside_a_store_call_at_exit_aborts_unless_exit_waits_for_it(tmp_path):
+    script = tmp_path / "store_call_at_exit.py"
+    script.write_text(STORE_CALL_AT_EXIT)
+    codes = {}
+    for mode in ("plain", "engine"):
+        done = subprocess.run([sys.executable, str(script), mode], cwd=REPO, env=base_env(tmp_path),
+                              capture_output=True, text=True, timeout=120)
+        codes[mode] = (done.returncode, ABORT in done.stderr)
+        assert "main thread done" in done.stdout, done.stderr[-2000:]
+    assert codes["plain"] == (-6, True), codes  # SIGABRT: the failure this guards against, reproduced
+    assert codes["engine"] == (0, False), codes
+
+
+SHORT = ["--trainer.max_steps=3", "--data.batch_size=8", "--trainer.limit_val_batches=0", "--sample_tokens=0"]
+LAYOUTS = {"tp2": (2, "megatron_tp2"), "tp2_pp2": (4, "hybrid3d_tp2_pp2")}
+
+
+@pytest.mark.parametrize("repeat", range(4))
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_finished_run_exits_0(tmp_path, cache_dir, request, name, repeat):
+    if repeat > 0 and not full_run(request.config):
+        pytest.skip("repetitions 2-4: the full run only (pytest --full)")
+    devices, strategy = LAYOUTS[name]
+    run = launch_cli(tmp_path, cache_dir, [*SHORT, f"--trainer.strategy={strategy}"], devices=devices)
+    assert "`Trainer.fit` stopped: `max_steps=3` reached" in run.log, run.log[-4000:]
+    assert ABORT not in run.log, run.log[-4000:]
+    assert "not every rank reached the end of the run" not in run.log  # every rank destroyed its group at exit
+    assert run.returncode == 0, run.log[-4000:]
+    assert len(run.losses()) == 3
