@@ -427,9 +427,9 @@ class PipelineRuntime:
 
         Call on every pipeline rank together, once per step: the data-parallel owner decides when (before the
         ZeRO-1/2 reduce-scatter, on full gradients; after ZeRO-3's reduction, shard by shard). Either way the sum
-        commutes with the data-parallel one; the copies must be laid out alike, which the first call checks. The all-reduce
-        runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this avoids
-        extra process groups.
+        commutes with the data-parallel one; the copies must be laid out alike, which the first call checks. The
+        all-reduce runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this
+        avoids extra process groups.
         """
         grads = []
         for tied in self._tied:
