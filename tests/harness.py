@@ -3,6 +3,7 @@ back what they wrote (TensorBoard scalars, per-rank reports), so one launch can 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -212,3 +213,17 @@ def close_process_group() -> None:
     dist.barrier()
     dist.destroy_process_group()
     _clear_sharding_prop_cache()
+
+
+def checkpoint_worker_main(fit) -> None:
+    """The command line of a worker that fits named cases, some from checkpoints made elsewhere
+    (``--root --cache --cases A B --source NAME=PATH``): ``fit(root, cache, case, sources)`` per case."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--cache", required=True)
+    parser.add_argument("--cases", nargs="+", required=True)
+    parser.add_argument("--source", action="append", default=[], help="NAME=PATH: a checkpoint made elsewhere")
+    args = parser.parse_args()
+    sources = {name: Path(path) for name, path in (s.split("=", 1) for s in args.source)}
+    for name in args.cases:
+        fit(Path(args.root), args.cache, name, sources)

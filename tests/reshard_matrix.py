@@ -9,7 +9,6 @@ layout and continues from a source's step-10 checkpoint -- one of this launch's 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from example_models import GPTLightningModule
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
+from tests.harness import checkpoint_worker_main
 
 
 @dataclass
@@ -113,17 +113,5 @@ class _StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--cache", required=True)
-    parser.add_argument("--cases", nargs="+", required=True)
-    parser.add_argument("--source", action="append", default=[], help="NAME=PATH: a checkpoint made elsewhere")
-    args = parser.parse_args()
-    sources = {name: Path(path) for name, path in (s.split("=", 1) for s in args.source)}
-    for name in args.cases:
-        fit(Path(args.root), args.cache, name, sources)
-
-
 if __name__ == "__main__":
-    main()
+    checkpoint_worker_main(fit)

@@ -9,7 +9,6 @@ from a source's step-5 checkpoint (of this launch, or passed with ``--source NAM
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader
 from example_models import GPTLightningModule
 from lightning_par import Hybrid3DStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
+from tests.harness import checkpoint_worker_main
 
 EPOCH_STEPS = 12
 MAX_STEPS = 18  # into the second epoch: its order must follow too
@@ -92,17 +92,5 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--cache", required=True)
-    parser.add_argument("--cases", nargs="+", required=True)
-    parser.add_argument("--source", action="append", default=[], help="NAME=PATH: a checkpoint made elsewhere")
-    args = parser.parse_args()
-    sources = {name: Path(path) for name, path in (s.split("=", 1) for s in args.source)}
-    for name in args.cases:
-        fit(Path(args.root), args.cache, name, sources)
-
-
 if __name__ == "__main__":
-    main()
+    checkpoint_worker_main(fit)
