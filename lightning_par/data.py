@@ -362,10 +362,10 @@ class TextDataModule(L.LightningDataModule):
     batches under any data-parallel size, and a checkpoint saved mid-epoch resumes exactly.
 
     ``streaming=True`` reads the files as they are iterated (``datasets``' IterableDataset), for corpora larger than
-    memory or disk cache: nothing is cached, blocks are tokenized on the fly, and the training split is sharded over
-    the data-parallel ranks by ``datasets.distributed.split_dataset_by_node`` -- whole files per rank when the
-    number of files divides by the data-parallel size, else every rank reads every file and keeps its share of the
-    blocks. Shuffling is approximate (a buffer of ``shuffle_buffer`` blocks, reseeded each epoch). The validation
+    memory or disk cache: nothing is cached, documents are tokenized on the fly, and the training split is sharded
+    over the data-parallel ranks by ``datasets.distributed.split_dataset_by_node``: whole files per rank (each rank
+    tokenizes and packs its own files) when the number of files divides by the data-parallel size, else every rank
+    reads and packs every file and keeps every ``dp``-th block. Shuffling is approximate (a buffer of ``shuffle_buffer`` blocks, reseeded each epoch). The validation
     split is the last ``ceil(val_fraction * n_files)`` files (streaming needs at least two files). A streamed epoch
     has no length, so set ``max_steps``; and it has no position: a resumed run starts the epoch's stream again from
     its beginning (a warning says so) -- use the map-style default when a resume must continue exactly.
@@ -590,17 +590,16 @@ class TextDataModule(L.LightningDataModule):
         """Streamed packed blocks of ``files``: for training, this data-parallel rank's share, shuffled."""
         datasets = _import_datasets(offline=True)
         docs = self._load_documents(datasets, files, streaming=True)
-        function, kwargs, features = self._pack_function()
-        blocks = docs.map(function, batched=True, batch_size=_PACK_DOCS_PER_BATCH, remove_columns=docs.column_names,
-                          features=features, fn_kwargs=kwargs)
-        if not train:
-            return blocks
-        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-        if kwargs:
+        columns = docs.column_names
+        ranks = self.trainer.distributed_sampler_kwargs if train and self.trainer is not None else None
+        if ranks:  # by files when they divide among the ranks; else datasets keeps every dp-th packed block
             from datasets.distributed import split_dataset_by_node
 
-            blocks = split_dataset_by_node(blocks, rank=kwargs["rank"], world_size=kwargs["num_replicas"])
-        if self.shuffle:
+            docs = split_dataset_by_node(docs, rank=ranks["rank"], world_size=ranks["num_replicas"])
+        function, kwargs, features = self._pack_function()
+        blocks = docs.map(function, batched=True, batch_size=_PACK_DOCS_PER_BATCH, remove_columns=columns,
+                          features=features, fn_kwargs=kwargs)
+        if train and self.shuffle:
             blocks = blocks.shuffle(seed=int(os.getenv("PL_GLOBAL_SEED", "0")), buffer_size=self.shuffle_buffer)
         return blocks
 
