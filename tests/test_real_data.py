@@ -191,3 +191,93 @@ def test_the_example_models_take_the_data_modules_vocabulary(corpus, tmp_path):
     alone = GPTLightningModule(preset="tiny")  # no trainer (the planner, an export): the preset's 256
     alone.configure_model()
     assert alone.model.embed.num_embeddings == 256
+
+
+def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
+    """A Hugging Face Llama trained one step on the tokenized corpus in one process: ``lightning-par export --hf``
+    writes a directory that AutoTokenizer and AutoModelForCausalLM load, the vocabulary the tokenizer's (padded)."""
+    import lightning.pytorch as pl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from example_models import HFLlamaLightningModule
+    from lightning_par.plugins.checkpoint_export import main as export
+
+    pl.seed_everything(0)
+    dm = TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(corpus.tokenizer), seq_len=SEQ, batch_size=2,
+                        cache_dir=str(tmp_path / "cache"))
+    model = HFLlamaLightningModule(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=64)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "hf.ckpt")
+    out = tmp_path / "export"
+    assert export([str(tmp_path / "hf.ckpt"), str(out), "--hf", "--model-class",
+                   "example_models.HFLlamaLightningModule"]) == 0
+    tok = AutoTokenizer.from_pretrained(out)
+    text = corpus.texts[3]
+    assert tok(text)["input_ids"] == dm.tokenizer(text)["input_ids"] and tok.eos_token_id == dm.tokenizer.eos_token_id
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == dm.vocab_size == 320
+    plain = TextDataModule(seq_len=SEQ, batch_size=2, max_corpus_bytes=60_000, cache_dir=str(tmp_path / "cache"))
+    byte_model = HFLlamaLightningModule(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=64)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(byte_model, datamodule=plain)
+    trainer.save_checkpoint(tmp_path / "bytes.ckpt")
+    assert export([str(tmp_path / "bytes.ckpt"), str(tmp_path / "bytes"), "--hf", "--model-class",
+                   "example_models.HFLlamaLightningModule"]) == 0
+    assert not (tmp_path / "bytes" / "tokenizer.json").exists()  # byte-level data: no tokenizer to write
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bytes").config.vocab_size == 256
+
+
+# -- launched: a 2-rank ZeRO-3 CLI run of the example GPT on the JSON-lines corpus with the tokenizer directory, and
+#    the same run resumed from its mid-epoch checkpoint (about 60 s on 2 cores) -----------------------------------
+STEPS, EPOCH, SAVE = 8, 6, 3  # a checkpoint at step 3 of a 6-step epoch: mid-epoch
+
+
+def _zero3_args(corpus, root: Path) -> list[str]:
+    return ["--model.n_layers=2", "--model.optimizer=sgd", "--model.lr=0.2", f"--data.data_files={corpus.jsonl}",
+            f"--data.tokenizer={corpus.tokenizer}", "--data.batch_size=4", "--data.shuffle=true",
+            "--trainer.strategy=zero3", f"--trainer.max_steps={STEPS}", f"--trainer.limit_train_batches={EPOCH}",
+            "--trainer.limit_val_batches=1", "--sample_tokens=0", "--trainer.enable_checkpointing=true",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.save_top_k=-1",
+            f"--trainer.callbacks.every_n_train_steps={SAVE}", f"--trainer.callbacks.dirpath={root / 'ckpt'}"]
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(corpus, tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("zero3_tokenizer")
+    full = launch_cli(root / "full", cache_dir, _zero3_args(corpus, root / "full"), devices=2).check()
+    step = full.checkpoint(SAVE)
+    resumed = launch_cli(root / "resumed", cache_dir, [*_zero3_args(corpus, root / "resumed"), f"--ckpt_path={step}"],
+                         devices=2).check()
+    print(f"zero3 with a tokenizer: {full.seconds:.0f} s, resumed from step {SAVE}: {resumed.seconds:.0f} s")
+    return full, resumed
+
+
+def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_runs, tmp_path):
+    from transformers import AutoTokenizer
+
+    from lightning_par.plugins.checkpoint_export import CheckpointTensors, read_hyperparameters, read_tokenizer_files
+
+    full, _ = zero3_runs
+    losses = full.scalars()["train/loss"]
+    assert sorted(losses) == list(range(STEPS)) and all(0 < v < 10 for v in losses.values())  # within 10 steps
+    ckpt = full.checkpoint(SAVE)
+    tok = AutoTokenizer.from_pretrained(corpus.tokenizer)
+    vocab = padded_vocab_size(len(tok), 64)
+    assert read_hyperparameters(ckpt)["vocab_size"] == vocab == 320
+    shapes = CheckpointTensors(ckpt).entries
+    assert shapes["model.embed.weight"][0] == shapes["model.head.weight"][0] == (vocab, 64)
+    write_tokenizer_files(read_tokenizer_files(ckpt), tmp_path / "tok")  # the sharded checkpoint carries it too
+    assert AutoTokenizer.from_pretrained(tmp_path / "tok")(corpus.texts[0])["input_ids"] == tok(corpus.texts[0])[
+        "input_ids"]
+
+
+def test_zero3_cli_run_resumes_mid_epoch_exactly(zero3_runs):
+    full, resumed = zero3_runs
+    before, after = full.scalars()["train/loss"], resumed.scalars()["train/loss"]
+    assert sorted(after) == list(range(SAVE, STEPS))
+    diff = max(abs(after[s] - before[s]) for s in after)
+    print(f"resumed at step {SAVE} of a {EPOCH}-step epoch: steps {SAVE}-{STEPS - 1} within {diff:.1e}")
+    assert diff <= 1e-6
+    assert len({round(before[s], 4) for s in before}) > STEPS // 2  # the losses move: the comparison can fail
