@@ -358,17 +358,19 @@ class TextDataModule(L.LightningDataModule):
     Tokenizing runs once: in ``prepare_data`` (local rank 0 of each node; the others wait at Lightning's barrier),
     cached by ``datasets`` (memory-mapped Arrow files under ``cache_dir``) under a key of the files (paths, sizes
     and modification times), the tokenizer's rules, ``seq_len`` and the split; ``setup`` on every rank reads that
-    cache. The training order is :class:`~lightning_par.parallel.data_order.DataParallelSampler`'s: the same global
-    batches under any data-parallel size, and a checkpoint saved mid-epoch resumes exactly.
+    cache; nodes that share one filesystem tokenize once in all with ``prepare_data_per_node = False`` (Lightning's
+    data module attribute). The training order is :class:`~lightning_par.parallel.data_order.DataParallelSampler`'s:
+    the same global batches under any data-parallel size, and a checkpoint saved mid-epoch resumes exactly.
 
     ``streaming=True`` reads the files as they are iterated (``datasets``' IterableDataset), for corpora larger than
     memory or disk cache: nothing is cached, documents are tokenized on the fly, and the training split is sharded
     over the data-parallel ranks by ``datasets.distributed.split_dataset_by_node``: whole files per rank (each rank
     tokenizes and packs its own files) when the number of files divides by the data-parallel size, else every rank
-    reads and packs every file and keeps every ``dp``-th block. Shuffling is approximate (a buffer of ``shuffle_buffer`` blocks, reseeded each epoch). The validation
-    split is the last ``ceil(val_fraction * n_files)`` files (streaming needs at least two files). A streamed epoch
-    has no length, so set ``max_steps``; and it has no position: a resumed run starts the epoch's stream again from
-    its beginning (a warning says so) -- use the map-style default when a resume must continue exactly.
+    reads and packs every file and keeps every ``dp``-th block. Shuffling is approximate (a buffer of
+    ``shuffle_buffer`` blocks, reseeded each epoch). The validation split is the last ``ceil(val_fraction *
+    n_files)`` files (streaming needs at least two files). A streamed epoch has no length, so set ``max_steps``; and
+    it has no position: a resumed run starts the epoch's stream again from its beginning (a warning says so) -- use
+    the map-style default when a resume must continue exactly.
 
     Args:
         data_files: Local file(s), glob pattern(s) or directories. JSON lines / JSON / parquet / CSV / Arrow files
@@ -460,6 +462,7 @@ class TextDataModule(L.LightningDataModule):
         # loaded now, so a wrong path or a tokenizer without EOS fails at construction
         self.tokenizer = ByteTokenizer() if tokenizer is None else load_tokenizer(tokenizer)
         self._tokenizer_key = None if tokenizer is None else tokenizer_fingerprint(self.tokenizer)
+        self._saved_tokenizer: dict[str, str | bytes] | None = None  # its files, made on the first checkpoint
         # Resolve local files now so a typo fails at construction, not after the trainer has started.
         self.files: list[str] | None = None
         if dataset_name is None:
@@ -626,7 +629,7 @@ class TextDataModule(L.LightningDataModule):
         Byte-level: nothing."""
         if self.byte_level:
             return {}
-        if getattr(self, "_saved_tokenizer", None) is None:
+        if self._saved_tokenizer is None:
             self._saved_tokenizer = tokenizer_files(self.tokenizer)
         return {TOKENIZER_STATE: self._saved_tokenizer, "tokenizer_key": self._tokenizer_key}
 

@@ -170,6 +170,17 @@ def test_streaming_shards_the_blocks_over_data_parallel_ranks(corpus, tmp_path):
     # over three ranks (two files): every rank reads both and keeps every third block
     assert [blocks(3, r) for r in range(3)] == [packed(train)[r::3] for r in range(3)]
 
+    import lightning.pytorch as pl
+
+    from example_models import GPTLightningModule
+
+    model = GPTLightningModule(preset="tiny", n_layers=1)  # a fit reads the stream: no length, max_steps ends it
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=1, val_check_interval=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(model, datamodule=TextDataModule(**kwargs, streaming=True, batch_size=2))
+    assert trainer.global_step == 3 and model.model.embed.num_embeddings == 320
+
 
 def test_the_example_models_take_the_data_modules_vocabulary(corpus, tmp_path):
     from example_models import GPTLightningModule, HFLlamaLightningModule
