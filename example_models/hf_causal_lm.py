@@ -21,6 +21,7 @@ import lightning as L
 import torch
 
 from example_models.gpt import causal_lm_loss
+from lightning_par.data import vocab_size_from_data
 from lightning_par.parallel.pipeline.batches import split_batch
 
 #: arch -> (config class, model class) in ``transformers``
@@ -37,7 +38,8 @@ class HFCausalLMLightningModule(L.LightningModule):
 
     Args:
         arch: ``"llama"``, ``"qwen2"`` or ``"mistral"``.
-        vocab_size: vocabulary size; 256 for the byte-level ``TextDataModule``.
+        vocab_size: vocabulary size; ``None``: the data module's (``trainer.datamodule.vocab_size``: 256 for the
+            byte-level ``TextDataModule``, a tokenizer's padded length), or 256 without one.
         hidden_size: model width.
         n_layers: number of decoder layers.
         n_heads: attention heads.
@@ -53,7 +55,7 @@ class HFCausalLMLightningModule(L.LightningModule):
     def __init__(
         self,
         arch: str = "llama",
-        vocab_size: int = 256,
+        vocab_size: int | None = None,
         hidden_size: int = 64,
         n_layers: int = 4,
         n_heads: int = 4,
@@ -81,6 +83,8 @@ class HFCausalLMLightningModule(L.LightningModule):
 
         hp = self.hparams
         config_cls = getattr(transformers, ARCHITECTURES[self.arch][0])
+        # the size the data asks for, recorded in hparams (so a checkpoint rebuilds the same model)
+        hp.vocab_size = vocab_size_from_data(self, hp.vocab_size)
         return config_cls(
             vocab_size=hp.vocab_size,
             hidden_size=hp.hidden_size,
@@ -141,7 +145,7 @@ class HFLlamaLightningModule(HFCausalLMLightningModule):
 
     def __init__(
         self,
-        vocab_size: int = 256,
+        vocab_size: int | None = None,
         hidden_size: int = 64,
         n_layers: int = 4,
         n_heads: int = 4,

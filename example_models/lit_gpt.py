@@ -1,12 +1,14 @@
 """GPT wrapped as a LightningModule, with a perplexity metric that works from the loss alone."""
 
 import math
+from dataclasses import replace
 
 import lightning as L
 import torch
 import torchmetrics
 
 from example_models.gpt import GPT, GPTConfig, causal_lm_loss
+from lightning_par.data import vocab_size_from_data
 
 
 class TokenPerplexity(torchmetrics.Metric):
@@ -42,7 +44,8 @@ class GPTLightningModule(L.LightningModule):
 
     Args:
         preset: Name of a model size in `GPT_PRESETS` ("tiny", "small", "125m", "350m", "1b", "3b", "8b").
-        vocab_size: Vocabulary size; 256 for raw UTF-8 bytes.
+        vocab_size: Vocabulary size; ``None``: the data module's (``trainer.datamodule.vocab_size``: 256 for UTF-8
+            bytes, a tokenizer's padded length), or the preset's (256) without one (e.g. ``lightning-par plan``).
         tie_embeddings: Share one weight matrix between the input embedding and the output head.
         n_layers: Override the preset's number of transformer blocks (None keeps the preset's).
         n_kv_heads: Override the preset's number of key/value heads (tensor parallelism needs tp to divide it).
@@ -62,7 +65,7 @@ class GPTLightningModule(L.LightningModule):
     def __init__(
         self,
         preset: str = "tiny",
-        vocab_size: int = 256,
+        vocab_size: int | None = None,
         tie_embeddings: bool = False,
         n_layers: int | None = None,
         n_kv_heads: int | None = None,
@@ -77,7 +80,9 @@ class GPTLightningModule(L.LightningModule):
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer={optimizer!r} is not available; use 'adamw' or 'sgd'.")
         self.save_hyperparameters()
-        overrides = {"vocab_size": vocab_size, "tie_embeddings": tie_embeddings}
+        overrides = {"tie_embeddings": tie_embeddings}
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
         if n_layers is not None:
             overrides["n_layers"] = n_layers
         if n_kv_heads is not None:
@@ -90,6 +95,9 @@ class GPTLightningModule(L.LightningModule):
 
     def configure_model(self):
         if self.model is None:
+            vocab_size = vocab_size_from_data(self, self.hparams.vocab_size, default=self.config.vocab_size)
+            self.config = replace(self.config, vocab_size=vocab_size)
+            self.hparams.vocab_size = vocab_size  # what the checkpoint records, so the model is rebuilt alike
             self.model = GPT(self.config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -162,11 +170,17 @@ class GPTLightningModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def sample_text(self, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8) -> str:
-        """Continue `prompt` (UTF-8 bytes as tokens; an empty prompt starts from a newline).
+        """Continue `prompt` (UTF-8 bytes as tokens; an empty prompt starts from a newline), or with the data
+        module's Hugging Face tokenizer when it has one.
 
-        Tokens >= 256 (possible only with a larger vocab_size) are dropped from the decoded text.
+        Tokens >= 256 (possible only with a larger vocab_size) are dropped from the decoded bytes.
         """
         self.configure_model()
+        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "eos_token_id"):  # a Hugging Face tokenizer
+            ids = tokenizer(prompt)["input_ids"] or [tokenizer.eos_token_id]
+            out = self.model.generate(torch.tensor([ids], device=self.device), max_new_tokens, temperature=temperature)
+            return tokenizer.decode([t for t in out[0].tolist() if t < len(tokenizer)], skip_special_tokens=True)
         data = prompt.encode("utf-8") or b"\n"
         tokens = torch.tensor([list(data)], dtype=torch.long, device=self.device)
         out = self.model.generate(tokens, max_new_tokens, temperature=temperature)

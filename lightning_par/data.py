@@ -1,19 +1,23 @@
-"""Byte-level text data for the GPT: tokenizer, default corpus and a Lightning data module.
+"""Text data for language models: a Lightning data module over local files, byte-level or with a Hugging Face tokenizer.
 
-The corpus is read with Hugging Face ``datasets`` (one example per document), split into train and
-validation by whole documents, tokenized to UTF-8 bytes and packed into fixed-length blocks. Every
-step goes through ``Dataset.map`` so the result is fingerprinted and cached on disk: the first run
-(``prepare_data`` on local rank 0) does the work, every later load (``setup`` on each rank) reads
-the cache.
+The corpus is read with Hugging Face ``datasets`` (one example per document: a text file, or a record of JSON
+lines / JSON / parquet / CSV / Arrow files), split into train and validation by whole documents, tokenized --
+to UTF-8 bytes by default, or by a Hugging Face tokenizer with the end-of-sequence token after every document --
+and packed into fixed-length blocks. Every step goes through ``Dataset.map`` so the result is fingerprinted and
+cached on disk (memory-mapped Arrow): the first run (``prepare_data`` on local rank 0 of each node) does the work,
+every later load (``setup`` on each rank, after Lightning's barrier) reads the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import json
 import math
 import os
 import sysconfig
+import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +25,8 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_par.parallel.data_order import DataParallelSampler
 from lightning_par.strategies.data_position import resumable_train_loader
@@ -32,6 +37,12 @@ VOCAB_SIZE = 256
 DOC_SEPARATOR = 0
 # Documents packed together per ``map`` batch; the tail shorter than one block is dropped per batch.
 _PACK_DOCS_PER_BATCH = 1000
+#: ``datasets`` builders by file suffix (after a compression suffix); any other file is one text document
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+#: the data module's checkpoint state: the tokenizer's files, so the checkpoint carries its tokenizer
+#: (``lightning-par export --hf`` writes them beside the model)
+TOKENIZER_STATE = "tokenizer_files"
 
 
 class ByteTokenizer:
@@ -48,6 +59,93 @@ class ByteTokenizer:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A Hugging Face tokenizer: ``tokenizer`` itself, or ``AutoTokenizer.from_pretrained`` of a local directory.
+
+    It must have an end-of-sequence token (written after every document) and a length (its vocabulary, added
+    tokens included).
+    """
+    if isinstance(tokenizer, str | os.PathLike):
+        path = os.path.expanduser(os.fspath(tokenizer))
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"tokenizer={path!r} is not a directory: pass a local directory written by "
+                                    "save_pretrained (tokenizer.json, tokenizer_config.json ...) or a tokenizer object")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer or a directory path, got {type(tokenizer)!r}")
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no eos_token, which is written after every "
+                         "document; set one (tokenizer.eos_token = '...') and save it again")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what the tokenizer does (its vocabulary, rules and special tokens), not of where it was loaded
+    from: the key of the tokenized cache."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    rules = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    probe = tokenizer("Probe: the tokenizer's own framing of a document.")["input_ids"]
+    parts = [type(tokenizer).__name__, rules, str(len(tokenizer)), str(tokenizer.eos_token_id), str(probe)]
+    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:16]
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, str | bytes]:
+    """The files ``tokenizer.save_pretrained`` writes, by name: text as ``str``, anything else as ``bytes``."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        files: dict[str, str | bytes] = {}
+        for root, _, names in os.walk(folder):
+            for name in sorted(names):
+                path = os.path.join(root, name)
+                data = open(path, "rb").read()  # noqa: SIM115 -- read at once, closed by refcount
+                try:
+                    files[os.path.relpath(path, folder)] = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    files[os.path.relpath(path, folder)] = data
+    return files
+
+
+def write_tokenizer_files(files: dict[str, str | bytes], out_dir: str | os.PathLike) -> list[str]:
+    """Write :func:`tokenizer_files` into ``out_dir`` (which ``AutoTokenizer.from_pretrained`` then loads)."""
+    written = []
+    for name, data in sorted(files.items()):
+        path = os.path.join(out_dir, name)
+        if os.path.isabs(name) or os.pardir in name.replace("\\", "/").split("/"):
+            raise ValueError(f"refusing the tokenizer file name {name!r}: not a plain relative name")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w" if isinstance(data, str) else "wb", **({"encoding": "utf-8"} if isinstance(data, str)
+                                                                   else {})) as file:
+            file.write(data)
+        written.append(name)
+    return written
+
+
+def padded_vocab_size(size: int, multiple: int) -> int:
+    """``size`` rounded up to a multiple of ``multiple``."""
+    return -(-size // multiple) * multiple
+
+
+def vocab_size_from_data(module: L.LightningModule, given: int | None, default: int = VOCAB_SIZE) -> int:
+    """The vocabulary a model builds: ``given``, else its trainer's data module's ``vocab_size``, else ``default``.
+
+    For the example models' ``vocab_size=None``: called in ``configure_model`` (Lightning runs it after the data
+    module's ``setup``), so the model follows the data's tokenizer. A ``given`` size smaller than the data's
+    token ids (``token_vocab_size``, or ``vocab_size``) is refused: those tokens would index past the embedding.
+    """
+    trainer = getattr(module, "_trainer", None)
+    data = getattr(trainer, "datamodule", None) if trainer is not None else None
+    data_size = getattr(data, "vocab_size", None)
+    if given is None:
+        return int(data_size) if data_size is not None else default
+    needed = getattr(data, "token_vocab_size", data_size)
+    if needed is not None and given < needed:
+        raise ValueError(f"the model's vocab_size={given} is smaller than the data's vocabulary ({needed} token ids, "
+                         f"from {type(data).__name__}); leave vocab_size unset to take the data's ({data_size})")
+    return given
 
 
 def default_corpus_files(max_bytes: int) -> list[str]:
@@ -146,11 +244,41 @@ def _pack_documents(batch: dict[str, list], text_column: str, block_size: int) -
     return {"input_ids": blocks}
 
 
-class NextByteDataset(Dataset):
-    """Map-style dataset of ``(inputs, targets)`` pairs, targets being inputs shifted left by one byte.
+def _pack_tokens(batch: dict[str, list], text_column: str, block_size: int, tokenizer: Any, eos_id: int,
+                 dtype: str) -> dict[str, np.ndarray]:
+    """``Dataset.map`` function: tokenize documents (with the tokenizer's own special tokens, e.g. a BOS), end each
+    with EOS, concatenate and cut into ``block_size`` blocks (the tail shorter than a block is dropped)."""
+    texts = [text for text in batch[text_column] if text]
+    ids: list[int] = []
+    for doc in tokenizer(texts)["input_ids"] if texts else []:
+        ids += doc
+        if not doc or doc[-1] != eos_id:
+            ids.append(eos_id)
+    usable = len(ids) // block_size * block_size
+    return {"input_ids": np.asarray(ids[:usable], dtype=dtype).reshape(-1, block_size)}
+
+
+def _builder(files: list[str]) -> str:
+    """The ``datasets`` builder of local files, by suffix: json, parquet, csv, arrow, else text (a file per
+    document); one builder for all of them."""
+    def kind(path: str) -> str:
+        name = path.lower()
+        for suffix in _COMPRESSION:
+            name = name.removesuffix(suffix)
+        return _BUILDERS.get(os.path.splitext(name)[1], "text")
+
+    kinds = {kind(path): path for path in files}
+    if len(kinds) > 1:
+        raise ValueError("data_files mixes formats: " + ", ".join(f"{k} ({v})" for k, v in sorted(kinds.items()))
+                         + "; pass files of one format")
+    return next(iter(kinds))
+
+
+class NextTokenDataset(Dataset):
+    """Map-style dataset of ``(inputs, targets)`` pairs, targets being inputs shifted left by one token.
 
     Args:
-        blocks: a Hugging Face dataset with an ``input_ids`` column of ``seq_len + 1`` bytes per row,
+        blocks: a Hugging Face dataset with an ``input_ids`` column of ``seq_len + 1`` tokens per row,
             formatted as torch.
     """
 
@@ -163,6 +291,28 @@ class NextByteDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.blocks[int(index)]["input_ids"].long()
         return block[:-1], block[1:]
+
+
+NextByteDataset = NextTokenDataset  # its name when tokens were only bytes
+
+
+class _StreamedPairs(IterableDataset):
+    """``(inputs, targets)`` pairs of a streamed (``datasets.IterableDataset``) corpus of packed blocks, its shuffle
+    drawn anew each epoch (the trainer's epoch, read when an iteration starts)."""
+
+    def __init__(self, blocks: Any, trainer: Any = None, limit: int | None = None) -> None:
+        self.blocks = blocks
+        self.trainer = trainer
+        self.limit = limit
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.trainer is not None:
+            self.blocks.set_epoch(self.trainer.current_epoch)
+        for count, row in enumerate(self.blocks):
+            if self.limit is not None and count >= self.limit:
+                return
+            block = torch.as_tensor(row["input_ids"]).long()
+            yield block[:-1], block[1:]
 
 
 def collate_pairs(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,22 +340,49 @@ BATCH_FORMATS = {"tuple": collate_pairs, "dict": collate_hf_dict}
 
 
 class TextDataModule(L.LightningDataModule):
-    """Byte-level language-modelling data: documents packed into fixed-length blocks of bytes.
+    """Language-modelling data: documents tokenized and packed into fixed-length blocks of tokens.
 
     Batches are tuples ``(inputs, targets)`` of int64 tensors of shape ``[batch_size, seq_len]`` where
-    ``targets`` is ``inputs`` shifted by one byte; with ``batch_format="dict"``, dicts as Hugging Face collators
+    ``targets`` is ``inputs`` shifted by one token; with ``batch_format="dict"``, dicts as Hugging Face collators
     make them (see :func:`collate_hf_dict`). Validation documents are held out whole (the last
     ``ceil(val_fraction * n)`` documents), so no text is shared between the splits; a corpus of a single
     document is split by blocks instead (the last blocks form the validation split).
 
+    Without ``tokenizer`` the tokens are UTF-8 bytes (vocabulary 256) and a NUL byte ends each document. With one
+    (a Hugging Face tokenizer, or the directory ``AutoTokenizer.from_pretrained`` loads) each document is tokenized
+    with the tokenizer's own special tokens (e.g. Llama's BOS) and ends with its EOS token; ``vocab_size`` is the
+    tokenizer's length rounded up to ``pad_vocab_to`` (tensor parallelism needs tp to divide it), which the example
+    models take when their ``vocab_size`` is left unset. The tokenizer's files are saved in checkpoints, so
+    ``lightning-par export --hf`` writes them beside the model.
+
+    Tokenizing runs once: in ``prepare_data`` (local rank 0 of each node; the others wait at Lightning's barrier),
+    cached by ``datasets`` (memory-mapped Arrow files under ``cache_dir``) under a key of the files (paths, sizes
+    and modification times), the tokenizer's rules, ``seq_len`` and the split; ``setup`` on every rank reads that
+    cache; nodes that share one filesystem tokenize once in all with ``prepare_data_per_node = False`` (Lightning's
+    data module attribute). The training order is :class:`~lightning_par.parallel.data_order.DataParallelSampler`'s:
+    the same global batches under any data-parallel size, and a checkpoint saved mid-epoch resumes exactly.
+
+    ``streaming=True`` reads the files as they are iterated (``datasets``' IterableDataset), for corpora larger than
+    memory or disk cache: nothing is cached, documents are tokenized on the fly, and the training split is sharded
+    over the data-parallel ranks by ``datasets.distributed.split_dataset_by_node``: whole files per rank (each rank
+    tokenizes and packs its own files) when the number of files divides by the data-parallel size, else every rank
+    reads and packs every file and keeps every ``dp``-th block. Shuffling is approximate (a buffer of
+    ``shuffle_buffer`` blocks, reseeded each epoch). The validation split is the last ``ceil(val_fraction *
+    n_files)`` files (streaming needs at least two files). A streamed epoch has no length, so set ``max_steps``; and
+    it has no position: a resumed run starts the epoch's stream again from its beginning (a warning says so) -- use
+    the map-style default when a resume must continue exactly.
+
     Args:
-        data_files: Local text file(s), glob pattern(s) or directories, one document per file. ``None``
+        data_files: Local file(s), glob pattern(s) or directories. JSON lines / JSON / parquet / CSV / Arrow files
+            hold one document per record (its ``text_field``); any other file is one text document. ``None``
             (with no ``dataset_name``) uses the embedded default corpus: the Python standard library's
             own source files, which needs no download.
         dataset_name: Name of a Hugging Face Hub dataset (needs network access); its ``train`` split is
             used, one row per document. Mutually exclusive with ``data_files``.
-        text_column: Column holding the text in a Hub dataset.
-        seq_len: Number of tokens (bytes) per training example.
+        text_field: The field (column) holding the text in records and Hub datasets.
+        tokenizer: A Hugging Face tokenizer, or the path of a local directory that
+            ``transformers.AutoTokenizer.from_pretrained`` loads; ``None``: UTF-8 bytes.
+        seq_len: Number of tokens per training example.
         batch_size: Examples per batch on each data-parallel rank.
         val_fraction: Fraction of documents held out for validation, in ``(0, 1)``; at least one.
         max_corpus_bytes: Approximate size of the default corpus in bytes (ignored otherwise).
@@ -215,13 +392,19 @@ class TextDataModule(L.LightningDataModule):
             (``~/.cache/huggingface/datasets`` or ``$HF_DATASETS_CACHE``).
         batch_format: ``"tuple"``: ``(inputs, targets)``; ``"dict"``: ``{"input_ids", "labels",
             "attention_mask"}`` with labels in Hugging Face's convention (the model shifts them).
+        pad_vocab_to: With a tokenizer, ``vocab_size`` is its length rounded up to a multiple of this (64: any
+            power-of-two tp up to 64 divides it); 1 keeps the tokenizer's length.
+        streaming: Read the corpus as a stream (see above) instead of caching it.
+        shuffle_buffer: Blocks in the streaming shuffle buffer.
+        num_proc: Processes that tokenize the corpus in ``prepare_data`` (``None``: this one).
     """
 
     def __init__(
         self,
         data_files: str | list[str] | None = None,
         dataset_name: str | None = None,
-        text_column: str = "text",
+        text_field: str = "text",
+        tokenizer: Any = None,
         seq_len: int = 128,
         batch_size: int = 8,
         val_fraction: float = 0.05,
@@ -230,6 +413,10 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         batch_format: str = "tuple",
+        pad_vocab_to: int = 64,
+        streaming: bool = False,
+        shuffle_buffer: int = 10_000,
+        num_proc: int | None = None,
     ) -> None:
         super().__init__()
         if batch_format not in BATCH_FORMATS:
@@ -246,10 +433,20 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"max_corpus_bytes must be positive, got {max_corpus_bytes}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.save_hyperparameters()
+        if pad_vocab_to < 1:
+            raise ValueError(f"pad_vocab_to must be >= 1, got {pad_vocab_to}")
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
+        if num_proc is not None and num_proc < 1:
+            raise ValueError(f"num_proc must be None or >= 1, got {num_proc}")
+        if streaming and dataset_name is not None:
+            raise ValueError("streaming reads local data_files; a Hub dataset is loaded and cached (streaming=False)")
+        # a tokenizer object is not a hyper-parameter a checkpoint can hold (its files are in the state instead)
+        self.save_hyperparameters(ignore=["tokenizer"])
+        self.hparams["tokenizer"] = os.fspath(tokenizer) if isinstance(tokenizer, str | os.PathLike) else None
         self.data_files = data_files
         self.dataset_name = dataset_name
-        self.text_column = text_column
+        self.text_field = text_field
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.val_fraction = val_fraction
@@ -258,7 +455,14 @@ class TextDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.cache_dir = cache_dir
         self.batch_format = batch_format
-        self.tokenizer = ByteTokenizer()
+        self.pad_vocab_to = pad_vocab_to
+        self.streaming = streaming
+        self.shuffle_buffer = shuffle_buffer
+        self.num_proc = num_proc
+        # loaded now, so a wrong path or a tokenizer without EOS fails at construction
+        self.tokenizer = ByteTokenizer() if tokenizer is None else load_tokenizer(tokenizer)
+        self._tokenizer_key = None if tokenizer is None else tokenizer_fingerprint(self.tokenizer)
+        self._saved_tokenizer: dict[str, str | bytes] | None = None  # its files, made on the first checkpoint
         # Resolve local files now so a typo fails at construction, not after the trainer has started.
         self.files: list[str] | None = None
         if dataset_name is None:
@@ -266,50 +470,91 @@ class TextDataModule(L.LightningDataModule):
                 self.files = default_corpus_files(max_corpus_bytes)
             else:
                 self.files = _resolve_data_files(data_files)
-        self.train_dataset: NextByteDataset | None = None
-        self.val_dataset: NextByteDataset | None = None
+            if streaming and len(self.files) < 2:
+                raise ValueError("streaming splits train and validation by file and needs at least two files; got "
+                                 f"{self.files}: split the corpus into files, or use streaming=False")
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+
+    @property
+    def byte_level(self) -> bool:
+        return self._tokenizer_key is None
+
+    @property
+    def token_vocab_size(self) -> int:
+        """Token ids in the data are below this: the tokenizer's length (added tokens included), or 256."""
+        return VOCAB_SIZE if self.byte_level else len(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
-        """Number of distinct tokens (256 bytes)."""
-        return VOCAB_SIZE
+        """The vocabulary a model of this data needs: 256 bytes, or the tokenizer's length padded to a multiple of
+        ``pad_vocab_to``."""
+        if self.byte_level:
+            return VOCAB_SIZE
+        return padded_vocab_size(self.token_vocab_size, self.pad_vocab_to)
 
     @property
     def tokens_per_batch(self) -> int:
         """Input tokens in one batch on one data-parallel rank."""
         return self.batch_size * self.seq_len
 
-    def _load_documents(self, datasets: Any) -> Any:
-        """Load the corpus as a ``datasets.Dataset`` with one row per document."""
+    def _builder_and_column(self) -> tuple[str, str]:
+        builder = _builder(self.files)
+        return builder, ("text" if builder == "text" else self.text_field)
+
+    def _load_documents(self, datasets: Any, files: list[str] | None = None, streaming: bool = False) -> Any:
+        """Load the corpus (or ``files`` of it) as a ``datasets`` dataset with one row per document."""
         if self.files is not None:
+            builder, column = self._builder_and_column()
             # Text builder, one example per file; "replace" keeps a stray non-UTF-8 byte from aborting.
-            return datasets.load_dataset(
-                "text",
-                data_files=self.files,
-                sample_by="document",
-                encoding_errors="replace",
-                split="train",
-                cache_dir=self.cache_dir,
-            )
-        docs = datasets.load_dataset(self.dataset_name, split="train", cache_dir=self.cache_dir)
-        if self.text_column not in docs.column_names:
-            raise ValueError(
-                f"dataset {self.dataset_name!r} has no column {self.text_column!r}; "
-                f"columns are {docs.column_names}; set text_column"
-            )
+            options = {"sample_by": "document", "encoding_errors": "replace"} if builder == "text" else {}
+            docs = datasets.load_dataset(builder, data_files=files or self.files, split="train",
+                                         cache_dir=self.cache_dir, streaming=streaming, **options)
+            what = f"the {builder} files ({(files or self.files)[0]} ...)"
+        else:
+            column = self.text_field
+            docs = datasets.load_dataset(self.dataset_name, split="train", cache_dir=self.cache_dir)
+            what = f"dataset {self.dataset_name!r}"
+        columns = docs.column_names if docs.column_names is not None else list(docs.features or {})
+        if column not in columns:
+            raise ValueError(f"{what} have no field {column!r}; their fields are {columns}; set text_field")
         return docs
 
-    def _pack(self, docs: Any, datasets: Any, split: str) -> Any:
+    def _pack_function(self) -> tuple[Any, dict[str, Any], Any]:
+        """``(function, fn_kwargs, features)`` of the packing ``map``."""
+        datasets = _import_datasets(offline=self.files is not None)
         block_size = self.seq_len + 1
-        features = datasets.Features({"input_ids": datasets.List(datasets.Value("uint8"), length=block_size)})
+        column = self._builder_and_column()[1] if self.files is not None else self.text_field
+        if self.byte_level:
+            dtype = "uint8"
+            function, kwargs = _pack_documents, {"text_column": column, "block_size": block_size}
+        else:
+            dtype = "uint16" if self.token_vocab_size <= 2**16 else "int32"
+            function, kwargs = _pack_tokens, {"text_column": column, "block_size": block_size,
+                                              "tokenizer": self.tokenizer, "eos_id": int(self.tokenizer.eos_token_id),
+                                              "dtype": dtype}
+        features = datasets.Features({"input_ids": datasets.List(datasets.Value(dtype), length=block_size)})
+        return function, kwargs, features
+
+    def _pack(self, docs: Any, datasets: Any, split: str) -> Any:
+        function, kwargs, features = self._pack_function()
+        options: dict[str, Any] = {}
+        if not self.byte_level:
+            # datasets cannot hash a tokenizer reliably (its fingerprint would change from run to run, and nothing
+            # would be cached): the key is the documents' own fingerprint (files, split), the tokenizer's rules and
+            # the block size
+            key = f"{docs._fingerprint}-{self._tokenizer_key}-{self.seq_len}-{split}"
+            options["new_fingerprint"] = hashlib.sha256(key.encode()).hexdigest()[:16]
         return docs.map(
-            _pack_documents,
+            function,
             batched=True,
             batch_size=_PACK_DOCS_PER_BATCH,
             remove_columns=docs.column_names,
             features=features,
-            fn_kwargs={"text_column": self.text_column, "block_size": block_size},
-            desc=f"Packing {split} bytes",
+            fn_kwargs=kwargs,
+            num_proc=self.num_proc if len(docs) >= 2 * (self.num_proc or 1) else None,
+            desc=f"Packing {split} {'bytes' if self.byte_level else 'tokens'}",
+            **options,
         )
 
     def _build(self) -> tuple[Any, Any]:
@@ -330,7 +575,7 @@ class TextDataModule(L.LightningDataModule):
                 n_blocks = len(blocks)
                 if n_blocks < 2:
                     raise ValueError(
-                        f"the single document gives {n_blocks} block(s) of {self.seq_len + 1} bytes; "
+                        f"the single document gives {n_blocks} block(s) of {self.seq_len + 1} tokens; "
                         "need at least 2 to split into train and validation"
                     )
                 n_val = min(max(1, math.ceil(self.val_fraction * n_blocks)), n_blocks - 1)
@@ -339,21 +584,67 @@ class TextDataModule(L.LightningDataModule):
         for name, split in (("train", train), ("validation", val)):
             if len(split) == 0:
                 raise ValueError(
-                    f"the {name} split holds no block of {self.seq_len + 1} bytes; "
+                    f"the {name} split holds no block of {self.seq_len + 1} tokens; "
                     "use more or longer documents, a smaller seq_len or a different val_fraction"
                 )
         return train.with_format("torch"), val.with_format("torch")
 
+    def _stream(self, files: list[str], train: bool) -> Any:
+        """Streamed packed blocks of ``files``: for training, this data-parallel rank's share, shuffled."""
+        datasets = _import_datasets(offline=True)
+        docs = self._load_documents(datasets, files, streaming=True)
+        columns = docs.column_names
+        ranks = self.trainer.distributed_sampler_kwargs if train and self.trainer is not None else None
+        if ranks:  # by files when they divide among the ranks; else datasets keeps every dp-th packed block
+            from datasets.distributed import split_dataset_by_node
+
+            docs = split_dataset_by_node(docs, rank=ranks["rank"], world_size=ranks["num_replicas"])
+        function, kwargs, features = self._pack_function()
+        blocks = docs.map(function, batched=True, batch_size=_PACK_DOCS_PER_BATCH, remove_columns=columns,
+                          features=features, fn_kwargs=kwargs)
+        if train and self.shuffle:
+            blocks = blocks.shuffle(seed=int(os.getenv("PL_GLOBAL_SEED", "0")), buffer_size=self.shuffle_buffer)
+        return blocks
+
     def prepare_data(self) -> None:
         """Load, tokenize and pack once (local rank 0), filling the ``datasets`` cache."""
-        self._build()
+        if not self.streaming:
+            self._build()
 
     def setup(self, stage: str | None = None) -> None:
         """Load both splits (from the cache when ``prepare_data`` ran)."""
-        if self.train_dataset is None or self.val_dataset is None:
-            train, val = self._build()
-            self.train_dataset = NextByteDataset(train)
-            self.val_dataset = NextByteDataset(val)
+        if self.train_dataset is not None and self.val_dataset is not None:
+            return
+        if self.streaming:
+            n_val = min(max(1, math.ceil(self.val_fraction * len(self.files))), len(self.files) - 1)
+            self.train_dataset = _StreamedPairs(self._stream(self.files[:-n_val], train=True), self.trainer)
+            self.val_dataset = _StreamedPairs(self._stream(self.files[-n_val:], train=False))
+            return
+        train, val = self._build()
+        self.train_dataset = NextTokenDataset(train)
+        self.val_dataset = NextTokenDataset(val)
+
+    def state_dict(self) -> dict[str, Any]:
+        """With a tokenizer: its files (and key), so a checkpoint carries the tokenizer its model was trained with.
+        Byte-level: nothing."""
+        if self.byte_level:
+            return {}
+        if self._saved_tokenizer is None:
+            self._saved_tokenizer = tokenizer_files(self.tokenizer)
+        return {TOKENIZER_STATE: self._saved_tokenizer, "tokenizer_key": self._tokenizer_key}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """On a resume: warn when the checkpoint was trained with another tokenizer, or when a stream restarts."""
+        saved = state.get("tokenizer_key")
+        if saved != self._tokenizer_key:
+            rank_zero_warn(f"The checkpoint's data was tokenized with {'bytes' if saved is None else 'a tokenizer'} "
+                           f"(key {saved}); this run's data module uses "
+                           f"{'bytes' if self.byte_level else 'another tokenizer'} (key {self._tokenizer_key}): the "
+                           "token ids mean other things now.")
+        if self.streaming:
+            rank_zero_warn("TextDataModule(streaming=True) keeps no position in its stream: the resumed run reads "
+                           "the training files again from the start of the epoch's stream. Use streaming=False for "
+                           "an exact mid-epoch resume.")
 
     def _loader(self, dataset: Dataset | None, shuffle: bool, drop_last: bool,
                 sampler: DataParallelSampler | None = None) -> DataLoader:
@@ -391,6 +682,8 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
+        if self.streaming:  # sharded and shuffled by the stream itself; no position to save (see the class doc)
+            return self._loader(self.train_dataset, shuffle=False, drop_last=True)
         sampler = self._data_parallel_sampler(self.train_dataset)
         loader = self._loader(self.train_dataset, shuffle=self.shuffle, drop_last=True, sampler=sampler)
         if sampler is not None and self.trainer is not None:
@@ -408,6 +701,9 @@ class TextDataModule(L.LightningDataModule):
         """One batch of the first validation examples."""
         if self.val_dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
+        if self.streaming:
+            first = _StreamedPairs(self.val_dataset.blocks, limit=self.batch_size)
+            return self._loader(first, shuffle=False, drop_last=False)
         count = min(self.batch_size, len(self.val_dataset))
         subset = torch.utils.data.Subset(self.val_dataset, range(count))
         return self._loader(subset, shuffle=False, drop_last=False)

@@ -250,13 +250,27 @@ def read_model_state(path: str | Path) -> dict[str, Tensor]:
 
 def read_hyperparameters(path: str | Path) -> dict[str, Any]:
     """The LightningModule hyper-parameters saved in a checkpoint (``{}`` if none), read without running code."""
+    return dict(_read_entries(path).get("hyper_parameters") or {})
+
+
+def read_tokenizer_files(path: str | Path) -> dict[str, str | bytes] | None:
+    """The tokenizer files a checkpoint's data module saved in its state (``TextDataModule`` with a tokenizer:
+    see :data:`lightning_par.data.TOKENIZER_STATE`), or ``None``; read without running code."""
+    from lightning_par.data import TOKENIZER_STATE
+
+    for value in _read_entries(path).values():
+        if isinstance(value, Mapping) and isinstance(value.get(TOKENIZER_STATE), Mapping):
+            return dict(value[TOKENIZER_STATE])
+    return None
+
+
+def _read_entries(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's entries other than sharded states (a single file's tensors stay memory-mapped)."""
     requested, path = Path(path), checkpoint_files.resolve(Path(path))
     if path.is_file():
-        checkpoint = _read_single_file(requested, path)
-    else:
-        _verify(path)
-        checkpoint = checkpoint_meta.read(path, weights_only=True)
-    return dict(checkpoint.get("hyper_parameters") or {})
+        return _read_single_file(requested, path)
+    _verify(path)
+    return checkpoint_meta.read(path, weights_only=True)
 
 
 def _verify(path: Path) -> None:
@@ -419,12 +433,14 @@ class ExportReport:
     prefix: str
     tied: list[list[str]] = field(default_factory=list)
     files: int = 1  # weight files (shards of an --hf export)
+    tokenizer: list[str] = field(default_factory=list)  # the tokenizer files an --hf export wrote
 
     def describe(self) -> str:
         tied = "".join(f"\n  {' = '.join(g)}: shared storage, each name written with its own copy" for g in self.tied)
         files = f" in {self.files} shard files + {HF_INDEX}" if self.files > 1 else ""
+        tokenizer = f"\n  the data module's tokenizer: {', '.join(self.tokenizer)}" if self.tokenizer else ""
         return (f"wrote {self.out}: {self.tensors} tensors, {self.bytes / 2**20:.2f} MiB{files}, names without "
-                f"{self.prefix + '.' if self.prefix else 'a prefix'!r}{tied}")
+                f"{self.prefix + '.' if self.prefix else 'a prefix'!r}{tied}{tokenizer}")
 
 
 def export_safetensors(ckpt: str | Path, out: str | Path, prefix: str | None = None,
@@ -464,7 +480,9 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
     ``"500MB"`` or bytes; a larger tensor gets a file of its own), ``model-00001-of-0000N.safetensors`` with
     ``model.safetensors.index.json``, or one ``model.safetensors`` if they fit in one -- but one tensor at a time,
     straight from the checkpoint. A model that converts its weights on save (transformers' weight conversions:
-    renamed or fused tensors) is handed whole to ``save_pretrained`` instead, with a warning.
+    renamed or fused tensors) is handed whole to ``save_pretrained`` instead, with a warning. When the checkpoint's
+    data module had a Hugging Face tokenizer (``TextDataModule(tokenizer=...)`` saves its files in the checkpoint),
+    its files are written beside the model, so ``AutoTokenizer.from_pretrained(out_dir)`` loads it.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
     from transformers import PreTrainedModel
@@ -510,7 +528,8 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         state = _cast({name[len(lead):]: t for name, t in source.read(lead + n for n in expected).items()}, dtype)
         unshare(state)
         hf_model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
-        return ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected), prefix)
+        return ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected), prefix,
+                            tokenizer=_write_tokenizer(ckpt, out_dir))
     split = split_state_dict_into_shards_factory(
         {name: _nbytes(*planned[name]) for name in names}, get_storage_size=lambda size: size,
         filename_pattern=HF_WEIGHTS.replace(".safetensors", "{suffix}.safetensors"), max_shard_size=max_shard_size)
@@ -522,7 +541,16 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         index = {"metadata": {"total_parameters": hf_model.num_parameters(), **split.metadata},
                  "weight_map": split.tensor_to_filename}
         (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return ExportReport(out_dir, len(names), written, prefix, files=len(split.filename_to_tensors))
+    return ExportReport(out_dir, len(names), written, prefix, files=len(split.filename_to_tensors),
+                        tokenizer=_write_tokenizer(ckpt, out_dir))
+
+
+def _write_tokenizer(ckpt: str | Path, out_dir: Path) -> list[str]:
+    """Write the tokenizer the checkpoint carries (if any) into ``out_dir``; returns the file names written."""
+    from lightning_par.data import write_tokenizer_files
+
+    files = read_tokenizer_files(ckpt)
+    return write_tokenizer_files(files, out_dir) if files else []
 
 
 def _checkpoint_class(ckpt: str | Path, hparams: dict[str, Any], trusted: bool) -> str:
@@ -611,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("out", help="OUT.safetensors, or with --hf the directory to write")
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face save_pretrained directory (config.json + model.safetensors) that "
-                             "AutoModelForCausalLM.from_pretrained loads; for a LightningModule holding one "
+                             "AutoModelForCausalLM.from_pretrained loads, and the tokenizer of the checkpoint's "
+                             "TextDataModule(tokenizer=...) beside it; for a LightningModule holding one "
                              "transformers model")
     parser.add_argument("--prefix", default=None,
                         help="the LightningModule attribute to strip from the names (default: the one first name "
