@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
+from jsonargparse._typehints import ActionTypeHint  # private: the action of a type-hinted option (jsonargparse 4.x)
+from jsonargparse._util import NestedArg  # private: the value of a --KEY.SUB=VALUE option
 from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -36,7 +38,7 @@ import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, RunCheckpoint, TokensPerSecond
 from lightning_par.plugins.checkpoint_files import newest_complete
 from lightning_par.strategies import ALL_STRATEGIES
-from lightning_par.strategies.names import registered_names, unknown_strategy_message
+from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
 
 
 def strategies_help() -> str:
@@ -96,6 +98,7 @@ class LightningParCLI(LightningCLI):
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        _accept_strategy_names(parser)
         for action in parser._actions:  # Lightning's own words do not say what 'last' means here
             if action.dest == "ckpt_path":
                 action.help = CKPT_PATH_HELP
@@ -218,6 +221,54 @@ class LightningParCLI(LightningCLI):
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+
+
+class _StrategyOption(ActionTypeHint):
+    """``--trainer.strategy`` (Lightning's ``str | Strategy``) where lightning-par's registered names take options:
+    an option after a name (``--trainer.strategy=pipeline2_zbv --trainer.strategy.n_microbatches=8``, or YAML
+    ``init_args`` under a name given before) first turns the name into its class and options; ``class_path:`` may
+    be a name too (``{class_path: pipeline2_zbv, init_args: {n_microbatches: 8}}``). A name alone stays a name."""
+
+    def _check_type(self, value: Any, append: bool = False, cfg: Any = None, mode: Any = None) -> Any:
+        return super()._check_type(_expand_strategy_name(value, cfg, self.dest), append=append, cfg=cfg, mode=mode)
+
+
+def _accept_strategy_names(parser: LightningArgumentParser) -> None:
+    """Let the subcommand's ``--trainer.strategy`` take options after lightning-par's names (:class:`_StrategyOption`)."""
+    action = parser._option_string_actions.get("--trainer.strategy")  # noqa: SLF001
+    if type(action) is ActionTypeHint:
+        action.__class__ = _StrategyOption
+
+
+def _expand_strategy_name(value: Any, cfg: Any, dest: str) -> Any:
+    """``value`` with a registered name as ``class_path`` replaced by its class and options (the given ones win);
+    for an option (or bare ``init_args``) after a name, that name in ``cfg`` replaced likewise. Any other name
+    followed by an option is an error that says what to write."""
+    if isinstance(value, dict | Namespace) and "class_path" in value:
+        spec = strategy_spec(value["class_path"])
+        if spec is None:
+            return value
+        given = value.get("init_args") or {}
+        given = given.as_dict() if isinstance(given, Namespace) else dict(given)
+        return {**dict(value), "class_path": spec["class_path"], "init_args": {**spec["init_args"], **given}}
+    if not isinstance(value, NestedArg | dict | Namespace) or cfg is None:
+        return value
+    name = cfg.get(dest)
+    if not isinstance(name, str):
+        return value
+    spec = strategy_spec(name)
+    if spec is None:
+        option = f"--trainer.strategy.{value.key}" if isinstance(value, NestedArg) else "init_args"
+        if name.lower() == "auto":
+            problem = ("no strategy given before it: name one first, e.g. --trainer.strategy=zero "
+                       "--trainer.strategy.stage=2 (or a class: --trainer.strategy=lightning_par.ZeroStrategy)")
+        else:
+            problem = unknown_strategy_message(name) or (
+                f"{name!r} is a name of Lightning's, not lightning-par's: options after it need a class "
+                f"(--trainer.strategy=CLASS_PATH {option}=...)")
+        raise TypeError(f'Parser key "{dest}": {option} after --trainer.strategy={name}: {problem}')
+    cfg[dest] = Namespace(class_path=spec["class_path"], init_args=Namespace(**spec["init_args"]))
+    return value
 
 
 def _refuse_unknown_strategy(strategy: object) -> None:
