@@ -2,8 +2,9 @@
 
     lightning-par fit --config configs/demo.yaml
     lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=zero0
-    lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every strategy option
-    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8   # before launching
+    lightning-par fit --config configs/demo.yaml --trainer.strategy=pipeline2_zbv --trainer.strategy.n_microbatches=8
+    lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every option of one strategy
+    lightning-par plan --config configs/demo.yaml     # before launching; or --model=CLASS --world N
     lightning-par export CKPT OUT.safetensors          # or: lightning-par export CKPT OUT_DIR --hf
 
 Checkpoints by default: ``fit`` saves every ``--checkpoint_every_n_steps`` steps and at the end into the logger's run
@@ -37,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, RunCheckpoint, TokensPerSecond
 from lightning_par.plugins.checkpoint_files import newest_complete
-from lightning_par.strategies import ALL_STRATEGIES
+from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
 
 
@@ -47,10 +48,17 @@ def strategies_help() -> str:
     for cls in ALL_STRATEGIES:
         summary = (inspect.getdoc(cls) or "").splitlines()[0]
         lines.append(f"  lightning_par.{cls.__name__}: {summary}")
-    lines.append(f"Registered names: {', '.join(registered_names())}.")
+    generic = [cls.strategy_name for cls in ALL_STRATEGIES[1:]]
+    presets = [name for name in registered_names() if name not in generic and name != LayoutStrategy.strategy_name]
+    lines.append(f"Names, any size: {', '.join(generic)} -- e.g. --trainer.strategy=hybrid3d --trainer.strategy.tp=2 "
+                 "--trainer.strategy.pp=2, or --trainer.strategy=zero --trainer.strategy.stage=3.")
+    lines.append(f"Presets: {', '.join(presets)}.")
+    lines.append("Every name takes options after it: --trainer.strategy=pipeline2_zbv "
+                 "--trainer.strategy.n_microbatches=8 (in YAML: strategy: {class_path: pipeline2_zbv, init_args: "
+                 "{n_microbatches: 8}}).")
     lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
-    lines.append("Before launching: lightning-par plan --model=CLASS --world N (bytes per rank, traffic, bubble and "
-                 "step time of every layout; lightning-par plan --help)")
+    lines.append("Before launching: lightning-par plan --config CONFIG.yaml, or --model=CLASS --world N (bytes per "
+                 "rank, traffic, bubble and step time of every layout; lightning-par plan --help)")
     return "\n".join(lines)
 
 
@@ -95,6 +103,10 @@ class LightningParCLI(LightningCLI):
                                  "at the end), in the logger's version directory (.../version_N/checkpoints), "
                                  "last.ckpt linking to the newest, the older one deleted -- unless the trainer has "
                                  "its own ModelCheckpoint callback, or --trainer.enable_checkpointing=false.")
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        _list_plan_and_export(parser)
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
@@ -231,6 +243,23 @@ class _StrategyOption(ActionTypeHint):
 
     def _check_type(self, value: Any, append: bool = False, cfg: Any = None, mode: Any = None) -> Any:
         return super()._check_type(_expand_strategy_name(value, cfg, self.dest), append=append, cfg=cfg, mode=mode)
+
+
+#: the subcommands :func:`main` runs before (and without) LightningCLI, and their one-line help
+OTHER_SUBCOMMANDS = {
+    "plan": "Plan a layout before launching: bytes per rank, traffic, bubble and step time of every layout "
+            "(lightning-par plan --help; --config CONFIG.yaml reads a fit config)",
+    "export": "Export a checkpoint of any layout to safetensors or a Hugging Face directory "
+              "(lightning-par export --help)",
+}
+
+
+def _list_plan_and_export(parser: LightningArgumentParser) -> None:
+    """List ``plan`` and ``export`` in ``lightning-par --help`` beside fit, validate, test and predict; :func:`main`
+    runs them itself, so their parsers here are placeholders that never parse."""
+    subcommands = parser._subcommands_action  # noqa: SLF001
+    for name, summary in OTHER_SUBCOMMANDS.items():
+        subcommands.add_subcommand(name, LightningArgumentParser(description=summary), help=summary)
 
 
 def _accept_strategy_names(parser: LightningArgumentParser) -> None:
