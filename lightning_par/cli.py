@@ -33,6 +33,7 @@ from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
@@ -242,7 +243,14 @@ class _StrategyOption(ActionTypeHint):
     be a name too (``{class_path: pipeline2_zbv, init_args: {n_microbatches: 8}}``). A name alone stays a name."""
 
     def _check_type(self, value: Any, append: bool = False, cfg: Any = None, mode: Any = None) -> Any:
-        return super()._check_type(_expand_strategy_name(value, cfg, self.dest), append=append, cfg=cfg, mode=mode)
+        value = _expand_strategy_name(value, cfg, self.dest)
+        try:
+            return super()._check_type(value, append=append, cfg=cfg, mode=mode)
+        except TypeError as err:  # jsonargparse's "Does not validate against any of the Union subtypes"
+            problem = _option_after_name_problem(value, cfg, self.dest)
+            if problem is None:
+                raise
+            raise TypeError(f'Parser key "{self.dest}": {problem}') from err
 
 
 #: the subcommands :func:`main` runs before (and without) LightningCLI, and their one-line help
@@ -271,8 +279,7 @@ def _accept_strategy_names(parser: LightningArgumentParser) -> None:
 
 def _expand_strategy_name(value: Any, cfg: Any, dest: str) -> Any:
     """``value`` with a registered name as ``class_path`` replaced by its class and options (the given ones win);
-    for an option (or bare ``init_args``) after a name, that name in ``cfg`` replaced likewise. Any other name
-    followed by an option is an error that says what to write."""
+    for an option (or bare ``init_args``) after a registered name, that name in ``cfg`` replaced likewise."""
     if isinstance(value, dict | Namespace) and "class_path" in value:
         spec = strategy_spec(value["class_path"])
         if spec is None:
@@ -280,24 +287,46 @@ def _expand_strategy_name(value: Any, cfg: Any, dest: str) -> Any:
         given = value.get("init_args") or {}
         given = given.as_dict() if isinstance(given, Namespace) else dict(given)
         return {**dict(value), "class_path": spec["class_path"], "init_args": {**spec["init_args"], **given}}
-    if not isinstance(value, NestedArg | dict | Namespace) or cfg is None:
-        return value
-    name = cfg.get(dest)
-    if not isinstance(name, str):
-        return value
+    name = _name_before(value, cfg, dest)
     spec = strategy_spec(name)
-    if spec is None:
-        option = f"--trainer.strategy.{value.key}" if isinstance(value, NestedArg) else "init_args"
-        if name.lower() == "auto":
-            problem = ("no strategy given before it: name one first, e.g. --trainer.strategy=zero "
-                       "--trainer.strategy.stage=2 (or a class: --trainer.strategy=lightning_par.ZeroStrategy)")
-        else:
-            problem = unknown_strategy_message(name) or (
-                f"{name!r} is a name of Lightning's, not lightning-par's: options after it need a class "
-                f"(--trainer.strategy=CLASS_PATH {option}=...)")
-        raise TypeError(f'Parser key "{dest}": {option} after --trainer.strategy={name}: {problem}')
-    cfg[dest] = Namespace(class_path=spec["class_path"], init_args=Namespace(**spec["init_args"]))
+    if spec is not None:
+        cfg[dest] = Namespace(class_path=spec["class_path"], init_args=Namespace(**spec["init_args"]))
     return value
+
+
+def _name_before(value: Any, cfg: Any, dest: str) -> str | None:
+    """The strategy name an option (or bare ``init_args``) ``value`` comes after, if a name (not a class) came."""
+    if not isinstance(value, NestedArg | dict | Namespace) or cfg is None:
+        return None
+    name = cfg.get(dest)
+    if not isinstance(name, str) or "." in name or name in _strategy_class_names():
+        return None  # a class (a path, or a Strategy subclass's name) is jsonargparse's
+    return name
+
+
+def _strategy_class_names() -> set[str]:
+    found, todo = set(), [Strategy]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return found
+
+
+def _option_after_name_problem(value: Any, cfg: Any, dest: str) -> str | None:
+    """What to say when an option follows a name that takes none: ``auto``, Lightning's own, a mistyped one."""
+    name = _name_before(value, cfg, dest)
+    if name is None:
+        return None
+    option = f"--trainer.strategy.{value.key}" if isinstance(value, NestedArg) else "init_args"
+    if name.lower() == "auto":
+        problem = ("no strategy given before it: name one first, e.g. --trainer.strategy=zero "
+                   "--trainer.strategy.stage=2 (or a class: --trainer.strategy=lightning_par.ZeroStrategy)")
+    else:
+        problem = unknown_strategy_message(name) or (
+            f"{name!r} is a name of Lightning's, not lightning-par's: options after it need a class "
+            f"(--trainer.strategy=CLASS_PATH {option}=...)")
+    return f"{option} after --trainer.strategy={name}: {problem}"
 
 
 def _refuse_unknown_strategy(strategy: object) -> None:
