@@ -3,7 +3,7 @@
     lightning-par fit --config configs/demo.yaml
     lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=zero0
     lightning-par fit --config configs/demo.yaml --trainer.strategy=pipeline2_zbv --trainer.strategy.n_microbatches=8
-    lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every option of one strategy
+    lightning-par fit --trainer.strategy.help pipeline      # every option of one strategy (a name or a class)
     lightning-par plan --config configs/demo.yaml     # before launching; or --model=CLASS --world N
     lightning-par export CKPT OUT.safetensors          # or: lightning-par export CKPT OUT_DIR --hf
 
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
+from jsonargparse._actions import _ActionHelpClassPath  # private: --KEY.help CLASS (jsonargparse 4.x)
 from jsonargparse._typehints import ActionTypeHint  # private: the action of a type-hinted option (jsonargparse 4.x)
 from jsonargparse._util import NestedArg  # private: the value of a --KEY.SUB=VALUE option
 from jsonargparse.typing import NonNegativeInt
@@ -57,7 +58,8 @@ def strategies_help() -> str:
     lines.append("Every name takes options after it: --trainer.strategy=pipeline2_zbv "
                  "--trainer.strategy.n_microbatches=8 (in YAML: strategy: {class_path: pipeline2_zbv, init_args: "
                  "{n_microbatches: 8}}).")
-    lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
+    lines.append("Every option of one: lightning-par fit --trainer.strategy.help zero (a name or a class: "
+                 "lightning_par.ZeroStrategy)")
     lines.append("Before launching: lightning-par plan --config CONFIG.yaml, or --model=CLASS --world N (bytes per "
                  "rank, traffic, bubble and step time of every layout; lightning-par plan --help)")
     return "\n".join(lines)
@@ -270,11 +272,22 @@ def _list_plan_and_export(parser: LightningArgumentParser) -> None:
         subcommands.add_subcommand(name, LightningArgumentParser(description=summary), help=summary)
 
 
+class _StrategyHelp(_ActionHelpClassPath):
+    """``--trainer.strategy.help``: a class, or one of lightning-par's names (``pipeline``: PipelineStrategy)."""
+
+    def resolve_help_type(self, value: Any, option_string: str) -> type:
+        spec = strategy_spec(value)
+        return super().resolve_help_type(spec["class_path"] if spec else value, option_string)
+
+
 def _accept_strategy_names(parser: LightningArgumentParser) -> None:
-    """Let the subcommand's ``--trainer.strategy`` take options after lightning-par's names (:class:`_StrategyOption`)."""
-    action = parser._option_string_actions.get("--trainer.strategy")  # noqa: SLF001
-    if type(action) is ActionTypeHint:
-        action.__class__ = _StrategyOption
+    """Let the subcommand's ``--trainer.strategy`` take options after lightning-par's names (:class:`_StrategyOption`),
+    and its ``--trainer.strategy.help`` take them too (:class:`_StrategyHelp`)."""
+    for option, plain, ours in (("--trainer.strategy", ActionTypeHint, _StrategyOption),
+                                ("--trainer.strategy.help", _ActionHelpClassPath, _StrategyHelp)):
+        action = parser._option_string_actions.get(option)  # noqa: SLF001
+        if type(action) is plain:
+            action.__class__ = ours
 
 
 def _expand_strategy_name(value: Any, cfg: Any, dest: str) -> Any:

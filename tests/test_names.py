@@ -140,10 +140,11 @@ FOREIGN = {  # options another strategy has that this one must not list
 }
 
 
+@pytest.mark.parametrize("by", ["class", "name"])
 @pytest.mark.parametrize("cls", list(FOREIGN), ids=lambda c: c.__name__)
-def test_each_strategy_help_lists_its_own_options(capsys, cls):
+def test_each_strategy_help_lists_its_own_options(capsys, cls, by):
     with pytest.raises(SystemExit):
-        main(["fit", "--trainer.strategy.help", f"lightning_par.{cls.__name__}"])
+        main(["fit", "--trainer.strategy.help", f"lightning_par.{cls.__name__}" if by == "class" else cls.strategy_name])
     text = capsys.readouterr().out
     listed = re.findall(r"^  --trainer\.strategy\.(\w+)", text, flags=re.MULTILINE)
     own = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
