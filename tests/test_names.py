@@ -43,7 +43,8 @@ def refused(capsys, *args: str) -> str:
 def test_a_name_takes_an_override_on_the_command_line(capsys):
     spec = strategy_of(capsys, "--trainer.strategy=pipeline2_zbv", "--trainer.strategy.n_microbatches=8")
     assert spec["class_path"].endswith("PipelineStrategy")
-    assert (spec["init_args"]["pp"], spec["init_args"]["schedule"], spec["init_args"]["n_microbatches"]) == (2, "zbv", 8)
+    assert (spec["init_args"]["pp"], spec["init_args"]["schedule"], spec["init_args"]["n_microbatches"]) == \
+        (2, "zbv", 8)
     # a name alone stays a name (Lightning builds it from its registry, as before)
     assert strategy_of(capsys, "--trainer.strategy=pipeline2_zbv") == "pipeline2_zbv"
 
@@ -79,7 +80,8 @@ def test_yaml_names_with_overrides(capsys, tmp_path):
                              "      n_microbatches: 8\n")
     spec = strategy_of(capsys, f"--config={as_class_path}")
     assert spec["class_path"].endswith("PipelineStrategy")
-    assert (spec["init_args"]["pp"], spec["init_args"]["schedule"], spec["init_args"]["n_microbatches"]) == (2, "zbv", 8)
+    assert (spec["init_args"]["pp"], spec["init_args"]["schedule"], spec["init_args"]["n_microbatches"]) == \
+        (2, "zbv", 8)
 
     named = tmp_path / "b.yaml"
     named.write_text("trainer:\n  strategy: pipeline4_1f1b\n")
@@ -144,7 +146,8 @@ FOREIGN = {  # options another strategy has that this one must not list
 @pytest.mark.parametrize("cls", list(FOREIGN), ids=lambda c: c.__name__)
 def test_each_strategy_help_lists_its_own_options(capsys, cls, by):
     with pytest.raises(SystemExit):
-        main(["fit", "--trainer.strategy.help", f"lightning_par.{cls.__name__}" if by == "class" else cls.strategy_name])
+        name = f"lightning_par.{cls.__name__}" if by == "class" else cls.strategy_name
+        main(["fit", "--trainer.strategy.help", name])
     text = capsys.readouterr().out
     listed = re.findall(r"^  --trainer\.strategy\.(\w+)", text, flags=re.MULTILINE)
     own = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]

@@ -46,5 +46,6 @@ def unknown_strategy_message(name: object) -> str | None:
     close = difflib.get_close_matches(name.lower(), ours, n=3, cutoff=0.6) or \
         difflib.get_close_matches(name.lower(), others, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return (f"unknown strategy name {name!r}.{hint} lightning-par's names: {', '.join(ours)}; a class works too "
-            "(--trainer.strategy=lightning_par.ZeroStrategy --trainer.strategy.stage=2).")
+    return (f"unknown strategy name {name!r}.{hint} lightning-par's names: {', '.join(ours)}; every name takes "
+            "options after it (--trainer.strategy=zero --trainer.strategy.stage=2), and a class works too "
+            "(--trainer.strategy=lightning_par.ZeroStrategy).")

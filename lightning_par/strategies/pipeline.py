@@ -64,6 +64,7 @@ class PipelineStrategy(LayoutStrategy):
     Example::
 
         Trainer(accelerator="cpu", devices=4, strategy=PipelineStrategy(pp=4, schedule="interleaved_1f1b"))
+        # or: lightning-par fit ... --trainer.strategy=pipeline --trainer.strategy.pp=4 --trainer.strategy.schedule=zbv
     """
 
     strategy_name = "pipeline"

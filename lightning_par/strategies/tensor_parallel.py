@@ -55,7 +55,8 @@ class MegatronTPStrategy(LayoutStrategy):
     Example::
 
         Trainer(accelerator="gpu", devices=8, strategy=MegatronTPStrategy(tp=4, sequence_parallel=True))
-        # or: lightning-par fit ... --trainer.strategy=megatron_tp2_sp
+        # or: lightning-par fit ... --trainer.strategy=megatron_tp --trainer.strategy.tp=4 \
+        #     --trainer.strategy.sequence_parallel=true
     """
 
     strategy_name = "megatron_tp"
