@@ -283,11 +283,18 @@ class _StrategyHelp(_ActionHelpClassPath):
 def _accept_strategy_names(parser: LightningArgumentParser) -> None:
     """Let the subcommand's ``--trainer.strategy`` take options after lightning-par's names (:class:`_StrategyOption`),
     and its ``--trainer.strategy.help`` take them too (:class:`_StrategyHelp`)."""
-    for option, plain, ours in (("--trainer.strategy", ActionTypeHint, _StrategyOption),
-                                ("--trainer.strategy.help", _ActionHelpClassPath, _StrategyHelp)):
+    for option, plain, ours, words in (
+        ("--trainer.strategy", ActionTypeHint, _StrategyOption,
+         "A name -- lightning-par's zero, pipeline, megatron_tp, hybrid3d or a preset such as pipeline2_zbv, or "
+         "Lightning's own -- where lightning-par's take options after it (--trainer.strategy=zero "
+         "--trainer.strategy.stage=2); or a Strategy class with its options. Default: auto."),
+        ("--trainer.strategy.help", _ActionHelpClassPath, _StrategyHelp,
+         "Show the options of a strategy (a class, or one of lightning-par's names) and exit."),
+    ):
         action = parser._option_string_actions.get(option)  # noqa: SLF001
         if type(action) is plain:
             action.__class__ = ours
+            action.help = words
 
 
 def _expand_strategy_name(value: Any, cfg: Any, dest: str) -> Any:
