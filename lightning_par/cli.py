@@ -2,8 +2,9 @@
 
     lightning-par fit --config configs/demo.yaml
     lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=zero0
-    lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy      # every strategy option
-    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8   # before launching
+    lightning-par fit --config configs/demo.yaml --trainer.strategy=pipeline2_zbv --trainer.strategy.n_microbatches=8
+    lightning-par fit --trainer.strategy.help pipeline      # every option of one strategy (a name or a class)
+    lightning-par plan --config configs/demo.yaml     # before launching; or --model=CLASS --world N
     lightning-par export CKPT OUT.safetensors          # or: lightning-par export CKPT OUT_DIR --hf
 
 Checkpoints by default: ``fit`` saves every ``--checkpoint_every_n_steps`` steps and at the end into the logger's run
@@ -25,18 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
+from jsonargparse._actions import _ActionHelpClassPath  # private: --KEY.help CLASS (jsonargparse 4.x)
+from jsonargparse._typehints import ActionTypeHint  # private: the action of a type-hinted option (jsonargparse 4.x)
+from jsonargparse._util import NestedArg  # private: the value of a --KEY.SUB=VALUE option
 from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, RunCheckpoint, TokensPerSecond
 from lightning_par.plugins.checkpoint_files import newest_complete
-from lightning_par.strategies import ALL_STRATEGIES
-from lightning_par.strategies.names import registered_names, unknown_strategy_message
+from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
+from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
 
 
 def strategies_help() -> str:
@@ -45,10 +50,18 @@ def strategies_help() -> str:
     for cls in ALL_STRATEGIES:
         summary = (inspect.getdoc(cls) or "").splitlines()[0]
         lines.append(f"  lightning_par.{cls.__name__}: {summary}")
-    lines.append(f"Registered names: {', '.join(registered_names())}.")
-    lines.append("Every option of one: lightning-par fit --trainer.strategy.help lightning_par.ZeroStrategy")
-    lines.append("Before launching: lightning-par plan --model=CLASS --world N (bytes per rank, traffic, bubble and "
-                 "step time of every layout; lightning-par plan --help)")
+    generic = [cls.strategy_name for cls in ALL_STRATEGIES[1:]]
+    presets = [name for name in registered_names() if name not in generic and name != LayoutStrategy.strategy_name]
+    lines.append(f"Names, any size: {', '.join(generic)} -- e.g. --trainer.strategy=hybrid3d --trainer.strategy.tp=2 "
+                 "--trainer.strategy.pp=2, or --trainer.strategy=zero --trainer.strategy.stage=3.")
+    lines.append(f"Presets: {', '.join(presets)}.")
+    lines.append("Every name takes options after it: --trainer.strategy=pipeline2_zbv "
+                 "--trainer.strategy.n_microbatches=8 (in YAML: strategy: {class_path: pipeline2_zbv, init_args: "
+                 "{n_microbatches: 8}}).")
+    lines.append("Every option of one: lightning-par fit --trainer.strategy.help zero (a name or a class: "
+                 "lightning_par.ZeroStrategy)")
+    lines.append("Before launching: lightning-par plan --config CONFIG.yaml, or --model=CLASS --world N (bytes per "
+                 "rank, traffic, bubble and step time of every layout; lightning-par plan --help)")
     return "\n".join(lines)
 
 
@@ -94,8 +107,13 @@ class LightningParCLI(LightningCLI):
                                  "last.ckpt linking to the newest, the older one deleted -- unless the trainer has "
                                  "its own ModelCheckpoint callback, or --trainer.enable_checkpointing=false.")
 
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        _list_plan_and_export(parser)
+
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        _accept_strategy_names(parser)
         for action in parser._actions:  # Lightning's own words do not say what 'last' means here
             if action.dest == "ckpt_path":
                 action.help = CKPT_PATH_HELP
@@ -218,6 +236,117 @@ class LightningParCLI(LightningCLI):
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+
+
+class _StrategyOption(ActionTypeHint):
+    """``--trainer.strategy`` (Lightning's ``str | Strategy``) where lightning-par's registered names take options:
+    an option after a name (``--trainer.strategy=pipeline2_zbv --trainer.strategy.n_microbatches=8``, or YAML
+    ``init_args`` under a name given before) first turns the name into its class and options; ``class_path:`` may
+    be a name too (``{class_path: pipeline2_zbv, init_args: {n_microbatches: 8}}``). A name alone stays a name."""
+
+    def _check_type(self, value: Any, append: bool = False, cfg: Any = None, mode: Any = None) -> Any:
+        value = _expand_strategy_name(value, cfg, self.dest)
+        try:
+            return super()._check_type(value, append=append, cfg=cfg, mode=mode)
+        except TypeError as err:  # jsonargparse's "Does not validate against any of the Union subtypes"
+            problem = _option_after_name_problem(value, cfg, self.dest)
+            if problem is None:
+                raise
+            raise TypeError(f'Parser key "{self.dest}": {problem}') from err
+
+
+#: the subcommands :func:`main` runs before (and without) LightningCLI, and their one-line help
+OTHER_SUBCOMMANDS = {
+    "plan": "Plan a layout before launching: bytes per rank, traffic, bubble and step time of every layout "
+            "(lightning-par plan --help; --config CONFIG.yaml reads a fit config)",
+    "export": "Export a checkpoint of any layout to safetensors or a Hugging Face directory "
+              "(lightning-par export --help)",
+}
+
+
+def _list_plan_and_export(parser: LightningArgumentParser) -> None:
+    """List ``plan`` and ``export`` in ``lightning-par --help`` beside fit, validate, test and predict; :func:`main`
+    runs them itself, so their parsers here are placeholders that never parse."""
+    subcommands = parser._subcommands_action  # noqa: SLF001
+    for name, summary in OTHER_SUBCOMMANDS.items():
+        subcommands.add_subcommand(name, LightningArgumentParser(description=summary), help=summary)
+
+
+class _StrategyHelp(_ActionHelpClassPath):
+    """``--trainer.strategy.help``: a class, or one of lightning-par's names (``pipeline``: PipelineStrategy)."""
+
+    def resolve_help_type(self, value: Any, option_string: str) -> type:
+        spec = strategy_spec(value)
+        return super().resolve_help_type(spec["class_path"] if spec else value, option_string)
+
+
+def _accept_strategy_names(parser: LightningArgumentParser) -> None:
+    """Let the subcommand's ``--trainer.strategy`` take options after lightning-par's names (:class:`_StrategyOption`),
+    and its ``--trainer.strategy.help`` take them too (:class:`_StrategyHelp`)."""
+    for option, plain, ours, words in (
+        ("--trainer.strategy", ActionTypeHint, _StrategyOption,
+         "A name -- lightning-par's zero, pipeline, megatron_tp, hybrid3d or a preset such as pipeline2_zbv, or "
+         "Lightning's own -- where lightning-par's take options after it (--trainer.strategy=zero "
+         "--trainer.strategy.stage=2); or a Strategy class with its options. Default: auto."),
+        ("--trainer.strategy.help", _ActionHelpClassPath, _StrategyHelp,
+         "Show the options of a strategy (a class, or one of lightning-par's names) and exit."),
+    ):
+        action = parser._option_string_actions.get(option)  # noqa: SLF001
+        if type(action) is plain:
+            action.__class__ = ours
+            action.help = words
+
+
+def _expand_strategy_name(value: Any, cfg: Any, dest: str) -> Any:
+    """``value`` with a registered name as ``class_path`` replaced by its class and options (the given ones win);
+    for an option (or bare ``init_args``) after a registered name, that name in ``cfg`` replaced likewise."""
+    if isinstance(value, dict | Namespace) and "class_path" in value:
+        spec = strategy_spec(value["class_path"])
+        if spec is None:
+            return value
+        given = value.get("init_args") or {}
+        given = given.as_dict() if isinstance(given, Namespace) else dict(given)
+        return {**dict(value), "class_path": spec["class_path"], "init_args": {**spec["init_args"], **given}}
+    name = _name_before(value, cfg, dest)
+    spec = strategy_spec(name)
+    if spec is not None:
+        cfg[dest] = Namespace(class_path=spec["class_path"], init_args=Namespace(**spec["init_args"]))
+    return value
+
+
+def _name_before(value: Any, cfg: Any, dest: str) -> str | None:
+    """The strategy name an option (or bare ``init_args``) ``value`` comes after, if a name (not a class) came."""
+    if not isinstance(value, NestedArg | dict | Namespace) or cfg is None:
+        return None
+    name = cfg.get(dest)
+    if not isinstance(name, str) or "." in name or name in _strategy_class_names():
+        return None  # a class (a path, or a Strategy subclass's name) is jsonargparse's
+    return name
+
+
+def _strategy_class_names() -> set[str]:
+    found, todo = set(), [Strategy]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return found
+
+
+def _option_after_name_problem(value: Any, cfg: Any, dest: str) -> str | None:
+    """What to say when an option follows a name that takes none: ``auto``, Lightning's own, a mistyped one."""
+    name = _name_before(value, cfg, dest)
+    if name is None:
+        return None
+    option = f"--trainer.strategy.{value.key}" if isinstance(value, NestedArg) else "init_args"
+    if name.lower() == "auto":
+        problem = ("no strategy given before it: name one first, e.g. --trainer.strategy=zero "
+                   "--trainer.strategy.stage=2 (or a class: --trainer.strategy=lightning_par.ZeroStrategy)")
+    else:
+        problem = unknown_strategy_message(name) or (
+            f"{name!r} is a name of Lightning's, not lightning-par's: options after it need a class "
+            f"(--trainer.strategy=CLASS_PATH {option}=...)")
+    return f"{option} after --trainer.strategy={name}: {problem}"
 
 
 def _refuse_unknown_strategy(strategy: object) -> None:

@@ -1,5 +1,7 @@
 """``lightning-par plan``: will it fit, and which layout is fastest -- answered before launching.
 
+    lightning-par plan --config configs/demo.yaml      # the fit config: its model, ranks, strategy and batch
+    lightning-par plan --config configs/demo.yaml --world 16 --hardware h100-sxm   # the same run on 16 GPUs
     lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8
     lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 16 --hardware a100 \\
         --gpu-memory 40 --seq 4096 --global-batch 256 --json plan.json
@@ -17,6 +19,7 @@ from typing import Any
 
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.parallel.stage_plan import SCHEDULES
+from lightning_par.planner.fit_config import FitPlan, read_fit_config
 from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.model import build_model, inspect_model
 from lightning_par.planner.plan import Candidate, Planner, Workload, rank_table
@@ -56,16 +59,20 @@ def parser() -> argparse.ArgumentParser:
                     "activations), traffic per group, bubble and predicted step time of every layout of a model on "
                     "N ranks. The model is built on the meta device (no weights are allocated).",
         epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--config", help="a lightning-par fit config (YAML): plan its model (model.class_path, "
+                                    "init_args), ranks (trainer.devices x num_nodes), strategy, precision, "
+                                    "data.seq_len and batch_size; the options below override it")
     p.add_argument("--model", help="class path of a LightningModule or nn.Module, e.g. "
                                    "example_models.GPTLightningModule; init arguments as --model.NAME=VALUE")
     p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) instead of --model")
     p.add_argument("--world", type=_positive(int), help="number of ranks (devices); default: the product of --layout")
     p.add_argument("--layout", help="one layout, e.g. dp=2,tp=2,pp=2 (prints its rank table) or with "
                                     "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8")
-    p.add_argument("--hardware", default="h100-sxm", help=f"a preset ({', '.join(PRESETS)}) or a JSON/YAML file "
-                                                          "of lightning_par.planner.hardware.Hardware fields")
+    p.add_argument("--hardware", help=f"a preset ({', '.join(PRESETS)}) or a JSON/YAML file of "
+                                      "lightning_par.planner.hardware.Hardware fields (default h100-sxm; cpu for a "
+                                      "--config with trainer.accelerator: cpu)")
     p.add_argument("--gpu-memory", type=_positive(float), help="device memory in GiB (overrides the hardware's)")
-    p.add_argument("--micro-batch", type=_positive(int), default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--micro-batch", type=_positive(int), help="sequences per micro-batch (default 1)")
     p.add_argument("--seq", type=_positive(int), help="sequence length (default: the model's longest, at most 8192)")
     p.add_argument("--global-batch", type=_positive(int),
                    help="sequences per optimizer step (default 8 x world x micro-batch)")
@@ -146,9 +153,23 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     rest, model_args = _split_model_args(argv)
     args = parser().parse_args(rest)
+    fit = read_fit_config(args.config) if args.config else FitPlan()
+    if fit.model and not args.hf_config:
+        args.model = args.model or fit.model
+        model_args = {**fit.model_args, **model_args} if args.model == fit.model else model_args
     if not args.model and not args.hf_config:
-        parser().error("give --model=CLASS (with --model.NAME=VALUE init arguments) or --hf-config PATH")
-    layout = parse_layout(args.layout) if args.layout else {}
+        parser().error("give --config FIT.yaml, --model=CLASS (with --model.NAME=VALUE init arguments) or "
+                       "--hf-config PATH")
+    layout = parse_layout(args.layout) if args.layout else dict(fit.layout)
+    args.world = args.world or (None if args.layout else fit.world)
+    args.hardware = args.hardware or fit.hardware or "h100-sxm"
+    args.seq = args.seq or fit.seq
+    if not args.layout and args.micro_batch is None and args.global_batch is None:
+        args.micro_batch, args.global_batch = fit.micro_batch, fit.global_batch
+    args.micro_batch = args.micro_batch or 1
+    if args.config:
+        print(f"from {args.config}: {args.model}, {args.world or '?'} ranks, layout "
+              f"{','.join(f'{k}={v}' for k, v in layout.items()) or 'any'}", file=sys.stderr)
     world = args.world
     if world is None:
         if not {"dp", "tp", "pp"} & set(layout):

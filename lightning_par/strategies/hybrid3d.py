@@ -31,7 +31,8 @@ class Hybrid3DStrategy(LayoutStrategy):
         dp: data-parallel size, or ``"auto"`` for world size / (tp * pp).
         zero_stage: across data parallel: 0 replicas, 1 optimizer states sharded (default), 2 + gradients,
             3 + parameters (FSDP2).
-        schedule: pipeline schedule (``1f1b``, ``interleaved_1f1b``, ``zbv``, ... see PipelineStrategy).
+        schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zero_bubble``,
+            ``zbv`` or ``dualpipev`` (see PipelineStrategy).
         n_microbatches: micro-batches per batch; default ``2 * pp``.
         virtual_stages: stages per pipeline rank for the interleaved / V schedules.
         sequence_parallel: split norms and the residual stream over the sequence too (activations sent between
@@ -40,14 +41,19 @@ class Hybrid3DStrategy(LayoutStrategy):
         block_types: classes (or class names) of the model's repeated blocks, where they cannot be found otherwise.
         stage_costs: relative cost per pipeline unit, to balance the stages.
         offload_optimizer: ZeRO 1-3: keep the sharded optimizer state in host memory.
+        offload_parameters: ZeRO 3: keep the resting parameter shards in host memory too.
         bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
+        heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
+            ``None`` or 0: off.
+        async_save: write checkpoints in the background (DCP ``async_save``).
+        checkpoint_io: a CheckpointIO plugin for one-file checkpoints; default atomic writes.
 
     Example::
 
         Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2))   # dp = 8 / 4 = 2
-        # or: lightning-par fit ... --trainer.strategy=hybrid3d_tp2_pp2
+        # or: lightning-par fit ... --trainer.strategy=hybrid3d --trainer.strategy.tp=2 --trainer.strategy.pp=2
     """
 
     strategy_name = "hybrid3d"
@@ -66,21 +72,26 @@ class Hybrid3DStrategy(LayoutStrategy):
         block_types: list[str] | None = None,
         stage_costs: list[float] | dict[str, float] | None = None,
         offload_optimizer: bool = False,
+        offload_parameters: bool = False,
         bucket_cap_mb: float = 25.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **kwargs: Any,
+        heartbeat_timeout: float | None = 60.0,
+        async_save: bool = False,
+        checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
             dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, recompute=recompute,
             block_types=block_types, stage_costs=stage_costs, offload_optimizer=offload_optimizer,
-            bucket_cap_mb=bucket_cap_mb, process_group_backend=process_group_backend, timeout=timeout, **kwargs,
+            offload_parameters=offload_parameters, bucket_cap_mb=bucket_cap_mb,
+            process_group_backend=process_group_backend, timeout=timeout, heartbeat_timeout=heartbeat_timeout,
+            async_save=async_save, checkpoint_io=checkpoint_io,
         )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets: dict[str, dict[str, Any]] = {}
+        presets: dict[str, dict[str, Any]] = {cls.strategy_name: {}}  # any size: --trainer.strategy.tp=N ...pp=M
         for tp, pp in ((2, 2), (2, 4), (4, 2)):
             presets[f"hybrid3d_tp{tp}_pp{pp}"] = {"tp": tp, "pp": pp}
             presets[f"hybrid3d_tp{tp}_pp{pp}_sp"] = {"tp": tp, "pp": pp, "sequence_parallel": True}

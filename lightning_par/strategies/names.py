@@ -1,13 +1,17 @@
-"""lightning-par's registered strategy names, and a did-you-mean for a name Lightning does not know.
+"""lightning-par's registered strategy names: what each one means as a class and options, and a did-you-mean for a
+name Lightning does not know.
 
 Lightning answers an unknown ``strategy="..."`` with a generic error that lists a few of its own names; the CLI asks
 :func:`unknown_strategy_message` first (before the Trainer is built), so a mistyped lightning-par name is answered
-with the closest registered names and the list of lightning-par's.
+with the closest registered names and the list of lightning-par's. :func:`strategy_spec` turns one of lightning-par's
+names into its class path and options, so the CLI can take per-option overrides after a name
+(``--trainer.strategy=pipeline2_zbv --trainer.strategy.n_microbatches=8``).
 """
 
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -17,6 +21,18 @@ from lightning_par.strategies import ALL_STRATEGIES
 def registered_names() -> list[str]:
     """The strategy names lightning-par registers with Lightning (``zero0``, ``megatron_tp2``, ...), sorted."""
     return sorted(name for name, entry in StrategyRegistry.items() if entry["strategy"] in ALL_STRATEGIES)
+
+
+def strategy_spec(name: object) -> dict[str, Any] | None:
+    """``{"class_path": ..., "init_args": {...}}`` of one of lightning-par's registered names (``"pipeline2_zbv"``
+    -> PipelineStrategy with pp=2, schedule="zbv"); ``None`` for anything else (Lightning's own names included)."""
+    if not isinstance(name, str):
+        return None
+    entry = dict.get(StrategyRegistry, name.lower())  # the registry's own get() builds the strategy
+    if not entry or entry["strategy"] not in ALL_STRATEGIES:
+        return None
+    cls = entry["strategy"]
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(entry["init_params"])}
 
 
 def unknown_strategy_message(name: object) -> str | None:
@@ -30,5 +46,6 @@ def unknown_strategy_message(name: object) -> str | None:
     close = difflib.get_close_matches(name.lower(), ours, n=3, cutoff=0.6) or \
         difflib.get_close_matches(name.lower(), others, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return (f"unknown strategy name {name!r}.{hint} lightning-par's names: {', '.join(ours)}; a class works too "
-            "(--trainer.strategy=lightning_par.ZeroStrategy --trainer.strategy.stage=2).")
+    return (f"unknown strategy name {name!r}.{hint} lightning-par's names: {', '.join(ours)}; every name takes "
+            "options after it (--trainer.strategy=zero --trainer.strategy.stage=2), and a class works too "
+            "(--trainer.strategy=lightning_par.ZeroStrategy).")

@@ -40,16 +40,23 @@ class MegatronTPStrategy(LayoutStrategy):
         zero_stage: across data parallel: 0 replicas (gradients all-reduced), 1 / 2 (optimizer states / + gradients
             sharded; each tp rank's buckets hold its own shards) or 3 (FSDP2, 2D with tp).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory.
+        offload_parameters: stage 3: keep the resting parameter shards in host memory too.
+        recompute: activation recompute per block: ``"none"``, ``"selective"`` (the attention core) or ``"full"``.
         bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
         block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
             model itself (see ``lightning_par.parallel.blocks.find_blocks``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
+        heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
+            ``None`` or 0: off.
+        async_save: write checkpoints in the background (DCP ``async_save``).
+        checkpoint_io: a CheckpointIO plugin for one-file checkpoints; default atomic writes.
 
     Example::
 
         Trainer(accelerator="gpu", devices=8, strategy=MegatronTPStrategy(tp=4, sequence_parallel=True))
-        # or: lightning-par fit ... --trainer.strategy=megatron_tp2_sp
+        # or: lightning-par fit ... --trainer.strategy=megatron_tp --trainer.strategy.tp=4 \
+        #     --trainer.strategy.sequence_parallel=true
     """
 
     strategy_name = "megatron_tp"
@@ -61,24 +68,21 @@ class MegatronTPStrategy(LayoutStrategy):
         dp: Size = "auto",
         zero_stage: int = 0,
         offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        recompute: str = "none",
         bucket_cap_mb: float = 25.0,
         block_types: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **kwargs: Any,
+        heartbeat_timeout: float | None = 60.0,
+        async_save: bool = False,
+        checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
-            dp=dp,
-            tp=tp,
-            pp=1,
-            zero_stage=zero_stage,
-            offload_optimizer=offload_optimizer,
-            sequence_parallel=sequence_parallel,
-            bucket_cap_mb=bucket_cap_mb,
-            block_types=block_types,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
+            dp=dp, tp=tp, pp=1, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, sequence_parallel=sequence_parallel, recompute=recompute,
+            bucket_cap_mb=bucket_cap_mb, block_types=block_types, process_group_backend=process_group_backend,
+            timeout=timeout, heartbeat_timeout=heartbeat_timeout, async_save=async_save, checkpoint_io=checkpoint_io,
         )
 
     @property
@@ -87,7 +91,7 @@ class MegatronTPStrategy(LayoutStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets: dict[str, dict[str, Any]] = {}
+        presets: dict[str, dict[str, Any]] = {cls.strategy_name: {}}  # any size: --trainer.strategy.tp=N
         for tp in (2, 4, 8):
             presets[f"megatron_tp{tp}"] = {"tp": tp}
             presets[f"megatron_tp{tp}_sp"] = {"tp": tp, "sequence_parallel": True}

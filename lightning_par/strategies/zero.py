@@ -26,18 +26,25 @@ class ZeroStrategy(LayoutStrategy):
     ====== ======================================== ============ ========= =========== ====================
 
     Args:
-        stage: ZeRO stage, 0-3 (table above).
+        stage: ZeRO stage: 0 replicas, gradients all-reduced (DDP); 1 optimizer states sharded; 2 + gradients
+            sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the optimizer's shard and state in host memory, step there.
         offload_parameters: stage 3 only: keep the resting parameter shards in host memory as well.
+        recompute: activation recompute per block: ``"none"``, ``"selective"`` (the attention core) or ``"full"``.
         bucket_cap_mb: gradient bucket size for the all-reduce / reduce-scatter, in MiB.
         block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
             model itself (see ``lightning_par.parallel.blocks.find_blocks``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
+        heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
+            ``None`` or 0: off.
+        async_save: stages 1-3: write checkpoints in the background (DCP ``async_save``).
+        checkpoint_io: a CheckpointIO plugin for stage 0's one-file checkpoints; default atomic writes.
 
     Example::
 
         Trainer(accelerator="cpu", devices=4, strategy=ZeroStrategy(stage=0))
+        # or: lightning-par fit ... --trainer.strategy=zero --trainer.strategy.stage=2
     """
 
     strategy_name = "zero"
@@ -47,24 +54,20 @@ class ZeroStrategy(LayoutStrategy):
         stage: int = 0,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
+        recompute: str = "none",
         bucket_cap_mb: float = 25.0,
         block_types: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **kwargs: Any,
+        heartbeat_timeout: float | None = 60.0,
+        async_save: bool = False,
+        checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
-            dp="auto",
-            tp=1,
-            pp=1,
-            zero_stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            bucket_cap_mb=bucket_cap_mb,
-            block_types=block_types,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
+            dp="auto", tp=1, pp=1, zero_stage=stage, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, recompute=recompute, bucket_cap_mb=bucket_cap_mb,
+            block_types=block_types, process_group_backend=process_group_backend, timeout=timeout,
+            heartbeat_timeout=heartbeat_timeout, async_save=async_save, checkpoint_io=checkpoint_io,
         )
 
     @property
