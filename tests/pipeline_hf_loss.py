@@ -1,11 +1,12 @@
 """A LightningModule written the Hugging Face way -- ``loss = self.model(**batch).loss``, no ``loss_fn`` -- trained
 through ``Trainer.fit`` under pipeline layouts, next to one process on the same batches.
 
-Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (pp2) or 4 (tp2 x pp2); ``tests/test_pipeline_hf_loss.py``
-reads what it writes. The batches are padded on the left and carry ``-100`` labels over a "prompt" of each row, in
-amounts that differ from row to row, so the micro-batches hold different numbers of counted tokens: the batch loss is
-the token mean over the whole batch only if the pipeline weighs each micro-batch by its tokens. Rank 0 also trains
-the reference (the same module and seed, one process, ``self.model(**batch).loss`` on the whole batch).
+Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (pp2) or 4 (tp2 x pp2);
+``tests/test_pipeline_hf_loss.py`` reads what it writes. The batches are padded on the left and carry ``-100``
+labels over a "prompt" of each row, in amounts that differ from row to row, so the micro-batches hold different
+numbers of counted tokens: the batch loss is the token mean over the whole batch only if the pipeline weighs each
+micro-batch by its tokens. Rank 0 also trains the reference (the same module and seed, one process,
+``self.model(**batch).loss`` on the whole batch).
 
 The error cases run the fit with a step the pipeline cannot split and record what each rank raised.
 """
@@ -185,7 +186,8 @@ class _Losses(L.Callback):
         self.val: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.train.append(float(outputs["loss"]))
+        # what the step logged (``outputs["loss"]`` is divided by accumulate_grad_batches)
+        self.train.append(float(trainer.callback_metrics["train/loss"]))
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if not trainer.sanity_checking:

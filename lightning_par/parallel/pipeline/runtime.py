@@ -381,11 +381,11 @@ class PipelineRuntime:
         inputs, labels, items = self._model_call(args, kwargs)
         if labels is None:
             raise LayoutError(
-                f"under pipeline parallel the model call in training_step runs forward and backward through the "
-                f"stages, with the loss computed on the last stage: it needs labels= (the output then holds the "
-                f"loss only), e.g. `loss = self.model(**batch).loss` with 'labels' in the batch. This call gave "
-                f"no labels. To compute your own loss from the logits, define loss_fn(outputs, targets) and "
-                f"compute_loss(batch) instead (see example_models.GPTLightningModule).")
+                "under pipeline parallel the model call in training_step runs forward and backward through the "
+                "stages, with the loss computed on the last stage: it needs labels= (the output then holds the "
+                "loss only), e.g. `loss = self.model(**batch).loss` with 'labels' in the batch. This call gave "
+                "no labels. To compute your own loss from the logits, define loss_fn(outputs, targets) and "
+                "compute_loss(batch) instead (see example_models.GPTLightningModule).")
         return PipelineOutput(loss=self.train_step(inputs, labels=labels, num_items_in_batch=items))
 
     def train_step(self, inputs: Tensor | Mapping[str, Tensor], targets: Tensor | None = None, *,
