@@ -22,6 +22,9 @@ class Runner(Protocol):
     #: True: :meth:`train_step` runs forward and backward, and evaluation's loss comes from :meth:`forward_only`
     #: (Lightning must not run backward); False: Lightning's loop runs the step, and neither is called
     takes_over_step: bool
+    #: True: the loss is the model's own, computed when the LightningModule's training_step calls the model with
+    #: labels (a Hugging Face causal LM without ``loss_fn``); False: ``loss_fn`` / ``compute_loss``, or pp = 1
+    model_loss_step: bool
     #: the group whose ranks hold different stages (the pipeline's): the gradient norm sums over it; None for one
     group: dist.ProcessGroup | None
 
@@ -51,6 +54,7 @@ class SingleRunner:
     """pp = 1: the whole model is one stage on every rank, and Lightning's loop runs the step."""
 
     takes_over_step = False
+    model_loss_step = False
     group = None
 
     def __init__(self) -> None:

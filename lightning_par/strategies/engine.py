@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -54,6 +54,7 @@ from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, pa
 from lightning_par.parallel.parallelize import describe as describe_materialized
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.fsdp import stage_blocks
+from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.runners import Runner, SingleRunner
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_tp_plan
@@ -443,14 +444,6 @@ class LayoutStrategy(ParallelStrategy):
     def _setup_pipeline(self, trainer: Trainer, fitting: bool) -> None:
         lm = self.lightning_module
         assert lm is not None
-        for hook in ("loss_fn", "compute_loss"):
-            if not callable(getattr(lm, hook, None)):
-                raise LayoutError(
-                    f"pipeline parallel (pp={self.dims.pp}) needs {type(lm).__name__}.{hook}(): the loss is computed "
-                    "on the last stage, inside the schedule. Define `loss_fn(outputs, targets)` (the loss of one "
-                    "micro-batch) and compute your step's loss through `compute_loss(batch)` (default: "
-                    "`self.loss_fn(self(inputs), targets)`), as example_models.GPTLightningModule does."
-                )
         blocks = self._find_blocks()
         if blocks.units is None or not blocks.path:
             raise LayoutError(
@@ -459,6 +452,7 @@ class LayoutStrategy(ParallelStrategy):
                 "`pipeline_units()` / a `pp_plan`, or keep the blocks in one nn.ModuleList next to the modules that "
                 f"run before and after them. Found: {blocks.describe()}."
             )
+        loss_fn = self._pipeline_loss_fn(blocks.root)
         parent_name, _, attr = blocks.path.rpartition(".")
         parent = lm.get_submodule(parent_name) if parent_name else lm
         self._block_names = list(blocks.blocks)
@@ -472,7 +466,7 @@ class LayoutStrategy(ParallelStrategy):
 
         accumulate = trainer.accumulate_grad_batches if fitting else 1
         plan = self.layout.stage_plan
-        pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], plan, lm.loss_fn,
+        pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], plan, loss_fn,
                                    loss_scale=1.0 / (plan.n_microbatches * accumulate), device=self.root_device,
                                    costs=self.layout.stage_costs, units=list(blocks.units), prepare=prepare)
         self._runner = pipeline
@@ -487,6 +481,36 @@ class LayoutStrategy(ParallelStrategy):
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
             trainer.fit_loop._skip_backward = True
 
+    def _pipeline_loss_fn(self, model: nn.Module) -> Any:
+        """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
+        from ``compute_loss``), or None -- the model's own, for a step written the Hugging Face way
+        (``self.model(**batch).loss``, see :meth:`_model_call_step`). Refused here, alike on every rank and before
+        any collective, when there is neither."""
+        lm = self.lightning_module
+        assert lm is not None
+        name = type(lm).__name__
+        if callable(getattr(lm, "loss_fn", None)):
+            if not callable(getattr(lm, "compute_loss", None)):
+                raise LayoutError(
+                    f"pipeline parallel (pp={self.dims.pp}): {name} defines loss_fn() but no compute_loss(batch): "
+                    "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
+                    "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
+                    "example_models.GPTLightningModule does.")
+            return lm.loss_fn
+        own = ModelLoss.of(model)
+        if own is None:
+            raise LayoutError(
+                f"pipeline parallel (pp={self.dims.pp}) computes the loss on the last stage, inside the schedule, "
+                f"so it must know the loss: {name} defines no loss_fn(), and its model {type(model).__name__} is not "
+                "a Hugging Face causal LM with a loss of its own. Either train a Hugging Face *ForCausalLM and return "
+                "`self.model(**batch).loss` from training_step (labels in the batch); or define "
+                "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
+                "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
+                "example_models.GPTLightningModule does.")
+        rank_zero_info(f"pipeline loss: {own.name} on the last stage, the token mean over each whole batch "
+                       f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
+        return None
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._runner.takes_over_step:
             with self._loss_context():
@@ -498,11 +522,56 @@ class LayoutStrategy(ParallelStrategy):
             if batch_idx % lm.trainer.accumulate_grad_batches == 0:  # where Lightning would zero the gradients
                 for optimizer in self.optimizers:
                     optimizer.zero_grad(set_to_none=True)
+            if self._runner.model_loss_step:
+                return self._model_call_step(lm, *args, **kwargs)
             with self._loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
                 loss = self._runner.train_step(*split_batch(batch))
             self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
+
+    def _model_call_step(self, lm: Any, *args: Any, **kwargs: Any) -> Any:
+        """A training_step written the Hugging Face way, ``loss = self.model(**batch).loss``: the step runs as
+        written, and its model call runs the schedule (forward and backward of the whole batch, the model's own loss
+        on the last stage) and returns the batch loss. So the step must call the model once, with labels, and
+        return that loss as it is (it was backpropagated already); anything else is refused, alike on every rank
+        (each runs the same step on a batch of the same form)."""
+        runtime = self.pipeline
+        assert runtime is not None
+        losses: list[Tensor] = []
+
+        def train_call(*call_args: Any, **call_kwargs: Any) -> Any:
+            if losses:
+                raise LayoutError(
+                    f"{type(lm).__name__}.training_step called the model twice; under pipeline parallel its call runs "
+                    "forward and backward of the whole batch through the stages, once per step. Call it once, e.g. "
+                    "`loss = self.model(**batch).loss`.")
+            with self._loss_context():
+                output = runtime.train_call(*call_args, **call_kwargs)
+            self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
+            losses.append(output["loss"])
+            return output
+
+        runtime.module.forward = train_call
+        try:
+            output = lm.training_step(*args, **kwargs)
+        finally:
+            runtime.module.forward = runtime.forward_only
+        returned = output.get("loss") if isinstance(output, Mapping) else output
+        if not losses:
+            raise LayoutError(
+                f"{type(lm).__name__} defines no loss_fn(), so under pipeline parallel its training_step must get its "
+                "loss from the model's own call, `self.model(**batch).loss` (labels in the batch), which runs the "
+                "schedule; this training_step did not call the model. Call it, or define `loss_fn(outputs, targets)` "
+                "and `compute_loss(batch)` (see example_models.GPTLightningModule).")
+        if returned is not None and returned is not losses[0]:
+            raise LayoutError(
+                f"{type(lm).__name__}.training_step returned a loss other than the model's `.loss`: under pipeline "
+                "parallel that loss was computed and backpropagated inside the schedule (the tensor is detached), so "
+                "a loss computed from it (scaled, or with terms added) would not be trained on. Return "
+                "`self.model(**batch).loss` as it is, or define `loss_fn(outputs, targets)` and `compute_loss(batch)` "
+                "to compute your own loss (see example_models.GPTLightningModule).")
+        return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._pipeline_eval_loss(), self._loss_context():
@@ -514,8 +583,10 @@ class LayoutStrategy(ParallelStrategy):
 
     @contextmanager
     def _pipeline_eval_loss(self) -> Generator[None, None, None]:
-        """Evaluation's ``compute_loss`` runs forward-only through the stages; the loss comes from the last."""
-        if not self._runner.takes_over_step:
+        """Evaluation's ``compute_loss`` runs forward-only through the stages; the loss comes from the last. (A
+        step written the Hugging Face way needs nothing here: ``self.model(**batch)`` runs forward-only, and given
+        labels its output's ``.loss`` is the model's own loss, see ``PipelineRuntime.forward_only``.)"""
+        if not self._runner.takes_over_step or self._runner.model_loss_step:
             yield None
             return
         runner = self._runner

@@ -22,8 +22,8 @@ class Hybrid3DStrategy(LayoutStrategy):
 
     ZeRO with pipelines: stages 1 and 2 reduce-scatter each gradient bucket once per optimizer step, after the
     schedule's last backward (not once per micro-batch); stage 3 (FSDP2 per block and per stage) gathers each group
-    once per step and reduce-scatters it once, after the last backward. The LightningModule defines
-    ``loss_fn(outputs, targets)`` and computes its loss through ``compute_loss(batch)``, as for PipelineStrategy.
+    once per step and reduce-scatters it once, after the last backward. The loss is declared as for
+    PipelineStrategy: ``self.model(**batch).loss`` of a Hugging Face causal LM, or ``loss_fn`` + ``compute_loss``.
 
     Args:
         tp: tensor-parallel size (must divide heads, hidden and FFN sizes and the vocabulary).

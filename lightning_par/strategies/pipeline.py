@@ -18,10 +18,12 @@ class PipelineStrategy(LayoutStrategy):
     With ``virtual_stages`` v, there are ``pp * v`` stages, v per rank. The model declares its pipeline units in
     execution order (``pipeline_units()``: embedding, each block, final norm, head); stages are contiguous runs of
     units, balanced by count or by ``stage_costs``, and keep the original parameter names. Each Lightning batch is split
-    into ``n_microbatches`` micro-batches that the schedule runs through the stages. The LightningModule defines
-    ``loss_fn(outputs, targets)`` (one micro-batch's loss, run on the last stage) and gets its step's loss from
-    ``compute_loss(batch)``; the strategy answers that call with the whole batch's loss after the schedule ran forward
-    and backward, so the step's logging works unchanged.
+    into ``n_microbatches`` micro-batches that the schedule runs through the stages. The loss is computed on the last
+    stage, either the Hugging Face way -- a ``*ForCausalLM`` whose training_step returns ``self.model(**batch).loss``
+    (labels in the batch): that call runs the schedule, and the last stage computes the model's own loss, the token
+    mean over the whole batch -- or, for any model, with ``loss_fn(outputs, targets)`` (one micro-batch's loss) and
+    the step's loss from ``compute_loss(batch)``, which the strategy answers with the batch loss after the schedule
+    ran forward and backward. Either way the step's logging works unchanged.
 
     ================== =========================== ============================== ===============================
     schedule           stages per rank (v)         bubble / compute (ideal)       micro-batches held per stage

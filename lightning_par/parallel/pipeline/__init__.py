@@ -1,11 +1,12 @@
 """Pipeline parallelism without Lightning: which units each stage holds, the stage modules themselves, how a stage
-calls any model (ours, Hugging Face, a plain nn.ModuleList model), the batch forms a pipeline accepts, and ZeRO-3
-(FSDP2) of the stage modules."""
+calls any model (ours, Hugging Face, a plain nn.ModuleList model), the batch forms a pipeline accepts, a Hugging Face
+model's own loss on the last stage, and ZeRO-3 (FSDP2) of the stage modules."""
 
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, StageIO, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import ACCEPTED_FORMS, next_token_targets, split_batch
 from lightning_par.parallel.pipeline.chain import check_chain
 from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count, fully_shard_stages
+from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.split import (
     KeptModuleList,
     RemovedUnit,
@@ -28,6 +29,7 @@ __all__ = [
     "ACCEPTED_FORMS",
     "STAGE_STYLES",
     "KeptModuleList",
+    "ModelLoss",
     "PipelineOutput",
     "RemovedUnit",
     "StageIO",

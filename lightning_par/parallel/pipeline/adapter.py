@@ -183,7 +183,9 @@ class PipelineOutput(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(name) from None
+            why = (" (given labels, the pipeline computes the loss on the last stage and gathers no logits; call the "
+                   "model without labels for them)" if "loss" in self else "")
+            raise AttributeError(f"{name!r}: this pipeline output holds only {list(self)}{why}") from None
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, (int, slice)):

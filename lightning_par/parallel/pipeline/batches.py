@@ -13,8 +13,10 @@ which. :func:`split_batch` accepts:
   logits with. An all-ones mask is dropped; a mask with zeros (padding) comes back with the ids as the inputs
   ``{"input_ids": ..., "attention_mask": ...}``, which the pipeline cuts like the ids and gives to every stage.
 
-The loss the pipeline reports is the mean of the micro-batch losses (as with gradient accumulation): with ``-100``
-labels spread unevenly over the micro-batches it is not the token mean over the whole batch.
+With a LightningModule's ``loss_fn`` the loss the pipeline reports is the mean of the micro-batch losses (as with
+gradient accumulation): with ``-100`` labels spread unevenly over the micro-batches it is not the token mean over the
+whole batch. A Hugging Face step (``self.model(**batch).loss``, no ``loss_fn``) gets the model's own loss and the
+token mean over the whole batch (:mod:`.loss`): the model is called with the unshifted labels, which it shifts itself.
 """
 
 from __future__ import annotations

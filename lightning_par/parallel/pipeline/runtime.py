@@ -48,7 +48,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
+from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.chain import check_chain
+from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.split import (
     Costs,
     block_units,
@@ -168,7 +170,9 @@ class PipelineRuntime:
         model: the full model, identical on every rank; it is not modified.
         pp_mesh: the 1-D pipeline mesh this rank belongs to.
         plan: the stages and schedule (:class:`StagePlan`, e.g. ``Layout.stage_plan``), for this mesh's pp.
-        loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage.
+        loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage; or None: the model's own loss
+            (a Hugging Face causal LM's ``loss_function``, :class:`~.loss.ModelLoss`), for batches given with
+            ``labels=`` (:meth:`train_step`, :meth:`train_call`, :meth:`forward_only`).
         loss_scale: the factor applied to each micro-batch loss before backward (1 / (m * accumulation)).
         device: where the stages compute.
         costs: per-unit costs for balancing the split (see :func:`plan_stages`), or None to balance by count.
@@ -187,14 +191,14 @@ class PipelineRuntime:
     Attributes after construction: ``plan``, ``module`` (the rank module: all of this rank's units, original names),
     ``stage_modules`` (what ``prepare`` returned), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
     ``units_by_stage``, ``stage_ids``, ``block_units`` (the units that are repeated blocks),
-    ``require_sync`` (see :meth:`train_step`).
+    ``require_sync`` (see :meth:`train_step`), ``model_loss`` (the model's own loss, or None).
     """
 
     #: the schedule runs forward and backward itself (see :class:`~lightning_par.parallel.runners.Runner`)
     takes_over_step = True
 
     def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, plan: StagePlan,
-                 loss_fn: Callable[[Any, Any], Tensor], loss_scale: float, device: torch.device,
+                 loss_fn: Callable[[Any, Any], Tensor] | None, loss_scale: float, device: torch.device,
                  costs: Costs = None, units: Sequence[str] | None = None, prepare: Prepare | None = None) -> None:
         spec = plan.spec
         if spec is None or plan.pp != pp_mesh.size():
@@ -207,6 +211,10 @@ class PipelineRuntime:
         self.device = device
         self.units = model_units(model, units)
         self.io = stage_io(model)
+        self.model_loss = ModelLoss.of(model)
+        if loss_fn is None and self.model_loss is None:
+            raise LayoutError(f"the pipeline was given no loss_fn, and {type(model).__name__} has no loss of its own "
+                              "that it can compute on the last stage (a Hugging Face causal LM's loss_function).")
         self.units_by_stage = plan_stages(model, plan, costs=costs, units=self.units)
         # before the split and before any collective, on the (meta) model: the same verdict on every rank
         self.chain_check_seconds = check_chain(model, self.units, self.units_by_stage, self.io)
@@ -226,12 +234,13 @@ class PipelineRuntime:
         # False while Lightning accumulates gradients: FSDP stage modules keep their gradients unreduced
         self.require_sync = True
         self._loss_fn = loss_fn
+        self._step_loss = loss_fn  # the loss of the current step's micro-batches (see train_step)
         self._micro_losses: list[Tensor] = []
         self.record_next = False  # record the next training step's executed schedule and activation memory
         self.recording: Recording | None = None
 
         def scaled_loss(outputs: Any, targets: Any) -> Tensor:
-            loss = loss_fn(outputs, targets)
+            loss = self._step_loss(outputs, targets)
             self._micro_losses.append(_plain(loss.detach()))
             return loss * loss_scale
 
@@ -285,6 +294,11 @@ class PipelineRuntime:
         return prepared
 
     @property
+    def model_loss_step(self) -> bool:
+        """Trained with the model's own loss (built without ``loss_fn``): see :meth:`train_call`."""
+        return self._loss_fn is None
+
+    @property
     def is_first(self) -> bool:
         return 0 in self.stage_ids
 
@@ -314,17 +328,83 @@ class PipelineRuntime:
             )
         return inputs["input_ids"], {"attention_mask": mask}
 
-    def train_step(self, inputs: Tensor | Mapping[str, Tensor], targets: Tensor) -> Tensor:
+    def _losses_for(self, targets: Tensor | None, labels: Tensor | None, m: int,
+                    num_items_in_batch: Any = None) -> tuple[Callable[[Any, Any], Tensor], Tensor]:
+        """The loss of each of a batch's ``m`` micro-batches and what it compares with: ``loss_fn`` and
+        ``targets``, or the model's own loss and ``labels`` (Hugging Face's convention, shifted inside the loss)."""
+        if (targets is None) == (labels is None):
+            raise TypeError("give the pipeline either targets (for loss_fn) or labels= (for the model's own loss)")
+        if labels is None:
+            if self._loss_fn is None:
+                raise LayoutError("this pipeline has no loss_fn: give the batch's labels= for the model's own loss "
+                                  f"({self.model_loss.name if self.model_loss else 'none'}).")
+            return self._loss_fn, targets
+        if self.model_loss is None:
+            raise LayoutError(f"{type(self.module).__name__} has no loss of its own that the pipeline can compute on "
+                              "the last stage (a Hugging Face causal LM's loss_function): give targets for loss_fn.")
+        return self.model_loss.for_batch(labels, m, num_items_in_batch), labels
+
+    def _model_call(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Tensor | None, Any]:
+        """``(inputs, labels, num_items_in_batch)`` of a call made the way a Hugging Face model is called
+        (``model(input_ids=..., attention_mask=..., labels=...)``), checked like a batch (``split_batch``)."""
+        kwargs = dict(kwargs)
+        input_key = self.io.input_key or "input_ids"
+        if args:
+            if len(args) > 1 or input_key in kwargs:
+                raise TypeError(f"the pipeline's forward takes the model's inputs as one tensor or by keyword "
+                                f"({input_key}=, attention_mask=, labels=); it got {len(args)} positional arguments"
+                                f"{' and ' + input_key + '=' if input_key in kwargs else ''}.")
+            kwargs[input_key] = args[0]
+        # a pipeline stage keeps no cache, and the output is read by name either way
+        for key, ignored in (("use_cache", (None, False)), ("return_dict", (None, True))):
+            if key in kwargs and kwargs[key] in ignored:
+                del kwargs[key]
+        ids, mask = kwargs.pop(input_key, None), kwargs.pop("attention_mask", None)
+        labels, items = kwargs.pop("labels", None), kwargs.pop("num_items_in_batch", None)
+        if not isinstance(ids, Tensor) or kwargs:
+            raise TypeError(f"the pipeline's forward takes the model's inputs (a tensor, or {input_key}=, "
+                            f"attention_mask= and labels=) and targets; it got "
+                            f"{'no inputs' if not isinstance(ids, Tensor) else 'also ' + str(sorted(kwargs))}.")
+        if labels is None:
+            inputs = ids if mask is None else {"input_ids": ids, "attention_mask": mask}
+            return inputs, None, None
+        batch = {"input_ids": ids, "labels": labels, **({} if mask is None else {"attention_mask": mask})}
+        inputs, _ = split_batch(batch)  # the shapes checked, an all-ones mask dropped
+        return inputs, labels, items
+
+    def train_call(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        """Training's forward of the rank module, called the way a Hugging Face model is
+        (``self.model(**batch)`` with ``labels``): runs :meth:`train_step` -- forward and backward of the whole
+        batch through the schedule, the model's own loss on the last stage -- and returns ``{"loss": ...}`` (the
+        batch loss, detached, on every pipeline rank). The logits exist only on the last stage, one micro-batch at
+        a time: the output has none."""
+        inputs, labels, items = self._model_call(args, kwargs)
+        if labels is None:
+            raise LayoutError(
+                "under pipeline parallel the model call in training_step runs forward and backward through the "
+                "stages, with the loss computed on the last stage: it needs labels= (the output then holds the "
+                "loss only), e.g. `loss = self.model(**batch).loss` with 'labels' in the batch. This call gave "
+                "no labels. To compute your own loss from the logits, define loss_fn(outputs, targets) and "
+                "compute_loss(batch) instead (see example_models.GPTLightningModule).")
+        return PipelineOutput(loss=self.train_step(inputs, labels=labels, num_items_in_batch=items))
+
+    def train_step(self, inputs: Tensor | Mapping[str, Tensor], targets: Tensor | None = None, *,
+                   labels: Tensor | None = None, num_items_in_batch: Any = None) -> Tensor:
         """Forward and backward of one batch through the schedule; gradients accumulate in the parameters.
 
         ``inputs`` are the model's input ids, or a dict with ``input_ids`` and ``attention_mask`` (every stage gets
-        the mask). Returns the batch loss (mean of the micro-batch losses, unscaled) on every pipeline rank.
+        the mask). The loss: ``loss_fn`` against ``targets``, whose batch loss is the mean of the micro-batch
+        losses; or, with ``labels=`` instead (Hugging Face's convention), the model's own loss
+        (:class:`~.loss.ModelLoss`), whose batch loss is the token mean over the whole batch, as one process
+        computes it (``num_items_in_batch``: the token count to divide by, default the labels' own).
+        Returns the batch loss (unscaled) on every pipeline rank.
 
         FSDP2 stage modules (ZeRO-3): torch's schedule accumulates the micro-batches' gradients unreduced and
         reduce-scatters each FSDP group once after the last backward of the step. With ``require_sync = False``
         (the non-final batches of gradient accumulation) that reduce-scatter is skipped too: the gradients stay
         unreduced (and the parameters gathered) until the step whose ``require_sync`` is True.
         """
+        self._step_loss, targets = self._losses_for(targets, labels, self.plan.n_microbatches, num_items_in_batch)
         m = self.plan.n_microbatches
         ids, extra = self._model_inputs(inputs)
         if ids.size(0) % m:
@@ -487,24 +567,20 @@ class PipelineRuntime:
 
         It is also the forward of the rank's module (the engine installs it), so it takes a Hugging Face model's
         call too: ``model(input_ids=..., attention_mask=..., use_cache=False)`` returns a :class:`PipelineOutput`
-        with the last stage's output under the model's output name (``.logits``).
+        with the last stage's output under the model's output name (``.logits``); with ``labels=`` as well, one
+        with the model's own loss of the batch (``.loss``, the token mean over the whole batch) and no logits.
         """
-        called_like_model = inputs is None and self.io.input_key is not None and self.io.input_key in model_kwargs
-        if called_like_model:
-            inputs = model_kwargs.pop(self.io.input_key)
-        mask = model_kwargs.pop("attention_mask", None)
-        if mask is not None:
-            inputs = {"input_ids": inputs, "attention_mask": mask} if isinstance(inputs, Tensor) else inputs
-        # a pipeline stage keeps no cache, and the output is read by name either way
-        for key, ignored in (("use_cache", (None, False)), ("return_dict", (None, True))):
-            if key in model_kwargs and model_kwargs[key] in ignored:
-                del model_kwargs[key]
-        if inputs is None or model_kwargs:
-            raise TypeError(f"the pipeline's forward takes the model's inputs (a tensor, or "
-                            f"{self.io.input_key or 'input_ids'}= and attention_mask=) and targets; it got "
-                            f"{'no inputs' if inputs is None else 'also ' + str(sorted(model_kwargs))}.")
+        called_like_model = inputs is None  # by keyword: the output is the model's (a PipelineOutput)
+        labels = items = None
+        if not isinstance(inputs, Mapping):  # a tensor, or the model's keywords
+            inputs, labels, items = self._model_call(() if inputs is None else (inputs,), model_kwargs)
+        elif model_kwargs:
+            raise TypeError(f"the pipeline's forward takes a dict of inputs alone; it got also {sorted(model_kwargs)}.")
         ids, extra = self._model_inputs(inputs)
         m = math.gcd(ids.size(0), n_microbatches or self.plan.n_microbatches)  # equal micro-batches
+        with_loss = targets is not None or labels is not None
+        if with_loss:  # checked before any communication
+            loss_fn, targets = self._losses_for(targets, labels, m, items)
         chunks = ids.tensor_split(m)
         masks = extra["attention_mask"].tensor_split(m) if extra else [None] * m
         last_stage = self.plan.n_stages - 1
@@ -538,13 +614,15 @@ class PipelineRuntime:
         # pipeline, still hold them: free them now (the optimizer may step the shards before the next call)
         for module in fsdp_modules(self.stage_modules):
             module.reshard()
-        if targets is not None:
+        if with_loss:
             if self.is_last:
-                losses = [self._loss_fn(y, t) for y, t in zip(outputs, targets.tensor_split(m), strict=True)]
+                losses = [loss_fn(y, t) for y, t in zip(outputs, targets.tensor_split(m), strict=True)]
                 loss = torch.stack([_plain(x.detach()).float() for x in losses]).mean()
             else:
                 loss = torch.zeros((), dtype=torch.float32, device=self.device)
-            return self._from_last(loss)
+            loss = self._from_last(loss)
+            # called like the model with labels: its output holds the loss only (the logits are not gathered)
+            return PipelineOutput(loss=loss) if called_like_model else loss
         output = self._broadcast_output(torch.cat(outputs) if self.is_last else None)
         return PipelineOutput({self.io.output_key or "logits": output}) if called_like_model else output
 

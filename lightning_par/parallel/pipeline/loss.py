@@ -1,0 +1,85 @@
+"""A Hugging Face causal LM's own loss, computed on the last pipeline stage one micro-batch at a time.
+
+A LightningModule written the Hugging Face way returns ``self.model(**batch).loss``: the model computes its loss
+from ``labels`` with its ``loss_function`` (``ForCausalLMLoss``: the labels shifted left by one, ``-100`` ignored,
+the mean over the tokens left). Under a pipeline the logits exist only on the last stage and one micro-batch at a
+time, so :class:`ModelLoss` calls the same ``loss_function`` there, per micro-batch, with
+``num_items_in_batch`` set so that the micro-batch losses combine to the loss of the whole batch: the sum of the
+micro-batch's token losses over the number of counted tokens in the batch, whatever the padding and ``-100`` labels
+put in each micro-batch (a mean of micro-batch means would weigh a token of a short micro-batch more).
+
+The pipeline averages its ``m`` micro-batch losses (``loss_fn`` of a LightningModule returns a mean per
+micro-batch), so each is returned ``m`` times its share: ``num_items_in_batch = N / m``, and the average of the
+``m`` losses is ``sum / N``, as is the gradient once the runtime scales each by ``1 / m``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_par.parallel.blocks import is_hf_model
+from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
+
+#: the Hugging Face loss functions whose token count :class:`ModelLoss` knows (``transformers.loss.loss_utils``)
+KNOWN_LOSSES = ("ForCausalLMLoss",)
+
+
+def counted_tokens(labels: Tensor) -> int:
+    """The tokens a causal-LM loss counts in ``labels`` (Hugging Face's convention: aligned with the inputs, shifted
+    inside the loss, ``-100`` ignored): the shifted labels that are not ``-100``."""
+    return int((next_token_targets(labels) != IGNORE_INDEX).sum())
+
+
+class ModelLoss:
+    """The loss a Hugging Face causal LM computes in its forward when given ``labels``, for a pipeline's last stage.
+
+    Build it with :meth:`of` (None for a model without such a loss); :meth:`for_batch` gives the loss function of
+    one batch's micro-batches.
+    """
+
+    def __init__(self, loss_function: Callable[..., Tensor], vocab_size: int, name: str) -> None:
+        self.loss_function = loss_function
+        self.vocab_size = vocab_size
+        self.name = name
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelLoss | None:
+        """``model``'s own loss if it is a Hugging Face causal LM whose forward takes ``labels`` and whose
+        ``loss_function`` is one whose token count is known here; else None."""
+        if not is_hf_model(model):
+            return None
+        try:
+            takes_labels = "labels" in inspect.signature(type(model).forward).parameters
+        except (TypeError, ValueError):
+            takes_labels = False
+        if not takes_labels:
+            return None
+        # the property warns and falls back to the causal-LM loss for an unknown loss_type: ask only when it is known
+        if getattr(model, "loss_type", None) != "ForCausalLM" and "_loss_function" not in vars(model):
+            return None
+        function = model.loss_function
+        name = getattr(function, "__name__", type(function).__name__)
+        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        if name not in KNOWN_LOSSES or not isinstance(vocab_size, int):
+            return None
+        return cls(function, vocab_size, f"{type(model).__name__}.loss_function ({name})")
+
+    def for_batch(self, labels: Tensor, n_microbatches: int,
+                  num_items_in_batch: Any = None) -> Callable[[Tensor, Tensor], Tensor]:
+        """``loss(logits, labels)`` of each of the ``n_microbatches`` micro-batches of a batch with ``labels``:
+        ``n_microbatches`` times the micro-batch's share of the batch loss (see the module docstring).
+        ``num_items_in_batch``: the count the user passed to the model call (Hugging Face Trainer's), if any."""
+        items = counted_tokens(labels) if num_items_in_batch is None else num_items_in_batch
+        if isinstance(items, Tensor):
+            items = float(items)
+        share = items / n_microbatches
+
+        def loss(logits: Tensor, micro_labels: Tensor) -> Tensor:
+            return self.loss_function(logits=logits, labels=micro_labels, vocab_size=self.vocab_size,
+                                      num_items_in_batch=share)
+
+        return loss
