@@ -12,6 +12,10 @@ directory (``lightning_logs/version_N/checkpoints``), ``last.ckpt`` linking to t
 checkpoint of every run of the logger's name (``save_dir/name/version_*/checkpoints``, and a ``ModelCheckpoint``'s own
 dirpath). Restarted by torchrun (``--max-restarts``) or a SLURM requeue, ``fit`` continues the run it restarts: the
 same version directory, from its newest complete checkpoint (:meth:`LightningParCLI.resume`).
+
+Logs by default (:mod:`lightning_par.callbacks`): ``train/tokens_per_sec`` and ``train/mfu``, memory min/mean/max over
+ranks, the pipeline timeline; ``log_every_n_steps`` scaled to a short run and no TensorBoard ``hp_metric`` unless the
+user sets them; the model summary followed by a line saying what its counts cover.
 """
 
 from __future__ import annotations
