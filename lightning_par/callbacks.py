@@ -6,37 +6,69 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 
-def _count_tokens(batch: Any) -> int:
-    """Tokens in a batch: the element count of its first tensor (inputs of an ``(inputs, targets)`` batch)."""
+def _first_tensor(batch: Any) -> Tensor | None:
+    """The token ids of a batch: itself, the first tensor of an ``(inputs, targets)`` batch, a dict's ``input_ids``."""
     if isinstance(batch, Tensor):
-        return batch.numel()
+        return batch
     if isinstance(batch, (list, tuple)) and batch:
-        return _count_tokens(batch[0])
-    if isinstance(batch, dict) and batch:  # a Hugging Face collator's batch: count its input_ids
-        return _count_tokens(batch.get("input_ids", next(iter(batch.values()))))
-    return 0
+        return _first_tensor(batch[0])
+    if isinstance(batch, dict) and batch:  # a Hugging Face collator's batch: its input_ids
+        return _first_tensor(batch.get("input_ids", next(iter(batch.values()))))
+    return None
+
+
+def _count_tokens(batch: Any) -> int:
+    """Tokens in a batch: the element count of its token ids."""
+    ids = _first_tensor(batch)
+    return 0 if ids is None else ids.numel()
 
 
 class TokensPerSecond(pl.Callback):
-    """Log ``train/tokens_per_sec``: tokens consumed by ALL data-parallel replicas per second of training step.
+    """Log ``train/tokens_per_sec``: tokens consumed by ALL data-parallel replicas per second of training step, and
+    ``train/mfu``, the model FLOPs utilisation, on the same steps.
 
     Lightning's ``ThroughputMonitor`` multiplies by the world size, which over-counts when tensor- or
     pipeline-parallel ranks share one batch; this counts by the data-parallel size the strategy reports.
 
+    MFU = model FLOPs per token x tokens/s / peak FLOP/s of all devices of the job
+    (:mod:`lightning_par.utilization`). FLOPs per token (forward + backward, recompute not counted): the planner's
+    count for the model rebuilt on the meta device (a Hugging Face model from its config, a LightningModule from its
+    saved hyperparameters) at the batches' sequence length; for a model the planner cannot describe, 6 x the whole
+    model's parameters + 12 x layers x hidden x sequence for attention (said once in the log). Peak: on a GPU, the
+    planner's hardware preset for the device name (H100/H200, A100), in the precision's dtype (fp32 without TF32),
+    times the world size; on a CPU, measured once at the first log with a few square matmuls on rank 0's threads,
+    per core, times the cores the ranks of a node can use, times the nodes. No ``train/mfu`` on a GPU no preset
+    describes, unless ``peak_flops`` is given.
+
     Args:
         window: number of optimizer steps the rate is averaged over.
+        mfu: also log ``train/mfu``.
+        peak_flops: peak FLOP/s of one device, instead of the preset or the measurement.
+        flops_per_token: the model's forward + backward FLOPs per token, instead of the planner's count.
     """
 
-    def __init__(self, window: int = 10) -> None:
+    def __init__(self, window: int = 10, mfu: bool = True, peak_flops: float | None = None,
+                 flops_per_token: float | None = None) -> None:
         self.window = window
+        self.mfu = mfu
+        self.peak_flops = peak_flops
+        self.flops_per_token = flops_per_token
         self._tokens = 0
         self._start: float | None = None
         self._steps = 0
+        self._n_params = 0
+        self._mfu_scale: float | None = None  # FLOPs per token / peak FLOP/s, found at the first log
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mfu and self.flops_per_token is None:  # the whole model's count, for the fallback estimate
+            from lightning_par.utilization import parameter_counts
+
+            self._n_params = parameter_counts(pl_module, getattr(trainer.strategy, "pipeline", None)).whole
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self._start is None:
@@ -50,8 +82,45 @@ class TokensPerSecond(pl.Callback):
         self._steps += 1
         if self._steps % self.window == 0 and self._start is not None:
             elapsed = time.perf_counter() - self._start
-            pl_module.log("train/tokens_per_sec", self._tokens / max(elapsed, 1e-9), rank_zero_only=True)
+            rate = self._tokens / max(elapsed, 1e-9)
+            if trainer.is_global_zero:
+                # to the loggers directly, at this step only (a value given to self.log from a callback would be
+                # logged again at every step until the next window)
+                metrics = {"train/tokens_per_sec": rate}
+                scale = self._scale(trainer, pl_module, batch) if self.mfu else 0.0
+                if scale:
+                    metrics["train/mfu"] = rate * scale
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
             self._tokens, self._start = 0, None
+
+    def _scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> float:
+        """FLOPs per token / peak FLOP/s (0: no MFU), found once, outside the timed window; rank 0 only."""
+        if self._mfu_scale is not None:
+            return self._mfu_scale
+        from lightning_par.utilization import model_flops_per_token, peak_flops
+
+        self._mfu_scale = 0.0
+        ids = _first_tensor(batch)
+        seq_len = ids.shape[-1] if ids is not None and ids.dim() else 0
+        peak = peak_flops(trainer.strategy.root_device, str(trainer.precision), trainer.world_size,
+                          trainer.num_devices, trainer.num_nodes, self.peak_flops)
+        if peak is None:
+            rank_zero_warn("train/mfu is not logged: no peak FLOP/s is known for "
+                           f"{trainer.strategy.root_device}; give it with --tokens_per_sec.peak_flops=FLOPS "
+                           "(of one device).")
+            return 0.0
+        if self.flops_per_token is not None:
+            flops, how = float(self.flops_per_token), "given"
+        elif seq_len:
+            flops, how = model_flops_per_token(pl_module, self._n_params, seq_len)
+        else:
+            rank_zero_warn("train/mfu is not logged: the batches hold no token ids to count.")
+            return 0.0
+        rank_zero_info(f"train/mfu: {flops / 1e6:.4g} MFLOP per token (forward + backward) from {how}; peak "
+                       f"{peak.flops / 1e9:.4g} GFLOP/s ({peak.source})")
+        self._mfu_scale = flops / peak.flops
+        return self._mfu_scale
 
 
 class PipelineTimeline(pl.Callback):
@@ -145,18 +214,22 @@ class PipelineTimeline(pl.Callback):
 
 
 class MemoryPerRank(pl.Callback):
-    """Log each rank's memory to TensorBoard every ``every`` optimizer steps: ``memory/rank{R}_MiB``.
+    """Log the ranks' memory to TensorBoard every ``every`` optimizer steps: ``memory/min_MiB``, ``memory/mean_MiB``
+    and ``memory/max_MiB`` over all ranks, and ``memory/max_rank`` (the rank using most); with ``per_rank``, also
+    ``memory/rank{R}_MiB`` for each rank (one chart per rank: a few ranks, not 64).
 
     On CUDA the peak bytes allocated since the last log (``torch.cuda.max_memory_allocated``); on CPU the process's
-    resident set (RSS, from ``/proc/self/statm``), which is what a rank costs its host. Every rank measures, global
-    rank 0 logs them all, so one chart shows how evenly the layout spreads the model.
+    resident set (RSS, from ``/proc/self/statm``), which is what a rank costs its host. Every rank measures, one
+    all-gather of one number per rank brings them to global rank 0, which logs; nothing happens between logs.
 
     Args:
         every: optimizer steps between two logs.
+        per_rank: also log each rank's own value.
     """
 
-    def __init__(self, every: int = 10) -> None:
+    def __init__(self, every: int = 10, per_rank: bool = False) -> None:
         self.every = every
+        self.per_rank = per_rank
 
     @staticmethod
     def _bytes(device: Any) -> int:
@@ -171,20 +244,83 @@ class MemoryPerRank(pl.Callback):
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    @staticmethod
+    def metrics(values: list[float], per_rank: bool = False) -> dict[str, float]:
+        """The logged scalars for each rank's bytes ``values`` (index: global rank)."""
+        mib = [v / 2**20 for v in values]
+        out = {"memory/min_MiB": min(mib), "memory/mean_MiB": sum(mib) / len(mib), "memory/max_MiB": max(mib),
+               "memory/max_rank": float(mib.index(max(mib)))}
+        if per_rank:
+            out.update({f"memory/rank{rank}_MiB": value for rank, value in enumerate(mib)})
+        return out
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step % self.every or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
+        import torch
         import torch.distributed as dist
 
-        mine = self._bytes(trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        mine = torch.tensor([float(self._bytes(device))], dtype=torch.float64,
+                            device=device if device.type == "cuda" else "cpu")
         values = [mine]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            values = [0] * trainer.world_size
-            dist.all_gather_object(values, mine)
-        if trainer.is_global_zero and trainer.logger is not None:
-            metrics = {f"memory/rank{rank}_MiB": value / 2**20 for rank, value in enumerate(values)}
-            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+            values = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(values, mine)
+        if trainer.is_global_zero:
+            metrics = self.metrics([v.item() for v in values], self.per_rank)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def describe_counts(counts: Any, pp: int = 1, stages: Any = (), n_stages: int = 1, tp: int = 1,
+                    zero3_dp: int = 1) -> str:
+    """The line printed after Lightning's model summary: what its counts cover, the whole model's count and rank 0's
+    share. ``counts``: :class:`lightning_par.utilization.ParameterCounts` of global rank 0; ``stages``: the
+    pipeline stages it holds (of ``n_stages``)."""
+    if pp > 1:
+        held = ", ".join(str(s) for s in stages)
+        covered = f"pipeline rank 0's stage{'s' if len(stages) > 1 else ''} {held} of {n_stages}"
+        covered += " at full tensor-parallel width" if tp > 1 else ""
+    elif counts.summary == counts.whole:
+        covered = "the whole model"
+    else:
+        covered = "global rank 0's share"
+    parts = [f"pipeline stage{'s' if len(stages) > 1 else ''} {', '.join(str(s) for s in stages)}"] if pp > 1 else []
+    parts += [f"a 1/{tp} tensor-parallel slice"] if tp > 1 else []
+    parts += [f"a 1/{zero3_dp} ZeRO-3 shard"] if zero3_dp > 1 else []
+    share = f" ({', '.join(parts)})" if parts else ""
+    return (f"Model summary: its parameter counts cover {covered} ({counts.summary:,}); the whole model has "
+            f"{counts.whole:,} parameters, global rank 0 holds {counts.here:,}{share}.")
+
+
+class ParallelModelSummary(ModelSummary):
+    """Lightning's model summary, followed by a line that says what its counts cover under the layout -- pipeline
+    rank 0's stages under pp, the whole model under tp and ZeRO (DTensors count at their global size) -- the
+    whole model's parameter count (over every pipeline stage, a tied weight once) and what global rank 0 holds
+    (:func:`describe_counts`). The ``lightning-par`` CLI uses it in place of Lightning's default summary."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if not self._max_depth:
+            return
+        from lightning_par.utilization import parameter_counts
+
+        strategy = trainer.strategy
+        pipeline = getattr(strategy, "pipeline", None)
+        counts = parameter_counts(pl_module, pipeline)  # a collective under pp: every rank
+        if not trainer.is_global_zero:
+            return
+        dims = getattr(strategy, "dims", None)
+        layout = getattr(strategy, "layout", None)
+        pp, tp = (dims.pp, dims.tp) if dims is not None else (1, 1)
+        dp = dims.dp if dims is not None else 1
+        zero3 = dp if layout is not None and layout.zero_stage == 3 else 1
+        stages, n_stages = (), 1
+        if pipeline is not None:
+            stages, n_stages = tuple(pipeline.stage_ids), pipeline.plan.n_stages
+        rank_zero_info(describe_counts(counts, pp, stages, n_stages, tp, zero3))
 
 
 class RunCheckpoint(ModelCheckpoint):

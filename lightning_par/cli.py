@@ -13,6 +13,10 @@ directory (``lightning_logs/version_N/checkpoints``), ``last.ckpt`` linking to t
 checkpoint of every run of the logger's name (``save_dir/name/version_*/checkpoints``, and a ``ModelCheckpoint``'s own
 dirpath). Restarted by torchrun (``--max-restarts``) or a SLURM requeue, ``fit`` continues the run it restarts: the
 same version directory, from its newest complete checkpoint (:meth:`LightningParCLI.resume`).
+
+Logs by default (:mod:`lightning_par.callbacks`): ``train/tokens_per_sec`` and ``train/mfu``, memory min/mean/max over
+ranks, the pipeline timeline; ``log_every_n_steps`` scaled to a short run and no TensorBoard ``hp_metric`` unless the
+user sets them; the model summary followed by a line saying what its counts cover.
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
-from lightning_par.callbacks import MemoryPerRank, PipelineTimeline, RunCheckpoint, TokensPerSecond
+from lightning_par.callbacks import (
+    MemoryPerRank,
+    ParallelModelSummary,
+    PipelineTimeline,
+    RunCheckpoint,
+    TokensPerSecond,
+)
 from lightning_par.plugins.checkpoint_files import newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
@@ -121,7 +131,8 @@ class LightningParCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with :class:`~lightning_par.callbacks.RunCheckpoint` unless the user has a ModelCheckpoint or
-        turned checkpointing off (outside fit it saves nothing, but Lightning expects it when a checkpoint loads)."""
+        turned checkpointing off (outside fit it saves nothing, but Lightning expects it when a checkpoint loads), and
+        the logging defaults of :meth:`_logging_defaults` and :meth:`_no_hp_metric`."""
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
@@ -129,7 +140,51 @@ class LightningParCLI(LightningCLI):
                 and not any(isinstance(c, ModelCheckpoint) for c in callbacks)):
             every = self._get(self.config_init, "checkpoint_every_n_steps", default=500)
             kwargs["callbacks"] = [*callbacks, RunCheckpoint(every_n_train_steps=every)]
-        return super().instantiate_trainer(**kwargs)
+        kwargs.update(self._logging_defaults(config, kwargs.get("callbacks", callbacks)))
+        trainer = super().instantiate_trainer(**kwargs)
+        self._no_hp_metric(trainer)
+        return trainer
+
+    # -- what the logs show by default: see log_every_n_steps_for, _no_hp_metric --------------------------------------
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self._raw_args = sys.argv[1:] if args is None else args  # what the user wrote, for _user_set
+        super().parse_arguments(parser, args)
+
+    def _user_set(self, key: str) -> bool:
+        """Whether the user named ``key`` on the command line or in a ``--config`` file (a default filled in by
+        the parser is not theirs)."""
+        texts = [str(getattr(self, "_raw_args", ""))]
+        for path in self._get(self.config, "config", default=None) or []:
+            try:
+                texts.append(path.get_content() if hasattr(path, "get_content") else Path(str(path)).read_text())
+            except OSError:
+                continue
+        return any(key in text for text in texts)
+
+    def _logging_defaults(self, config: dict, callbacks: list) -> dict[str, Any]:
+        """Trainer arguments the user left unset: ``log_every_n_steps`` scaled to a short run, and the model summary
+        that says what its counts cover (:class:`~lightning_par.callbacks.ParallelModelSummary`)."""
+        out: dict[str, Any] = {}
+        if config.get("log_every_n_steps") is None:
+            out["log_every_n_steps"] = log_every_n_steps_for(config.get("max_steps"))
+        from lightning.pytorch.callbacks import ModelSummary, RichProgressBar
+
+        if (config.get("enable_model_summary") is not False
+                and not any(isinstance(c, ModelSummary | RichProgressBar) for c in callbacks)):
+            # Lightning then adds no summary of its own (nor says that it skips one)
+            out.update(callbacks=[*callbacks, ParallelModelSummary()], enable_model_summary=False)
+        return out
+
+    def _no_hp_metric(self, trainer: Trainer) -> None:
+        """TensorBoard's ``hp_metric`` is a placeholder (-1) unless the user logs it: off unless they set
+        ``default_hp_metric``."""
+        if self._user_set("default_hp_metric"):
+            return
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger._default_hp_metric = False  # noqa: SLF001 -- what its default_hp_metric argument sets
 
     # -- which checkpoint to start from ----------------------------------------------------------------------------
     def before_fit(self) -> None:
@@ -347,6 +402,14 @@ def _option_after_name_problem(value: Any, cfg: Any, dest: str) -> str | None:
             f"{name!r} is a name of Lightning's, not lightning-par's: options after it need a class "
             f"(--trainer.strategy=CLASS_PATH {option}=...)")
     return f"{option} after --trainer.strategy={name}: {problem}"
+
+
+def log_every_n_steps_for(max_steps: int | None) -> int:
+    """The CLI's ``log_every_n_steps`` where the user gives none: Lightning's 50, or for a run of ``max_steps`` under
+    1000 steps, ``max_steps // 20`` (at least 1): about 20 points, so a 20-step run logs every step."""
+    if max_steps is None or max_steps < 0:
+        return 50
+    return min(50, max(1, max_steps // 20))
 
 
 def _refuse_unknown_strategy(strategy: object) -> None:

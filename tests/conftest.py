@@ -78,7 +78,7 @@ def tp_job(batch: int, strategy: str, *extra: str, accumulate: int = 1, clip: bo
 
 
 RUNS["single_kv4"] = (1, tp_job(GLOBAL_BATCH, "auto", *KV4))
-RUNS["tp2"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2"))
+RUNS["tp2"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", "--trainer.enable_model_summary=true"))  # its line: test_logs
 RUNS["tp4"] = (4, tp_job(GLOBAL_BATCH, "megatron_tp4", *KV4))
 RUNS["tp2_sp"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2_sp", "--sample_tokens=24"))
 RUNS["tp4_sp"] = (4, tp_job(GLOBAL_BATCH, "megatron_tp4_sp", *KV4))

@@ -248,14 +248,27 @@ def _tint(colour: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1.0 - c) * amount for c in to_rgb(colour))
 
 
+def row_label(pp_rank: int, stages: Sequence[int], idle: float) -> str:
+    """A row of the timeline: the pipeline rank (within its pipeline group, not the global rank), the stages it
+    holds and its idle share of the step."""
+    held = ", ".join(str(s) for s in stages)
+    return f"pp rank {pp_rank}\nstage{'s' if len(stages) > 1 else ''} {held}\nidle {idle:.0%}"
+
+
+def box_label(record: ComputeRecord, stages: Sequence[int]) -> str:
+    """A block of the timeline: its micro-batch, and its stage where the rank holds several (interleaved, V)."""
+    return str(record.microbatch) if len(stages) <= 1 else f"{record.microbatch}\ns{record.stage}"
+
+
 def draw_timeline(records: Sequence[ComputeRecord], path_png: str | Path | None, title: str = "",
                   n_ranks: int | None = None):
-    """Draw the records as a pipeline diagram, one row per rank (rank 0 on top), time in ms on the x axis.
+    """Draw the records as a pipeline diagram, one row per pipeline rank (0 on top), time in ms on the x axis.
 
     Blocks are coloured by kind (F, B, W) and labelled with the micro-batch; when a rank holds several stages
-    (interleaved and V schedules) the blocks of its later stages are lighter. Each row is labelled with the rank's
-    idle fraction. The PNG is written if ``path_png`` is given; the ``matplotlib.figure.Figure`` is returned either
-    way (log it with ``SummaryWriter.add_figure``). Uses the Agg canvas only: no display is needed.
+    (interleaved and V schedules) they also name their stage (``s3``) and the blocks of its later stages are lighter.
+    Each row is labelled with the pipeline rank, its stages and its idle fraction (:func:`row_label`). The PNG is
+    written if ``path_png`` is given; the ``matplotlib.figure.Figure`` is returned either way (log it with
+    ``SummaryWriter.add_figure``). Uses the Agg canvas only: no display is needed.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -281,13 +294,14 @@ def draw_timeline(records: Sequence[ComputeRecord], path_png: str | Path | None,
         ax.barh(r.rank, width, left=x, height=0.8, color=_tint(_COLOURS[r.kind], tint), edgecolor="black",
                 linewidth=0.4)
         if width > 0.012 * makespan_ms:  # label the block unless it is too narrow to hold the number
-            ax.text(x + width / 2, r.rank, str(r.microbatch), ha="center", va="center", fontsize=7, clip_on=True)
-    ax.set_yticks(range(n_ranks), [f"rank {i}\nidle {idle[i]:.0%}" for i in range(n_ranks)], fontsize=8)
+            ax.text(x + width / 2, r.rank, box_label(r, local_stages[r.rank]), ha="center", va="center", fontsize=7,
+                    clip_on=True)
+    ax.set_yticks(range(n_ranks), [row_label(i, local_stages[i], idle[i]) for i in range(n_ranks)], fontsize=8)
     ax.set_xlabel("time (ms)")
     ax.set_title(title, fontsize=10)
     handles = [Patch(color=_COLOURS[k], label=_LABELS[k]) for k in KINDS if any(r.kind == k for r in records)]
     if any(len(stages) > 1 for stages in local_stages.values()):
-        handles.append(Patch(color=_tint("#808080", 0.45), label="lighter: the rank's later stage"))
+        handles.append(Patch(color=_tint("#808080", 0.45), label="sN: stage N (lighter: the rank's later stage)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # room for the legend: about 0.35 inch
     if path_png is not None:

@@ -1,0 +1,216 @@
+"""What a run's logs need to say how well it uses the hardware: model FLOPs per token, peak FLOP/s, parameter counts.
+
+- :func:`model_flops_per_token`: forward + backward FLOPs of the whole model for one token, from the planner's count
+  (:func:`lightning_par.planner.trace.trace_model`: the model rebuilt on the meta device and run on fake tensors,
+  every matmul and attention op counted), else ``6 x parameters + 12 x layers x hidden x sequence`` (the usual
+  estimate: a multiply-add per parameter forward, two backward, plus the attention scores and their product with
+  the values). "Model FLOPs": recompute is not counted, and attention counts the full score matrix.
+- :func:`peak_flops`: FLOP/s of all devices of the job, from the planner's hardware presets
+  (:mod:`lightning_par.planner.hardware`) on a GPU it knows, measured on a CPU.
+- :func:`parameter_counts`: the whole model's parameter count and this rank's share, on any layout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_LAYER_NAMES = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
+_HIDDEN_NAMES = ("hidden_size", "dim", "n_embd", "d_model")
+
+
+def _hf_model(module: nn.Module) -> nn.Module | None:
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``module`` (None without ``transformers``)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return None
+    return next((m for m in module.modules() if isinstance(m, transformers.PreTrainedModel)), None)
+
+
+def _planner_model(module: nn.Module) -> nn.Module:
+    """The model rebuilt on the meta device as the planner builds it: a Hugging Face model from its config, else the
+    module's class called with its saved hyperparameters (``save_hyperparameters()``)."""
+    from lightning_par.planner.model import _SkipInitOnMeta, build_model
+
+    hf = _hf_model(module)
+    if hf is not None:
+        with torch.device("meta"), _SkipInitOnMeta():
+            return type(hf)(hf.config)
+    hparams = getattr(module, "hparams", None)
+    if hparams is None:
+        raise ValueError(f"{type(module).__name__} saves no hyperparameters to be rebuilt from")
+    # LightningCLI adds `_class_path` (and `_instantiator`) to the saved hyperparameters: not init arguments
+    return build_model(type(module), {k: v for k, v in dict(hparams).items() if not k.startswith("_")})
+
+
+def planner_flops_per_token(module: nn.Module, seq_len: int) -> tuple[float, str]:
+    """Forward + backward FLOPs per token of ``module``'s whole model at sequence length ``seq_len``, from the
+    planner's trace; raises when the planner cannot describe the model."""
+    from lightning_par.planner.model import inspect_model
+    from lightning_par.planner.trace import trace_model
+
+    info = inspect_model(_planner_model(module))
+    trace = trace_model(info, micro_batch=1, seq_len=seq_len)
+    forward = sum(t.forward.total_flops for t in trace.units.values()) + trace.loss.forward.total_flops
+    backward = sum(t.backward.total_flops for t in trace.units.values()) + trace.loss.backward.total_flops
+    return (forward + backward) / seq_len, f"the planner's count ({info.description})"
+
+
+def estimated_flops_per_token(module: nn.Module, n_params: int, seq_len: int) -> tuple[float, str]:
+    """``6 N + 12 L d s``: the estimate for a model the planner cannot describe (attention left out where the
+    number of layers ``L`` or the hidden size ``d`` cannot be read from the model or its ``config``)."""
+    from lightning_par.planner.model import _config_value
+
+    holder = _hf_model(module) or module
+    layers = hidden = None
+    for m in (holder, *holder.children()):
+        layers = layers or _config_value(m, _LAYER_NAMES)
+        hidden = hidden or _config_value(m, _HIDDEN_NAMES)
+    if layers and hidden:
+        return 6.0 * n_params + 12.0 * layers * hidden * seq_len, \
+            f"6 x {n_params:,} parameters + attention (12 x {layers} layers x {hidden} x {seq_len} tokens)"
+    return 6.0 * n_params, f"6 x {n_params:,} parameters (attention not counted: no layer count or hidden size found)"
+
+
+def model_flops_per_token(module: nn.Module, n_params: int, seq_len: int) -> tuple[float, str]:
+    """Forward + backward FLOPs per token of the whole model and how they were counted: the planner's count, else
+    :func:`estimated_flops_per_token` (the reason said in the description)."""
+    try:
+        return planner_flops_per_token(module, seq_len)
+    except Exception as err:  # noqa: BLE001 -- any model the planner cannot rebuild or trace falls back alike
+        flops, how = estimated_flops_per_token(module, n_params, seq_len)
+        return flops, f"{how}; the planner could not describe {type(module).__name__}: {str(err).rstrip('.')}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Peak FLOP/s of the devices in use
+# ----------------------------------------------------------------------------------------------------------------------
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype matmuls run in under a Lightning precision string (``"32-true"``, ``"bf16-mixed"``...)."""
+    text = str(precision)
+    if "bf16" in text:
+        return torch.bfloat16
+    if text.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, budget_s: float = 0.2) -> float:
+    """FLOP/s of square matmuls in ``dtype`` on this process's CPU threads: sizes 256, 512, 1024 (the largest the
+    time budget allows), the best rate."""
+    n, best = 256, 0.0
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up
+        start, reps = time.perf_counter(), 0
+        while reps < 2 or time.perf_counter() - start < budget_s / 4:
+            a @ b
+            reps += 1
+        rate = 2.0 * n**3 * reps / (time.perf_counter() - start)
+        best = max(best, rate)
+        if n >= 1024 or 2.0 * (2 * n) ** 3 * 2 / rate > budget_s / 2:
+            return best
+        n *= 2
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak FLOP/s of all devices of a job, and where the figure comes from."""
+
+    flops: float
+    source: str
+
+
+def gpu_preset(device_name: str) -> str | None:
+    """The planner's hardware preset for a CUDA device name, or None."""
+    name = device_name.upper()
+    if "H100" in name or "H200" in name:  # an H200 is an H100 with more memory: the same peak FLOP/s
+        return "h100-sxm"
+    if "A100" in name:
+        return "a100"
+    return None
+
+
+def peak_flops(device: torch.device, precision: str, world_size: int, local_ranks: int, num_nodes: int,
+               per_device: float | None = None) -> Peak | None:
+    """Peak FLOP/s of the job's devices for matmuls in the precision's dtype.
+
+    ``per_device`` given: that times ``world_size``. A GPU: the planner's preset for its name (H100/H200, A100;
+    fp32 without TF32) times ``world_size``; None for a GPU no preset describes. A CPU: measured once here with
+    :func:`measure_matmul_flops` on this rank's threads, divided by the thread count (the rate of one core),
+    times the cores the job's ranks can use on a node (``min(cores, local_ranks x threads)``) times ``num_nodes``.
+    """
+    if per_device is not None:
+        return Peak(per_device * world_size, f"{per_device:.3g} FLOP/s per device given x {world_size}")
+    dtype = compute_dtype(precision)
+    if device.type == "cuda":
+        from lightning_par.planner.hardware import PRESETS
+
+        device_name = torch.cuda.get_device_name(device)
+        preset = gpu_preset(device_name)
+        key = "fp32" if dtype == torch.float32 else "bf16"
+        if preset is None or key not in PRESETS[preset].peak_flops:
+            return None
+        each = PRESETS[preset].peak_flops[key]
+        return Peak(each * world_size, f"{device_name}: {each / 1e12:.0f} TFLOP/s {key} (preset {preset}) x "
+                                       f"{world_size}")
+    if device.type != "cpu":
+        return None
+    threads = torch.get_num_threads()
+    per_core = measure_matmul_flops(dtype) / threads
+    cores = min(usable_cores(), local_ranks * threads)
+    return Peak(per_core * cores * num_nodes,
+                f"CPU, measured: {per_core / 1e9:.1f} GFLOP/s per core ({str(dtype)[6:]} matmul) x {cores} cores"
+                f"{f' x {num_nodes} nodes' if num_nodes > 1 else ''}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parameter counts on any layout
+# ----------------------------------------------------------------------------------------------------------------------
+def _local_numel(p: torch.Tensor) -> int:
+    to_local = getattr(p, "to_local", None)  # a DTensor: this rank's shard
+    return to_local().numel() if callable(to_local) else p.numel()
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """``whole``: the whole model's parameters (a tied weight once); ``here``: those this rank holds (its pipeline
+    stages, tensor-parallel slices, ZeRO-3 shards); ``summary``: what Lightning's ModelSummary counts on this rank
+    (global sizes of DTensors, but only this rank's pipeline stages)."""
+
+    whole: int
+    here: int
+    summary: int
+
+
+def parameter_counts(module: nn.Module, pipeline: Any = None) -> ParameterCounts:
+    """Counts of ``module``'s parameters (a LightningModule under any layout). With a pipeline runtime
+    (``strategy.pipeline``) the whole model is summed over the pipeline group, a copy another rank counts left
+    out: a collective, every rank calls it."""
+    params = list(module.parameters())
+    summary = sum(p.numel() for p in params)
+    here = sum(_local_numel(p) for p in params)
+    if pipeline is None:
+        return ParameterCounts(summary, here, summary)
+    elsewhere = pipeline.counted_elsewhere()
+    mine = torch.tensor([sum(p.numel() for p in params if id(p) not in elsewhere)], dtype=torch.float64)
+    group = pipeline.group
+    if dist.is_available() and dist.is_initialized() and group is not None:
+        if dist.get_backend(group) == "nccl":
+            mine = mine.cuda()
+        dist.all_reduce(mine, group=group)
+    return ParameterCounts(int(mine.item()), here, summary)
