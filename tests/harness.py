@@ -127,16 +127,9 @@ def launch_cli(
     root: Path, cache_dir: Path, args: list[str], devices: int, timeout: float = 300, command: str = "fit"
 ) -> Run:
     """``lightning-par COMMAND`` on ``devices`` CPU processes through Lightning's own subprocess launcher."""
-    root.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_par.cli", command, *TINY_JOB, f"--trainer.devices={devices}"]
-    cmd += ["--trainer.logger=TensorBoardLogger", *_report_args(root), f"--data.cache_dir={cache_dir}", *args]
-    env = base_env(cache_dir)
-    env["MASTER_PORT"] = str(free_port())
-    log = root / "launch.log"
-    start = time.time()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
-        return _finish(root, [proc], [log], start, timeout)
+    argv = [command, *TINY_JOB, f"--trainer.devices={devices}", "--trainer.logger=TensorBoardLogger",
+            *_report_args(root), f"--data.cache_dir={cache_dir}", *args]
+    return launch_command(root, cache_dir, argv, timeout, log_name="launch.log")
 
 
 def launch_torchrun(
@@ -162,12 +155,14 @@ def launch_torchrun(
     return _finish(root, procs, logs, start, timeout)
 
 
-def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float = 300) -> Run:
-    """``lightning-par ARGV`` exactly as given (no job arguments added), in ``root``, as a user types it."""
+def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float = 300,
+                   log_name: str | None = None) -> Run:
+    """``lightning-par ARGV`` exactly as given (no job arguments added), in ``root``, as a user types it; its
+    output in ``root/LOG_NAME`` (default: the next ``commandN.log``)."""
     root.mkdir(parents=True, exist_ok=True)
     env = base_env(cache_dir)
     env["MASTER_PORT"] = str(free_port())
-    log = root / f"command{len(list(root.glob('command*.log')))}.log"
+    log = root / (log_name or f"command{len(list(root.glob('command*.log')))}.log")
     start = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "lightning_par.cli", *argv], cwd=root, env=env, stdout=out,

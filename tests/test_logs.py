@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ from lightning_par.utilization import (
     peak_flops,
     planner_flops_per_token,
 )
-from tests.harness import TINY_JOB, Run, _finish, base_env, free_port
+from tests.harness import TINY_JOB, Run, launch_command
 
 SEQ = 32
 
@@ -157,17 +154,11 @@ def pp2_default_logging(tmp_path_factory, cache_dir) -> Run:
     without default_hp_metric."""
     root = tmp_path_factory.mktemp("pp2_default_logging")
     job = [a for a in TINY_JOB if not a.startswith(USER_SET)]
-    cmd = [sys.executable, "-m", "lightning_par.cli", "fit", *job, "--trainer.devices=2",
-           "--trainer.strategy=pipeline2_zbv", f"--trainer.max_steps={STEPS}", "--data.batch_size=8",
-           "--trainer.limit_val_batches=0", "--sample_tokens=0", "--trainer.logger=TensorBoardLogger",
-           f"--trainer.logger.save_dir={root / 'tb'}", f"--data.cache_dir={cache_dir}", "--pipeline_timeline.step=50"]
-    env = base_env(cache_dir)
-    env["MASTER_PORT"] = str(free_port())
-    log = root / "launch.log"
-    start = time.time()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
-        return _finish(root, [proc], [log], start, 300).check()
+    argv = ["fit", *job, "--trainer.devices=2", "--trainer.strategy=pipeline2_zbv", f"--trainer.max_steps={STEPS}",
+            "--data.batch_size=8", "--trainer.limit_val_batches=0", "--sample_tokens=0",
+            "--trainer.logger=TensorBoardLogger", f"--trainer.logger.save_dir={root / 'tb'}",
+            f"--data.cache_dir={cache_dir}", "--pipeline_timeline.step=50"]
+    return launch_command(root, cache_dir, argv, 300, log_name="launch.log").check()
 
 
 def test_a_short_run_logs_loss_and_mfu_and_no_hp_metric(pp2_default_logging):
