@@ -15,6 +15,7 @@ from lightning_par.cli import restart_count
 from lightning_par.plugins import checkpoint_files
 from lightning_par.plugins.checkpoint_files import newest_complete
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job
+from tests.doc_commands import bash_commands
 from tests.harness import REPO, launch_command, launch_torchrun, max_rel_diff
 
 
@@ -109,9 +110,9 @@ LAST0 = "lightning_logs/demo/version_0/checkpoints/last.ckpt"
 
 
 def _readme_commands() -> list[str]:
-    """The README's command lines that name a checkpoint of the demo (``.../checkpoints/last.ckpt``)."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")  # continued lines joined
-    lines = [" ".join(line.split("#")[0].split()) for line in text.splitlines()]
+    """The command lines of README.md and docs/ that name a checkpoint of the demo (``.../checkpoints/last.ckpt``),
+    each once, in reading order (README first)."""
+    lines = bash_commands()
     return [line for line in lines if LAST0 in line or line.startswith("lightning-par") and "--ckpt_path=last" in line]
 
 
