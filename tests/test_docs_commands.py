@@ -47,7 +47,8 @@ COMMANDS: dict[str, str] = {
     "lightning-par fit --config configs/demo.yaml --trainer.devices=1 --trainer.strategy=zero0 "
     "--ckpt_path=lightning_logs/demo/version_0/checkpoints/last.ckpt":
         f"{PARSE}: needs the demo's checkpoint; tests/test_restart.py runs it as written (full set)",
-    "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=zero2 --ckpt_path=last":
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=zero2 --ckpt_path=last "
+    "--data.batch_size=8":
         f"{PARSE}: needs the demo's checkpoint; tests/test_restart.py runs it as written (full set)",
     "torchrun --nproc_per_node 2 --max-restarts 3 --no-python lightning-par fit --config configs/zero.yaml "
     "--trainer.devices=2 --checkpoint_every_n_steps=50":
