@@ -220,8 +220,8 @@ def test_command_runs(command, request, tmp_path, cache_dir):
         if "--trainer.strategy.help" in argv:
             extra = []
     run = launch_command(tmp_path, cache_dir, [*argv, *extra], timeout=300).check()
-    if argv[0] == "fit" and extra:
-        assert re.search(r"train/loss|Trainer.fit. stopped: .max_steps=2. reached", run.log), run.log[-2000:]
+    if argv[0] == "fit" and extra:  # two optimizer steps trained: the CLI's checkpoint at the end of fit names step 2
+        assert [p.name for p in tmp_path.rglob("*-step=2.ckpt")], run.log[-2000:]
     if argv[0] == "plan":
         assert "layouts planned" in run.log or "rank" in run.log, run.log[-2000:]
         if "--json" in argv:
