@@ -95,9 +95,13 @@ class GPTLightningModule(L.LightningModule):
 
     def configure_model(self):
         if self.model is None:
-            vocab_size = vocab_size_from_data(self, self.hparams.vocab_size, default=self.config.vocab_size)
+            # a subclass whose __init__ takes no vocab_size has none in hparams: its preset's (or the data's) holds
+            recorded = "vocab_size" in self.hparams
+            given = self.hparams.vocab_size if recorded else None
+            vocab_size = vocab_size_from_data(self, given, default=self.config.vocab_size)
             self.config = replace(self.config, vocab_size=vocab_size)
-            self.hparams.vocab_size = vocab_size  # what the checkpoint records, so the model is rebuilt alike
+            if recorded:
+                self.hparams.vocab_size = vocab_size  # what the checkpoint records, so the model is rebuilt alike
             self.model = GPT(self.config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
