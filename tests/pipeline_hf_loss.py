@@ -105,8 +105,8 @@ CASES: dict[str, Case] = {
     # pp2
     "llama_1f1b_sgd": Case("llama", "sgd", {"schedule": "1f1b"}),
     "qwen2_zbv_adamw": Case("qwen2", "adamw", {"schedule": "zbv"}),
-    "llama_zbv_adamw": Case("llama", "adamw", {"schedule": "zbv"}),
-    "qwen2_1f1b_sgd": Case("qwen2", "sgd", {"schedule": "1f1b"}),
+    "llama_zbv_adamw": Case("llama", "adamw", {"schedule": "zbv"}, full=True),
+    "qwen2_1f1b_sgd": Case("qwen2", "sgd", {"schedule": "1f1b"}, full=True),
     "llama_gpipe_sgd": Case("llama", "sgd", {"schedule": "gpipe"}, full=True),
     "llama_interleaved_1f1b_sgd": Case("llama", "sgd", {"schedule": "interleaved_1f1b"}, full=True),
     "llama_looped_bfs_sgd": Case("llama", "sgd", {"schedule": "looped_bfs"}, full=True),
@@ -114,7 +114,7 @@ CASES: dict[str, Case] = {
     "llama_dualpipev_sgd": Case("llama", "sgd", {"schedule": "dualpipev"}, full=True),
     "qwen2_1f1b_sgd_accumulate2": Case("qwen2", "sgd", {"schedule": "1f1b"}, accumulate=2, full=True),
     # tp2 x pp2
-    "llama_tp2_pp2_1f1b_adamw": Case("llama", "adamw", {"tp": 2, "schedule": "1f1b"}, world=4),
+    "llama_tp2_pp2_1f1b_adamw": Case("llama", "adamw", {"tp": 2, "schedule": "1f1b"}, world=4, full=True),
     "qwen2_tp2_pp2_zbv_sgd": Case("qwen2", "sgd", {"tp": 2, "schedule": "zbv"}, world=4),
     "llama_tp2_pp2_zbv_sgd": Case("llama", "sgd", {"tp": 2, "schedule": "zbv"}, world=4, full=True),
     "qwen2_tp2_pp2_1f1b_adamw": Case("qwen2", "adamw", {"tp": 2, "schedule": "1f1b"}, world=4, full=True),
