@@ -250,6 +250,7 @@ def _zero3_args(corpus, root: Path) -> list[str]:
             f"--data.tokenizer={corpus.tokenizer}", "--data.batch_size=4", "--data.shuffle=true",
             "--trainer.strategy=zero3", f"--trainer.max_steps={STEPS}", f"--trainer.limit_train_batches={EPOCH}",
             "--trainer.limit_val_batches=1", "--sample_tokens=0", "--trainer.enable_checkpointing=true",
+            "--tokens_per_sec.window=4",
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.save_top_k=-1",
             f"--trainer.callbacks.every_n_train_steps={SAVE}", f"--trainer.callbacks.dirpath={root / 'ckpt'}"]
 
@@ -273,6 +274,8 @@ def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_runs, tmp_
     full, _ = zero3_runs
     losses = full.scalars()["train/loss"]
     assert sorted(losses) == list(range(STEPS)) and all(0 < v < 10 for v in losses.values())  # within 10 steps
+    mfu = full.scalars()["train/mfu"]  # model FLOPs utilisation with the tokenizer's vocabulary, every 4 steps
+    assert sorted(mfu) == [4, 8] and all(0 < v < 1 for v in mfu.values()), mfu
     ckpt = full.checkpoint(SAVE)
     tok = AutoTokenizer.from_pretrained(corpus.tokenizer)
     vocab = padded_vocab_size(len(tok), 64)
