@@ -72,7 +72,11 @@ def load_tokenizer(tokenizer: Any) -> Any:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer={path!r} is not a directory: pass a local directory written by "
                                     "save_pretrained (tokenizer.json, tokenizer_config.json ...) or a tokenizer object")
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:  # an optional dependency: the byte-level default needs none
+            raise ImportError(f"tokenizer={path!r} is loaded with transformers' AutoTokenizer, which is not installed: "
+                              "pip install 'lightning-par[hf]' (or transformers)") from err
 
         tokenizer = AutoTokenizer.from_pretrained(path)
     if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -141,6 +142,12 @@ def test_bad_inputs_fail_at_construction(corpus, tmp_path):
         TextDataModule(data_files=str(corpus.jsonl), text_field="body", cache_dir=str(tmp_path / "c")).setup()
     with pytest.raises(ValueError, match="at least two files"):
         TextDataModule(data_files=str(corpus.jsonl), streaming=True)
+
+
+def test_a_tokenizer_directory_without_transformers_says_which_extra(corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as in an install without the hf extra
+    with pytest.raises(ImportError, match=r"not installed: pip install 'lightning-par\[hf\]'"):
+        TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(corpus.tokenizer))
 
 
 def test_streaming_shards_the_blocks_over_data_parallel_ranks(corpus, tmp_path):
