@@ -11,10 +11,12 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from lightning_par.cli import restart_count
 from lightning_par.plugins import checkpoint_files
 from lightning_par.plugins.checkpoint_files import newest_complete
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, full_run, job
 from tests.doc_commands import bash_commands
 from tests.harness import REPO, launch_command, launch_torchrun, max_rel_diff
 
@@ -163,20 +165,25 @@ def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
 
 
 # -- automatic restart ---------------------------------------------------------------------------------------------
-def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, cache_dir, runs):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, cache_dir, runs, request, rank):
     """ZeRO-1 on 2 ranks under ``torchrun --max-restarts=1``, the CLI's default checkpoints every 5 steps (10-step
-    epochs); rank 1 is SIGKILLed at step 12 of the first attempt. torchrun restarts both ranks, the CLI resumes from
-    the step-10 checkpoint in the same run directory, and the job ends with exit 0 and the uninterrupted losses."""
+    epochs); rank 1 (rank 0, the logging rank, in the full run) is SIGKILLed at step 12 of the first attempt. torchrun
+    restarts both ranks, the CLI resumes from the step-10 checkpoint in the same run directory, and the job ends with
+    exit 0 and the uninterrupted losses."""
+    if rank == 0 and not full_run(request.config):
+        pytest.skip("rank 0 killed: the full run only (pytest --full)")
     killed = tmp_path / "killed.json"
     args = [*job(GLOBAL_BATCH // 2), "--trainer.strategy=zero1", "--trainer.enable_checkpointing=true",
-            "--checkpoint_every_n_steps=5", "--trainer.callbacks+=tests.probes.FreezeAt", "--trainer.callbacks.rank=1",
+            "--checkpoint_every_n_steps=5", "--trainer.callbacks+=tests.probes.FreezeAt",
+            f"--trainer.callbacks.rank={rank}",
             "--trainer.callbacks.step=12", f"--trainer.callbacks.path={killed}", "--trainer.callbacks.sig=SIGKILL",
             "--trainer.callbacks.attempt=0"]
     run = launch_torchrun(tmp_path / "run", cache_dir, args, nnodes=1, nproc_per_node=2, timeout=240,
                           torchrun_args=("--max-restarts=1",))
     print(f"torchrun with a restart: {run.seconds:.1f} s, exit {run.returncode}")
     run.check()
-    assert json.loads(killed.read_text())["pid"] > 0  # the first attempt's rank 1 was killed
+    assert json.loads(killed.read_text())["pid"] > 0  # the first attempt's rank was killed
     versions = run.root / "tb" / "lightning_logs"
     assert sorted(p.name for p in versions.iterdir()) == ["version_0"]  # the restart continued the same run
     assert re.search(r"lightning-par: restart 1 of this job \(TORCHELASTIC_RESTART_COUNT=1\): resuming from "
