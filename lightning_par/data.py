@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_par._compat import uses_distributed_sampler
 from lightning_par.parallel.data_order import DataParallelSampler
 from lightning_par.strategies.data_position import resumable_train_loader
 
@@ -678,7 +679,7 @@ class TextDataModule(L.LightningDataModule):
         """
         trainer = self.trainer
         kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        if kwargs and not trainer._accelerator_connector.use_distributed_sampler:
+        if kwargs and not uses_distributed_sampler(trainer):
             return None
         seed = int(os.getenv("PL_GLOBAL_SEED", "0"))
         return DataParallelSampler(dataset, shuffle=self.shuffle, seed=seed, **(kwargs or {}))

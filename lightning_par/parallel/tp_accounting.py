@@ -70,13 +70,14 @@ class CollectiveRecord(NamedTuple):
 
 def _group_size(name_or_group: Any) -> int:
     from torch.distributed import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from lightning_par._compat import resolve_process_group
 
     if isinstance(name_or_group, ProcessGroup):
         return name_or_group.size()
     if isinstance(name_or_group, torch.ScriptObject):  # how c10d ops receive their group below the dispatcher
         return ProcessGroup.unbox(name_or_group).size()
-    return _resolve_process_group(name_or_group).size()
+    return resolve_process_group(name_or_group).size()
 
 
 def _is_group(value: Any) -> bool:
@@ -287,8 +288,7 @@ def split_by_tp(measured: dict[int, float]) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------------
 def _plain_tensors(value: Any) -> list[Tensor]:
     """The plain tensors holding ``value``'s data: a DTensor's local shard, any wrapper subclass's inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    from torch.utils._pytree import tree_flatten
+    from lightning_par._compat import is_traceable_wrapper_subclass, tree_flatten
 
     out: list[Tensor] = []
     stack = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
@@ -319,7 +319,8 @@ class LiveActivationMeter:
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from lightning_par._compat import TorchDispatchMode
 
         meter = self
         self._weakref = StorageWeakRef

@@ -24,17 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -42,6 +34,12 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
+from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
+from lightning_par._compat import distributed_is_initialized as _distributed_is_initialized
+from lightning_par._compat import init_dist_connection as _init_dist_connection
+from lightning_par._compat import optimizers_to_device as _optimizers_to_device
+from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
 from lightning_par.parallel import shutdown
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
@@ -305,7 +303,7 @@ class LayoutStrategy(ParallelStrategy):
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         # LightningModule.device_mesh reads this, as under Lightning's ModelParallelStrategy.
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"{type(self).__name__}: {self.dims.describe()}, backend {self._process_group_backend}\n"
                        f"{self.dims.rank_table()}")
 
@@ -479,7 +477,7 @@ class LayoutStrategy(ParallelStrategy):
         log.info(pipeline.describe())
         if fitting:
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
-            trainer.fit_loop._skip_backward = True
+            set_skip_backward(trainer, True)
 
     def _pipeline_loss_fn(self, model: nn.Module) -> Any:
         """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
@@ -794,7 +792,7 @@ class LayoutStrategy(ParallelStrategy):
                 self._heartbeat.stop()
                 self._heartbeat = None
             if self._runner.takes_over_step and self.lightning_module is not None:
-                self.lightning_module.trainer.fit_loop._skip_backward = False
+                set_skip_backward(self.lightning_module.trainer, False)
             if self.model is not None:
                 self.model = self._gradient_sync.unwrap(self.model)
             super().teardown()
