@@ -41,7 +41,7 @@ def paper_flops(batch: int, layers: int, hidden: int) -> float:
 
 def compare() -> list[dict]:
     """Each row of Table 1: the layout, the planner's bubble, memory and TFLOP/s per GPU beside the published."""
-    from example_models import GPT2LightningModule
+    from lightning_par.examples import GPT2LightningModule
 
     rows = []
     for params, heads, hidden, layers, t, p, gpus, batch, published in TABLE1:

@@ -70,7 +70,7 @@ RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "-
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation
 # under tensor + sequence parallelism, 24 tokens): sampling is most of a tensor-parallel launch's time on CPU.
 KV4 = ["--model.n_kv_heads=4"]
-HF_LLAMA = ["--model=example_models.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2"]
+HF_LLAMA = ["--model=lightning_par.examples.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2"]
 
 
 def tp_job(batch: int, strategy: str, *extra: str, accumulate: int = 1, clip: bool = False) -> list[str]:

@@ -23,9 +23,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.distributed.tensor import DTensor
 
-from example_models import GPTLightningModule, HFLlamaLightningModule
 from lightning_par import Hybrid3DStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule, HFLlamaLightningModule
 from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
 from tests.conftest import CLIP, EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
 from tests.probes import GradNorms, StateReport

@@ -12,8 +12,8 @@ import re
 import pytest
 from lightning.pytorch import Trainer
 
-from example_models.gpt import GPT, GPTConfig
 from lightning_par import Hybrid3DStrategy, LayoutError
+from lightning_par.examples.gpt import GPT, GPTConfig
 from lightning_par.parallel.tensor_parallel import check_tp_plan
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
 from tests.harness import Run, launch_cli, max_rel_diff

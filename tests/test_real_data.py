@@ -179,7 +179,7 @@ def test_streaming_shards_the_blocks_over_data_parallel_ranks(corpus, tmp_path):
 
     import lightning.pytorch as pl
 
-    from example_models import GPTLightningModule
+    from lightning_par.examples import GPTLightningModule
 
     model = GPTLightningModule(preset="tiny", n_layers=1)  # a fit reads the stream: no length, max_steps ends it
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=1, val_check_interval=2,
@@ -190,7 +190,7 @@ def test_streaming_shards_the_blocks_over_data_parallel_ranks(corpus, tmp_path):
 
 
 def test_the_example_models_take_the_data_modules_vocabulary(corpus, tmp_path):
-    from example_models import GPTLightningModule, HFLlamaLightningModule
+    from lightning_par.examples import GPTLightningModule, HFLlamaLightningModule
 
     dm = TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(corpus.tokenizer), seq_len=SEQ)
     trainer = SimpleNamespace(datamodule=dm)
@@ -217,7 +217,7 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     import lightning.pytorch as pl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from example_models import HFLlamaLightningModule
+    from lightning_par.examples import HFLlamaLightningModule
     from lightning_par.plugins.checkpoint_export import main as export
 
     pl.seed_everything(0)
@@ -230,7 +230,7 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     trainer.save_checkpoint(tmp_path / "hf.ckpt")
     out = tmp_path / "export"
     assert export([str(tmp_path / "hf.ckpt"), str(out), "--hf", "--model-class",
-                   "example_models.HFLlamaLightningModule"]) == 0
+                   "lightning_par.examples.HFLlamaLightningModule"]) == 0
     tok = AutoTokenizer.from_pretrained(out)
     text = corpus.texts[3]
     assert tok(text)["input_ids"] == dm.tokenizer(text)["input_ids"] and tok.eos_token_id == dm.tokenizer.eos_token_id
@@ -242,7 +242,7 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     trainer.fit(byte_model, datamodule=plain)
     trainer.save_checkpoint(tmp_path / "bytes.ckpt")
     assert export([str(tmp_path / "bytes.ckpt"), str(tmp_path / "bytes"), "--hf", "--model-class",
-                   "example_models.HFLlamaLightningModule"]) == 0
+                   "lightning_par.examples.HFLlamaLightningModule"]) == 0
     assert not (tmp_path / "bytes" / "tokenizer.json").exists()  # byte-level data: no tokenizer to write
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bytes").config.vocab_size == 256
 

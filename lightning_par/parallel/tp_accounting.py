@@ -9,7 +9,7 @@ No Lightning import.
 - :func:`layer_traffic` runs one layer forward and backward under it; :func:`ring_sent_bytes` turns records into
   bytes sent per rank; :func:`megatron_traffic_formula` is what the paper predicts.
 - :func:`saved_activation_bytes` counts the bytes autograd keeps for backward; :func:`megatron_activation_formula`
-  is table 2, :func:`block_activation_formula` the exact count for ``example_models.gpt.Block``.
+  is table 2, :func:`block_activation_formula` the exact count for ``lightning_par.examples.gpt.Block``.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def megatron_activation_formula(s: int, b: int, h: int, a: int, t: int = 1, sp: 
 
 def block_activation_formula(s: int, b: int, h: int, a: int, kv_heads: int, ffn: int, t: int = 1,
                              sp: bool = False, element_size: int = 4) -> dict[str, float]:
-    """Exact bytes ``example_models.gpt.Block`` saves for backward on one rank, split as table 2 splits them.
+    """Exact bytes ``lightning_par.examples.gpt.Block`` saves for backward on one rank, split as table 2 splits them.
 
     Derived from what autograd saves in its forward (torch 2.13, CPU), element counts:
 
@@ -379,7 +379,7 @@ def live_activation_bytes(block: nn.Module, x: Tensor, *args: Any, **kwargs: Any
 
 def recompute_activation_formula(kind: str, s: int, b: int, h: int, a: int, kv_heads: int, ffn: int, t: int = 1,
                                  sp: bool = False, element_size: int = 4) -> float:
-    """Exact bytes ``example_models.gpt.Block`` keeps per block on one rank under recompute ``kind``.
+    """Exact bytes ``lightning_par.examples.gpt.Block`` keeps per block on one rank under recompute ``kind``.
 
     ``none``: :func:`block_activation_formula`. ``full``: the block input only, ``sbh`` elements (``sbh/t`` with
     sequence parallelism, where the input is this rank's sequence shard). ``selective``: the attention core's

@@ -15,8 +15,8 @@ Three kinds of model:
   instead (the forward does ``if inputs_embeds is None: inputs_embeds = self.embed_tokens(input_ids)``); the head's
   ``_pp_plan`` (``lm_head: (["hidden_states"], ["logits"])``) names the output field. A stage whose ``lm_head`` was
   removed returns its hidden states in ``.logits``.
-* **A model declaring** ``pipeline_units()`` (``example_models.GPT``): called positionally; its forward skips the
-  units set to ``None``.
+* **A model declaring** ``pipeline_units()`` (``lightning_par.examples.GPT``): called positionally; its forward
+  skips the units set to ``None``.
 * **Any other model** (blocks found in an ``nn.ModuleList``): a later stage runs the forward on the model's own
   input, the units before the stage's returning zeros of their output shapes (:class:`~.split.RemovedUnit`,
   ``"shape"``), and the received activation is injected as the input of the stage's first unit (a forward pre-hook

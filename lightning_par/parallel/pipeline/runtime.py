@@ -386,7 +386,7 @@ class PipelineRuntime:
                 "stages, with the loss computed on the last stage: it needs labels= (the output then holds the "
                 "loss only), e.g. `loss = self.model(**batch).loss` with 'labels' in the batch. This call gave "
                 "no labels. To compute your own loss from the logits, define loss_fn(outputs, targets) and "
-                "compute_loss(batch) instead (see example_models.GPTLightningModule).")
+                "compute_loss(batch) instead (see lightning_par.examples.GPTLightningModule).")
         return PipelineOutput(loss=self.train_step(inputs, labels=labels, num_items_in_batch=items))
 
     def train_step(self, inputs: Tensor | Mapping[str, Tensor], targets: Tensor | None = None, *,

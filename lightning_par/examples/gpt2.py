@@ -1,6 +1,6 @@
 """A GPT-2-style causal language model in plain PyTorch, in the spirit of nanoGPT.
 
-Unlike the Llama-style `example_models.gpt.GPT` it has learned position embeddings (`wpe`), LayerNorms with a
+Unlike the Llama-style `lightning_par.examples.gpt.GPT` it has learned position embeddings (`wpe`), LayerNorms with a
 bias, biased linears, an MLP whose `c_fc`/`c_proj` are direct children of the block, dropout, and (by default)
 tied token embedding / output head, as GPT-2 has. Module names follow Hugging Face's GPT-2 where they can; the
 attention keeps separate `q_proj`/`k_proj`/`v_proj` instead of GPT-2's fused `c_attn`, because a column-parallel
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_models.gpt import causal_lm_loss
+from lightning_par.examples.gpt import causal_lm_loss
 
 
 @dataclass
