@@ -134,6 +134,12 @@ def padded_vocab_size(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def tokenizer_vocab_size(tokenizer: Any, pad_vocab_to: int) -> int:
+    """The vocabulary a model of a tokenizer's data needs: the tokenizer's length (added tokens included) rounded up
+    to a multiple of ``pad_vocab_to`` (``TextDataModule.vocab_size``; the planner reads a fit config's with it)."""
+    return padded_vocab_size(len(tokenizer), pad_vocab_to)
+
+
 def vocab_size_from_data(module: L.LightningModule, given: int | None, default: int = VOCAB_SIZE) -> int:
     """The vocabulary a model builds: ``given``, else its trainer's data module's ``vocab_size``, else ``default``.
 
@@ -496,7 +502,7 @@ class TextDataModule(L.LightningDataModule):
         ``pad_vocab_to``."""
         if self.byte_level:
             return VOCAB_SIZE
-        return padded_vocab_size(self.token_vocab_size, self.pad_vocab_to)
+        return tokenizer_vocab_size(self.tokenizer, self.pad_vocab_to)
 
     @property
     def tokens_per_batch(self) -> int:

@@ -168,8 +168,9 @@ def _main(argv: list[str]) -> int:
         args.micro_batch, args.global_batch = fit.micro_batch, fit.global_batch
     args.micro_batch = args.micro_batch or 1
     if args.config:
+        vocab = f", vocabulary {fit.vocab_size} (the data's tokenizer)" if fit.vocab_size else ""
         print(f"from {args.config}: {args.model}, {args.world or '?'} ranks, layout "
-              f"{','.join(f'{k}={v}' for k, v in layout.items()) or 'any'}", file=sys.stderr)
+              f"{','.join(f'{k}={v}' for k, v in layout.items()) or 'any'}{vocab}", file=sys.stderr)
     world = args.world
     if world is None:
         if not {"dp", "tp", "pp"} & set(layout):
