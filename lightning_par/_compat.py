@@ -28,13 +28,17 @@ class UntestedVersionError(ImportError):
 
 
 def installed_versions() -> dict[str, str]:
-    """The installed version of each package of :data:`TESTED` (``"missing"`` when not installed)."""
+    """The installed version of each package of :data:`TESTED`: its ``__version__`` (a source build of torch may
+    have no package metadata), else its metadata's, else ``"missing"``."""
     out = {}
     for package in TESTED:
         try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = "missing"
+            out[package] = str(importlib.import_module(package).__version__)
+        except (ImportError, AttributeError):
+            try:
+                out[package] = version(package)
+            except PackageNotFoundError:
+                out[package] = "missing"
     return out
 
 

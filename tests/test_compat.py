@@ -2,7 +2,10 @@
 the installed versions against the tested ones, and the error for a private name a release no longer has."""
 
 import ast
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -122,3 +125,21 @@ def test_schedule_order_only_keeps_the_compute_order():
             _compat.schedule_order_only(gone)
     finally:
         monkey.undo()
+
+
+def test_import_on_an_untested_torch_stops_or_warns_once(tmp_path):
+    """``import lightning_par`` itself, on a torch that says it is 2.14.0: one error naming the versions; with
+    LIGHTNING_PAR_ALLOW_UNTESTED=1 one warning, and the import goes on (every private name is still there)."""
+    code = "import torch; torch.__version__ = '2.14.0'; import lightning_par; print('imported')"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop(_compat.ALLOW_UNTESTED, None)
+    stopped = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert stopped.returncode == 1 and "imported" not in stopped.stdout
+    assert "UntestedVersionError: lightning-par is tested with torch 2.13.x, lightning 2.6.x, jsonargparse 4.53.x" in (
+        stopped.stderr)
+    assert "found torch 2.14.0. Install the tested versions (pip install 'torch==2.13.*')" in stopped.stderr
+    env[_compat.ALLOW_UNTESTED] = "1"
+    allowed = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                             text=True)
+    assert allowed.returncode == 0 and allowed.stdout.strip() == "imported"
+    assert allowed.stderr.count("lightning-par is tested with torch 2.13.x") == 1
