@@ -5,7 +5,10 @@ Private names change between releases without notice, so lightning-par is tested
 the installed versions: an untested one stops the import with one message naming the tested versions, unless
 ``LIGHTNING_PAR_ALLOW_UNTESTED=1`` turns it into one warning. Every private name is then loaded here, at import, so a
 release that lacks one fails at once with an ImportError naming it -- not with an AttributeError deep in a run.
-No other module of lightning_par imports a private name (tests/test_compat.py checks it).
+No other module of lightning_par imports a private name or reaches one as ``torch.x._y``, and the private
+Lightning attributes that steer a run go through the accessors below (tests/test_compat.py checks both). Private
+attributes of objects (a ShardedTensor's ``_local_shards``; FSDP2's ``_fsdp_param_groups`` and a module's
+``_trainer``, read with a fallback) stay where they are used.
 """
 
 from __future__ import annotations
