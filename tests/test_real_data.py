@@ -235,6 +235,7 @@ def test_plan_reads_the_vocabulary_of_the_configs_tokenizer(corpus, tmp_path, ca
     from lightning_par.planner.cli import main as plan_main
     from lightning_par.planner.fit_config import read_fit_config
     from lightning_par.planner.model import build_model
+    from lightning_par.topology import LayoutError
 
     def config(model_args: str = "") -> Path:
         path = tmp_path / f"fit{len(model_args)}.yaml"
@@ -252,6 +253,10 @@ def test_plan_reads_the_vocabulary_of_the_configs_tokenizer(corpus, tmp_path, ca
     assert read_fit_config(config("    vocab_size: 512\n")).model_args["vocab_size"] == 512  # the config's own wins
     assert plan_main(["--config", str(config())]) == 0
     assert "vocabulary 320 (the data's tokenizer)" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config().read_text().replace(str(corpus.tokenizer), str(tmp_path / "nope")))
+    with pytest.raises(LayoutError, match=r"bad.yaml: data.init_args.tokenizer=.*nope.* is not a directory"):
+        read_fit_config(bad)
 
 
 def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):

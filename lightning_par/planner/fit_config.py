@@ -110,6 +110,8 @@ def _data_vocab_size(class_path: str | None, args: dict[str, Any], path: str | P
     tokenizer = args.get("tokenizer")
     if not isinstance(tokenizer, str):
         return None
+    if class_path and "." not in class_path:  # a short name, as jsonargparse accepts it
+        class_path = f"lightning_par.data.{class_path}"
     cls = _import(class_path) if class_path else TextDataModule
     if not (isinstance(cls, type) and issubclass(cls, TextDataModule)):
         return None
