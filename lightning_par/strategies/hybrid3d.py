@@ -28,7 +28,9 @@ class Hybrid3DStrategy(LayoutStrategy):
     Args:
         tp: tensor-parallel size (must divide heads, hidden and FFN sizes and the vocabulary).
         pp: pipeline-parallel size.
-        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp).
+        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp * cp).
+        cp: context-parallel size: each sequence split over ``cp`` ranks (between dp and tp on the mesh), attention
+            over the whole sequence, gradients averaged over dp x cp (see docs/context-parallel.md).
         zero_stage: across data parallel: 0 replicas, 1 optimizer states sharded (default), 2 + gradients,
             3 + parameters (FSDP2).
         schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zero_bubble``,
@@ -63,6 +65,7 @@ class Hybrid3DStrategy(LayoutStrategy):
         tp: int = 2,
         pp: int = 2,
         dp: Size = "auto",
+        cp: int = 1,
         zero_stage: int = 1,
         schedule: str = "1f1b",
         n_microbatches: int | None = None,
@@ -81,7 +84,7 @@ class Hybrid3DStrategy(LayoutStrategy):
         checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
-            dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
+            dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, recompute=recompute,
             block_types=block_types, stage_costs=stage_costs, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, bucket_cap_mb=bucket_cap_mb,
@@ -96,6 +99,7 @@ class Hybrid3DStrategy(LayoutStrategy):
             presets[f"hybrid3d_tp{tp}_pp{pp}"] = {"tp": tp, "pp": pp}
             presets[f"hybrid3d_tp{tp}_pp{pp}_sp"] = {"tp": tp, "pp": pp, "sequence_parallel": True}
         presets["hybrid3d_tp2_pp2_zero3"] = {"tp": 2, "pp": 2, "zero_stage": 3}
+        presets["hybrid3d_tp2_pp2_cp2"] = {"tp": 2, "pp": 2, "cp": 2}
         for name, init_args in presets.items():
             strategy_registry.register(name, cls, description=f"lightning-par Hybrid3DStrategy({init_args})",
                                        **init_args)
