@@ -128,6 +128,14 @@ class ContextParallel:
                 "context parallel attends over the whole sequence with a causal mask made from global positions; a "
                 "padding attention_mask (zeros) is not supported. Pack the sequences to full length (no padding), "
                 "or train this data without cp.")
+        labels = batch.get("labels")
+        targets = next_token_targets(labels) if isinstance(labels, Tensor) else None
+        if targets is not None and ids.size(1) % (2 * self.size) == 1:
+            # seq_len + 1 tokens (the labels aligned with the inputs): the last token has no target and no earlier
+            # token attends to it, so it is dropped, exactly, and the rest cut evenly
+            batch = {k: v[:, :-1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == ids.shape else v
+                     for k, v in batch.items()}
+            ids, targets = batch["input_ids"], targets[:, :-1]
         index = self._index(ids)
         out: dict[str, Any] = {}
         for key, value in batch.items():
@@ -140,9 +148,8 @@ class ContextParallel:
                 out[key] = value
         if isinstance(batch.get("position_ids"), Tensor):
             self.positions = out["position_ids"][0] if out["position_ids"].dim() == 2 else self.positions
-        labels = batch.get("labels")
-        # the model shifts labels inside its loss; shifted here on the whole sequence, then cut
-        self.targets = next_token_targets(labels)[:, index] if isinstance(labels, Tensor) else None
+        # the model shifts labels inside its loss; shifted above on the whole sequence, then cut
+        self.targets = targets[:, index] if targets is not None else None
         return out
 
     # -- positions into the model -----------------------------------------------------------------------------
@@ -174,6 +181,8 @@ class ContextParallel:
         """``loss_fn(outputs, targets)`` (a token mean of one shard) made the token mean of the whole sequence."""
 
         def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+            if self.targets is not None and self.targets.shape == targets.shape:
+                targets = self.targets  # a dict batch's labels shifted on the whole sequence, not on the shard
             local = loss_fn(outputs, targets)
             counted = (targets != IGNORE_INDEX).sum()
             share = local * counted / self.token_count(targets).clamp(min=1).to(local.dtype)
