@@ -499,11 +499,16 @@ class LayoutStrategy(ParallelStrategy):
     def _install_context_parallel(self) -> None:
         """The position and attention hooks, on the modules that now run the model (the stage modules under pp)."""
         assert self.lightning_module is not None and self._context_parallel is not None
+        hooked = 0
         for module in self.lightning_module.modules():
-            if type(module) is self._position_root:
+            if isinstance(module, self._position_root):  # (FSDP2 and the pipeline split subclass or copy it)
                 n_blocks = sum(isinstance(m, self._block_types) for m in module.modules())
                 for handle in context_parallel.install(module, self._context_parallel, n_blocks):
                     self._cp_undo.callback(handle.remove)
+                hooked += 1
+        if not hooked:
+            raise LayoutError(f"context parallel: no {self._position_root.__name__} left to give positions to after "
+                              "the layout was applied; this is a bug, please report it with the layout.")
 
     def _shard_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``(batch, ...)`` with the batch cut to this rank's share of each sequence (cp > 1)."""
