@@ -118,7 +118,7 @@ class LayoutReport(pl.Callback):
 def fit(root: Path, cache: str, name: str) -> None:
     case = CASES[name]
     pl.seed_everything(1234)
-    dp = case.devices // 4
+    dp = case.devices // (4 * case.strategy.get("cp", 1))
     batch = GLOBAL_BATCH // dp // case.accumulate
     if case.hf:
         model = HFLlamaLightningModule(n_layers=4, n_kv_heads=2, **case.model)

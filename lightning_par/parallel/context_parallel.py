@@ -93,7 +93,8 @@ class ContextParallel:
     rank: int
     positions: Tensor | None = None  # this rank's global positions of the current batch [T / cp]
     targets: Tensor | None = None  # a dict batch: next-token targets of its labels, this rank's share
-    attention_calls: int = 0
+    attention_calls: int = 0  # in the model's forward in progress
+    positions_given: int = 0  # forwards given this batch's positions since it was cut
 
     # -- the batch -----------------------------------------------------------------------------------------------
     def shard(self, batch: Any) -> Any:
@@ -115,6 +116,7 @@ class ContextParallel:
             f"'position_ids'), not {type(batch).__name__}.")
 
     def _index(self, ids: Tensor) -> Tensor:
+        self.positions_given = 0
         self.positions = shard_positions(ids.size(1), self.size, self.rank, device=ids.device)
         return self.positions
 
@@ -164,11 +166,16 @@ class ContextParallel:
                 f"context parallel: the model was called on a sequence of {seq.size(1)} tokens, not on this step's "
                 f"shard ({self.positions.numel()} tokens); under cp only the training, validation and test steps "
                 "cut their batches (generation and predict_step are not supported: run them without cp).")
+        self.positions_given += 1
         return {**kwargs, "position_ids": self.positions.unsqueeze(0)}
 
     # -- the loss ---------------------------------------------------------------------------------------------
     def sum_over_cp(self, share: Tensor) -> Tensor:
         """``share`` summed over the cp ranks (forward); backward scales by cp, undoing the owners' cp average."""
+        if not self.positions_given:  # the loss of a forward that ran without this batch's positions
+            raise LayoutError("context parallel: the model computed a loss on this step's shard without being given "
+                              "its global position_ids (the strategy's hook on the model did not run); this is a "
+                              "bug, please report it with the layout.")
         return _SumOverCP.apply(share, self.group, self.size)
 
     def token_count(self, targets: Tensor) -> Tensor:

@@ -490,18 +490,21 @@ class LayoutStrategy(ParallelStrategy):
         self._block_types = tuple({type(m) for m in blocks.block_modules()})
         self._position_root = type(blocks.root)
         self._context_parallel = cp
-        context_parallel.activate(cp)
-        self._cp_undo.callback(context_parallel.activate, None)
-        self._cp_undo.enter_context(context_parallel.attention_redirected())
         rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, keys and values "
                        f"all-gathered per attention, global position_ids into {type(blocks.root).__name__}")
 
     def _install_context_parallel(self) -> None:
         """The position and attention hooks, on the modules that now run the model (the stage modules under pp)."""
         assert self.lightning_module is not None and self._context_parallel is not None
+        # from here (not during the pipeline's tracing of the model at setup) attention is context parallel's
+        context_parallel.activate(self._context_parallel)
+        self._cp_undo.callback(context_parallel.activate, None)
+        self._cp_undo.enter_context(context_parallel.attention_redirected())
         hooked = 0
-        for module in self.lightning_module.modules():
-            if isinstance(module, self._position_root):  # (FSDP2 and the pipeline split subclass or copy it)
+        # pp > 1: the stage modules the schedule calls (the rank module's forward is the pipeline's)
+        candidates = self.pipeline.stage_modules if self.pipeline is not None else self.lightning_module.modules()
+        for module in candidates:
+            if isinstance(module, self._position_root):  # (FSDP2 subclasses it)
                 n_blocks = sum(isinstance(m, self._block_types) for m in module.modules())
                 for handle in context_parallel.install(module, self._context_parallel, n_blocks):
                     self._cp_undo.callback(handle.remove)
