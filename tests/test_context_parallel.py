@@ -1,0 +1,138 @@
+"""Context parallel (cp): each sequence split over cp ranks, at parity with one process.
+
+In-process: the rank grid with cp between dp and tp, the load-balanced shards, the errors raised before launch; on
+two gloo processes (spawned here, seconds): the all-gathered attention and the token-weighted loss against the
+whole sequence's, values and gradients, with ``-100`` targets spread unevenly over the shards. Launches (the CLI,
+``tests.conftest.CP_RUNS``): the example GPT at cp=2 with SGD (default run); Hugging Face Llama and Qwen2 at cp=2,
+and cp2 x ZeRO-3 dp2 on all three (full run). tp2 x pp2 x cp2 is in ``tests/hybrid3d_matrix.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch import Trainer
+
+from example_models.gpt import GPT, GPTConfig
+from example_models.gpt2 import GPT2, GPT2Config
+from lightning_par import Hybrid3DStrategy, LayoutError, LayoutStrategy
+from lightning_par.parallel.context_parallel import check_takes_positions, shard_positions
+from lightning_par.parallel.layout import Layout
+from lightning_par.topology import ParallelDims
+from tests.conftest import CP_RUNS, CP_STEPS
+from tests.harness import max_rel_diff
+
+LOSS_RTOL = 1e-5
+
+
+def test_cp_lies_between_dp_and_tp():
+    dims = ParallelDims.resolve(16, tp=2, pp=2, cp=2)
+    assert dims.dp == 2 and dims.shape == (2, 2, 2, 2)
+    assert dims.coordinates(5) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
+    assert dims.groups("cp")[:2] == [[0, 2], [1, 3]]  # two ranks apart: tp is innermost
+    assert dims.group_of(0, "dp") == [0, 4]
+    assert "rank -> (pp, dp, cp, tp)" in dims.rank_table() and "cp=2" in dims.describe()
+    assert "rank -> (pp, dp, tp)" in ParallelDims.resolve(4, tp=2).rank_table()  # no cp column without cp
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shards_cover_the_sequence_once_and_balance_the_causal_work(cp):
+    shards = [shard_positions(32, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(32))
+    assert shards[0][:32 // (2 * cp)].tolist() == list(range(32 // (2 * cp)))  # rank 0: the first chunk and the last
+    assert shards[0][-1] == 31
+    work = [int((s + 1).sum()) for s in shards]  # keys each rank's queries attend to under the causal mask
+    assert len(set(work)) == 1
+
+
+def test_bad_layouts_are_refused_before_launch():
+    with pytest.raises(LayoutError, match=r"tp=1 x pp=1 x cp=4 = 4 does not divide the world size 6"):
+        ParallelDims.resolve(6, cp=4)
+    with pytest.raises(LayoutError, match="cp=0 is not a valid size"):
+        Layout(cp=0)
+    with pytest.raises(LayoutError, match="sequence_parallel=True with cp > 1"):
+        Layout(cp=2, tp=2, sequence_parallel=True)
+    with pytest.raises(LayoutError, match=r"sequence length is 30. Use a sequence length divisible by 4 \(e.g. 32\)"):
+        shard_positions(30, 2, 0)
+    with pytest.raises(LayoutError, match="does not divide the world size 3"):
+        Trainer(accelerator="cpu", devices=3, strategy=LayoutStrategy(cp=2), logger=False)
+    assert Hybrid3DStrategy(tp=1, pp=1, cp=2).layout.cp == 2
+
+
+def test_a_model_whose_positions_stay_local_is_refused():
+    check_takes_positions(GPT(GPTConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)))
+    # learned positions from arange of the local length: every rank but the first would be silently wrong
+    with pytest.raises(LayoutError, match="GPT2.forward has no `position_ids` argument"):
+        check_takes_positions(GPT2(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def test_the_example_gpt_with_global_positions_equals_the_whole_sequence():
+    """What a cp rank computes of its shard's tokens, given their global positions, is what the whole sequence
+    gives at those positions (everything but attention is per token; attention here sees only causal prefixes)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16))
+    tokens = torch.randint(0, 256, (2, 16))
+    whole = model(tokens)
+    prefix = model(tokens[:, :8], position_ids=torch.arange(8).expand(2, -1))
+    torch.testing.assert_close(prefix, whole[:, :8])
+
+
+def _two_ranks(rank: int, store: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_par.parallel.context_parallel import ContextParallel, activate, sequence_attention
+    from lightning_par.parallel.pipeline.batches import next_token_targets
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)  # the same whole sequence on both ranks
+    B, H, KV, T, D, V = 2, 4, 2, 16, 8, 11
+    q, k, v = (torch.randn(B, h, T, D, dtype=torch.float64, requires_grad=True) for h in (H, KV, KV))
+    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, T))
+    labels[:, 2:7] = -100  # counted tokens differ between the shards
+    targets = next_token_targets(labels)
+    # the whole sequence in one process
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    (out.square().sum() + loss).backward()
+    expected = [t.grad.clone() for t in (q, k, v, logits)]
+    for t in (q, k, v, logits):
+        t.grad = None
+    # this rank's shard
+    cp = ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
+    batch = cp.shard({"input_ids": torch.zeros(B, T, dtype=torch.long), "labels": labels})
+    index = cp.positions
+    activate(cp)
+    try:
+        cp.positions_given = 1  # (a model's forward would have been given them)
+        local = sequence_attention(q[:, :, index], k[:, :, index], v[:, :, index], enable_gqa=True)
+        mean = cp.mean_loss(lambda lg, tg: torch.nn.functional.cross_entropy(lg.reshape(-1, V), tg.reshape(-1)))
+        local_loss = mean(logits[:, index], next_token_targets(batch["labels"]))  # the shard's own shift is ignored
+        # the owners average gradients over cp: average here
+        (local.square().sum() * 2 + local_loss).backward()
+    finally:
+        activate(None)
+    torch.testing.assert_close(local, out[:, :, index].detach())
+    torch.testing.assert_close(local_loss.detach(), loss.detach())  # every cp rank holds the whole sequence's loss
+    for t, want in zip((q, k, v, logits), expected, strict=True):
+        grad = t.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad / 2, want)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(tmp_path):
+    mp.spawn(_two_ranks, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("name", list(CP_RUNS))
+def test_losses_match_one_process(runs, name):
+    run, reference = runs(name), runs(CP_RUNS[name])
+    steps = len(run.losses())
+    diff = max_rel_diff(run.losses(), reference.losses()[:steps])
+    print(f"{name}: {steps} steps, per-step loss within {diff:.2e} of {CP_RUNS[name]}")
+    assert steps == (CP_STEPS if name == "cp2_sgd" else len(reference.losses())) and diff <= LOSS_RTOL
+    assert reference.losses()[0] - reference.losses()[steps - 1] > 0.2  # the loss moves: a wrong gradient shows
+    assert "context parallel over cp=2" in run.log
