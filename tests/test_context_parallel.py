@@ -127,6 +127,55 @@ def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(tmp_path):
     mp.spawn(_two_ranks, args=(str(tmp_path / "store"),), nprocs=2, join=True)
 
 
+def _activation_bytes(rank: int, store: str, out: str) -> None:
+    """One cp rank's saved-for-backward bytes of the tiny GPT's forward and loss on its shard, and the planner's."""
+    import json
+
+    import torch.distributed as dist
+
+    import example_models
+    from lightning_par.measure import ActivationMeter
+    from lightning_par.parallel.context_parallel import ContextParallel, activate, attention_redirected
+    from lightning_par.planner import PRESETS, Candidate, Planner, Workload, build_model, inspect_model
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    B, T, kwargs = 2, 64, dict(preset="tiny", n_layers=2)
+    torch.manual_seed(0)
+    lm = example_models.GPTLightningModule(**kwargs)
+    lm.configure_model()
+    tokens = torch.randint(0, 256, (B, T))
+    cp = ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
+    inputs, targets = cp.shard((tokens, tokens))
+    activate(cp)
+    try:
+        with ActivationMeter(lm.parameters()) as shard, attention_redirected():
+            cp.positions_given = 1
+            cp.mean_loss(lm.loss_fn)(lm.model(inputs, position_ids=cp.positions[None]), targets)
+    finally:
+        activate(None)
+    with ActivationMeter(lm.parameters()) as whole:
+        lm.loss_fn(lm.model(tokens), tokens)
+    planner = Planner(inspect_model(build_model(example_models.GPTLightningModule, kwargs)), PRESETS["cpu"],
+                      Workload(B, T, B))
+    predicted = planner.estimate(Candidate(1, 1, 1, 0, precision="fp32", cp=2)).ranks[0].activations
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"shard": shard.seen_bytes, "whole": whole.seen_bytes, "predicted": predicted}, f)
+    dist.destroy_process_group()
+
+
+def test_activation_bytes_per_cp_rank_equal_the_planner(tmp_path):
+    import json
+
+    mp.spawn(_activation_bytes, args=(str(tmp_path / "store"), str(tmp_path / "out.json")), nprocs=2, join=True)
+    got = json.loads((tmp_path / "out.json").read_text())
+    ratio = got["predicted"] / got["shard"]
+    print(f"cp=2 activation bytes per rank: measured {got['shard']}, planner {got['predicted']:.0f} (ratio "
+          f"{ratio:.3f}); one process, whole sequence: {got['whole']}")
+    assert abs(ratio - 1) <= 0.05
+    assert got["shard"] < 0.6 * got["whole"]  # half the tokens, plus the gathered keys and values
+
+
 @pytest.mark.parametrize("name", list(CP_RUNS))
 def test_losses_match_one_process(runs, name):
     run, reference = runs(name), runs(CP_RUNS[name])
