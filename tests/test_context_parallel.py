@@ -21,7 +21,7 @@ from lightning_par.parallel.context_parallel import check_takes_positions, shard
 from lightning_par.parallel.layout import Layout
 from lightning_par.topology import ParallelDims
 from tests.conftest import CP_RUNS, CP_STEPS
-from tests.harness import max_rel_diff
+from tests.harness import launch_cli, max_rel_diff
 
 LOSS_RTOL = 1e-5
 
@@ -65,6 +65,46 @@ def test_a_model_whose_positions_stay_local_is_refused():
     # learned positions from arange of the local length: every rank but the first would be silently wrong
     with pytest.raises(LayoutError, match="GPT2.forward has no `position_ids` argument"):
         check_takes_positions(GPT2(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def test_batches_are_cut_alike_or_refused():
+    from lightning_par.parallel.context_parallel import ContextParallel
+
+    cp = ContextParallel(group=None, size=2, rank=1)  # cutting communicates nothing
+    ids = torch.arange(33).expand(2, -1)
+    out = cp.shard({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+    assert out["input_ids"][0].tolist() == [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+    assert out["labels"].equal(out["input_ids"]) and cp.positions.tolist() == out["input_ids"][0].tolist()
+    assert cp.targets[0].tolist() == [t + 1 for t in out["input_ids"][0].tolist()]  # shifted on the whole sequence
+    inputs, targets = cp.shard((ids[:, :32], ids[:, 1:33]))
+    assert inputs[0, -1] == 23 and targets[0, -1] == 24
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    with pytest.raises(LayoutError, match="a padding attention_mask"):
+        cp.shard({"input_ids": ids, "attention_mask": padded})
+    with pytest.raises(LayoutError, match="sequence length is 30"):
+        cp.shard((ids[:, :30], ids[:, :30]))
+    with pytest.raises(LayoutError, match="accepts a tuple"):
+        cp.shard([ids])
+
+
+def test_a_forward_whose_attention_bypassed_context_parallel_is_refused():
+    from torch import nn
+
+    from lightning_par.parallel.context_parallel import ContextParallel, install
+
+    class OwnAttention(nn.Module):  # attention written by hand: it would see only the shard
+        def forward(self, x, position_ids=None):
+            scores = (x @ x.transpose(-1, -2)).softmax(-1)
+            return scores @ x
+
+    cp = ContextParallel(group=None, size=2, rank=0)
+    model = OwnAttention()
+    install(model, cp, n_blocks=1)
+    inputs, _ = cp.shard((torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)))
+    with pytest.raises(LayoutError, match="only 0 attention calls went through the context-parallel attention"):
+        model(torch.randn(1, 4, 3))
+    assert cp.positions_given == 1
 
 
 def test_the_example_gpt_with_global_positions_equals_the_whole_sequence():
@@ -127,6 +167,51 @@ def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(tmp_path):
     mp.spawn(_two_ranks, args=(str(tmp_path / "store"),), nprocs=2, join=True)
 
 
+def _hf_two_ranks(rank: int, store: str, arch: str) -> None:
+    """A Hugging Face model called the Hugging Face way, ``model(**batch).loss``, on each rank's shard (labels with a
+    different number of ``-100`` per row, so per shard): its attention through the registered implementation, its
+    rotary positions from the global ``position_ids``, its own loss over the whole sequence."""
+    import torch.distributed as dist
+
+    from lightning_par.parallel import context_parallel
+    from tests.pipeline_hf_loss import HFStyleLM
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    lm = HFStyleLM(arch)
+    lm.configure_model()
+    model = lm.model
+    ids = torch.randint(0, 256, (4, 33))  # seq_len + 1: the last token is dropped under cp
+    labels = ids.clone()
+    for row, prompt in enumerate((0, 3, 9, 20)):
+        labels[row, :prompt] = -100
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    whole = model(**batch).loss
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    cp = context_parallel.ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
+    model.loss_function = cp.model_loss(model.loss_function)
+    context_parallel.install(model, cp, n_blocks=4)
+    context_parallel.activate(cp)
+    try:
+        loss = model(**cp.shard(batch)).loss
+        loss.backward()
+    finally:
+        context_parallel.activate(None)
+    torch.testing.assert_close(loss.detach(), whole.detach())
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)  # what the owners do over cp: the average of the scaled shares
+        torch.testing.assert_close(grad / 2, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_hugging_face_model_loss_over_two_shards_equals_the_whole_sequence(tmp_path, arch):
+    mp.spawn(_hf_two_ranks, args=(str(tmp_path / "store"), arch), nprocs=2, join=True)
+
+
 def _activation_bytes(rank: int, store: str, out: str) -> None:
     """One cp rank's saved-for-backward bytes of the tiny GPT's forward and loss on its shard, and the planner's."""
     import json
@@ -174,6 +259,13 @@ def test_activation_bytes_per_cp_rank_equal_the_planner(tmp_path):
           f"{ratio:.3f}); one process, whole sequence: {got['whole']}")
     assert abs(ratio - 1) <= 0.05
     assert got["shard"] < 0.6 * got["whole"]  # half the tokens, plus the gathered keys and values
+
+
+def test_a_model_with_local_positions_is_refused_at_setup_on_every_rank(tmp_path, cache_dir):
+    run = launch_cli(tmp_path, cache_dir, ["--model=example_models.GPT2LightningModule", "--model.n_layers=2",
+                                           "--trainer.strategy=context_parallel2", "--trainer.max_steps=2"], devices=2)
+    assert run.returncode != 0
+    assert run.log.count("GPT2.forward has no `position_ids` argument") >= 2  # both ranks, before any step
 
 
 @pytest.mark.parametrize("name", list(CP_RUNS))
