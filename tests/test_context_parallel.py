@@ -118,28 +118,40 @@ def test_the_example_gpt_with_global_positions_equals_the_whole_sequence():
     torch.testing.assert_close(prefix, whole[:, :8])
 
 
-def _two_ranks(rank: int, store: str) -> None:
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference relative to the largest magnitude of ``b``."""
+    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1e-30))
+
+
+def _gradients_over_cp(grad: torch.Tensor) -> torch.Tensor:
+    """What the data-parallel owners make of one rank's gradient: the average over the (two) cp ranks."""
+    import torch.distributed as dist
+
+    grad = grad.clone()
+    dist.all_reduce(grad)
+    return grad / 2
+
+
+def _attention_and_loss(rank: int) -> dict[str, float]:
+    """The all-gathered attention and the token-weighted loss on this rank's shard of a whole sequence whose
+    ``-100`` targets fall unevenly on the shards, against the whole sequence in one process (float64)."""
     import torch.distributed as dist
 
     from lightning_par.parallel.context_parallel import ContextParallel, activate, sequence_attention
     from lightning_par.parallel.pipeline.batches import next_token_targets
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)  # the same whole sequence on both ranks
     B, H, KV, T, D, V = 2, 4, 2, 16, 8, 11
     q, k, v = (torch.randn(B, h, T, D, dtype=torch.float64, requires_grad=True) for h in (H, KV, KV))
     logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (B, T))
     labels[:, 2:7] = -100  # counted tokens differ between the shards
-    targets = next_token_targets(labels)
-    # the whole sequence in one process
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), next_token_targets(labels).reshape(-1))
     (out.square().sum() + loss).backward()
     expected = [t.grad.clone() for t in (q, k, v, logits)]
     for t in (q, k, v, logits):
         t.grad = None
-    # this rank's shard
     cp = ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
     batch = cp.shard({"input_ids": torch.zeros(B, T, dtype=torch.long), "labels": labels})
     index = cp.positions
@@ -149,34 +161,26 @@ def _two_ranks(rank: int, store: str) -> None:
         local = sequence_attention(q[:, :, index], k[:, :, index], v[:, :, index], enable_gqa=True)
         mean = cp.mean_loss(lambda lg, tg: torch.nn.functional.cross_entropy(lg.reshape(-1, V), tg.reshape(-1)))
         local_loss = mean(logits[:, index], next_token_targets(batch["labels"]))  # the shard's own shift is ignored
-        # the owners average gradients over cp: average here
-        (local.square().sum() * 2 + local_loss).backward()
+        (local.square().sum() * 2 + local_loss).backward()  # x 2: the owners average the attention term over cp
     finally:
         activate(None)
-    torch.testing.assert_close(local, out[:, :, index].detach())
-    torch.testing.assert_close(local_loss.detach(), loss.detach())  # every cp rank holds the whole sequence's loss
-    for t, want in zip((q, k, v, logits), expected, strict=True):
-        grad = t.grad.clone()
-        dist.all_reduce(grad)
-        torch.testing.assert_close(grad / 2, want)
-    dist.barrier()
-    dist.destroy_process_group()
+    result = {"attention": _rel(local, out[:, :, index]), "loss": _rel(local_loss, loss)}
+    for name, t, want in zip("qkv", (q, k, v), expected, strict=False):
+        result[f"grad_{name}"] = _rel(_gradients_over_cp(t.grad), want)
+    result["grad_logits"] = _rel(_gradients_over_cp(logits.grad), expected[3])
+    return result
 
 
-def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(tmp_path):
-    mp.spawn(_two_ranks, args=(str(tmp_path / "store"),), nprocs=2, join=True)
-
-
-def _hf_two_ranks(rank: int, store: str, arch: str) -> None:
+def _hugging_face_model(rank: int, arch: str) -> dict[str, float]:
     """A Hugging Face model called the Hugging Face way, ``model(**batch).loss``, on each rank's shard (labels with a
     different number of ``-100`` per row, so per shard): its attention through the registered implementation, its
-    rotary positions from the global ``position_ids``, its own loss over the whole sequence."""
+    rotary positions from the global ``position_ids``, its own loss over the whole sequence; against the whole
+    sequence in one process."""
     import torch.distributed as dist
 
     from lightning_par.parallel import context_parallel
     from tests.pipeline_hf_loss import HFStyleLM
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
     lm = HFStyleLM(arch)
     lm.configure_model()
@@ -199,23 +203,12 @@ def _hf_two_ranks(rank: int, store: str, arch: str) -> None:
         loss.backward()
     finally:
         context_parallel.activate(None)
-    torch.testing.assert_close(loss.detach(), whole.detach())
-    for name, param in model.named_parameters():
-        grad = param.grad.clone()
-        dist.all_reduce(grad)  # what the owners do over cp: the average of the scaled shares
-        torch.testing.assert_close(grad / 2, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    dist.destroy_process_group()
+    grads = max(_rel(_gradients_over_cp(p.grad), expected[n]) for n, p in model.named_parameters())
+    return {"loss": _rel(loss, whole), "grads": grads}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_hugging_face_model_loss_over_two_shards_equals_the_whole_sequence(tmp_path, arch):
-    mp.spawn(_hf_two_ranks, args=(str(tmp_path / "store"), arch), nprocs=2, join=True)
-
-
-def _activation_bytes(rank: int, store: str, out: str) -> None:
+def _activation_bytes(rank: int) -> dict[str, float]:
     """One cp rank's saved-for-backward bytes of the tiny GPT's forward and loss on its shard, and the planner's."""
-    import json
-
     import torch.distributed as dist
 
     import example_models
@@ -223,7 +216,6 @@ def _activation_bytes(rank: int, store: str, out: str) -> None:
     from lightning_par.parallel.context_parallel import ContextParallel, activate, attention_redirected
     from lightning_par.planner import PRESETS, Candidate, Planner, Workload, build_model, inspect_model
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     B, T, kwargs = 2, 64, dict(preset="tiny", n_layers=2)
     torch.manual_seed(0)
     lm = example_models.GPTLightningModule(**kwargs)
@@ -243,17 +235,54 @@ def _activation_bytes(rank: int, store: str, out: str) -> None:
     planner = Planner(inspect_model(build_model(example_models.GPTLightningModule, kwargs)), PRESETS["cpu"],
                       Workload(B, T, B))
     predicted = planner.estimate(Candidate(1, 1, 1, 0, precision="fp32", cp=2)).ranks[0].activations
+    return {"shard": shard.seen_bytes, "whole": whole.seen_bytes, "predicted": predicted}
+
+
+def _two_ranks(rank: int, store: str, out: str, archs: list[str]) -> None:
+    """Every two-rank check in one spawn (one start-up); rank 0 writes the figures to ``out``."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    result = {"attention": _attention_and_loss(rank), "activations": _activation_bytes(rank),
+              **{arch: _hugging_face_model(rank, arch) for arch in archs}}
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"shard": shard.seen_bytes, "whole": whole.seen_bytes, "predicted": predicted}, f)
+            json.dump(result, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def test_activation_bytes_per_cp_rank_equal_the_planner(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, request):
     import json
 
-    mp.spawn(_activation_bytes, args=(str(tmp_path / "store"), str(tmp_path / "out.json")), nprocs=2, join=True)
-    got = json.loads((tmp_path / "out.json").read_text())
+    from tests.conftest import full_run
+
+    root = tmp_path_factory.mktemp("cp_two_ranks")
+    archs = ["llama", "qwen2"] if full_run(request.config) else ["llama"]
+    mp.spawn(_two_ranks, args=(str(root / "store"), str(root / "out.json"), archs), nprocs=2, join=True)
+    return json.loads((root / "out.json").read_text())
+
+
+def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(two_ranks):
+    got = two_ranks["attention"]
+    print(f"two cp shards vs the whole sequence (float64): {got}")
+    assert max(got.values()) <= 1e-12
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_hugging_face_model_loss_over_two_shards_equals_the_whole_sequence(two_ranks, arch):
+    if arch not in two_ranks:
+        pytest.skip(f"{arch}: the full run only (pytest --full)")
+    got = two_ranks[arch]
+    print(f"{arch}: the model's own loss on two cp shards vs the whole sequence: {got}")
+    assert got["loss"] <= 1e-6 and got["grads"] <= 1e-5
+
+
+def test_activation_bytes_per_cp_rank_equal_the_planner(two_ranks):
+    got = two_ranks["activations"]
     ratio = got["predicted"] / got["shard"]
     print(f"cp=2 activation bytes per rank: measured {got['shard']}, planner {got['predicted']:.0f} (ratio "
           f"{ratio:.3f}); one process, whole sequence: {got['whole']}")
