@@ -655,6 +655,12 @@ class LayoutStrategy(ParallelStrategy):
                 "to compute your own loss (see example_models.GPTLightningModule).")
         return output
 
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._context_parallel is not None:
+            raise LayoutError(f"predict_step under context parallel (cp={self.dims.cp}) is not supported: predictions "
+                              "(and generation) need the whole sequence on a rank. Predict with a layout without cp.")
+        return super().predict_step(*args, **kwargs)
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         args = self._shard_sequence(args)
         with self._pipeline_eval_loss(), self._loss_context():
