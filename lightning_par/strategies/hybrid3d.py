@@ -14,11 +14,12 @@ from lightning_par.topology import Size
 class Hybrid3DStrategy(LayoutStrategy):
     """3D parallelism: ``pp`` pipeline stages, each split over ``tp`` tensor-parallel ranks, in ``dp`` replicas.
 
-    One (pp, dp, tp) device mesh: tensor-parallel ranks innermost (adjacent ranks, the fastest links), pipeline
-    outermost. The model is built without memory and split into stages first; each rank materialises only its own
-    stages (the full model never exists on a rank), then each stage gets, in this order, the model's tensor-parallel
-    plan (patterns naming another stage's units are skipped there), activation recompute and ZeRO across data
-    parallel. Rank 0 logs the rank table (global rank -> (pp, dp, tp)) and which units each stage holds.
+    One (pp, dp, cp, tp) device mesh (cp: context parallel, 1 unless set): tensor-parallel ranks innermost (adjacent
+    ranks, the fastest links), pipeline outermost. The model is built without memory and split into stages first;
+    each rank materialises only its own stages (the full model never exists on a rank), then each stage gets, in this
+    order, the model's tensor-parallel plan (patterns naming another stage's units are skipped there), activation
+    recompute and ZeRO across data parallel. Rank 0 logs the rank table (global rank -> (pp, dp, tp), with cp when
+    set) and which units each stage holds.
 
     ZeRO with pipelines: stages 1 and 2 reduce-scatter each gradient bucket once per optimizer step, after the
     schedule's last backward (not once per micro-batch); stage 3 (FSDP2 per block and per stage) gathers each group
