@@ -116,6 +116,10 @@ compute_local_shape_and_global_offset = private("torch", "torch.distributed.tens
                                                 "compute_local_shape_and_global_offset")
 # the tensor a row-parallel layer returns while its all-reduce runs (measure.py counts the memory inside it)
 AsyncCollectiveTensor = private("torch", "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+# context parallel gathers the keys and values of the sequence shards with a differentiable all-gather
+# (parallel/context_parallel.py); torch.distributed.nn.all_gather returns a list and has no single-tensor form
+all_gather_single_autograd = private("torch", "torch.distributed._functional_collectives", "all_gather_single_autograd")
+wait_tensor = private("torch", "torch.distributed._functional_collectives", "wait_tensor")
 # the process group behind a group name as c10d ops receive it below the dispatcher (tp_accounting.py)
 resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "_resolve_process_group")
 # dispatch modes see every aten op: deferred init, the planner's trace and the TP accounting are built on them;

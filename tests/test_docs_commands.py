@@ -56,6 +56,14 @@ COMMANDS: dict[str, str] = {
     "--trainer.devices=2 --checkpoint_every_n_steps=50":
         f"{PARSE}: a killed rank and a restart; tests/test_restart.py launches the same under torchrun",
     "lightning-par plan --config configs/demo.yaml": RUN,
+    # docs/context-parallel.md and the README
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=context_parallel2": RUN,
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=8 --trainer.strategy.cp=2":
+        f"{PARSE}: 8 ranks on 2 cores; tests/test_hybrid3d.py trains tp2 x pp2 x cp2 on 8 ranks (full set)",
+    "lightning-par fit --model=lightning_par.examples.HFLlamaLightningModule "
+    "--data=lightning_par.data.TextDataModule "
+    "--data.batch_format=dict --trainer.accelerator=cpu --trainer.devices=4 --trainer.strategy=context_parallel2 "
+    "--trainer.strategy.zero_stage=3 --trainer.max_steps=20": RUN,
     "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 8": RUN,
     "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=1b "
     "--layout dp=2,tp=2,pp=2": RUN,

@@ -36,20 +36,15 @@ def check_recompute(kind: str) -> None:
                           "every activation; selective recomputes the attention core; full recomputes each block).")
 
 
-_sdpa = F.scaled_dot_product_attention
-
-
-def _recomputed_sdpa(*args: Any, **kwargs: Any) -> Any:
-    return checkpoint(_sdpa, *args, use_reentrant=False, **kwargs)
-
-
 @contextmanager
 def _attention_recomputed() -> Iterator[None]:
-    F.scaled_dot_product_attention = _recomputed_sdpa
+    # the attention in place now, which is context parallel's (parallel/context_parallel.py) under cp
+    inner = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = functools.partial(checkpoint, inner, use_reentrant=False)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _sdpa
+        F.scaled_dot_product_attention = inner
 
 
 def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -146,8 +146,10 @@ def stage_forward(module: nn.Module, io: StageIO, first: bool, entry: nn.Module 
     if inject and entry is None:
         raise ValueError("a later stage of a model fed by injection needs its first unit (entry=)")
 
-    def forward(x: Tensor, attention_mask: Tensor | None = None, model_inputs: Tensor | None = None) -> Tensor:
-        kwargs = dict(io.constant)
+    def forward(x: Tensor, attention_mask: Tensor | None = None, model_inputs: Tensor | None = None,
+                **model_kwargs: Any) -> Tensor:
+        # model_kwargs: what a forward pre-hook adds for the model (context parallel's global position_ids)
+        kwargs = {**io.constant, **model_kwargs}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         if inject:
