@@ -330,7 +330,7 @@ def check_takes_positions(model: nn.Module) -> None:
             f"global positions of its tokens: {type(model).__name__}.forward has no `position_ids` argument (a "
             "position embedding from `arange` of the local length would be wrong on every rank but the first). "
             "Accept `position_ids` [batch, sequence] and use them for the positions (rotary tables or a position "
-            "embedding), as Hugging Face models and example_models.GPT do; or train without cp.")
+            "embedding), as Hugging Face models and lightning_par.examples.GPT do; or train without cp.")
 
 
 def install(model: nn.Module, context: ContextParallel, n_blocks: int) -> list[Any]:

@@ -574,7 +574,7 @@ class LayoutStrategy(ParallelStrategy):
                     f"pipeline parallel (pp={self.dims.pp}): {name} defines loss_fn() but no compute_loss(batch): "
                     "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
                     "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
-                    "example_models.GPTLightningModule does.")
+                    "lightning_par.examples.GPTLightningModule does.")
             return lm.loss_fn
         own = ModelLoss.of(model)
         if own is None:
@@ -585,7 +585,7 @@ class LayoutStrategy(ParallelStrategy):
                 "`self.model(**batch).loss` from training_step (labels in the batch); or define "
                 "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
                 "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
-                "example_models.GPTLightningModule does.")
+                "lightning_par.examples.GPTLightningModule does.")
         rank_zero_info(f"pipeline loss: {own.name} on the last stage, the token mean over each whole batch "
                        f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
         return None
@@ -643,14 +643,14 @@ class LayoutStrategy(ParallelStrategy):
                 f"{type(lm).__name__} defines no loss_fn(), so under pipeline parallel its training_step must get its "
                 "loss from the model's own call, `self.model(**batch).loss` (labels in the batch), which runs the "
                 "schedule; this training_step did not call the model. Call it, or define `loss_fn(outputs, targets)` "
-                "and `compute_loss(batch)` (see example_models.GPTLightningModule).")
+                "and `compute_loss(batch)` (see lightning_par.examples.GPTLightningModule).")
         if returned is not None and returned is not losses[0]:
             raise LayoutError(
                 f"{type(lm).__name__}.training_step returned a loss other than the model's `.loss`: under pipeline "
                 "parallel that loss was computed and backpropagated inside the schedule (the tensor is detached), so "
                 "a loss computed from it (scaled, or with terms added) would not be trained on. Return "
                 "`self.model(**batch).loss` as it is, or define `loss_fn(outputs, targets)` and `compute_loss(batch)` "
-                "to compute your own loss (see example_models.GPTLightningModule).")
+                "to compute your own loss (see lightning_par.examples.GPTLightningModule).")
         return output
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
