@@ -74,7 +74,7 @@ class ParallelizeConfig:
     tp_mesh: DeviceMesh
     sequence_parallel: bool = False
     recompute: str = "none"
-    compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (left empty for now)
+    compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (parallel/compile.py)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
+from lightning_par.parallel.compile import CompileOptions
 from lightning_par.strategies.engine import LayoutStrategy
 from lightning_par.topology import Size
 
@@ -48,6 +49,8 @@ class Hybrid3DStrategy(LayoutStrategy):
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.
         async_save: write checkpoints in the background (DCP ``async_save``).
+        compile: ``torch.compile`` each block in place: ``True``, or a dict of options (``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``); see ``lightning_par.parallel.compile``.
         checkpoint_io: a CheckpointIO plugin for one-file checkpoints; default atomic writes.
 
     Example::
@@ -78,6 +81,7 @@ class Hybrid3DStrategy(LayoutStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        compile: bool | dict[str, Any] | CompileOptions = False,
         checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
@@ -86,7 +90,7 @@ class Hybrid3DStrategy(LayoutStrategy):
             block_types=block_types, stage_costs=stage_costs, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, bucket_cap_mb=bucket_cap_mb,
             process_group_backend=process_group_backend, timeout=timeout, heartbeat_timeout=heartbeat_timeout,
-            async_save=async_save, checkpoint_io=checkpoint_io,
+            async_save=async_save, compile=compile, checkpoint_io=checkpoint_io,
         )
 
     @classmethod
