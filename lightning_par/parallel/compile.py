@@ -25,14 +25,18 @@ names such recompiles (:meth:`BlockCompiler.summary`), so a strategy can warn an
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_par.topology import LayoutError
 
@@ -167,6 +171,9 @@ class BlockCompiler:
         """Compile ``block`` in place: its ``__call__`` runs compiled from its next call on."""
         self.blocks.append(block)
         block.compile(backend=self._count, fullgraph=self.options.fullgraph, dynamic=self.options.dynamic)
+        # nn.Module.compile keeps the compiled call in `_compiled_call_impl` (torch's own attribute, read by
+        # Module.__call__); it is wrapped, outside the graph, to hand the graph plain tensors (see _plain_inputs)
+        block._compiled_call_impl = functools.partial(_plain_inputs, block._compiled_call_impl)
 
     def _count(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
         index, key = self._identify(example_inputs)
@@ -186,7 +193,8 @@ class BlockCompiler:
     def _identify(self, example_inputs: list[Any]) -> tuple[int, tuple]:
         """The block whose parameters the graph takes (looked up now: FSDP2 registers its gathered parameters only
         for the block's forward) and the key of the input: block class, each input's parameter name (relative to
-        the block) or "input", shape and dtype, and the grad mode."""
+        the block) or "input", its type (a plain tensor, a DTensor, an ``AsyncCollectiveTensor`` from a tensor-parallel
+        all-reduce still in flight: dynamo guards on it), shape and dtype, and the grad mode."""
         owner: dict[int, tuple[int, str]] = {}
         for i, block in enumerate(self.blocks):
             for name, param in block.named_parameters():
@@ -197,11 +205,33 @@ class BlockCompiler:
             if isinstance(value, Tensor):
                 i, name = owner.get(id(value), (-1, "input"))
                 index = i if index < 0 else index
-                described.append((name, tuple(value.shape), str(value.dtype)))
+                described.append((name, type(value).__name__, tuple(value.shape), str(value.dtype)))
             else:
                 described.append(("value", type(value).__name__))
         kind = type(self.blocks[index]).__name__ if index >= 0 else "?"
         return index, (kind, torch.is_grad_enabled(), tuple(described))
+
+    def release(self, root: nn.Module) -> None:
+        """Make the blocks eager again, drop dynamo's caches (``torch.compiler.reset``: every compiled graph of the
+        process), and give ``root`` fresh parameter objects where tracing left weak references on its own.
+
+        The fake tensors of tracing keep weak references to the real parameters they were made from (torch 2.13:
+        they outlive ``torch.compiler.reset``), and ``torch.utils.swap_tensors`` -- which ``Module.to``/``.cpu()``
+        use for DTensor parameters, as Lightning's teardown does -- refuses a tensor that has one. A fresh
+        ``nn.Parameter`` around the same data (ties kept) has none. FSDP2's parameters are its own (it moves them
+        itself) and are left alone. The counts stay."""
+        for block in self.blocks:
+            block._compiled_call_impl = None
+        torch.compiler.reset()
+        fresh: dict[int, nn.Parameter] = {}
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                continue
+            for name, param in list(module._parameters.items()):
+                if param is not None and weakref.getweakrefcount(param):
+                    if id(param) not in fresh:
+                        fresh[id(param)] = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+                    module._parameters[name] = fresh[id(param)]
 
     def summary(self, root: nn.Module | None = None) -> CompileSummary:
         """Counts so far; ``root``: the module holding the blocks, to name them by their parameter names' prefix."""
@@ -216,6 +246,20 @@ class BlockCompiler:
         if out.recompiles:
             out.reasons = _guard_failures()
         return out
+
+
+def _plain_inputs(compiled: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a compiled block with each ``AsyncCollectiveTensor`` input made an ordinary tensor first.
+
+    Under tensor parallelism the first block's input is the embedding's output, the result of an asynchronous
+    all-reduce (reduce-scatter with sequence parallelism) still wrapped as an ``AsyncCollectiveTensor``. A compiled
+    graph given that wrapper as an input returns *no gradient* for it (torch 2.13; eager autograd does): the
+    embedding would silently stop learning, and DTensor's redistribute backward fails on the missing gradient.
+    ``clone()`` waits for the collective and gives a plain tensor whose gradient autograd routes back to the wrapper
+    (a copy of one activation; the graph would wait for the collective at its first use anyway)."""
+    args = tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+    kwargs = {k: v.clone() if isinstance(v, AsyncCollectiveTensor) else v for k, v in kwargs.items()}
+    return compiled(*args, **kwargs)
 
 
 def _backend_of(options: CompileOptions) -> Any:

@@ -835,6 +835,9 @@ class LayoutStrategy(ParallelStrategy):
                 self.lightning_module.trainer.fit_loop._skip_backward = False
             if self.model is not None:
                 self.model = self._gradient_sync.unwrap(self.model)
+            if self.compiler is not None:
+                # before Lightning moves the model to the CPU (see BlockCompiler.release)
+                self.compiler.release(self.lightning_module)
             super().teardown()
 
     @classmethod
