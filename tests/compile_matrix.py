@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,12 +24,15 @@ from lightning_par.data import TextDataModule
 from tests.conftest import GLOBAL_BATCH, SGD_LR
 
 STEPS = 6
+#: what compile=True means here; LIGHTNING_PAR_COMPILE_BACKEND=aot_eager traces without generating code (debugging)
+COMPILE = dict(backend=os.environ.get("LIGHTNING_PAR_COMPILE_BACKEND", "inductor"))
 #: name -> (ranks, strategy class, its arguments, batch size per rank)
 CASES: dict[str, tuple[int, type, dict, int]] = {
     "zero3_dp2": (2, ZeroStrategy, dict(stage=3), GLOBAL_BATCH // 2),
     "tp2": (2, MegatronTPStrategy, dict(tp=2), GLOBAL_BATCH),
     "tp2_sp": (2, MegatronTPStrategy, dict(tp=2, sequence_parallel=True), GLOBAL_BATCH),
     "pp2_zbv": (2, PipelineStrategy, dict(pp=2, schedule="zbv", n_microbatches=2), GLOBAL_BATCH),
+    "pp2_1f1b": (2, PipelineStrategy, dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
     "tp2_pp2": (4, Hybrid3DStrategy, dict(tp=2, pp=2, zero_stage=0, schedule="1f1b", n_microbatches=2),
                 GLOBAL_BATCH),
 }
@@ -55,7 +59,7 @@ def fit(root: Path, cache: str, name: str, compiled: bool) -> None:
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=batch, cache_dir=cache)
     out = root / f"{name}_{'compiled' if compiled else 'eager'}"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy_cls(**strategy_args, compile=compiled),
+        accelerator="cpu", devices=devices, strategy=strategy_cls(**strategy_args, compile=compiled and COMPILE),
         max_steps=STEPS, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
         logger=TensorBoardLogger(save_dir=out / "tb"), enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[CompileReport(out)], default_root_dir=out,

@@ -157,15 +157,33 @@ class BlockCompiler:
     One backend object for every block matters twice: dynamo reuses a compiled graph only for the backend it was
     compiled with, so equal blocks share one graph; and each graph is compiled by a call of the backend, so calls
     counted are graphs compiled, attributed to the block whose parameters are the graph's inputs.
+
+    ``split_backward``: the pipeline schedule splits each backward into an input half and, later, a weight half
+    (zero bubble, ZBV, DualPipeV). AOTAutograd compiles a block's backward as one function, and by default lets it
+    reuse ("donate") the saved activations' buffers, which it allows only for a backward run once without
+    ``retain_graph`` -- but torch's input half runs with ``retain_graph=True`` so that the weight half can run later
+    (the failure of pytorch issue 161904: "This backward function was compiled with non-empty donated buffers").
+    Here donation is turned off for these graphs, and the block's compiled backward runs twice: in the input half
+    (its weight gradients are computed and dropped) and in the weight half (its input gradient is not needed). The
+    gradients are exact; the cost is one more backward of the compiled blocks per micro-batch, in the slots the
+    schedule keeps for weight gradients.
     """
 
-    def __init__(self, options: CompileOptions) -> None:
+    def __init__(self, options: CompileOptions, split_backward: bool = False) -> None:
         self.options = options
+        self.split_backward = split_backward
+        self._donated_buffer: bool | None = None  # the setting before split_backward turned it off
+        if split_backward:
+            # read by AOTAutograd when it compiles a backward (lazily, at the first backward) and checked each time
+            # a compiled backward runs, so it is switched off for the process until release()
+            # (torch._functorch.config: private; its only use here)
+            self._donated_buffer = torch._functorch.config.donated_buffer
+            torch._functorch.config.donated_buffer = False
         self.blocks: list[nn.Module] = []
         self.records: list[GraphRecord] = []
         # what torch.compile(backend=NAME, mode=..., options=...) would build itself (torch._TorchCompile*Wrapper),
         # made through torch.compile's own code: a throwaway compile of nothing, whose backend we keep
-        self._inner = _backend_of(options)
+        self._inner = _backend_of(options, split_backward)
 
     def __call__(self, block: nn.Module) -> None:
         """Compile ``block`` in place: its ``__call__`` runs compiled from its next call on."""
@@ -223,6 +241,9 @@ class BlockCompiler:
         for block in self.blocks:
             block._compiled_call_impl = None
         torch.compiler.reset()
+        if self._donated_buffer is not None:
+            torch._functorch.config.donated_buffer = self._donated_buffer
+            self._donated_buffer = None
         fresh: dict[int, nn.Parameter] = {}
         for module in root.modules():
             if isinstance(module, FSDPModule):
@@ -262,12 +283,18 @@ def _plain_inputs(compiled: Any, *args: Any, **kwargs: Any) -> Any:
     return compiled(*args, **kwargs)
 
 
-def _backend_of(options: CompileOptions) -> Any:
+def _backend_of(options: CompileOptions, split_backward: bool = False) -> Any:
     """The backend ``torch.compile`` builds for ``backend``/``mode``/``options`` (for inductor, the wrapper that
     turns the mode into inductor's config). torch has no public constructor for it; its two wrapper classes are the
-    only private names used here, and only here."""
+    only private names used here, and only here.
+
+    ``split_backward``: inductor's FX graph cache is off for these graphs. Its key does not include buffer donation
+    (torch 2.13), so a backward compiled elsewhere with donated buffers -- any non-split run of the same block on
+    this machine -- would be served from the cache and overwrite saved activations in the input half, leaving the
+    weight half wrong (measured: weight gradients off by up to 7.3 on a tiny GPT block)."""
     if options.backend == "inductor":
-        return torch._TorchCompileInductorWrapper(options.mode, options.options, options.dynamic)
+        inductor = {**(options.options or {}), **({"fx_graph_cache": False} if split_backward else {})}
+        return torch._TorchCompileInductorWrapper(options.mode, inductor or None, options.dynamic)
     return torch._TorchCompileWrapper(options.backend, options.mode, options.options, options.dynamic)
 
 

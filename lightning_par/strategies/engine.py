@@ -377,7 +377,9 @@ class LayoutStrategy(ParallelStrategy):
         """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
         for every layout); returns the stage modules."""
         if self.compile_options is not None:
-            self.compiler = BlockCompiler(self.compile_options)
+            self.compiler = BlockCompiler(self.compile_options,
+                                          split_backward=self.layout.stage_plan.spec is not None
+                                          and self.layout.stage_plan.spec.split_backward)
         config = ParallelizeConfig(device=self.root_device, dp_mesh=self.device_mesh["dp"],
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
                                    recompute=self.layout.recompute, compile=self.compiler)
