@@ -30,9 +30,7 @@ COMPILE = dict(backend=os.environ.get("LIGHTNING_PAR_COMPILE_BACKEND", "inductor
 CASES: dict[str, tuple[int, type, dict, int]] = {
     "zero3_dp2": (2, ZeroStrategy, dict(stage=3), GLOBAL_BATCH // 2),
     "tp2": (2, MegatronTPStrategy, dict(tp=2), GLOBAL_BATCH),
-    "tp2_sp": (2, MegatronTPStrategy, dict(tp=2, sequence_parallel=True), GLOBAL_BATCH),
     "pp2_zbv": (2, PipelineStrategy, dict(pp=2, schedule="zbv", n_microbatches=2), GLOBAL_BATCH),
-    "pp2_1f1b": (2, PipelineStrategy, dict(pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
     "tp2_pp2": (4, Hybrid3DStrategy, dict(tp=2, pp=2, zero_stage=0, schedule="1f1b", n_microbatches=2),
                 GLOBAL_BATCH),
 }
