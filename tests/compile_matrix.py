@@ -9,7 +9,6 @@ inputs, recompiles, graphs by block) and whether any state-dict key changed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import asdict
@@ -22,6 +21,7 @@ from example_models import GPTLightningModule
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from tests.conftest import GLOBAL_BATCH, SGD_LR
+from tests.harness import checkpoint_worker_main
 
 STEPS = 6
 #: what compile=True means here; LIGHTNING_PAR_COMPILE_BACKEND=aot_eager traces without generating code (debugging)
@@ -50,7 +50,7 @@ class CompileReport(pl.Callback):
         (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
 
 
-def fit(root: Path, cache: str, name: str, compiled: bool) -> None:
+def fit_one(root: Path, cache: str, name: str, compiled: bool) -> None:
     devices, strategy_cls, strategy_args, batch = CASES[name]
     pl.seed_everything(1234)
     model = GPTLightningModule(preset="tiny", optimizer="sgd", lr=SGD_LR)
@@ -65,16 +65,11 @@ def fit(root: Path, cache: str, name: str, compiled: bool) -> None:
     trainer.fit(model, data)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--cache", required=True)
-    parser.add_argument("--cases", nargs="+", required=True)
-    args = parser.parse_args()
-    for name in args.cases:
-        for compiled in (False, True):
-            fit(Path(args.root), args.cache, name, compiled)
+def fit(root: Path, cache: str, name: str, _sources: dict) -> None:
+    """Both variants of case ``name``: eager, then compiled."""
+    for compiled in (False, True):
+        fit_one(root, cache, name, compiled)
 
 
 if __name__ == "__main__":
-    main()
+    checkpoint_worker_main(fit)  # --root --cache --cases (no checkpoints from elsewhere here)

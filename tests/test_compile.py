@@ -97,6 +97,28 @@ def test_equal_blocks_share_one_graph_and_keep_their_names():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["full", "selective"])
+def test_recompute_is_traced_into_the_blocks_graph(kind):
+    """Recompute runs first (parallel/recompute.py replaces the block's forward): the compiled block still makes one
+    graph with the recomputation inside, and its gradients are eager's (a forward dynamo skipped would compile
+    nothing and run eagerly)."""
+    from example_models.gpt import Block, GPTConfig
+    from lightning_par.parallel.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64))
+    eager = copy.deepcopy(block)
+    apply_recompute([block], kind)
+    compiler = BlockCompiler(CompileOptions(backend="aot_eager"))
+    compiler(block)
+    x = torch.randn(2, 16, 32)
+    block(x).sum().backward()
+    eager(x).sum().backward()
+    assert compiler.summary().graphs == 1
+    for p, q in zip(block.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_split_backward_weight_gradients_are_exact_with_inductor():
     """Zero-bubble schedules run a compiled block's backward twice (input half with retain_graph=True, then weight
     half): torch's own stage_backward_input / stage_backward_weight, on inductor-compiled GPT blocks, give the eager

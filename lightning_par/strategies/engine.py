@@ -816,6 +816,9 @@ class LayoutStrategy(ParallelStrategy):
         graphs, recompiles, seconds = (max(c[i] for c in counts) for i in range(3))
         rank_zero_info(f"torch.compile: rank 0: {summary.describe()}; most on any rank: {graphs} graphs, "
                        f"{recompiles} recompiles, {seconds:.1f} s")
+        if graphs == 0:
+            rank_zero_warn("torch.compile: no block compiled a graph on any rank; the blocks ran eagerly (a graph "
+                           "break before any tensor operation, or a forward replaced by something dynamo skips).")
         if recompiles:
             rank_zero_warn(f"torch.compile: a rank compiled {recompiles} block graph(s) again for inputs compiled "
                            f"before (guards failed){': ' + summary.reasons[-1] if summary.reasons else ''}. Set "
