@@ -93,7 +93,8 @@ class LayoutStrategy(ParallelStrategy):
         compile: ``torch.compile`` each repeated block in place, after tensor parallel and recompute and before
             data-parallel sharding (:mod:`lightning_par.parallel.compile`): ``True``, or a dict of options
             (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``), or a
-            :class:`~lightning_par.parallel.compile.CompileOptions`. Graphs and recompiles are counted; the fit
+            :class:`~lightning_par.parallel.compile.CompileOptions` (not in the type hint, so that the command line
+            takes true/false or a dict and lists no sub-options). Graphs and recompiles are counted; the fit
             ends with their summary and ``compile/*`` scalars in the logger.
         block_types: the classes (or class names) of the model's repeated blocks, for a model whose blocks cannot
             be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
@@ -139,7 +140,7 @@ class LayoutStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
-        compile: bool | dict[str, Any] | CompileOptions = False,
+        compile: bool | dict[str, Any] = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,

@@ -7,7 +7,6 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_par.parallel.compile import CompileOptions
 from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.strategies.engine import LayoutStrategy
 from lightning_par.topology import Size
@@ -63,7 +62,7 @@ class PipelineStrategy(LayoutStrategy):
             ``None`` or 0: off.
         async_save: write checkpoints in the background (DCP ``async_save``).
         compile: ``torch.compile`` each block in place: ``True``, or a dict of options (``backend``, ``mode``,
-            ``fullgraph``, ``dynamic``, ``options``); see ``lightning_par.parallel.compile``.
+            ``fullgraph``, ``dynamic``, ``options``) or a ``CompileOptions``; see ``lightning_par.parallel.compile``.
         checkpoint_io: a CheckpointIO plugin for one-file checkpoints; default atomic writes.
 
     Example::
@@ -92,7 +91,7 @@ class PipelineStrategy(LayoutStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
-        compile: bool | dict[str, Any] | CompileOptions = False,
+        compile: bool | dict[str, Any] = False,
         checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
