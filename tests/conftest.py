@@ -124,6 +124,7 @@ FULL_ONLY_RUNS = {
     "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
     "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw",
     *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
+    "compile_matrix",  # compiled vs eager under ZeRO-3, tp2, pp2 ZBV (2 ranks) and tp2 x pp2 (4 ranks)
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
@@ -148,6 +149,7 @@ FULL_ONLY_TESTS = (
     "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
     "tests/test_restart.py::test_the_readme_checkpoint_commands_work_as_written",  # 5 launches, 2-3 min
     "tests/test_context_parallel.py::test_a_model_with_local_positions_is_refused_at_setup_on_every_rank",
+    "tests/test_compile.py::test_split_backward_weight_gradients_are_exact_with_inductor",  # a cold inductor compile
 )
 
 

@@ -55,6 +55,9 @@ COMMANDS: dict[str, str] = {
     "torchrun --nproc_per_node 2 --max-restarts 3 --no-python lightning-par fit --config configs/zero.yaml "
     "--trainer.devices=2 --checkpoint_every_n_steps=50":
         f"{PARSE}: a killed rank and a restart; tests/test_restart.py launches the same under torchrun",
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=zero3 "
+    "--trainer.strategy.compile=true":
+        f"{PARSE}: inductor compiles for minutes on 2 CPU cores; tests/test_compile.py runs compiled fits (full set)",
     "lightning-par plan --config configs/demo.yaml": RUN,
     # docs/context-parallel.md and the README
     "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=context_parallel2": RUN,

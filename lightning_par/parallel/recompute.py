@@ -47,6 +47,12 @@ def _attention_recomputed() -> Iterator[None]:
         F.scaled_dot_product_attention = inner
 
 
+def _full(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # a call of `checkpoint` in a function of ours, not a partial of it: torch.compile recognises the direct call and
+    # traces the recomputation into the block's graph (a partial of `checkpoint` itself is run eagerly, uncompiled)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     with _attention_recomputed():
         return forward(*args, **kwargs)
@@ -59,7 +65,7 @@ def apply_recompute(blocks: Sequence[nn.Module], kind: str) -> int:
         return 0
     for block in blocks:
         if kind == "full":
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block.forward = functools.partial(_full, block.forward)
         else:
             block.forward = functools.partial(_selective, block.forward)
     return len(blocks)

@@ -29,7 +29,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +43,7 @@ from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_availabl
 from lightning_par.parallel import context_parallel, shutdown
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.context_parallel import ContextParallel
+from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
@@ -92,6 +93,12 @@ class LayoutStrategy(ParallelStrategy):
             be replicated (norms, residual stream); each block's all-reduce becomes an all-gather + reduce-scatter.
         recompute: activation recompute per block: ``"none"``, ``"selective"`` (the attention core, Megatron's
             selective recompute) or ``"full"`` (each block keeps only its input and runs forward again in backward).
+        compile: ``torch.compile`` each repeated block in place, after tensor parallel and recompute and before
+            data-parallel sharding (:mod:`lightning_par.parallel.compile`): ``True``, or a dict of options
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``), or a
+            :class:`~lightning_par.parallel.compile.CompileOptions` (not in the type hint, so that the command line
+            takes true/false or a dict and lists no sub-options). Graphs and recompiles are counted; the fit
+            ends with their summary and ``compile/*`` scalars in the logger.
         block_types: the classes (or class names) of the model's repeated blocks, for a model whose blocks cannot
             be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
             data-parallel grouping and by the pipeline split.
@@ -137,6 +144,7 @@ class LayoutStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        compile: bool | dict[str, Any] = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -166,6 +174,8 @@ class LayoutStrategy(ParallelStrategy):
                               "or pp) saves one file. Use a ZeRO stage 1-3, tp or pp layout, or Lightning's "
                               "AsyncCheckpointIO plugin for one-file checkpoints.")
         self._async_save = async_save
+        self.compile_options = CompileOptions.of(compile)  # checked here, in the launching process
+        self.compiler: BlockCompiler | None = None  # the blocks' compiler and its counts (from setup)
         self._async: AsyncSaver | None = None
         self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
@@ -366,7 +376,8 @@ class LayoutStrategy(ParallelStrategy):
         if self.dims.pp > 1:
             self._setup_pipeline(trainer, fitting)  # the runtime splits, then calls _parallelize per rank module
         else:
-            blocks = self._find_blocks().block_modules() if self.layout.recompute != "none" else []
+            per_block = self.layout.recompute != "none" or self.compile_options is not None
+            blocks = self._find_blocks().block_modules() if per_block else []
             self._parallelize(ModelParts(root=self.lightning_module, stages=[self.lightning_module], blocks=blocks))
         if self._context_parallel is not None:
             self._install_context_parallel()
@@ -387,9 +398,13 @@ class LayoutStrategy(ParallelStrategy):
     def _parallelize(self, parts: ModelParts) -> list[nn.Module]:
         """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
         for every layout); returns the stage modules."""
+        if self.compile_options is not None:
+            self.compiler = BlockCompiler(self.compile_options,
+                                          split_backward=self.layout.stage_plan.spec is not None
+                                          and self.layout.stage_plan.spec.split_backward)
         config = ParallelizeConfig(device=self.root_device, dp_mesh=self.grad_mesh,
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
-                                   recompute=self.layout.recompute)
+                                   recompute=self.layout.recompute, compile=self.compiler)
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._deferred,
                            pretrained=self.pretrained)
         self._deferred = None
@@ -401,6 +416,8 @@ class LayoutStrategy(ParallelStrategy):
                 f"{', vocab-parallel loss' if done.tensor_parallel.vocab_parallel_head else ''}")
         if self.layout.recompute != "none":
             rank_zero_info(f"activation recompute ({self.layout.recompute}) on {len(parts.blocks)} blocks of rank 0")
+        if self.compiler is not None:
+            rank_zero_info(f"{self.compile_options.describe()}: {len(parts.blocks)} blocks of rank 0")
         if "kept_bytes" in done.stats:
             rank_zero_info(f"deferred init: rank 0 {describe_materialized(done.stats)}")
         if "pretrained_tensors" in done.stats:
@@ -873,6 +890,33 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = None
         super().on_exception(exception)
 
+    def on_train_end(self) -> None:
+        if self.compiler is not None:
+            self._report_compile()
+
+    def _report_compile(self) -> None:
+        """The fit's compile summary: rank 0's graphs by block, the most graphs, recompiles and backend seconds of
+        any rank (a warning if any recompiled), and those three as ``compile/*`` scalars in the logger."""
+        assert self.compiler is not None and self.lightning_module is not None
+        summary = self.compiler.summary(self.lightning_module)
+        counts = [(summary.graphs, summary.recompiles, summary.seconds)] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(counts, counts[0])
+        graphs, recompiles, seconds = (max(c[i] for c in counts) for i in range(3))
+        rank_zero_info(f"torch.compile: rank 0: {summary.describe()}; most on any rank: {graphs} graphs, "
+                       f"{recompiles} recompiles, {seconds:.1f} s")
+        if graphs == 0:
+            rank_zero_warn("torch.compile: no block compiled a graph on any rank; the blocks ran eagerly (a graph "
+                           "break before any tensor operation, or a forward replaced by something dynamo skips).")
+        if recompiles:
+            rank_zero_warn(f"torch.compile: a rank compiled {recompiles} block graph(s) again for inputs compiled "
+                           f"before (guards failed){': ' + summary.reasons[-1] if summary.reasons else ''}. Set "
+                           "TORCH_LOGS=recompiles to see why; see docs/compile.md.")
+        trainer = self.lightning_module.trainer
+        for logger in trainer.loggers:
+            logger.log_metrics({"compile/graphs": float(graphs), "compile/recompiles": float(recompiles),
+                                "compile/backend_seconds": seconds}, step=trainer.global_step)
+
     def teardown(self) -> None:
         try:
             if self._async is not None:
@@ -887,6 +931,9 @@ class LayoutStrategy(ParallelStrategy):
                 self.model = self._gradient_sync.unwrap(self.model)
             self._cp_undo.close()
             self._context_parallel = None
+            if self.compiler is not None:
+                # before Lightning moves the model to the CPU (see BlockCompiler.release)
+                self.compiler.release(self.lightning_module)
             super().teardown()
 
     @classmethod
