@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_par
-    from example_models import GPTLightningModule
+    from lightning_par.examples import GPTLightningModule
 
     ranks, cls_name, strategy_args = LAYOUTS[args.layout]
     torch.manual_seed(0)

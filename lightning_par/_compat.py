@@ -139,6 +139,26 @@ parse_to = private("torch", "torch._C._nn", "_parse_to")
 # one all-reduce for all gradients of a pipeline stage (pipeline/runtime.py), as DDP's buckets do
 flatten_dense_tensors = private("torch", "torch._utils", "_flatten_dense_tensors")
 unflatten_dense_tensors = private("torch", "torch._utils", "_unflatten_dense_tensors")
+# torch.compile per block (parallel/compile.py): the backend torch.compile builds for a backend name, mode and
+# options (no public constructor), and AOTAutograd's buffer-donation switch, which split-backward schedules turn off
+# (pytorch issue 161904; there is no public setting)
+TorchCompileInductorWrapper = private("torch", "torch", "_TorchCompileInductorWrapper")
+TorchCompileWrapper = private("torch", "torch", "_TorchCompileWrapper")
+functorch_config = private("torch", "torch._functorch", "config")
+# every dropout module's base class (parallel/rng.py finds dropout regions by it); torch exports no public base
+DropoutNd = private("torch", "torch.nn.modules.dropout", "_DropoutNd")
+
+
+def dynamo_guard_failures() -> dict:
+    """dynamo's record of why each code object recompiled (read only to explain a recompile; imported on first use,
+    as importing dynamo at ``import lightning_par`` would cost every run a second). Empty where a release moved it."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:
+        return {}
+    return guard_failures
+
+
 _SCHEDULE_LOWERING = "_prepare_schedule_with_comms"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from example_models import GPTLightningModule
+from lightning_par.examples import GPTLightningModule
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from tests.conftest import GLOBAL_BATCH, SGD_LR

@@ -74,7 +74,7 @@ def test_a_block_that_recompiles_is_counted_and_warned():
 
 
 def test_equal_blocks_share_one_graph_and_keep_their_names():
-    from example_models.gpt import GPT, GPTConfig
+    from lightning_par.examples.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=64))
@@ -102,7 +102,7 @@ def test_recompute_is_traced_into_the_blocks_graph(kind):
     """Recompute runs first (parallel/recompute.py replaces the block's forward): the compiled block still makes one
     graph with the recomputation inside, and its gradients are eager's (a forward dynamo skipped would compile
     nothing and run eagerly)."""
-    from example_models.gpt import Block, GPTConfig
+    from lightning_par.examples.gpt import Block, GPTConfig
     from lightning_par.parallel.recompute import apply_recompute
 
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def test_split_backward_weight_gradients_are_exact_with_inductor():
     gradients (pytorch issue 161904: donated buffers; inductor's FX graph cache serving a donating backward)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from example_models.gpt import Block, GPTConfig
+    from lightning_par.examples.gpt import Block, GPTConfig
 
     torch.manual_seed(0)
     config = GPTConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64)

@@ -35,9 +35,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_par._compat import (
+    AsyncCollectiveTensor,
+    TorchCompileInductorWrapper,
+    TorchCompileWrapper,
+    dynamo_guard_failures,
+    functorch_config,
+)
 from lightning_par.topology import LayoutError
 
 #: ``torch.compile`` modes (``None`` = ``"default"``)
@@ -176,9 +182,9 @@ class BlockCompiler:
         if split_backward:
             # read by AOTAutograd when it compiles a backward (lazily, at the first backward) and checked each time
             # a compiled backward runs, so it is switched off for the process until release()
-            # (torch._functorch.config: private; its only use here)
-            self._donated_buffer = torch._functorch.config.donated_buffer
-            torch._functorch.config.donated_buffer = False
+            # (AOTAutograd's config: private, see lightning_par._compat)
+            self._donated_buffer = functorch_config.donated_buffer
+            functorch_config.donated_buffer = False
         self.blocks: list[nn.Module] = []
         self.records: list[GraphRecord] = []
         # what torch.compile(backend=NAME, mode=..., options=...) would build itself (torch._TorchCompile*Wrapper),
@@ -242,7 +248,7 @@ class BlockCompiler:
             block._compiled_call_impl = None
         torch.compiler.reset()
         if self._donated_buffer is not None:
-            torch._functorch.config.donated_buffer = self._donated_buffer
+            functorch_config.donated_buffer = self._donated_buffer
             self._donated_buffer = None
         fresh: dict[int, nn.Parameter] = {}
         for module in root.modules():
@@ -285,8 +291,8 @@ def _plain_inputs(compiled: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _backend_of(options: CompileOptions, split_backward: bool = False) -> Any:
     """The backend ``torch.compile`` builds for ``backend``/``mode``/``options`` (for inductor, the wrapper that
-    turns the mode into inductor's config). torch has no public constructor for it; its two wrapper classes are the
-    only private names used here, and only here.
+    turns the mode into inductor's config). torch has no public constructor for it (its two wrapper classes come
+    from :mod:`lightning_par._compat`).
 
     ``split_backward``: inductor's FX graph cache is off for these graphs. Its key does not include buffer donation
     (torch 2.13), so a backward compiled elsewhere with donated buffers -- any non-split run of the same block on
@@ -294,16 +300,13 @@ def _backend_of(options: CompileOptions, split_backward: bool = False) -> Any:
     weight half wrong (measured: weight gradients off by up to 7.3 on a tiny GPT block)."""
     if options.backend == "inductor":
         inductor = {**(options.options or {}), **({"fx_graph_cache": False} if split_backward else {})}
-        return torch._TorchCompileInductorWrapper(options.mode, inductor or None, options.dynamic)
-    return torch._TorchCompileWrapper(options.backend, options.mode, options.options, options.dynamic)
+        return TorchCompileInductorWrapper(options.mode, inductor or None, options.dynamic)
+    return TorchCompileWrapper(options.backend, options.mode, options.options, options.dynamic)
 
 
 def _guard_failures(last: int = 3) -> list[str]:
-    """The last reasons dynamo recorded for recompiling (``torch._dynamo.utils.guard_failures``: private, and the
-    only place it is read; an empty list if a torch version moves it)."""
-    try:
-        from torch._dynamo.utils import guard_failures
-    except ImportError:
-        return []
-    reasons = [str(reason).splitlines()[0] for code_reasons in guard_failures.values() for reason in code_reasons]
+    """The last reasons dynamo recorded for recompiling (dynamo's ``guard_failures``, through
+    :mod:`lightning_par._compat`; an empty list if a torch version moves it)."""
+    reasons = [str(reason).splitlines()[0] for code_reasons in dynamo_guard_failures().values()
+               for reason in code_reasons]
     return reasons[-last:]

@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par._compat import DropoutNd
+
 #: Mixed into the region seeds (Megatron-LM offsets its model-parallel seed by the same number).
 REGION_SEED_OFFSET = 2718
 
@@ -185,7 +187,7 @@ def has_dropout(module: nn.Module) -> bool:
     Used with compiled blocks: without dropout the tensor-parallel regions' generator swaps change nothing, and
     their hooks (graph breaks, see :meth:`TensorParallelRNG.enter`) are left out."""
     for sub in module.modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+        if isinstance(sub, DropoutNd) and sub.p > 0:
             return True
         config = getattr(sub, "config", None)
         if config is not None and not isinstance(config, dict | str):

@@ -42,8 +42,8 @@ from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
 from lightning_par.parallel import context_parallel, shutdown
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
-from lightning_par.parallel.context_parallel import ContextParallel
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
+from lightning_par.parallel.context_parallel import ContextParallel
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
