@@ -55,17 +55,21 @@ SEED = 1234
 WORLD = 2
 N_SAMPLES = 64  # distinct fixed samples, cycled
 STATE_STEP = 3  # the optimizer step after which parameter + gradient + optimizer bytes are counted
+#: the parts of a step whose CPU time is measured apart: training_step up to backward, backward (with the gradient
+#: sync a strategy overlaps with it), after backward up to the optimizer (sync finished, clipping), the optimizer step
+#: (and what a strategy does after it), and from one step's end to the next's start (logging, loader, hooks)
+PHASES = ("forward", "backward", "before step", "optimizer step", "between steps")
 LOSS_TOLERANCE = 1e-4  # largest absolute per-step loss difference allowed within a pair (losses are about 5.5)
 
 #: variant -> (description, data-parallel size)
 VARIANTS: dict[str, tuple[str, int]] = {
-    "ddp": ("Lightning DDPStrategy", 2),
+    "ddp": ("DDPStrategy", 2),
     "zero0": ("ZeroStrategy(stage=0)", 2),
-    "fsdp2": ("Lightning ModelParallelStrategy + fully_shard", 2),
+    "fsdp2": ("ModelParallelStrategy + fully_shard", 2),
     "zero3": ("ZeroStrategy(stage=3)", 2),
     "fsdp2_noreshard": ("... fully_shard(reshard_after_forward=False)", 2),
     "zero2": ("ZeroStrategy(stage=2)", 2),
-    "tp_plan": ("Lightning ModelParallelStrategy + parallelize_module", 1),
+    "tp_plan": ("ModelParallelStrategy + parallelize_module", 1),
     "megatron_tp2": ("MegatronTPStrategy(tp=2)", 1),
 }
 #: pair -> (Lightning's variant, lightning-par's)
@@ -139,6 +143,8 @@ def worker(opts) -> None:
     from tests.harness import close_process_group
 
     class Measure(pl.Callback):
+        """Step times, per-step losses, state bytes after step 3, and the CPU time of each phase of a step."""
+
         def __init__(self) -> None:
             self.begin: tuple[float, float] | None = None
             self.times: list[float] = []
@@ -146,23 +152,47 @@ def worker(opts) -> None:
             self.losses: list[float] = []
             self.state: dict | None = None
             self.profiler = None
+            self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
+            self.last = 0.0
+            self.timed = False
+
+        def mark(self, phase: str) -> None:
+            """The CPU time since the previous mark belongs to ``phase`` (timed steps only)."""
+            now = time.process_time()
+            if self.timed:
+                self.phases[phase].append(now - self.last)
+            self.last = now
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             now = time.perf_counter(), time.process_time()
             if self.begin is not None and batch_idx > opts.warmup:  # the previous step, warm-up steps excluded
                 self.times.append(now[0] - self.begin[0])
                 self.cpu.append(now[1] - self.begin[1])
+                self.mark("between steps")
+            self.timed = opts.warmup <= batch_idx < opts.warmup + opts.steps
             if opts.profile and batch_idx == opts.warmup and trainer.global_rank == 0:
                 self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 self.profiler.__enter__()
             self.begin = now
+            self.last = now[1]
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            self.mark("forward")
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            self.mark("backward")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.mark("before step")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.mark("optimizer step")
             loss = outputs["loss"]
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # a DTensor under loss_parallel
             self.losses.append(float(loss))
             if trainer.global_step == STATE_STEP and self.state is None:
                 self.state = state_bytes(trainer.strategy.model, trainer.optimizers)
+            self.last = time.process_time()  # the measurements above are not the step's
 
         def on_train_end(self, trainer, pl_module) -> None:
             if self.profiler is not None:  # the timed steps of rank 0, by op: where the time goes
@@ -199,6 +229,7 @@ def worker(opts) -> None:
     trainer.fit(model, loader)
     report = {
         "rank": trainer.global_rank, "seconds_per_step": measure.times, "cpu_seconds_per_step": measure.cpu,
+        "phase_cpu_seconds": measure.phases,
         "losses": measure.losses,
         "state_bytes": measure.state, "rss_before_fit_bytes": rss_before,
         "peak_rss_bytes": _status_kib("VmHWM") * 1024,
@@ -254,12 +285,16 @@ def variant_summary(runs: list[dict]) -> dict:
         "median_seconds_per_step": statistics.median(step_time(run) for run in runs),
         "seconds_per_step_by_round": [step_time(run) for run in runs],
         "median_cpu_seconds_per_step": statistics.median(cpu_time(run) for run in runs),
+        # per phase: the median over steps and rounds of the CPU time summed over the ranks
+        "phase_cpu_seconds": {p: statistics.median(
+            sum(r["phase_cpu_seconds"][p][i] for r in run["ranks"]) for run in runs
+            for i in range(min(len(r["phase_cpu_seconds"][p]) for r in run["ranks"]))) for p in PHASES},
         "rss_growth_bytes": max(r["peak_rss_bytes"] - r["rss_before_fit_bytes"] for run in runs for r in run["ranks"]),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for run in runs for r in run["ranks"]),
         "state_bytes": max(r["state_bytes"]["total"] for r in first),
         "state_bytes_by_category": {c: max(r["state_bytes"][c] for r in first)
                                     for c in ("parameters", "gradients", "optimizer_states")},
-        "losses": [r["losses"] for r in first],
+        "losses": [r["losses"] for r in first],  # the first round's (the comparison takes every round's)
         "numel": first[0]["numel"],
     }
 
@@ -286,7 +321,9 @@ def summarise(pair: str, runs: dict[str, list[dict]]) -> dict:
         step_time_ratio_by_round=by_round, cpu_time_ratio=statistics.median(cpu_by_round),
         cpu_time_ratio_by_round=cpu_by_round, rss_growth_ratio=b["rss_growth_bytes"] / a["rss_growth_bytes"],
         peak_rss_ratio=b["peak_rss_bytes"] / a["peak_rss_bytes"], state_bytes_ratio=b["state_bytes"] / a[
-            "state_bytes"], max_loss_difference=max_loss_difference(a["losses"], b["losses"]),
+            "state_bytes"],
+        max_loss_difference=max(max_loss_difference([r["losses"] for r in p["ranks"]], [r["losses"] for r in o[
+            "ranks"]]) for p, o in zip(runs[peer], runs[ours], strict=True)),  # every round's
     )
     return row
 
@@ -315,20 +352,26 @@ def print_table(rows: list[dict], opts) -> None:
     print(f"\n{opts.preset} GPT ({opts.n_layers} blocks, {numel / 1e6:.2f}M parameters), fp32, AdamW, global batch "
           f"{opts.batch} x seq {opts.seq}, {WORLD} CPU ranks (gloo); {opts.steps} timed steps after {opts.warmup}, "
           f"{opts.rounds} round(s); ratios ours / Lightning's, memory of the largest rank")
-    print(f"{'pair':<7}{'Lightning':<48}{'lightning-par':<25}{'ms/step':>15}{'time':>7}{'CPU':>7}{'RSS growth MiB':>17}"
+    print(f"{'pair':<7}{'Lightning':<46}{'lightning-par':<25}{'ms/step':>15}{'time':>7}{'CPU':>7}{'RSS growth MiB':>17}"
           f"{'growth':>8}{'state MiB':>13}{'state':>7}{'max |dloss|':>13}")
     for r in rows:
         if not r["ok"]:
-            print(f"{r['pair']:<7}{r['peer_strategy']:<48}{r['our_strategy']:<25}failed: {r['error'][:100]}")
+            print(f"{r['pair']:<7}{r['peer_strategy']:<46}{r['our_strategy']:<25}failed: {r['error'][:100]}")
             continue
         a, b = r["peer_result"], r["our_result"]
         ms = f"{a['median_seconds_per_step'] * 1e3:.0f}/{b['median_seconds_per_step'] * 1e3:.0f}"
         growth = f"{fmt_mib(a['rss_growth_bytes'])}/{fmt_mib(b['rss_growth_bytes'])}"
         state = f"{fmt_mib(a['state_bytes'])}/{fmt_mib(b['state_bytes'])}"
-        print(f"{r['pair']:<7}{r['peer_strategy']:<48}{r['our_strategy']:<25}{ms:>15}{r['step_time_ratio']:>7.2f}"
+        print(f"{r['pair']:<7}{r['peer_strategy']:<46}{r['our_strategy']:<25}{ms:>15}{r['step_time_ratio']:>7.2f}"
               f"{r['cpu_time_ratio']:>7.2f}"
               f"{growth:>17}{r['rss_growth_ratio']:>8.2f}{state:>13}{r['state_bytes_ratio']:>7.2f}"
               f"{r['max_loss_difference']:>13.1e}")
+    print("CPU ms per phase of a step, summed over the ranks (median), Lightning's / lightning-par's:")
+    print(f"{'pair':<7}" + "".join(f"{p:>17}" for p in PHASES))
+    for r in rows:
+        if r["ok"]:
+            a, b = r["peer_result"]["phase_cpu_seconds"], r["our_result"]["phase_cpu_seconds"]
+            print(f"{r['pair']:<7}" + "".join(f"{f'{a[p] * 1e3:.0f}/{b[p] * 1e3:.0f}':>17}" for p in PHASES))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -128,6 +128,7 @@ FULL_ONLY_TESTS = (
     "tests/test_precision.py::test_bf16_mixed_tracks_fp32_over_50_steps",  # 5 fits of 50 steps, ~75 s
     "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
     "tests/test_restart.py::test_the_readme_checkpoint_commands_work_as_written",  # 5 launches, 2-3 min
+    "tests/test_peers.py::test_every_pair_trains_alike",  # 8 launches, about 90 s
 )
 
 
