@@ -10,6 +10,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
 from tests.harness import Run, launch_cli  # noqa: E402
 
 #: Lightning's ModelParallelStrategy on the FSDP2-sharded GPT (benchmarks/fsdp2_gpt.py): the reference for ZeRO-3.
@@ -69,3 +72,27 @@ def last_error(run: Run) -> str:
     """The last line of a failed run's log that names an error, for a table cell."""
     lines = [ln.strip() for ln in run.log.splitlines() if "Error" in ln or "error" in ln]
     return (lines[-1] if lines else run.log.strip().splitlines()[-1] if run.log.strip() else "no output")[:200]
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``: resident now, ``VmHWM``: the resident high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class FixedTokens(Dataset):
+    """``n`` samples ``(inputs, targets)`` of ``seq`` byte tokens, cycling through ``distinct`` fixed random rows
+    drawn from ``seed``: the same data for every strategy of a benchmark, without a corpus."""
+
+    def __init__(self, n: int, seq: int, seed: int, distinct: int = 64) -> None:
+        self.tokens = torch.randint(0, 256, (distinct, seq + 1), generator=torch.Generator().manual_seed(seed))
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.tokens[i % len(self.tokens)]
+        return row[:-1], row[1:]

@@ -81,14 +81,6 @@ PAIRS: dict[str, tuple[str, str]] = {
 }
 
 
-def _status_kib(field: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker: one variant, one fit, on each of the 2 ranks (under torchrun)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -137,8 +129,9 @@ def worker(opts) -> None:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import DataLoader
 
+    from benchmarks.common import FixedTokens, status_kib
     from lightning_par.measure import state_bytes
     from tests.harness import close_process_group
 
@@ -201,19 +194,6 @@ def worker(opts) -> None:
                 Path(opts.profile).mkdir(parents=True, exist_ok=True)
                 (Path(opts.profile) / f"{opts.variant}.txt").write_text(table)
 
-    class FixedSamples(Dataset):
-        def __init__(self, n: int) -> None:
-            g = torch.Generator().manual_seed(SEED)
-            self.tokens = torch.randint(0, 256, (N_SAMPLES, opts.seq + 1), generator=g)
-            self.n = n
-
-        def __len__(self) -> int:
-            return self.n
-
-        def __getitem__(self, i):
-            row = self.tokens[i % N_SAMPLES]
-            return row[:-1], row[1:]
-
     _, dp = VARIANTS[opts.variant]
     strategy, model = make_variant(opts.variant, opts)
     steps = opts.warmup + opts.steps + 1  # the start of one more step closes the last timed one
@@ -224,15 +204,15 @@ def worker(opts) -> None:
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=opts.root,
     )
-    loader = DataLoader(FixedSamples(steps * opts.batch), batch_size=opts.batch // dp)
-    rss_before = _status_kib("VmRSS") * 1024
+    loader = DataLoader(FixedTokens(steps * opts.batch, opts.seq, SEED, N_SAMPLES), batch_size=opts.batch // dp)
+    rss_before = status_kib("VmRSS") * 1024
     trainer.fit(model, loader)
     report = {
         "rank": trainer.global_rank, "seconds_per_step": measure.times, "cpu_seconds_per_step": measure.cpu,
         "phase_cpu_seconds": measure.phases,
         "losses": measure.losses,
         "state_bytes": measure.state, "rss_before_fit_bytes": rss_before,
-        "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "peak_rss_bytes": status_kib("VmHWM") * 1024,
         "numel": sum(p.numel() for p in model.parameters()),  # DTensor numel is global: the whole model's
     }
     reports = [None] * dist.get_world_size()
