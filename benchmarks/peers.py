@@ -30,11 +30,15 @@ Measured, per variant (largest over the ranks):
   ``Trainer.fit``: what the model, its states, activations and buffers added (the runtime every rank carries is left
   out); ``state``: bytes of parameters, gradients and optimizer states right after optimizer step 3
   (:func:`lightning_par.measure.state_bytes`);
+- ``CPU``: the CPU time of a step summed over the ranks (median), whole and per phase (:data:`PHASES`): the work
+  done, which other jobs' load blurs less than the wall time, and where a difference sits;
 - the per-step losses of each rank (its own share of the batch), compared between the pair: the largest absolute
-  difference over steps and ranks.
+  difference over steps and ranks, every round.
 
-    python benchmarks/peers.py                       # 4 pairs x 2 rounds: about 8 minutes on 2 shared cores
-    python benchmarks/peers.py --pairs tp --rounds 3
+``--profile DIR`` writes rank 0's torch.profiler table of the timed steps per variant, to compare op by op.
+
+    python benchmarks/peers.py                       # 4 pairs x 2 rounds: about 10 minutes on 2 shared cores
+    python benchmarks/peers.py --pairs tp --rounds 3 --profile prof
 """
 
 from __future__ import annotations
