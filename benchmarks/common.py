@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
@@ -96,3 +98,29 @@ class FixedTokens(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         row = self.tokens[i % len(self.tokens)]
         return row[:-1], row[1:]
+
+
+class StepMeter(pl.Callback):
+    """Per optimizer step after ``warmup``: wall and CPU (``time.process_time``) seconds from one
+    ``on_train_batch_start`` to the next; and the bytes of parameters, gradients and optimizer states right after
+    optimizer step ``state_step`` (:func:`lightning_par.measure.state_bytes`)."""
+
+    def __init__(self, warmup: int, state_step: int) -> None:
+        self.warmup, self.state_step = warmup, state_step
+        self.begin: tuple[float, float] | None = None
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.state: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter(), time.process_time()
+        if self.begin is not None and batch_idx > self.warmup:  # the previous step, warm-up steps excluded
+            self.times.append(now[0] - self.begin[0])
+            self.cpu.append(now[1] - self.begin[1])
+        self.begin = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_par.measure import state_bytes
+
+        if trainer.global_step == self.state_step and self.state is None:
+            self.state = state_bytes(trainer.strategy.model, trainer.optimizers)

@@ -135,19 +135,15 @@ def worker(opts) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from benchmarks.common import FixedTokens, status_kib
-    from lightning_par.measure import state_bytes
+    from benchmarks.common import FixedTokens, StepMeter, status_kib
     from tests.harness import close_process_group
 
-    class Measure(pl.Callback):
-        """Step times, per-step losses, state bytes after step 3, and the CPU time of each phase of a step."""
+    class Measure(StepMeter):
+        """:class:`~benchmarks.common.StepMeter`, plus per-step losses and the CPU time of each phase of a step."""
 
         def __init__(self) -> None:
-            self.begin: tuple[float, float] | None = None
-            self.times: list[float] = []
-            self.cpu: list[float] = []
+            super().__init__(opts.warmup, STATE_STEP)
             self.losses: list[float] = []
-            self.state: dict | None = None
             self.profiler = None
             self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
             self.last = 0.0
@@ -161,17 +157,13 @@ def worker(opts) -> None:
             self.last = now
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            now = time.perf_counter(), time.process_time()
-            if self.begin is not None and batch_idx > opts.warmup:  # the previous step, warm-up steps excluded
-                self.times.append(now[0] - self.begin[0])
-                self.cpu.append(now[1] - self.begin[1])
-                self.mark("between steps")
+            self.mark("between steps")
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
             self.timed = opts.warmup <= batch_idx < opts.warmup + opts.steps
             if opts.profile and batch_idx == opts.warmup and trainer.global_rank == 0:
                 self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 self.profiler.__enter__()
-            self.begin = now
-            self.last = now[1]
+            self.last = time.process_time()
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
             self.mark("forward")
@@ -187,8 +179,7 @@ def worker(opts) -> None:
             loss = outputs["loss"]
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # a DTensor under loss_parallel
             self.losses.append(float(loss))
-            if trainer.global_step == STATE_STEP and self.state is None:
-                self.state = state_bytes(trainer.strategy.model, trainer.optimizers)
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             self.last = time.process_time()  # the measurements above are not the step's
 
         def on_train_end(self, trainer, pl_module) -> None:

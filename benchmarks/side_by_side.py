@@ -78,34 +78,15 @@ def worker(opts) -> None:
     import torch.distributed as dist
 
     import lightning_par
-    from benchmarks.common import FixedTokens, status_kib
+    from benchmarks.common import FixedTokens, StepMeter, status_kib
     from example_models import GPTLightningModule
-    from lightning_par.measure import state_bytes
-
-    class Measure(pl.Callback):
-        def __init__(self) -> None:
-            self.begin: tuple[float, float] | None = None
-            self.times: list[float] = []
-            self.cpu: list[float] = []
-            self.state: dict | None = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            now = time.perf_counter(), time.process_time()
-            if self.begin is not None and batch_idx > opts.warmup:  # the previous step, warm-up steps excluded
-                self.times.append(now[0] - self.begin[0])
-                self.cpu.append(now[1] - self.begin[1])
-            self.begin = now
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if trainer.global_step == STATE_STEP and self.state is None:
-                self.state = state_bytes(trainer.strategy.model, trainer.optimizers)
 
     cls_name, kwargs, dp, _ = LAYOUTS[opts.layout]
     strategy = getattr(lightning_par, cls_name)(**kwargs)
     steps = opts.warmup + opts.steps + 1  # the start of one more step closes the last timed one
     pl.seed_everything(SEED, verbose=False)
     model = GPTLightningModule(preset=opts.preset, n_layers=opts.n_layers, n_kv_heads=opts.n_kv_heads)
-    measure = Measure()
+    measure = StepMeter(opts.warmup, STATE_STEP)
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=steps,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
