@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
 
 from tests.harness import Run, launch_cli  # noqa: E402
 
@@ -69,3 +74,53 @@ def last_error(run: Run) -> str:
     """The last line of a failed run's log that names an error, for a table cell."""
     lines = [ln.strip() for ln in run.log.splitlines() if "Error" in ln or "error" in ln]
     return (lines[-1] if lines else run.log.strip().splitlines()[-1] if run.log.strip() else "no output")[:200]
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``: resident now, ``VmHWM``: the resident high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class FixedTokens(Dataset):
+    """``n`` samples ``(inputs, targets)`` of ``seq`` byte tokens, cycling through ``distinct`` fixed random rows
+    drawn from ``seed``: the same data for every strategy of a benchmark, without a corpus."""
+
+    def __init__(self, n: int, seq: int, seed: int, distinct: int = 64) -> None:
+        self.tokens = torch.randint(0, 256, (distinct, seq + 1), generator=torch.Generator().manual_seed(seed))
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.tokens[i % len(self.tokens)]
+        return row[:-1], row[1:]
+
+
+class StepMeter(pl.Callback):
+    """Per optimizer step after ``warmup``: wall and CPU (``time.process_time``) seconds from one
+    ``on_train_batch_start`` to the next; and the bytes of parameters, gradients and optimizer states right after
+    optimizer step ``state_step`` (:func:`lightning_par.measure.state_bytes`)."""
+
+    def __init__(self, warmup: int, state_step: int) -> None:
+        self.warmup, self.state_step = warmup, state_step
+        self.begin: tuple[float, float] | None = None
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.state: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter(), time.process_time()
+        if self.begin is not None and batch_idx > self.warmup:  # the previous step, warm-up steps excluded
+            self.times.append(now[0] - self.begin[0])
+            self.cpu.append(now[1] - self.begin[1])
+        self.begin = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_par.measure import state_bytes
+
+        if trainer.global_step == self.state_step and self.state is None:
+            self.state = state_bytes(trainer.strategy.model, trainer.optimizers)

@@ -14,7 +14,12 @@ from lightning_par.examples import GPTLightningModule
 
 class FSDP2GPT(GPTLightningModule):
     """``GPTLightningModule`` with one FSDP2 unit per transformer block and the root unit (embedding, final norm,
-    head) on ``GPT`` itself, sharded over the ``data_parallel`` dimension of the strategy's mesh."""
+    head) on ``GPT`` itself, sharded over the ``data_parallel`` dimension of the strategy's mesh.
+
+    ``reshard_after_forward``: passed to every ``fully_shard``; ``False`` keeps each block's gathered parameters from
+    forward to backward (gradients and resting parameters stay sharded: ZeRO-2's traffic), set on a subclass."""
+
+    reshard_after_forward: bool = True
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -22,8 +27,8 @@ class FSDP2GPT(GPTLightningModule):
             return
         mesh = self.device_mesh["data_parallel"]
         for block in self.model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(self.model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
 
     def sample_text(self, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8) -> str:
         # The CLI samples on rank 0 alone after fit; a sharded forward there would wait forever for the other

@@ -69,14 +69,6 @@ LAYOUTS: dict[str, tuple[str, dict, int, str]] = {
 }
 
 
-def _status_kib(field: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker: one layout, one fit, on each of the 4 ranks (under torchrun)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -84,62 +76,31 @@ def worker(opts) -> None:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    from torch.utils.data import Dataset
 
     import lightning_par
+    from benchmarks.common import FixedTokens, StepMeter, status_kib
     from lightning_par.examples import GPTLightningModule
-    from lightning_par.measure import state_bytes
-
-    class Measure(pl.Callback):
-        def __init__(self) -> None:
-            self.begin: tuple[float, float] | None = None
-            self.times: list[float] = []
-            self.cpu: list[float] = []
-            self.state: dict | None = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            now = time.perf_counter(), time.process_time()
-            if self.begin is not None and batch_idx > opts.warmup:  # the previous step, warm-up steps excluded
-                self.times.append(now[0] - self.begin[0])
-                self.cpu.append(now[1] - self.begin[1])
-            self.begin = now
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if trainer.global_step == STATE_STEP and self.state is None:
-                self.state = state_bytes(trainer.strategy.model, trainer.optimizers)
-
-    class FixedSamples(Dataset):
-        def __init__(self, n: int) -> None:
-            g = torch.Generator().manual_seed(SEED)
-            self.tokens = torch.randint(0, 256, (N_SAMPLES, opts.seq + 1), generator=g)
-            self.n = n
-
-        def __len__(self) -> int:
-            return self.n
-
-        def __getitem__(self, i):
-            row = self.tokens[i % N_SAMPLES]
-            return row[:-1], row[1:]
 
     cls_name, kwargs, dp, _ = LAYOUTS[opts.layout]
     strategy = getattr(lightning_par, cls_name)(**kwargs)
     steps = opts.warmup + opts.steps + 1  # the start of one more step closes the last timed one
     pl.seed_everything(SEED, verbose=False)
     model = GPTLightningModule(preset=opts.preset, n_layers=opts.n_layers, n_kv_heads=opts.n_kv_heads)
-    measure = Measure()
+    measure = StepMeter(opts.warmup, STATE_STEP)
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=steps,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=opts.root,
     )
-    loader = torch.utils.data.DataLoader(FixedSamples(steps * opts.batch), batch_size=opts.batch // dp)
-    rss_before = _status_kib("VmRSS") * 1024
+    data = FixedTokens(steps * opts.batch, opts.seq, SEED, N_SAMPLES)
+    loader = torch.utils.data.DataLoader(data, batch_size=opts.batch // dp)
+    rss_before = status_kib("VmRSS") * 1024
     trainer.fit(model, loader)
     report = {
         "rank": trainer.global_rank, "coordinates": trainer.strategy.coordinates,
         "gradient_sync": trainer.strategy.gradient_sync.name, "dims": trainer.strategy.dims.describe(),
         "seconds_per_step": measure.times, "cpu_seconds_per_step": measure.cpu, "state_bytes": measure.state,
-        "rss_before_fit_bytes": rss_before, "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "rss_before_fit_bytes": rss_before, "peak_rss_bytes": status_kib("VmHWM") * 1024,
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "numel": sum(p.numel() for p in model.parameters()),  # DTensor numel is global: the whole model's
     }

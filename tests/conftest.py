@@ -150,6 +150,7 @@ FULL_ONLY_TESTS = (
     "tests/test_restart.py::test_the_readme_checkpoint_commands_work_as_written",  # 5 launches, 2-3 min
     "tests/test_context_parallel.py::test_a_model_with_local_positions_is_refused_at_setup_on_every_rank",
     "tests/test_compile.py::test_split_backward_weight_gradients_are_exact_with_inductor",  # a cold inductor compile
+    "tests/test_peers.py::test_every_pair_trains_alike",  # 8 launches, about 90 s
 )
 
 

@@ -512,6 +512,11 @@ class BlockInput(ReplicateParameters):
         def replicated(tensor: torch.Tensor) -> DTensor:
             if not isinstance(tensor, DTensor):
                 tensor = DTensor.from_local(tensor, device_mesh, (layout,), run_check=False)
+            if tuple(tensor.placements) == (Replicate(),):
+                # already replicated (no sequence parallelism): a redistribute would be one more DTensor op and
+                # autograd node per block and pass for nothing -- from_local's backward all-reduces the partial
+                # input gradient all the same
+                return tensor
             return tensor.redistribute(device_mesh, (Replicate(),))
 
         if self.whole_block:
