@@ -17,9 +17,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_par.examples import GPTLightningModule
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule
 from tests.conftest import GLOBAL_BATCH, SGD_LR
 from tests.harness import checkpoint_worker_main
 
