@@ -128,6 +128,10 @@ class Estimate:
     runs_today: bool
     engine_note: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp exposed, optimizer
+    # seconds of communication on the busiest rank's critical path, per group: dp (after the schedule; the rest
+    # of dp traffic hides under compute), tp (inside each stage's forward and backward), pp (the fill and drain
+    # hops between stages); tp and pp are part of "pipeline"
+    exposed: dict[str, float] = field(default_factory=dict)
     stage_costs: list[tuple[float, float, float]] = field(default_factory=list)  # per stage: F, B, W seconds
     units_by_stage: list[list[str]] = field(default_factory=list)
 
@@ -146,35 +150,112 @@ class Estimate:
             "comm_bytes_per_step": self.comm_bytes, "bubble": self.bubble, "step_time_s": self.step_time,
             "tokens_per_s": self.tokens_per_s, "model_tflops_per_device": self.model_tflops_per_device,
             "mfu": self.mfu, "fits": self.fits, "runs_today": self.runs_today, "engine_note": self.engine_note,
-            "time_breakdown_s": self.breakdown,
+            "time_breakdown_s": self.breakdown, "exposed_s": self.exposed,
         }
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """How the training runtime overlaps communication; the defaults describe lightning-par.
+    """How the training runtime overlaps communication with compute; the defaults describe lightning-par.
 
     Attributes:
-        dp_overlap: with pp = 1, data-parallel gradients are reduced in buckets during the last backward (DDP,
-            ZeRO-1/2 reduce-scatter); the pipeline runtime reduces them after the schedule either way.
+        dp_overlap: with pp = 1, gradients are reduced in buckets as the last micro-batch's backward produces them
+            (DDP, the ZeRO-1/2 partitioner, FSDP2; gradient accumulation holds the reduction back on the other
+            micro-batches); False: all of it after the backward.
+        pp_dp_overlap: under a pipeline, each rank reduces its gradients in buckets from the start of its last
+            gradient-producing backward, under the schedule's cooldown (Megatron's ``--overlap-grad-reduce`` with
+            pipelines); False: after the rank's schedule ends, as lightning-par's pipeline owners do.
+        param_gather_overlap: ZeRO-1/2's parameter all-gather after the step is hidden behind the next step's first
+            forward, bucket by bucket (Megatron's ``--overlap-param-gather``); False: the step waits for it, as
+            lightning-par's partitioner does.
+        tp_comm_overlap: tensor-parallel collectives are split into tp chunks and pipelined with the matrix
+            products beside them (Megatron's ``--tp-comm-overlap``, torch's async TP): only what the products
+            cannot cover, and the first chunk, is exposed; False: each collective waits, as DTensor TP does.
         p2p_split_over_tp: a stage sends 1/tp of its activation to the next stage and the tp ranks there gather it
             (Megatron's scatter/gather); lightning-par sends the whole activation from every tp rank.
+        bucket_mb: data-parallel bucket size (lightning-par's ``Layout.bucket_cap_mb``, 25 MiB).
+        compiled: the model runs under ``torch.compile``: the ops between two matrix products are one fused kernel
+            (:meth:`~lightning_par.planner.trace.Ops.times`).
     """
 
     dp_overlap: bool = True
+    pp_dp_overlap: bool = False
+    param_gather_overlap: bool = False
+    tp_comm_overlap: bool = False
     p2p_split_over_tp: bool = False
+    bucket_mb: float = 25.0
+    compiled: bool = False
 
 
 #: Megatron-LM as measured in Narayanan et al. 2021 (seed 004, Table 1): gradients all-reduced after the backward
 #: pass, activations between stages split over the tp ranks.
 MEGATRON_2021 = Runtime(dp_overlap=False, p2p_split_over_tp=True)
 
+#: Megatron-LM (core) as large runs use it today: ``--overlap-grad-reduce --overlap-param-gather
+#: --tp-comm-overlap`` with the distributed optimizer, scatter/gather between stages, fused kernels; buckets of
+#: 40M parameters in fp32 (its default ``bucket_size``).
+MEGATRON_OVERLAP = Runtime(dp_overlap=True, pp_dp_overlap=True, param_gather_overlap=True, tp_comm_overlap=True,
+                           p2p_split_over_tp=True, bucket_mb=40e6 * 4 / 2**20, compiled=True)
+
+RUNTIMES: dict[str, Runtime] = {"lightning-par": Runtime(), "megatron-2021": MEGATRON_2021,
+                                "megatron-overlap": MEGATRON_OVERLAP}
+
+
+def hidden(comm: float, window: float, chunks: int) -> float:
+    """The exposed part of ``comm`` seconds of communication sent in ``chunks`` equal pieces, each launched as
+    compute spread evenly over ``window`` seconds makes it ready (a bucket of gradients, a chunk of a GEMM): the
+    last chunk always waits, and where communication outruns compute the rest of it does too."""
+    if comm <= 0:
+        return 0.0
+    chunks = max(1, chunks)
+    return max(comm / chunks, comm - window * (chunks - 1) / chunks)
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The planner
 # ----------------------------------------------------------------------------------------------------------------------
-def _elt(precision: str) -> int:
-    return 2 if precision == "bf16-true" else 4
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per parameter element, by what holds it, for one precision under one ZeRO stage.
+
+    Attributes:
+        param: the parameters as stored between steps (ZeRO-3: the shard).
+        grad: the gradient storage.
+        master: a separate fp32 master copy, counted with the optimizer states (0: the parameters are the master).
+        state: one optimizer state.
+        reduce: what gradients are summed in over data parallel (the reduce-scatter or all-reduce).
+        gather: what parameters are all-gathered in (ZeRO 1-3), and what a gathered ZeRO-3 block holds.
+    """
+
+    param: int
+    grad: int
+    master: int
+    state: int
+    reduce: int
+    gather: int
+
+
+def element_bytes(precision: str, zero_stage: int) -> ElementBytes:
+    """The bytes per element of each part of the model state and of the data-parallel traffic.
+
+    ``fp32`` and ``bf16-true``: one dtype for everything. ``bf16-mixed`` follows lightning-par's policy
+    (:mod:`lightning_par.plugins.precision`): autocast over fp32 parameters under ZeRO-0 and ZeRO-3 (FSDP2 gathers
+    the fp32 shards as bf16, reduces in fp32); under ZeRO-1/2 bf16 buckets with an fp32 master shard, gradients
+    reduced in fp32 and kept in bf16. ``bf16-mixed-master`` is Megatron-LM's mixed precision with its distributed
+    optimizer: bf16 parameters, gradients accumulated and reduce-scattered in fp32 (its
+    ``accumulate_allreduce_grads_in_fp32``, on for bf16), fp32 master weights and Adam states sharded by ZeRO, the
+    parameters all-gathered in bf16 -- 6 bytes of dp traffic per parameter (4 reduced + 2 gathered) and, with Adam,
+    the ``6 + 12/d`` bytes per parameter of Megatron's distributed-optimizer table at ZeRO-1.
+    """
+    if precision == "bf16-true":
+        return ElementBytes(2, 2, 0, 2, 2, 2)
+    if precision == "bf16-mixed-master":
+        return ElementBytes(2, 4, 4, 4, 4, 2)
+    if precision == "bf16-mixed" and zero_stage in (1, 2):
+        return ElementBytes(2, 2, 4, 4, 4, 2)
+    if precision == "bf16-mixed" and zero_stage == 3:
+        return ElementBytes(4, 4, 0, 4, 4, 2)
+    return ElementBytes(4, 4, 0, 4, 4, 4)
 
 
 def _act_elt(precision: str) -> int:
@@ -203,10 +284,12 @@ class Planner:
         self._tp_comm: dict[tuple, dict[str, tuple[list[float], list[float]]]] = {}
         self._stages: dict[tuple, list[list[str]]] = {}
         self._simulations: dict[tuple, Simulation] = {}
+        self._unit_times: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
 
     # -- pieces that are shared between layouts ------------------------------------------------------------------
     def trace(self, tp: int, recompute: str, precision: str) -> ModelTrace:
         """Unit traces for this tp size; with sequence-parallel attribution where the model allows it."""
+        precision = "bf16-true" if precision == "bf16-mixed-master" else precision  # the same model in bf16
         key = (tp, recompute, precision)
         if key not in self._traces:
             sp = False
@@ -265,9 +348,20 @@ class Planner:
         self._tp_comm[key] = out
         return out
 
+    def unit_times(self, unit: UnitTrace, tp_seq: int) -> tuple[float, float, float, float, float]:
+        """Seconds of one unit's forward, backward, weight-gradient backward, and the matrix products of its forward
+        and backward, on the planner's hardware (cached: a block's trace stands for every block of its kind)."""
+        key = (id(unit), tp_seq)
+        if key not in self._unit_times:
+            compiled = self.runtime.compiled
+            f, _, f_mm = unit.forward.times(self.hw, tp_seq, compiled)
+            b, w, b_mm = unit.backward.times(self.hw, tp_seq, compiled)
+            self._unit_times[key] = (f, b, min(w, b), f_mm, b_mm)
+        return self._unit_times[key]
+
     # -- one layout ------------------------------------------------------------------------------------------------
     def estimate(self, c: Candidate) -> Estimate:
-        info, hw, work = self.info, self.hw, self.work
+        info, hw, work, runtime = self.info, self.hw, self.work, self.runtime
         split = info.tp_split(c.tp, c.sequence_parallel)
         if c.sequence_parallel and work.seq_len % c.tp:
             raise LayoutError(f"sequence_parallel with tp={c.tp} needs a sequence length divisible by {c.tp}, got "
@@ -278,7 +372,7 @@ class Planner:
         n_stages = len(units_by_stage)
         m = c.n_microbatches
         tp_seq = c.tp if c.sequence_parallel else 1
-        elt, act_elt = _elt(c.precision), _act_elt(c.precision)
+        eb, act_elt = element_bytes(c.precision, c.zero_stage), _act_elt(c.precision)
         n_states = OPTIMIZER_STATES[self.optimizer]
 
         # which node boundaries each group crosses (ranks: tp innermost, then dp, pp outermost)
@@ -299,26 +393,34 @@ class Planner:
                 n += 2 if c.sequence_parallel and kind == "all_reduce" else 1
             return sent, sent / tp_bw + n * hw.latency_s
 
+        def tp_exposed(comm: float, matmuls: float) -> float:
+            # overlapped: each collective is cut into tp chunks pipelined with the products beside it
+            return hidden(comm, matmuls, c.tp) if runtime.tp_comm_overlap else comm
+
         stage_of_unit = {u: s for s, units in enumerate(units_by_stage) for u in units}
         stage_f, stage_b, stage_w, stage_held, stage_tp_bytes, stage_out = [], [], [], [], [], []
         stage_wgrad: list[float] = []
         stage_released: list[float] = []
+        stage_tp_exposed: list[float] = []
         for s, units in enumerate(units_by_stage):
             traces: list[UnitTrace] = [trace.units[u] for u in units]
             if s == n_stages - 1:
                 traces.append(trace.loss)
-            f = sum(t.forward.time(hw, tp_seq) for t in traces)
-            b = sum(t.backward.time(hw, tp_seq) for t in traces)
-            w = sum(t.backward.time(hw, tp_seq, weight_grad=True) for t in traces)
+            f = b = w = f_mm = b_mm = 0.0
+            for t in traces:
+                tf, tb, tw, tfm, tbm = self.unit_times(t, tp_seq)
+                f, b, w, f_mm, b_mm = f + tf, b + tb, w + tw, f_mm + tfm, b_mm + tbm
             fwd_elems = [e for u in units for e in collectives.get(u, ([], []))[0]]
             bwd_elems = [e for u in units for e in collectives.get(u, ([], []))[1]]
             if c.recompute == "full":  # the recomputed forward of the blocks communicates again
                 bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
             fwd_bytes, fwd_t = coll_time(fwd_elems)
             bwd_bytes, bwd_t = coll_time(bwd_elems)
+            fwd_t, bwd_t = tp_exposed(fwd_t, f_mm), tp_exposed(bwd_t, b_mm)
             stage_f.append(f + fwd_t)
             stage_b.append(b + bwd_t)
-            stage_w.append(min(w, b))
+            stage_w.append(w)
+            stage_tp_exposed.append(fwd_t + bwd_t)
             stage_held.append(saved_bytes(traces, tp_seq))
             # I keeps the output gradients of the ops that read parameters, and the gradient it received
             stage_wgrad.append(sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq)
@@ -328,6 +430,7 @@ class Planner:
 
         # -- the schedule --------------------------------------------------------------------------------------
         pp_bw = hw.bandwidth(pp_span)
+        p2p_split = c.tp if runtime.p2p_split_over_tp else 1
         if c.pp > 1:
             order = action_order(c.schedule, c.pp, m, v)
             rank_of = rank_of_stage(c.schedule, c.pp, v)
@@ -341,7 +444,6 @@ class Planner:
                     return stage_b[a.stage] - stage_w[a.stage]
                 return stage_w[a.stage]
 
-            p2p_split = c.tp if self.runtime.p2p_split_over_tp else 1
             # layouts that differ only in the ZeRO stage run the same schedule with the same costs: simulate it once
             key = (c.schedule, c.pp, m, v, p2p_split, pp_bw, *map(tuple, (stage_f, stage_b, stage_w, stage_out,
                                                                          stage_held, stage_wgrad, stage_released)))
@@ -354,51 +456,79 @@ class Planner:
             sim = self._simulations[key]
             t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
+            rank_end, rank_first, rank_grads = sim.rank_end, sim.rank_first_forward, sim.rank_last_grads
+            hop = sum(stage_out[:-1]) / max(1, n_stages - 1) / p2p_split / pp_bw + hw.latency_s
+            pp_exposed = 2 * (c.pp - 1) * hop  # the fill and the drain cross every pipeline hop once
         else:
             t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
             grads_peak = [0.0]
+            rank_end, rank_first, rank_grads = [t_pipe], [0.0], [t_pipe - stage_b[0]]
+            pp_exposed = 0.0
 
-        # -- memory per pipeline rank ----------------------------------------------------------------------------
+        # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
         dp_bytes_max = tp_bytes_max = pp_bytes_max = 0.0
-        dp_time_max = 0.0
-        zero3_gather_time = 0.0
+        reduce_finish = gather_exposed = tp_exposed_max = 0.0
+        bucket = runtime.bucket_mb * 2**20
+        dp_bw = hw.bandwidth(dp_span)
+        d = c.dp
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
             params = self._rank_params(rank_units)
             numel = sum(split.local_numel(p) for p in params)
-            mem = self._state(params, split, c, elt, n_states)
+            mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
+            blocks = [u for u in rank_units if u in info.blocks]
             if c.zero_stage == 3 and c.pp == 1:
                 # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
-                blocks = [u for u in rank_units if u in info.blocks]
                 block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)) for u in blocks),
                                   default=0)
                 root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
-                transient += (2 * block_numel + root_numel) * elt
+                transient += (2 * block_numel + root_numel) * eb.gather
             elif c.zero_stage == 3:
                 # torch's schedules keep FSDP2 stages gathered through the step and accumulate unsharded gradients,
                 # reduce-scattered after the last backward (lightning_par.parallel.pipeline.fsdp)
-                transient += 2 * numel * elt - mem[0] - mem[1]
+                transient += numel * (eb.gather + eb.grad) - mem[0] - mem[1]
             elif c.pp > 1 and c.dp > 1 and c.zero_stage == 0:
-                transient += numel * elt  # the pipeline's flat all-reduce of all gradients
+                transient += numel * eb.grad  # the pipeline's flat all-reduce of all gradients
             elif c.pp > 1 and c.zero_stage == 2:
-                transient += numel * elt - mem[1]  # full gradients until the one reduce-scatter after the schedule
+                transient += numel * eb.grad - mem[1]  # full gradients until the one reduce-scatter after the schedule
             ranks.append(RankMemory(r, *mem, held_peak[r], transient, numel))
 
-            # traffic of this rank, per step
-            d = c.dp
-            if c.zero_stage == 0:
-                dp_bytes = _ring("all_reduce", numel * elt, d)
-            elif c.zero_stage in (1, 2):
-                dp_bytes = _ring("reduce_scatter", numel * elt, d) + _ring("all_gather", numel * elt, d)
-            else:
-                # gathered for each micro-batch's forward and backward; under a pipeline once per step
-                gathers = 1 if c.pp > 1 else 2 * m
-                dp_bytes = gathers * _ring("all_gather", numel * elt, d) + _ring("reduce_scatter", numel * elt, d)
-                zero3_gather_time = max(zero3_gather_time, _ring("all_gather", numel * elt, d)
-                                        / hw.bandwidth(dp_span))
+            # data-parallel traffic of this rank, per step, and how much of it the compute around it hides
+            reduce_bytes = _ring("all_reduce" if c.zero_stage == 0 else "reduce_scatter", numel * eb.reduce, d)
+            gather_bytes = _ring("all_gather", numel * eb.gather, d) if c.zero_stage else 0.0
+            n_gathers = (1 if c.pp > 1 else 2 * m) if c.zero_stage == 3 else 1
+            dp_bytes = reduce_bytes + n_gathers * gather_bytes
+            first_f = stage_f[stage_ids[0]]
+            if d > 1:
+                k = max(1, math.ceil(numel * eb.grad / bucket))  # buckets (ZeRO-3: FSDP2's groups, one per block)
+                k3 = len(blocks) + 1
+                reduce_t = reduce_bytes / dp_bw + (k3 if c.zero_stage == 3 else k) * hw.latency_s
+                gather_t = gather_bytes / dp_bw + (k3 if c.zero_stage == 3 else k) * hw.latency_s if gather_bytes \
+                    else 0.0
+                if c.zero_stage == 3 and c.pp == 1:
+                    # gathered for every micro-batch's forward and again for its backward, each block prefetched
+                    # under the one before; the last backward also reduce-scatters each block's gradients
+                    fwd = m * hidden(gather_t, stage_f[0], k3)
+                    bwd = (m - 1) * hidden(gather_t, stage_b[0], k3) + hidden(gather_t + reduce_t, stage_b[0], k3)
+                    reduce_finish = max(reduce_finish, rank_end[r] + fwd + bwd)
+                else:
+                    overlap = runtime.dp_overlap if c.pp == 1 else runtime.pp_dp_overlap
+                    window = rank_end[r] - rank_grads[r]
+                    exposed = hidden(reduce_t, window, k) if overlap and c.zero_stage != 3 else reduce_t
+                    reduce_finish = max(reduce_finish, rank_end[r] + exposed)
+                    if c.zero_stage == 3:
+                        # each stage gathered at its first forward, block after block; a rank's delay holds up
+                        # every stage after it in the fill
+                        gather_exposed += hidden(gather_t, first_f, k3)
+                    elif c.zero_stage and runtime.param_gather_overlap:
+                        # launched at the start of the step: the idle start of the rank hides it too
+                        gather_exposed = max(gather_exposed, hidden(gather_t, first_f, k) - rank_first[r])
+                    elif c.zero_stage:
+                        gather_exposed = max(gather_exposed, gather_t)  # after the step, waited for
             tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
+            tp_exposed_max = max(tp_exposed_max, m * sum(stage_tp_exposed[s] for s in stage_ids))
             pp_bytes = 0.0
             if c.pp > 1:
                 for s in stage_ids:
@@ -407,28 +537,18 @@ class Planner:
                     if s > 0:
                         pp_bytes += m * stage_out[s - 1]
                 tied = [p for p in params if len({rank_of(stage_of_unit[u]) for u in p.units}) > 1]
-                pp_bytes += sum(_ring("all_reduce", split.local_numel(p) * elt, c.pp) for p in tied)
+                pp_bytes += sum(_ring("all_reduce", split.local_numel(p) * eb.grad, c.pp) for p in tied)
             dp_bytes_max, tp_bytes_max, pp_bytes_max = (max(dp_bytes_max, dp_bytes), max(tp_bytes_max, tp_bytes),
                                                         max(pp_bytes_max, pp_bytes))
-            dp_time_max = max(dp_time_max, dp_bytes / hw.bandwidth(dp_span) + (hw.latency_s if d > 1 else 0.0))
 
         # -- step time ---------------------------------------------------------------------------------------------
-        last_backward = max(stage_b)
-        if c.dp == 1:
-            dp_exposed = 0.0
-        elif c.zero_stage == 3 and c.pp == 1:
-            # parameters gathered per micro-batch, prefetched under the previous block's compute: exposed where
-            # the gather takes longer than the compute; gradients reduce-scattered under the last backward
-            compute = stage_f[0] + stage_b[0]
-            dp_exposed = m * max(0.0, 2 * zero3_gather_time - compute) + max(0.0, dp_time_max - 2 * m *
-                                                                              zero3_gather_time - last_backward)
-        elif c.pp == 1 and self.runtime.dp_overlap:
-            ag = dp_time_max / 2 if c.zero_stage in (1, 2) else 0.0  # all-gather after the step: exposed
-            dp_exposed = max(0.0, dp_time_max - ag - last_backward) + ag + hw.latency_s
-        else:
-            dp_exposed = dp_time_max  # reduced after the backward (the pipeline runtime: after the schedule)
+        dp_exposed = max(0.0, reduce_finish - t_pipe) + max(0.0, gather_exposed)
         opt_numel = max(r.numel for r in ranks) / (c.dp if c.zero_stage >= 1 else 1)
-        optimizer_time = opt_numel * (3 * elt + 2 * n_states * elt) / hw.memory_bandwidth
+        # read the gradient, read and write the fp32 values and every state, write the parameters where a master
+        # is kept apart
+        master = eb.master or eb.param
+        per_element = eb.grad + 2 * master + 2 * n_states * eb.state + (eb.param if eb.master else 0)
+        optimizer_time = opt_numel * per_element / hw.memory_bandwidth
         step = t_pipe + dp_exposed + optimizer_time
 
         tokens = work.global_batch * work.seq_len
@@ -438,16 +558,13 @@ class Planner:
         per_device = model_flops / step / c.world
         peak = hw.peak_flops.get("fp32" if c.precision == "fp32" else "bf16", float("nan"))
         worst = max(r.total for r in ranks)
-        try:
-            c.layout()
-            runs, note = True, ""
-        except LayoutError as err:
-            runs, note = False, str(err)
+        runs, note = _runs_today(c)
         return Estimate(
             c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max}, bubble, step, tokens / step,
             per_device / 1e12, per_device / peak, worst <= hw.usable_bytes, runs, note,
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
             list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
+            {"dp": dp_exposed, "tp": tp_exposed_max, "pp": pp_exposed},
         )
 
     def state_bytes(self, c: Candidate) -> list[dict[str, float]]:
@@ -458,7 +575,8 @@ class Planner:
         out = []
         for stage_ids in rank_stages:
             params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
-            mem = self._state(params, split, c, _elt(c.precision), OPTIMIZER_STATES[self.optimizer])
+            mem = self._state(params, split, c, element_bytes(c.precision, c.zero_stage),
+                              OPTIMIZER_STATES[self.optimizer])
             out.append(dict(zip(("parameters", "gradients", "optimizer_states"), mem, strict=True)))
         return out
 
@@ -474,8 +592,9 @@ class Planner:
         """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
         return [p for p in self.info.params if not p.units or any(u in units for u in p.units)]
 
-    def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, elt: int,
+    def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
                n_states: int) -> tuple[float, float, float]:
+        """Parameters, gradients, optimizer states (with a separate master copy) of ``params`` on one rank."""
         d = c.dp
         full = sum(split.local_numel(p) for p in params)
         # measured: with replicas (ZeRO-0) the gradient of a vocabulary-parallel embedding is a full-vocabulary
@@ -495,11 +614,11 @@ class Planner:
                 shape = split.local_shape(p)
                 rest = math.prod(shape[1:]) if len(shape) > 1 else 1
                 sharded += -(-shape[0] // d) * rest if shape else 1
-            return sharded * elt, sharded * elt, n_states * sharded * elt
+            return sharded * eb.param, sharded * eb.grad, sharded * (n_states * eb.state + eb.master)
         chunk = -(-full // d)
         grads = chunk if c.zero_stage == 2 else full + embedding_extra
         states = chunk if c.zero_stage >= 1 else full
-        return full * elt, grads * elt, n_states * states * elt
+        return full * eb.param, grads * eb.grad, states * (n_states * eb.state + eb.master)
 
     # -- all layouts -----------------------------------------------------------------------------------------------
     def candidates(self, world: int, zero_stages: Sequence[int] = (0, 1, 2, 3),
@@ -586,6 +705,25 @@ class Planner:
                 skipped[key] = skipped.get(key, 0) + 1
         out.sort(key=lambda e: (not e.fits, e.step_time))
         return out, skipped
+
+
+#: the planner's precision names -> the Trainer's
+_TRAINER_PRECISION = {"fp32": "32-true"}
+
+
+def _runs_today(c: Candidate) -> tuple[bool, str]:
+    """Whether the engine runs the layout (its own :class:`Layout` check) in the candidate's precision (the
+    precision plugin's list), and why not."""
+    from lightning_par.plugins.precision import SUPPORTED  # Lightning is loaded with lightning_par.parallel anyway
+
+    try:
+        c.layout()
+    except LayoutError as err:
+        return False, str(err)
+    name = _TRAINER_PRECISION.get(c.precision, c.precision)
+    if name not in SUPPORTED:
+        return False, f"precision={name!r} is not a precision of this version's strategies ({', '.join(SUPPORTED)})"
+    return True, ""
 
 
 def _divisors(n: int) -> list[int]:

@@ -18,7 +18,7 @@ fraction (the bubble) and the most bytes of activations each rank holds at once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import NamedTuple
 
@@ -128,6 +128,11 @@ class Simulation:
         peak_with_grads: the same with the output gradients a zero-bubble I keeps for its W.
         peak_in_flight: per stage, the most micro-batches forwarded and not yet released.
         timeline: ``(rank, action, start, end)`` of every action.
+        rank_end: per rank, when its last action ends (its schedule returns).
+        rank_first_forward: per rank, when its first forward starts (what precedes it is idle).
+        rank_last_grads: per rank, when the first of its stages starts the backward that completes the stage's
+            gradients (the last micro-batch's B, or W): from then on its gradients are final, bucket by bucket,
+            and can be reduced under the rest of its schedule.
     """
 
     makespan: float
@@ -137,6 +142,9 @@ class Simulation:
     peak_with_grads: list[float]
     peak_in_flight: dict[int, int]
     timeline: list[tuple[int, Action, float, float]]
+    rank_end: list[float] = field(default_factory=list)
+    rank_first_forward: list[float] = field(default_factory=list)
+    rank_last_grads: list[float] = field(default_factory=list)
 
     @property
     def mean_bubble(self) -> float:
@@ -239,12 +247,26 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
     start = min(t[2] for t in timeline)
     makespan = max(t[3] for t in timeline) - start
     busy = dict.fromkeys(order, 0.0)
-    for rank, _, begin, end in timeline:
+    rank_end = dict.fromkeys(order, start)
+    first_forward = dict.fromkeys(order, float("inf"))
+    last_grads: dict[int, tuple[float, float]] = {}  # stage -> (end, start) of its latest B or W
+    for rank, action, begin, end in timeline:
         busy[rank] += end - begin
-    busy = [busy[rank] for rank in sorted(order)]
+        rank_end[rank] = max(rank_end[rank], end)
+        if action.kind == "F":
+            first_forward[rank] = min(first_forward[rank], begin)
+        elif action.kind in ("B", "W") and end >= last_grads.get(action.stage, (-1.0, 0.0))[0]:
+            last_grads[action.stage] = (end, begin)
+    grads_start = dict(rank_end)
+    for stage, (_, begin) in last_grads.items():
+        grads_start[owner[stage]] = min(grads_start[owner[stage]], begin)
+    ranks = sorted(order)
+    busy = [busy[rank] for rank in ranks]
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
-    return Simulation(makespan, busy, bubble, [peak[r] for r in sorted(order)],
-                      [peak_grads[r] for r in sorted(order)], dict(sorted(peak_flight.items())), timeline)
+    return Simulation(makespan, busy, bubble, [peak[r] for r in ranks],
+                      [peak_grads[r] for r in ranks], dict(sorted(peak_flight.items())), timeline,
+                      [rank_end[r] - start for r in ranks], [min(first_forward[r], rank_end[r]) - start for r in ranks],
+                      [grads_start[r] - start for r in ranks])
 
 
 def formula_bubble(name: str, pp: int, m: int, v: int) -> float | None:
