@@ -86,12 +86,23 @@ class Hardware:
         return asdict(self)
 
 
+#: Fraction of dense bf16 peak a cuBLAS GEMM reaches in training, by intensity ``MNK / (MK + KN + MN)``. The shape
+#: -- rising with the GEMM's size and saturating -- is the one NVIDIA's "Matrix Multiplication Background User's
+#: Guide" (docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication) explains and plots for
+#: A100 (tile quantization, wave quantization, memory- vs math-bound); the level is fitted to Megatron-LM's
+#: measured Table 1 (Narayanan et al. 2021, A100; ``benchmarks/planner_megatron.py``): achieved throughput inside
+#: training, lower than an isolated GEMM's (clocks under sustained power, kernels beside it). Attention with head
+#: size 64-128 sits at ``I`` 60-140, a transformer's linear layers at 500-1700. H100 takes the same fractions of its
+#: peak: no H100 measurement is held here.
+GEMM_TABLE_TRAINING = ((64.0, 0.25), (128.0, 0.36), (256.0, 0.47), (512.0, 0.56), (1024.0, 0.63), (2048.0, 0.66))
+
 PRESETS: dict[str, Hardware] = {
     "h100-sxm": Hardware(
         name="h100-sxm",
         # dense bf16 989 TFLOP/s; fp32 without TF32 (PyTorch's default for float32 matmuls) 67 TFLOP/s
         peak_flops={"bf16": 989e12, "fp32": 67e12},
         matmul_efficiency=0.58,
+        matmul_table=GEMM_TABLE_TRAINING,
         memory_bandwidth=3.35e12 * 0.8,
         op_overhead_s=4e-6,
         intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
@@ -106,6 +117,7 @@ PRESETS: dict[str, Hardware] = {
         name="a100",
         peak_flops={"bf16": 312e12, "fp32": 19.5e12},
         matmul_efficiency=0.58,
+        matmul_table=GEMM_TABLE_TRAINING,
         memory_bandwidth=2.039e12 * 0.8,
         op_overhead_s=5e-6,
         intra_node_bandwidth=230e9,  # NVLink 3 (600 GB/s both ways): all-reduce bus bandwidth of nccl-tests
@@ -122,6 +134,10 @@ PRESETS: dict[str, Hardware] = {
         # matmuls have no native kernel on this CPU and run at about 1 GFLOP/s
         peak_flops={"fp32": 90e9, "bf16": 0.9e9},
         matmul_efficiency=1.0,
+        # torch.mm of fp32 M x K by K x N on one thread, best of 9 rounds, less the 1.2 us dispatch of a 1x1 mm
+        # (benchmarks of 2026-11-25 on this machine, shared with other jobs): 32^3 6 GFLOP/s (I 10.7), 64^3 40
+        # (I 21), 128^3 98 (I 43), 256^3 102, 128x512x128 98; larger ones at the 90 of the quiet machine
+        matmul_table=((10.7, 0.07), (21.3, 0.44), (42.7, 1.0)),
         memory_bandwidth=12e9,  # one core copying 64 MiB
         op_overhead_s=1e-5,  # eager dispatch of one op with autograd
         intra_node_bandwidth=0.75e9,  # gloo all-reduce of 16 MiB between 2 processes on loopback

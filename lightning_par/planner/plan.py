@@ -128,12 +128,12 @@ class Estimate:
     runs_today: bool
     engine_note: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp exposed, optimizer
+    stage_costs: list[tuple[float, float, float]] = field(default_factory=list)  # per stage: F, B, W seconds
+    units_by_stage: list[list[str]] = field(default_factory=list)
     # seconds of communication on the busiest rank's critical path, per group: dp (after the schedule; the rest
     # of dp traffic hides under compute), tp (inside each stage's forward and backward), pp (the fill and drain
     # hops between stages); tp and pp are part of "pipeline"
     exposed: dict[str, float] = field(default_factory=dict)
-    stage_costs: list[tuple[float, float, float]] = field(default_factory=list)  # per stage: F, B, W seconds
-    units_by_stage: list[list[str]] = field(default_factory=list)
 
     @property
     def worst(self) -> RankMemory:
@@ -693,9 +693,43 @@ class Planner:
                                     out.append(Candidate(dp, tp, pp, zero, name, v, m, sp, rc, prec))
         return out, skipped
 
-    def plan(self, world: int, **kwargs: Any) -> tuple[list[Estimate], dict[str, int]]:
-        """Estimate every candidate; fastest first (layouts that fit before those that do not)."""
+    def memory_floor(self, c: Candidate) -> float:
+        """A lower bound of the fullest rank's bytes, without running the schedule: its model state (exact) and
+        the activations of one micro-batch of its largest stage (every schedule holds at least that at once)."""
+        split = self.info.tp_split(c.tp, c.sequence_parallel)
+        trace = self.trace(c.tp, c.recompute, c.precision)
+        tp_seq = c.tp if c.sequence_parallel else 1
+        units_by_stage, rank_stages = self.placement(c)
+        eb, n_states = element_bytes(c.precision, c.zero_stage), OPTIMIZER_STATES[self.optimizer]
+        last = len(units_by_stage) - 1
+        floor = 0.0
+        for stage_ids in rank_stages:
+            params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
+            held = max(saved_bytes([trace.units[u] for u in units_by_stage[s]] + ([trace.loss] if s == last else []),
+                                   tp_seq) for s in stage_ids)
+            floor = max(floor, sum(self._state(params, split, c, eb, n_states)) + held)
+        return floor
+
+    def plan(self, world: int, prune: bool = True, **kwargs: Any) -> tuple[list[Estimate], dict[str, int]]:
+        """Estimate every candidate; fastest first (layouts that fit before those that do not). ``prune``: leave
+        out, before simulating their schedules, the layouts whose :meth:`memory_floor` already exceeds the device
+        (counted in the returned reasons; the one with the smallest floor is kept, so that something is shown)."""
         candidates, skipped = self.candidates(world, **kwargs)
+        if prune and candidates:
+            floors = []
+            for c in candidates:
+                try:
+                    floors.append(self.memory_floor(c))
+                except LayoutError:
+                    floors.append(0.0)  # estimate() says why
+            smallest = min(range(len(candidates)), key=floors.__getitem__)
+            usable = self.hw.usable_bytes
+            reason = (f"cannot fit in {usable / GiB:.3g} GiB: model state and one micro-batch's activations alone "
+                      "exceed it")
+            kept = [c for i, c in enumerate(candidates) if floors[i] <= usable or i == smallest]
+            if len(kept) < len(candidates):
+                skipped[reason] = len(candidates) - len(kept)
+            candidates = kept
         out = []
         for c in candidates:
             try:
