@@ -285,6 +285,8 @@ class Planner:
         self._stages: dict[tuple, list[list[str]]] = {}
         self._simulations: dict[tuple, Simulation] = {}
         self._unit_times: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+        self._params_of: dict[frozenset[str], list[ParamInfo]] = {}
+        self._states: dict[tuple, tuple[float, float, float]] = {}
 
     # -- pieces that are shared between layouts ------------------------------------------------------------------
     def trace(self, tp: int, recompute: str, precision: str) -> ModelTrace:
@@ -590,11 +592,21 @@ class Planner:
 
     def _rank_params(self, units: set[str]) -> list[ParamInfo]:
         """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
-        return [p for p in self.info.params if not p.units or any(u in units for u in p.units)]
+        key = frozenset(units)
+        if key not in self._params_of:
+            self._params_of[key] = [p for p in self.info.params if not p.units or any(u in units for u in p.units)]
+        return self._params_of[key]
 
     def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
                n_states: int) -> tuple[float, float, float]:
         """Parameters, gradients, optimizer states (with a separate master copy) of ``params`` on one rank."""
+        key = (id(params), split.tp, split.sequence_parallel, c.dp, c.zero_stage, eb, n_states)
+        if key not in self._states:
+            self._states[key] = self._state_bytes(params, split, c, eb, n_states)
+        return self._states[key]
+
+    def _state_bytes(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
+                     n_states: int) -> tuple[float, float, float]:
         d = c.dp
         full = sum(split.local_numel(p) for p in params)
         # measured: with replicas (ZeRO-0) the gradient of a vocabulary-parallel embedding is a full-vocabulary
@@ -695,7 +707,8 @@ class Planner:
 
     def memory_floor(self, c: Candidate) -> float:
         """A lower bound of the fullest rank's bytes, without running the schedule: its model state (exact) and
-        the activations of one micro-batch of its largest stage (every schedule holds at least that at once)."""
+        the activations of one micro-batch of its largest stage (every schedule holds at least that at once) --
+        of ``m`` micro-batches under GPipe, ``min(m, p - rank)`` under 1F1B (what their orders hold, exactly)."""
         split = self.info.tp_split(c.tp, c.sequence_parallel)
         trace = self.trace(c.tp, c.recompute, c.precision)
         tp_seq = c.tp if c.sequence_parallel else 1
@@ -703,11 +716,12 @@ class Planner:
         eb, n_states = element_bytes(c.precision, c.zero_stage), OPTIMIZER_STATES[self.optimizer]
         last = len(units_by_stage) - 1
         floor = 0.0
-        for stage_ids in rank_stages:
+        for rank, stage_ids in enumerate(rank_stages):
             params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
             held = max(saved_bytes([trace.units[u] for u in units_by_stage[s]] + ([trace.loss] if s == last else []),
                                    tp_seq) for s in stage_ids)
-            floor = max(floor, sum(self._state(params, split, c, eb, n_states)) + held)
+            in_flight = {"gpipe": c.n_microbatches, "1f1b": min(c.n_microbatches, c.pp - rank)}.get(c.schedule, 1)
+            floor = max(floor, sum(self._state(params, split, c, eb, n_states)) + in_flight * held)
         return floor
 
     def plan(self, world: int, prune: bool = True, **kwargs: Any) -> tuple[list[Estimate], dict[str, int]]:

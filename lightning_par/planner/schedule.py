@@ -188,59 +188,80 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
     peak_flight: dict[int, int] = {}
     timeline: list[tuple[int, Action, float, float]] = []
 
-    def ready(action: Action) -> float | None:
-        s, mb = action.stage, action.microbatch
-        if action.kind == "F":
-            needs = [("F", s - 1, mb)] if s > 0 else []
-        elif action.kind in ("B", "I"):
-            needs = [("F", s, mb)] + ([("G", s + 1, mb)] if s < last else [])
-        else:
-            needs = [("G", s, mb)]
-        start = 0.0
-        for kind, stage, micro in needs:
-            end = done.get((kind, stage, micro))
-            if end is None:
-                return None
-            if stage != s:
-                end += transfer(stage, s) if owner[stage] != owner[s] else 0.0
-            start = max(start, end)
-        return start
+    # each action prepared once: what it waits for (with the transfer from another rank), its cost, what it
+    # completes, and how it changes the bytes its rank holds -- the loop below then only compares and adds
+    hops: dict[tuple[int, int], float] = {}
+
+    def hop(src: int, dst: int) -> float:
+        if (src, dst) not in hops:
+            hops[(src, dst)] = transfer(src, dst) if owner[src] != owner[dst] else 0.0
+        return hops[(src, dst)]
+
+    prepared: dict[int, list[tuple]] = {}
+    for rank, actions in order.items():
+        steps = []
+        for action in actions:
+            s, kind, mb = action.stage, action.kind, action.microbatch
+            if kind == "F":
+                needs = ((("F", s - 1, mb), hop(s - 1, s)),) if s > 0 else ()
+            elif kind in ("B", "I"):
+                needs = ((("F", s, mb), 0.0),) + (((("G", s + 1, mb), hop(s + 1, s)),) if s < last else ())
+            else:
+                needs = ((("G", s, mb), 0.0),)
+            live_delta = grads_delta = 0.0
+            flight = 0
+            if kind == "F":
+                live_delta, flight = held(s), 1
+            elif kind == "I" and s > 0:
+                grads_delta = held_for_w(s)
+            elif kind == "B" or (kind == "W" and s == 0):
+                live_delta, flight = -held(s), -1
+            elif kind == "W":
+                kept = held(s) - released_by_w(s)
+                share = 1.0 if s == last else KEPT_AFTER_W  # the last stage's loss keeps its graph to the end
+                live_delta, grads_delta, flight = -(released_by_w(s) + (1 - share) * kept), -held_for_w(s), -1
+            key = ("G" if kind in ("B", "I") else kind, s, mb)
+            steps.append((action, needs, cost(action), key, live_delta, grads_delta, flight))
+        prepared[rank] = steps
 
     progress = True
     while progress:
         progress = False
-        for rank, actions in order.items():
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                start = ready(action)
-                if start is None:
+        for rank, steps in prepared.items():
+            i, n = position[rank], len(steps)
+            while i < n:
+                action, needs, duration, key, live_delta, grads_delta, flight = steps[i]
+                start = free[rank]
+                blocked = False
+                for need, extra in needs:
+                    end = done.get(need)
+                    if end is None:
+                        blocked = True
+                        break
+                    if end + extra > start:
+                        start = end + extra
+                if blocked:
                     break
-                start = max(start, free[rank])
-                end = start + cost(action)
+                end = start + duration
                 free[rank] = end
-                key = ("G" if action.kind in ("B", "I") else action.kind, action.stage, action.microbatch)
                 done[key] = end
                 timeline.append((rank, action, start, end))
                 s = action.stage
-                if action.kind == "F":
-                    live[rank] += held(s)
-                    in_flight[s] = in_flight.get(s, 0) + 1
-                    peak_flight[s] = max(peak_flight.get(s, 0), in_flight[s])
-                elif action.kind == "I" and s > 0:
-                    grads[rank] += held_for_w(s)
-                elif action.kind == "B" or (action.kind == "W" and s == 0):
-                    live[rank] -= held(s)
-                    in_flight[s] -= 1
-                elif action.kind == "W":
-                    kept = held(s) - released_by_w(s)
-                    share = 1.0 if s == last else KEPT_AFTER_W  # the last stage's loss keeps its graph to the end
-                    live[rank] -= released_by_w(s) + (1 - share) * kept
-                    grads[rank] -= held_for_w(s)
-                    in_flight[s] -= 1
-                peak[rank] = max(peak[rank], live[rank])
-                peak_grads[rank] = max(peak_grads[rank], live[rank] + grads[rank])
-                position[rank] += 1
+                if flight:
+                    in_flight[s] = in_flight.get(s, 0) + flight
+                    if flight > 0 and in_flight[s] > peak_flight.get(s, 0):
+                        peak_flight[s] = in_flight[s]
+                if live_delta:
+                    live[rank] += live_delta
+                if grads_delta:
+                    grads[rank] += grads_delta
+                if live[rank] > peak[rank]:
+                    peak[rank] = live[rank]
+                if live[rank] + grads[rank] > peak_grads[rank]:
+                    peak_grads[rank] = live[rank] + grads[rank]
+                i += 1
                 progress = True
+            position[rank] = i
     stuck = {r: order[r][position[r]] for r in order if position[r] < len(order[r])}
     if stuck:
         raise RuntimeError(f"the schedule cannot proceed: the next actions wait on actions it never runs: {stuck}")
