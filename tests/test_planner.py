@@ -30,7 +30,8 @@ from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.model import build_model, inspect_model
 from lightning_par.planner.plan import (MEGATRON_OVERLAP, Candidate, Planner, Runtime, Workload, element_bytes,
                                         hidden)
-from lightning_par.planner.schedule import action_order, formula_bubble, rank_of_stage, simulate
+from lightning_par.planner.schedule import (action_order, extrapolate, formula_bubble, rank_of_stage, simulate,
+                                           steady_microbatches)
 from lightning_par.planner.trace import saved_bytes, trace_model
 from lightning_par.topology import LayoutError, ParallelDims
 from tests.conftest import GLOBAL_BATCH
@@ -324,6 +325,30 @@ def test_gemm_efficiency_by_shape_and_compiled_fusion(tiny_info):
     for ops in (block.forward, block.backward):
         eager, compiled = ops.times(a100), ops.times(a100, compiled=True)
         assert compiled[0] < eager[0] and compiled[2] == eager[2] and compiled[1] == eager[1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev"])
+def test_long_schedules_extrapolate_exactly_from_two_shorter_runs(schedule):
+    """Thousands of micro-batches (large worlds) are planned from two runs past the warmup: every figure -- makespan,
+    bubble, peak bytes, when each rank ends and starts its last backward -- equals the whole run's, with stages of
+    unequal cost and transfers between ranks."""
+    pp, v = 4, 1 if schedule == "1f1b" else 2
+    n = pp * v
+
+    def run(m: int):
+        return simulate(action_order(schedule, pp, m, v), n, rank_of_stage(schedule, pp, v),
+                        lambda a: {"F": 1.0, "B": 2.0, "I": 1.2, "W": 0.8}[a.kind] * (1.3 if a.stage in (0, n - 1)
+                                                                                       else 1.0),
+                        transfer=lambda a, b: 0.05, held=lambda s: 1.0 + 0.1 * s, held_for_w=lambda s: 0.3,
+                        released_by_w=lambda s: 0.5)
+
+    m = 256
+    short = steady_microbatches(schedule, pp, m, v)
+    assert short == 32 and steady_microbatches(schedule, pp, 64, v) is None  # small m: every action is run
+    whole, line = run(m), extrapolate(run(short), run(2 * short), short, 2 * short, m)
+    assert line.makespan == pytest.approx(whole.makespan, rel=1e-9)
+    for field_name in ("bubble", "peak_held", "peak_with_grads", "rank_end", "rank_first_forward", "rank_last_grads"):
+        assert getattr(line, field_name) == pytest.approx(getattr(whole, field_name), rel=1e-9, abs=1e-9), field_name
 
 
 def test_layouts_that_cannot_fit_are_pruned_before_their_schedules(tiny_info):

@@ -42,7 +42,8 @@ from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
-from lightning_par.planner.schedule import Simulation, action_order, rank_of_stage, simulate
+from lightning_par.planner.schedule import (Simulation, action_order, extrapolate, rank_of_stage, simulate,
+                                           steady_microbatches)
 from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved_bytes, trace_model
 from lightning_par.topology import LayoutError, ParallelDims
 
@@ -434,7 +435,6 @@ class Planner:
         pp_bw = hw.bandwidth(pp_span)
         p2p_split = c.tp if runtime.p2p_split_over_tp else 1
         if c.pp > 1:
-            order = action_order(c.schedule, c.pp, m, v)
             rank_of = rank_of_stage(c.schedule, c.pp, v)
 
             def cost(a) -> float:
@@ -450,11 +450,16 @@ class Planner:
             key = (c.schedule, c.pp, m, v, p2p_split, pp_bw, *map(tuple, (stage_f, stage_b, stage_w, stage_out,
                                                                          stage_held, stage_wgrad, stage_released)))
             if key not in self._simulations:
-                self._simulations[key] = simulate(
-                    order, n_stages, rank_of, cost,
-                    transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
-                    held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
-                    released_by_w=lambda s: stage_released[s])
+                def run(micro: int) -> Simulation:
+                    return simulate(
+                        action_order(c.schedule, c.pp, micro, v), n_stages, rank_of, cost,
+                        transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
+                        held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
+                        released_by_w=lambda s: stage_released[s])
+
+                short = steady_microbatches(c.schedule, c.pp, m, v)  # thousands of micro-batches: two shorter runs
+                self._simulations[key] = run(m) if short is None else extrapolate(run(short), run(2 * short),
+                                                                                 short, 2 * short, m)
             sim = self._simulations[key]
             t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]

@@ -298,3 +298,39 @@ def formula_bubble(name: str, pp: int, m: int, v: int) -> float | None:
     if name in ("interleaved_1f1b", "looped_bfs"):
         return (pp - 1) / (m * v + pp - 1)
     return None
+
+
+def extrapolate(a: Simulation, b: Simulation, m_a: int, m_b: int, m: int) -> Simulation:
+    """The simulation of ``m`` micro-batches from those of ``m_a`` and ``m_b`` (both past the warmup): once every
+    rank is in its steady state each further micro-batch adds the same time and the same bytes (none where the
+    schedule releases as it goes, one micro-batch's under GPipe), so every figure is the line through the two. The
+    timeline is left empty. For large ``m`` (thousands of micro-batches on large worlds), where running every action
+    costs seconds per layout."""
+    t = (m - m_a) / (m_b - m_a)
+
+    def line(x: float, y: float) -> float:
+        return x + t * (y - x)
+
+    makespan = line(a.makespan, b.makespan)
+    busy = [line(x, y) for x, y in zip(a.busy, b.busy, strict=True)]
+    return Simulation(
+        makespan, busy, [1.0 - u / makespan if makespan > 0 else 0.0 for u in busy],
+        [line(x, y) for x, y in zip(a.peak_held, b.peak_held, strict=True)],
+        [line(x, y) for x, y in zip(a.peak_with_grads, b.peak_with_grads, strict=True)],
+        {s: round(line(a.peak_in_flight[s], b.peak_in_flight[s])) for s in a.peak_in_flight}, [],
+        [line(x, y) for x, y in zip(a.rank_end, b.rank_end, strict=True)], list(b.rank_first_forward),
+        [line(x, y) for x, y in zip(a.rank_last_grads, b.rank_last_grads, strict=True)])
+
+
+def steady_microbatches(name: str, pp: int, m: int, v: int) -> int | None:
+    """A number of micro-batches past the schedule's warmup (a multiple of pp, at least 4 pp v and 32) whose double
+    ``m`` exceeds twice over, or None where ``m`` is small enough to run every action (or the schedule refuses it)."""
+    short = pp * -(-max(4 * pp * v, 32) // pp)
+    if m < 4 * short:
+        return None
+    try:
+        StagePlan.for_schedule(name, pp, short, v)
+        StagePlan.for_schedule(name, pp, 2 * short, v)
+    except Exception:  # noqa: BLE001 -- a LayoutError: the schedule needs other counts; run it whole
+        return None
+    return short
