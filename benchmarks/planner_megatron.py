@@ -76,7 +76,8 @@ def overlapped() -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["params    t   p  GPUs  batch    m  bubble  GiB/GPU  predicted  published  ratio   MFU  exposed dp/tp/pp s"]
+    lines = ["params    t   p  GPUs  batch    m  bubble  GiB/GPU  predicted  published  ratio   MFU  "
+             "exposed dp/tp/pp s"]
     for r in rows:
         x = r["exposed_s"]
         lines.append(f"{r['params_b']:6.1f}B {r['t']:3d} {r['p']:3d} {r['gpus']:5d} {r['batch']:6d} {r['m']:4d}  "

@@ -69,7 +69,7 @@ class Hardware:
             return table[-1][1]
         if intensity <= table[0][0]:
             return table[0][1]
-        for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        for (x0, y0), (x1, y1) in zip(table, table[1:], strict=False):
             if intensity <= x1:
                 t = math.log(intensity / x0) / math.log(x1 / x0)
                 return y0 + t * (y1 - y0)
@@ -179,7 +179,7 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
     data.setdefault("name", path.stem)
     if "matmul_table" in data:
         table = tuple((float(i), float(e)) for i, e in data["matmul_table"] or ())
-        if any(b[0] <= a[0] for a, b in zip(table, table[1:])) or any(not 0 < e <= 1 for _, e in table):
+        if any(b[0] <= a[0] for a, b in zip(table, table[1:], strict=False)) or any(not 0 < e <= 1 for _, e in table):
             raise LayoutError(f"{path}: matmul_table needs [intensity, efficiency] pairs with increasing intensity "
                               "and efficiencies in (0, 1].")
         data["matmul_table"] = table

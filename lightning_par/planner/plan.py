@@ -8,7 +8,8 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   tensor-parallel shard of each parameter (:meth:`ModelInfo.tp_split`), only the units of the rank's pipeline stages
   (a tied embedding/head once per rank holding it), then the ZeRO stage across data parallel (1: optimizer states
   ``/dp``; 2: + gradients; 3: + parameters, each tensor split on dim 0 with padding as FSDP2 does). Bytes per
-  element: 4 for fp32 and bf16-mixed (fp32 master weights), 2 for bf16-true; Adam keeps 2 states, SGD none;
+  element by precision and ZeRO stage: :func:`element_bytes` (a separate fp32 master copy is counted with the
+  optimizer states); Adam keeps 2 states, SGD none;
 - **activations**: the bytes each unit saves for one micro-batch (:mod:`lightning_par.planner.trace`) times the
   micro-batches the schedule holds at once, from the schedule's own action order
   (:mod:`lightning_par.planner.schedule`): GPipe all ``m``, 1F1B ``p - rank`` on rank ``rank``, the others as torch
@@ -20,9 +21,15 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   all-gather -- per row-parallel output in forward and per column-parallel input in backward, again in the
   recomputed forward), ``pp`` (each micro-batch's activation to the next stage and its gradient back);
 - **time**: each stage's forward and backward per micro-batch from the traced ops on the hardware model
-  (:mod:`lightning_par.planner.hardware`), tensor-parallel collectives on the critical path, the schedule run with
-  those costs and the transfer time between stages (makespan and bubble), then the data-parallel reduction
-  (overlapped with the last backward when pp = 1), the optimizer step (memory bound).
+  (:mod:`lightning_par.planner.hardware`: GEMMs at an efficiency by their shape, the other ops bound by memory,
+  fused under ``compiled``), tensor-parallel collectives inside them (exposed, or pipelined with the GEMMs), the
+  schedule run with those costs and the transfer time between stages (makespan and bubble), then the
+  data-parallel communication the compute does not hide -- per :class:`Runtime`: gradients reduced in buckets
+  under the last backward or after each rank's schedule (ranks that finish early hide theirs under the others'
+  cooldown), ZeRO-1/2's parameter all-gather waited for or hidden under the next forward, ZeRO-3's gathers
+  prefetched block by block -- and the optimizer step (memory bound). ``Estimate.exposed`` gives the exposed
+  seconds per group. Bytes per element of each part of the state and of the traffic follow the precision
+  (:func:`element_bytes`: ``bf16-mixed-master`` moves 6 bytes per parameter over dp).
 
 Whether the engine runs a layout is asked of the engine itself: :class:`Layout` is constructed and its
 :class:`LayoutError` kept as the note. Nothing here lists the engine's refusals, so the planner follows the engine as
@@ -42,8 +49,14 @@ from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
-from lightning_par.planner.schedule import (Simulation, action_order, extrapolate, rank_of_stage, simulate,
-                                           steady_microbatches)
+from lightning_par.planner.schedule import (
+    Simulation,
+    action_order,
+    extrapolate,
+    rank_of_stage,
+    simulate,
+    steady_microbatches,
+)
 from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved_bytes, trace_model
 from lightning_par.topology import LayoutError, ParallelDims
 
