@@ -300,6 +300,9 @@ class Planner:
         self._simulations: dict[tuple, Simulation] = {}
         self._unit_times: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
         self._params_of: dict[frozenset[str], list[ParamInfo]] = {}
+        self._stage_costs: dict[tuple, tuple[float, ...]] = {}
+        self._numels: dict[tuple, tuple[int, int]] = {}
+        self._held: dict[tuple, float] = {}
         self._states: dict[tuple, tuple[float, float, float]] = {}
 
     # -- pieces that are shared between layouts ------------------------------------------------------------------
@@ -419,30 +422,38 @@ class Planner:
         stage_released: list[float] = []
         stage_tp_exposed: list[float] = []
         for s, units in enumerate(units_by_stage):
-            traces: list[UnitTrace] = [trace.units[u] for u in units]
-            if s == n_stages - 1:
-                traces.append(trace.loss)
-            f = b = w = f_mm = b_mm = 0.0
-            for t in traces:
-                tf, tb, tw, tfm, tbm = self.unit_times(t, tp_seq)
-                f, b, w, f_mm, b_mm = f + tf, b + tb, w + tw, f_mm + tfm, b_mm + tbm
-            fwd_elems = [e for u in units for e in collectives.get(u, ([], []))[0]]
-            bwd_elems = [e for u in units for e in collectives.get(u, ([], []))[1]]
-            if c.recompute == "full":  # the recomputed forward of the blocks communicates again
-                bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
-            fwd_bytes, fwd_t = coll_time(fwd_elems)
-            bwd_bytes, bwd_t = coll_time(bwd_elems)
-            fwd_t, bwd_t = tp_exposed(fwd_t, f_mm), tp_exposed(bwd_t, b_mm)
+            # the same stage recurs in many layouts (every ZeRO stage, schedule and dp size): costed once
+            key = (id(trace), tp_seq, c.tp, c.sequence_parallel, tp_span, tuple(units), s == n_stages - 1)
+            if key not in self._stage_costs:
+                traces: list[UnitTrace] = [trace.units[u] for u in units]
+                if s == n_stages - 1:
+                    traces.append(trace.loss)
+                f = b = w = f_mm = b_mm = 0.0
+                for t in traces:
+                    tf, tb, tw, tfm, tbm = self.unit_times(t, tp_seq)
+                    f, b, w, f_mm, b_mm = f + tf, b + tb, w + tw, f_mm + tfm, b_mm + tbm
+                fwd_elems = [e for u in units for e in collectives.get(u, ([], []))[0]]
+                bwd_elems = [e for u in units for e in collectives.get(u, ([], []))[1]]
+                if c.recompute == "full":  # the recomputed forward of the blocks communicates again
+                    bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
+                fwd_bytes, fwd_comm = coll_time(fwd_elems)
+                bwd_bytes, bwd_comm = coll_time(bwd_elems)
+                self._stage_costs[key] = (
+                    f, b, w, f_mm, b_mm, fwd_bytes + bwd_bytes, fwd_comm, bwd_comm, saved_bytes(traces, tp_seq),
+                    # I keeps the output gradients of the ops that read parameters, and the gradient it received
+                    sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq,
+                    sum(t.saved_weight_path for t in traces), trace.units[units[-1]].output_bytes / tp_seq)
+            f, b, w, f_mm, b_mm, tp_bytes, fwd_comm, bwd_comm, held, wgrad, released, out = self._stage_costs[key]
+            fwd_t, bwd_t = tp_exposed(fwd_comm, f_mm), tp_exposed(bwd_comm, b_mm)
             stage_f.append(f + fwd_t)
             stage_b.append(b + bwd_t)
             stage_w.append(w)
             stage_tp_exposed.append(fwd_t + bwd_t)
-            stage_held.append(saved_bytes(traces, tp_seq))
-            # I keeps the output gradients of the ops that read parameters, and the gradient it received
-            stage_wgrad.append(sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq)
-            stage_released.append(sum(t.saved_weight_path for t in traces))
-            stage_tp_bytes.append(fwd_bytes + bwd_bytes)
-            stage_out.append(trace.units[units[-1]].output_bytes / tp_seq)
+            stage_held.append(held)
+            stage_wgrad.append(wgrad)
+            stage_released.append(released)
+            stage_tp_bytes.append(tp_bytes)
+            stage_out.append(out)
 
         # -- the schedule --------------------------------------------------------------------------------------
         pp_bw = hw.bandwidth(pp_span)
@@ -495,7 +506,7 @@ class Planner:
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
             params = self._rank_params(rank_units)
-            numel = sum(split.local_numel(p) for p in params)
+            numel, tied_numel = self._rank_numel(params, split, c, stage_of_unit)
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
             blocks = [u for u in rank_units if u in info.blocks]
@@ -556,8 +567,7 @@ class Planner:
                         pp_bytes += m * stage_out[s]
                     if s > 0:
                         pp_bytes += m * stage_out[s - 1]
-                tied = [p for p in params if len({rank_of(stage_of_unit[u]) for u in p.units}) > 1]
-                pp_bytes += sum(_ring("all_reduce", split.local_numel(p) * eb.grad, c.pp) for p in tied)
+                pp_bytes += _ring("all_reduce", tied_numel * eb.grad, c.pp)
             dp_bytes_max, tp_bytes_max, pp_bytes_max = (max(dp_bytes_max, dp_bytes), max(tp_bytes_max, tp_bytes),
                                                         max(pp_bytes_max, pp_bytes))
 
@@ -607,6 +617,21 @@ class Planner:
             return self.stages(1, 1, "loop"), [[0]]
         plan = StagePlan(c.pp, c.virtual_stages, SCHEDULES[c.schedule].style)
         return self.stages(plan.pp, plan.virtual_stages, plan.style), [plan.stages_of(r) for r in range(c.pp)]
+
+    def _rank_numel(self, params: list[ParamInfo], split: TPSplit, c: Candidate,
+                    stage_of_unit: dict[str, int]) -> tuple[int, int]:
+        """Elements of a rank's parameters (its tp shards), and of those tied across pipeline ranks (summed over
+        the pipeline after the schedule)."""
+        key = (id(params), split.tp, split.sequence_parallel, c.pp, c.virtual_stages, c.schedule)
+        if key not in self._numels:
+            numel = sum(split.local_numel(p) for p in params)
+            tied = 0
+            if c.pp > 1:
+                rank_of = rank_of_stage(c.schedule, c.pp, c.virtual_stages)
+                tied = sum(split.local_numel(p) for p in params
+                           if len({rank_of(stage_of_unit[u]) for u in p.units}) > 1)
+            self._numels[key] = (numel, tied)
+        return self._numels[key]
 
     def _rank_params(self, units: set[str]) -> list[ParamInfo]:
         """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
@@ -736,8 +761,13 @@ class Planner:
         floor = 0.0
         for rank, stage_ids in enumerate(rank_stages):
             params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
-            held = max(saved_bytes([trace.units[u] for u in units_by_stage[s]] + ([trace.loss] if s == last else []),
-                                   tp_seq) for s in stage_ids)
+            held = 0.0
+            for s in stage_ids:
+                key = (id(trace), tp_seq, tuple(units_by_stage[s]), s == last)
+                if key not in self._held:
+                    self._held[key] = saved_bytes([trace.units[u] for u in units_by_stage[s]]
+                                                  + ([trace.loss] if s == last else []), tp_seq)
+                held = max(held, self._held[key])
             in_flight = {"gpipe": c.n_microbatches, "1f1b": min(c.n_microbatches, c.pp - rank)}.get(c.schedule, 1)
             floor = max(floor, sum(self._state(params, split, c, eb, n_states)) + in_flight * held)
         return floor
