@@ -350,7 +350,7 @@ def test_long_schedules_extrapolate_exactly_from_two_shorter_runs(schedule):
 
     m = 256
     short = steady_microbatches(schedule, pp, m, v)
-    assert short == 32 and steady_microbatches(schedule, pp, 64, v) is None  # small m: every action is run
+    assert short == 16 and steady_microbatches(schedule, pp, 63, v) is None  # small m: every action is run
     whole, line = run(m), extrapolate(run(short), run(2 * short), short, 2 * short, m)
     assert line.makespan == pytest.approx(whole.makespan, rel=1e-9)
     for field_name in ("bubble", "peak_held", "peak_with_grads", "rank_end", "rank_first_forward", "rank_last_grads"):
@@ -360,9 +360,9 @@ def test_long_schedules_extrapolate_exactly_from_two_shorter_runs(schedule):
 def test_a_large_world_plans_in_seconds():
     """The 8b GPT on 2048 H100s (global batch 16384 of 8192 tokens: up to 2048 micro-batches per pipeline), one
     precision, full recompute: layouts that cannot fit are left out before their schedules run, long
-    schedules are extrapolated, stage costs are shared between layouts. Measured: about 15 s of CPU on this
+    schedules are extrapolated, stage costs are shared between layouts. Measured: about 6 s of CPU on this
     machine (the whole `plan --world 2048`, every precision and recompute: 100 s, where it took more than 230 s
-    and 15 minutes of a loaded machine before); held to 60 s of this process's CPU time, whatever the load."""
+    and 15 minutes of a loaded machine before); held to 30 s of this process's CPU time, whatever the load."""
     import time
 
     info = _info("GPTLightningModule", preset="8b")
@@ -374,7 +374,7 @@ def test_a_large_world_plans_in_seconds():
     print(f"{len(estimates)} layouts planned, {pruned} left out as too large, in {seconds:.1f} s of CPU")
     assert estimates and estimates[0].fits and pruned > 0
     assert max(e.candidate.n_microbatches for e in estimates) >= 1024
-    assert seconds < 60
+    assert seconds < 30
 
 
 def test_layouts_that_cannot_fit_are_pruned_before_their_schedules(tiny_info):

@@ -190,12 +190,8 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
 
     # each action prepared once: what it waits for (with the transfer from another rank), its cost, what it
     # completes, and how it changes the bytes its rank holds -- the loop below then only compares and adds
-    hops: dict[tuple[int, int], float] = {}
-
-    def hop(src: int, dst: int) -> float:
-        if (src, dst) not in hops:
-            hops[(src, dst)] = transfer(src, dst) if owner[src] != owner[dst] else 0.0
-        return hops[(src, dst)]
+    from_prev = [transfer(s - 1, s) if s > 0 and owner[s - 1] != owner[s] else 0.0 for s in range(n_stages)]
+    from_next = [transfer(s + 1, s) if s < last and owner[s + 1] != owner[s] else 0.0 for s in range(n_stages)]
 
     prepared: dict[int, list[tuple]] = {}
     for rank, actions in order.items():
@@ -203,9 +199,9 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
         for action in actions:
             s, kind, mb = action.stage, action.kind, action.microbatch
             if kind == "F":
-                needs = ((("F", s - 1, mb), hop(s - 1, s)),) if s > 0 else ()
+                needs = ((("F", s - 1, mb), from_prev[s]),) if s > 0 else ()
             elif kind in ("B", "I"):
-                needs = ((("F", s, mb), 0.0),) + (((("G", s + 1, mb), hop(s + 1, s)),) if s < last else ())
+                needs = ((("F", s, mb), 0.0),) + (((("G", s + 1, mb), from_next[s]),) if s < last else ())
             else:
                 needs = ((("G", s, mb), 0.0),)
             live_delta = grads_delta = 0.0
@@ -323,9 +319,10 @@ def extrapolate(a: Simulation, b: Simulation, m_a: int, m_b: int, m: int) -> Sim
 
 
 def steady_microbatches(name: str, pp: int, m: int, v: int) -> int | None:
-    """A number of micro-batches past the schedule's warmup (a multiple of pp, at least 4 pp v and 32) whose double
-    ``m`` exceeds twice over, or None where ``m`` is small enough to run every action (or the schedule refuses it)."""
-    short = pp * -(-max(4 * pp * v, 32) // pp)
+    """A number of micro-batches past the schedule's warmup (a multiple of pp, at least 2 pp and 16: every schedule
+    here, with up to 16 ranks and 4 virtual stages, extrapolates exactly from it) whose double ``m`` exceeds twice
+    over, or None where ``m`` is small enough to run every action (or the schedule refuses it)."""
+    short = pp * -(-max(2 * pp, 16) // pp)
     if m < 4 * short:
         return None
     try:
