@@ -31,7 +31,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from example_models.gpt import GPT, GPTConfig  # noqa: E402
+from lightning_par.examples.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_par.plugins import sharded_checkpoint  # noqa: E402
 from lightning_par.plugins.async_checkpoint import AsyncSaver  # noqa: E402
 

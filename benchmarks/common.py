@@ -27,7 +27,7 @@ def strategy_args(strategy: str, devices: int) -> list[str]:
 
 def model_args(strategy: str, preset: str) -> list[str]:
     # the class first: jsonargparse applies --model.* to the class chosen last
-    model = "benchmarks.fsdp2_gpt.FSDP2GPT" if strategy == FSDP2 else "example_models.GPTLightningModule"
+    model = "benchmarks.fsdp2_gpt.FSDP2GPT" if strategy == FSDP2 else "lightning_par.examples.GPTLightningModule"
     return [f"--model={model}", f"--model.preset={preset}"]
 
 

@@ -35,7 +35,7 @@ def load(name, path):
     return module
 
 repo, preset, parts = sys.argv[1], sys.argv[2], int(sys.argv[3])
-gpt = load("gpt", repo + "/example_models/gpt.py")
+gpt = load("gpt", repo + "/lightning_par/examples/gpt.py")
 deferred_init = load("deferred_init", repo + "/lightning_par/parallel/deferred_init.py").deferred_init
 
 def status(field):

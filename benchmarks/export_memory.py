@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-HF_CLASS = "example_models.HFLlamaLightningModule"
+HF_CLASS = "lightning_par.examples.HFLlamaLightningModule"
 #: the benchmark's model: HFLlamaLightningModule arguments
 WIDE_LLAMA = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096, "n_layers": 12, "n_heads": 16,
               "n_kv_heads": 4, "max_position_embeddings": 256}
@@ -51,7 +51,7 @@ def build_checkpoint(path: Path, fmt: str, model: dict, seed: int = 0) -> dict:
     one-process save holds); return the model's tensor count, bytes and largest tensor's bytes."""
     import torch
 
-    from example_models import HFLlamaLightningModule
+    from lightning_par.examples import HFLlamaLightningModule
     from lightning_par.plugins import sharded_checkpoint
 
     torch.manual_seed(seed)
@@ -128,7 +128,7 @@ def _child(args: list[str], module_file: str | None) -> None:
     import transformers  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    import example_models  # noqa: F401
+    import lightning_par.examples  # noqa: F401
     from lightning_par.plugins import checkpoint_export
 
     if module_file is not None:

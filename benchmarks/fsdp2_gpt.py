@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from example_models import GPTLightningModule
+from lightning_par.examples import GPTLightningModule
 
 
 class FSDP2GPT(GPTLightningModule):

@@ -14,7 +14,7 @@ groups, matrices with weight decay, plus the warmup + cosine ``LambdaLR`` of ``G
 - **lightning**: ``Trainer(strategy=Hybrid3DStrategy(tp=2, pp=2, n_microbatches=...))`` fitting a LightningModule
   on a ``DataLoader`` over the same batches; logger, progress bar, checkpointing, model summary, sanity check and
   validation off. Two modules, one fit each (``--modules``):
-  ``example`` = ``example_models.GPTLightningModule`` as it is (its ``training_step`` logs the loss with
+  ``example`` = ``lightning_par.examples.GPTLightningModule`` as it is (its ``training_step`` logs the loss with
   ``sync_dist=True`` and a torchmetrics perplexity every step), and ``bare`` = the same module whose
   ``training_step`` only returns ``compute_loss(batch)``: Lightning's loop and the strategy alone.
 
@@ -93,7 +93,7 @@ class PlainLoop:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        from example_models.gpt import GPT, GPTConfig, causal_lm_loss
+        from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
         from lightning_par.parallel.blocks import find_blocks
         from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
         from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
@@ -208,8 +208,8 @@ def fit_one(opts, module_name: str, batches) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, Dataset
 
-    from example_models import GPTLightningModule
     from lightning_par import Hybrid3DStrategy
+    from lightning_par.examples import GPTLightningModule
 
     class Bare(GPTLightningModule):
         def training_step(self, batch, batch_idx):

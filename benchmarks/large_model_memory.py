@@ -42,7 +42,7 @@ FIT_START = ["--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--data.b
 
 def model_args(hidden: int, layers: int) -> list[str]:
     """A Llama of ``layers`` blocks of width ``hidden`` (16 heads of 64, 4 key/value heads, SwiGLU 2.75 x)."""
-    return ["--model=example_models.HFLlamaLightningModule", f"--model.hidden_size={hidden}",
+    return ["--model=lightning_par.examples.HFLlamaLightningModule", f"--model.hidden_size={hidden}",
             f"--model.n_layers={layers}", f"--model.n_heads={hidden // 64}", "--model.n_kv_heads=4",
             f"--model.intermediate_size={int(hidden * 2.75) // 64 * 64}"]
 
@@ -63,7 +63,7 @@ def save_pretrained(out: Path, hidden: int, layers: int, shard_size: str) -> int
     """The model's weights as a Hugging Face directory in several safetensors shards; returns its fp32 bytes."""
     import torch
 
-    from example_models import HFLlamaLightningModule
+    from lightning_par.examples import HFLlamaLightningModule
 
     torch.manual_seed(7)
     lm = HFLlamaLightningModule(hidden_size=hidden, n_layers=layers, n_heads=hidden // 64, n_kv_heads=4,

@@ -51,7 +51,7 @@ def compare(runtime: Runtime = MEGATRON_2021, precision: str = "bf16-true", zero
     """Each row of Table 1: the layout, the planner's bubble, memory and TFLOP/s per GPU beside the published
     (as the paper ran it by default; ``runtime``, ``precision`` and ``zero_stage`` plan the same layouts
     otherwise). ``mfu``: the model's FLOPs (no recompute) per second per GPU over the bf16 peak."""
-    from example_models import GPT2LightningModule
+    from lightning_par.examples import GPT2LightningModule
 
     rows = []
     for params, heads, hidden, layers, t, p, gpus, batch, published in TABLE1:

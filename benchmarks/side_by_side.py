@@ -87,7 +87,7 @@ def worker(opts) -> None:
     from torch.utils.data import Dataset
 
     import lightning_par
-    from example_models import GPTLightningModule
+    from lightning_par.examples import GPTLightningModule
     from lightning_par.measure import state_bytes
 
     class Measure(pl.Callback):

@@ -58,14 +58,14 @@ STEP_LAYERS = 2
 
 
 def _config(n_layers: int = 1):
-    from example_models.gpt import GPTConfig
+    from lightning_par.examples.gpt import GPTConfig
 
     return GPTConfig(**BLOCK, n_layers=n_layers)
 
 
 def _block(impl: str, mesh, sp: bool):
     """One block split over ``mesh`` by ``impl``: "engine" (lightning-par) or "hand" (``benchmarks/tp_gpt.py``)."""
-    from example_models.gpt import GPT, Block
+    from lightning_par.examples.gpt import GPT, Block
 
     torch.manual_seed(0)
     if impl == "engine":
@@ -99,7 +99,7 @@ def measure_step(mesh, sp: bool, impl: str = "engine") -> dict:
     :func:`_block`), by phase and by the module that issued them (the first step warms AdamW's states up)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from example_models.gpt import GPT, causal_lm_loss
+    from lightning_par.examples.gpt import GPT, causal_lm_loss
 
     torch.manual_seed(0)
     model = GPT(_config(STEP_LAYERS))
@@ -187,7 +187,7 @@ def measure_tp(t: int, impls: tuple[str, ...] = ("engine", "hand"), with_step: b
 
 def measure_unsharded() -> dict:
     """The block without tensor parallelism (t = 1), in this process."""
-    from example_models.gpt import Block
+    from lightning_par.examples.gpt import Block
 
     torch.manual_seed(0)
     block = Block(_config())
@@ -436,7 +436,7 @@ def _interleaved_worker(rank: int, world: int, store: str, out: str, preset: str
     from torch.distributed.tensor.parallel import loss_parallel
 
     from benchmarks.tp_gpt import apply_hand_plan
-    from example_models.gpt import GPT, GPTConfig, causal_lm_loss
+    from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
     from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
 
     torch.set_num_threads(1)

@@ -24,11 +24,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from example_models import GPTLightningModule
+from lightning_par.examples import GPTLightningModule
 
 
 def block_plan(sequence_parallel: bool = False, prefix: str = "") -> dict[str, ParallelStyle]:
-    """Megatron TP for one ``example_models.gpt.Block``: q/k/v, gate/up column-parallel, o/down row-parallel.
+    """Megatron TP for one ``lightning_par.examples.gpt.Block``: q/k/v, gate/up column-parallel, o/down row-parallel.
 
     ``PrepareModuleInput`` on attention and MLP makes their input one DTensor shared by the column-parallel
     linears, so their input gradients are summed locally and reduced once per sub-layer (Megatron's "f").

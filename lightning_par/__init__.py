@@ -1,11 +1,14 @@
 """lightning-par: PyTorch Lightning strategies for data, tensor and pipeline parallel training.
 
 Importing the package registers its strategy names with Lightning's ``StrategyRegistry`` so that
-``Trainer(strategy="zero0")`` and ``--trainer.strategy=zero0`` work.
+``Trainer(strategy="zero0")`` and ``--trainer.strategy=zero0`` work. It also checks the installed torch and Lightning
+against the tested versions (:mod:`lightning_par._compat`) and keeps the example models' old name, ``example_models``,
+working (:mod:`lightning_par._aliases`).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_par import _aliases, _compat  # noqa: F401  (_compat checks the versions on import)
 from lightning_par.parallel.layout import Layout
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
@@ -29,6 +32,7 @@ def _register_strategies() -> None:
 
 
 _register_strategies()
+_aliases.install()
 
 __all__ = [
     "AtomicCheckpointIO",

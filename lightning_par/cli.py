@@ -31,9 +31,6 @@ from typing import Any
 
 import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
-from jsonargparse._actions import _ActionHelpClassPath  # private: --KEY.help CLASS (jsonargparse 4.x)
-from jsonargparse._typehints import ActionTypeHint  # private: the action of a type-hinted option (jsonargparse 4.x)
-from jsonargparse._util import NestedArg  # private: the value of a --KEY.SUB=VALUE option
 from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -42,6 +39,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import (
     MemoryPerRank,
     ParallelModelSummary,
@@ -327,7 +325,7 @@ def _list_plan_and_export(parser: LightningArgumentParser) -> None:
         subcommands.add_subcommand(name, LightningArgumentParser(description=summary), help=summary)
 
 
-class _StrategyHelp(_ActionHelpClassPath):
+class _StrategyHelp(ActionHelpClassPath):
     """``--trainer.strategy.help``: a class, or one of lightning-par's names (``pipeline``: PipelineStrategy)."""
 
     def resolve_help_type(self, value: Any, option_string: str) -> type:
@@ -343,7 +341,7 @@ def _accept_strategy_names(parser: LightningArgumentParser) -> None:
          "A name -- lightning-par's zero, pipeline, megatron_tp, hybrid3d or a preset such as pipeline2_zbv, or "
          "Lightning's own -- where lightning-par's take options after it (--trainer.strategy=zero "
          "--trainer.strategy.stage=2); or a Strategy class with its options. Default: auto."),
-        ("--trainer.strategy.help", _ActionHelpClassPath, _StrategyHelp,
+        ("--trainer.strategy.help", ActionHelpClassPath, _StrategyHelp,
          "Show the options of a strategy (a class, or one of lightning-par's names) and exit."),
     ):
         action = parser._option_string_actions.get(option)  # noqa: SLF001

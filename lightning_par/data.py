@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_par._compat import uses_distributed_sampler
 from lightning_par.parallel.data_order import DataParallelSampler
 from lightning_par.strategies.data_position import resumable_train_loader
 
@@ -131,6 +132,12 @@ def write_tokenizer_files(files: dict[str, str | bytes], out_dir: str | os.PathL
 def padded_vocab_size(size: int, multiple: int) -> int:
     """``size`` rounded up to a multiple of ``multiple``."""
     return -(-size // multiple) * multiple
+
+
+def tokenizer_vocab_size(tokenizer: Any, pad_vocab_to: int) -> int:
+    """The vocabulary a model of a tokenizer's data needs: the tokenizer's length (added tokens included) rounded up
+    to a multiple of ``pad_vocab_to`` (``TextDataModule.vocab_size``; the planner reads a fit config's with it)."""
+    return padded_vocab_size(len(tokenizer), pad_vocab_to)
 
 
 def vocab_size_from_data(module: L.LightningModule, given: int | None, default: int = VOCAB_SIZE) -> int:
@@ -495,7 +502,7 @@ class TextDataModule(L.LightningDataModule):
         ``pad_vocab_to``."""
         if self.byte_level:
             return VOCAB_SIZE
-        return padded_vocab_size(self.token_vocab_size, self.pad_vocab_to)
+        return tokenizer_vocab_size(self.tokenizer, self.pad_vocab_to)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -678,7 +685,7 @@ class TextDataModule(L.LightningDataModule):
         """
         trainer = self.trainer
         kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        if kwargs and not trainer._accelerator_connector.use_distributed_sampler:
+        if kwargs and not uses_distributed_sampler(trainer):
             return None
         seed = int(os.getenv("PL_GLOBAL_SEED", "0"))
         return DataParallelSampler(dataset, shuffle=self.shuffle, seed=seed, **(kwargs or {}))

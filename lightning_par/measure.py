@@ -219,7 +219,7 @@ def _local(tensor: Tensor) -> Tensor:
     """The tensor that actually holds this rank's memory: a DTensor's local shard, the result inside an
     ``AsyncCollectiveTensor`` (what a row-parallel layer returns while its all-reduce is in flight), else the tensor
     itself."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from lightning_par._compat import AsyncCollectiveTensor
 
     if isinstance(tensor, AsyncCollectiveTensor):
         return tensor.elem

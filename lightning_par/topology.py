@@ -1,9 +1,11 @@
 """Sizes -> a validated DeviceMesh, and each rank's place in it.
 
-Ranks are laid out as a ``(pp, dp, tp)`` grid in row-major order: tensor-parallel ranks are innermost (adjacent
-ranks, which on a GPU node share the fastest links, carry the most traffic), then data parallel, and pipeline
-stages outermost -- the order Megatron-LM and torchtitan use. For world 16 with pp=4 (dp=4, tp=1) the pipeline
-groups are [0, 4, 8, 12], [1, 5, 9, 13], ... exactly as in the seed notes.
+Ranks are laid out as a ``(pp, dp, cp, tp)`` grid in row-major order: tensor-parallel ranks are innermost
+(adjacent ranks, which on a GPU node share the fastest links, carry the most traffic), then context parallel (the
+sequence split; its key/value all-gather is the next heaviest), then data parallel, and pipeline stages outermost --
+the order Megatron-LM and torchtitan use. For world 16 with pp=4 (dp=4, cp=tp=1) the pipeline groups are
+[0, 4, 8, 12], [1, 5, 9, 13], ... exactly as in the seed notes. Gradients are averaged over the flattened
+``dp_cp`` mesh: the cp ranks of a replica hold the same parameters and saw different tokens of the same samples.
 
 Everything here except :func:`build_device_mesh` is pure arithmetic, so a layout is validated in the launching
 process before any rank is started or waits on a collective.
@@ -20,7 +22,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 #: Mesh dimension names, outermost first.
-MESH_DIMS: tuple[str, ...] = ("pp", "dp", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+#: the flattened (dp, cp) mesh data-parallel gradients are averaged over
+GRAD_MESH = "dp_cp"
 
 Size = int | Literal["auto"]
 
@@ -57,39 +61,42 @@ def _check_size(name: str, value: object, allow_auto: bool) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved sizes of the three parallel dimensions; ``dp * tp * pp`` equals the world size."""
+    """Resolved sizes of the parallel dimensions; ``dp * cp * tp * pp`` equals the world size."""
 
     dp: int
     tp: int
     pp: int
+    cp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp: Size = "auto", tp: int = 1, pp: int = 1) -> ParallelDims:
-        """Validate sizes against ``world_size``; ``dp="auto"`` takes what tp and pp leave: world / (tp * pp)."""
+    def resolve(cls, world_size: int, dp: Size = "auto", tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
+        """Validate sizes against ``world_size``; ``dp="auto"`` takes what the others leave: world / (tp * pp * cp)."""
         _check_size("world_size", world_size, allow_auto=False)
         _check_size("dp", dp, allow_auto=True)
         _check_size("tp", tp, allow_auto=False)
         _check_size("pp", pp, allow_auto=False)
-        model_parallel = tp * pp
+        _check_size("cp", cp, allow_auto=False)
+        model_parallel = tp * pp * cp
+        named = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
         if world_size % model_parallel:
             raise LayoutError(
-                f"tp={tp} x pp={pp} = {model_parallel} does not divide the world size {world_size}. "
-                f"Choose tp and pp whose product divides {world_size}, or launch a multiple of {model_parallel} "
+                f"{named} = {model_parallel} does not divide the world size {world_size}. "
+                f"Choose sizes whose product divides {world_size}, or launch a multiple of {model_parallel} "
                 "processes (devices x num_nodes)."
             )
         if dp == "auto":
             dp = world_size // model_parallel
         elif dp * model_parallel != world_size:
             raise LayoutError(
-                f"dp={dp} x tp={tp} x pp={pp} = {dp * model_parallel}, but the world size is {world_size}. "
+                f"dp={dp} x {named} = {dp * model_parallel}, but the world size is {world_size}. "
                 f'Set dp="auto" (it becomes {world_size // model_parallel}) or change devices x num_nodes to '
                 f"{dp * model_parallel}."
             )
-        return cls(dp=dp, tp=tp, pp=pp)
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +104,7 @@ class ParallelDims:
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's index along each dimension, e.g. ``{"pp": 1, "dp": 0, "tp": 1}``."""
+        """This rank's index along each dimension, e.g. ``{"pp": 1, "dp": 0, "cp": 0, "tp": 1}``."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside the world of {self.world_size} ranks.")
         coords = {}
@@ -130,18 +137,20 @@ class ParallelDims:
         return next(g for g in self.groups(dim) if rank in g)
 
     def describe(self) -> str:
-        return f"dp={self.dp} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp innermost, pp outermost)"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp innermost, pp outermost)"
 
     def rank_table(self) -> str:
         """Every global rank's coordinates and the groups along each dimension, for the start-up log."""
         shown = range(self.world_size) if self.world_size <= 64 else [*range(32), *range(self.world_size - 32,
                                                                                           self.world_size)]
-        lines = ["rank -> (pp, dp, tp)"]
+        shown_dims = MESH_DIMS if self.cp > 1 else tuple(d for d in MESH_DIMS if d != "cp")
+        lines = [f"rank -> ({', '.join(shown_dims)})"]
         for rank in shown:
             if rank == self.world_size - 32 and self.world_size > 64:
                 lines.append(f"  ... ({self.world_size - 64} more)")
             c = self.coordinates(rank)
-            lines.append(f"  {rank:>4} -> ({c['pp']}, {c['dp']}, {c['tp']})")
+            lines.append(f"  {rank:>4} -> ({', '.join(str(c[d]) for d in shown_dims)})")
         for dim in MESH_DIMS:
             if getattr(self, dim) > 1:
                 groups = self.groups(dim)
@@ -154,8 +163,9 @@ class ParallelDims:
 def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """Create the one DeviceMesh every strategy works on (needs an initialized process group).
 
-    Sub-meshes are taken by name: ``mesh["dp"]``, ``mesh["tp"]``, ``mesh["pp"]``; each has its process group
-    (``mesh["dp"].get_group()``), and ``get_local_rank()`` gives the coordinate.
+    Sub-meshes are taken by name: ``mesh["dp"]``, ``mesh["cp"]``, ``mesh["tp"]``, ``mesh["pp"]`` (and
+    :func:`gradient_mesh`); each has its process group (``mesh["dp"].get_group()``), and ``get_local_rank()`` gives the
+    coordinate.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -163,3 +173,12 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     if dist.get_world_size() != dims.world_size:
         raise LayoutError(f"the process group has {dist.get_world_size()} ranks but the layout {dims.describe()}.")
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+
+
+def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh data-parallel gradients are averaged over: ``mesh["dp"]``, or under cp > 1 the (dp, cp) ranks
+    flattened into one dimension, :data:`GRAD_MESH` (torchtitan's ``dp_shard_cp``); keep the one returned (torch
+    deprecates slicing a flattened dimension from the root mesh)."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten(GRAD_MESH)

@@ -70,7 +70,7 @@ RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "-
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation
 # under tensor + sequence parallelism, 24 tokens): sampling is most of a tensor-parallel launch's time on CPU.
 KV4 = ["--model.n_kv_heads=4"]
-HF_LLAMA = ["--model=example_models.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2"]
+HF_LLAMA = ["--model=lightning_par.examples.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2"]
 
 
 def tp_job(batch: int, strategy: str, *extra: str, accumulate: int = 1, clip: bool = False) -> list[str]:
@@ -94,6 +94,24 @@ HF_DICT = [*HF_LLAMA, "--data.batch_format=dict"]
 RUNS["hf_zero3_dict"] = (2, tp_job(GLOBAL_BATCH // 2, "zero3", *HF_DICT))
 RUNS["hf_tp2_dict"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", *HF_DICT))
 
+# context parallel (each sequence split over cp ranks): the example GPT with SGD in the default run (6 steps, against
+# single_sgd's first 6); Hugging Face Llama (tuple batches, AdamW) and Qwen2 (dict batches, SGD), and cp2 x ZeRO-3 dp2
+# (4 ranks), in the full run. tp2 x pp2 x cp2 (8 ranks) is in tests/hybrid3d_matrix.py.
+CP_STEPS = 6
+QWEN2 = ["--model=lightning_par.examples.HFCausalLMLightningModule", "--model.arch=qwen2", "--model.n_layers=4",
+         "--model.n_kv_heads=2"]
+RUNS["cp2_sgd"] = (2, [*tp_job(GLOBAL_BATCH, "context_parallel2", *SGD), f"--trainer.max_steps={CP_STEPS}"])
+RUNS["hf_cp2"] = (2, tp_job(GLOBAL_BATCH, "context_parallel2", *HF_LLAMA))
+RUNS["qwen2_single_sgd"] = (1, tp_job(GLOBAL_BATCH, "auto", *QWEN2, *SGD))
+RUNS["qwen2_cp2_dict_sgd"] = (2, tp_job(GLOBAL_BATCH, "context_parallel2", *QWEN2, *SGD, "--data.batch_format=dict"))
+_CP_ZERO3 = ["--trainer.strategy.zero_stage=3"]
+RUNS["zero3_dp2_cp2_sgd"] = (4, tp_job(GLOBAL_BATCH // 2, "context_parallel2", *_CP_ZERO3, *SGD))
+RUNS["hf_zero3_dp2_cp2_dict"] = (4, tp_job(GLOBAL_BATCH // 2, "context_parallel2", *_CP_ZERO3, *HF_DICT))
+RUNS["qwen2_zero3_dp2_cp2_sgd"] = (4, tp_job(GLOBAL_BATCH // 2, "context_parallel2", *_CP_ZERO3, *QWEN2, *SGD))
+CP_RUNS = {"cp2_sgd": "single_sgd", "hf_cp2": "hf_single", "qwen2_cp2_dict_sgd": "qwen2_single_sgd",
+           "zero3_dp2_cp2_sgd": "single_sgd", "hf_zero3_dp2_cp2_dict": "hf_single",
+           "qwen2_zero3_dp2_cp2_sgd": "qwen2_single_sgd"}  # run -> its single-process reference
+
 
 # -- the default run and the full run -----------------------------------------------------------------------------
 # CI runs the default set in under 15 minutes on 2 cores: every strategy and 3D at parity, the engine's guarantees,
@@ -105,6 +123,8 @@ FULL_ONLY_RUNS = {
     "dp2_tp2_sp", "tp2_sp_tied", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "zero1_dp4_accum_clip",
     "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
     "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw",
+    *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
+    "compile_matrix",  # compiled vs eager under ZeRO-3, tp2, pp2 ZBV (2 ranks) and tp2 x pp2 (4 ranks)
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
@@ -128,6 +148,8 @@ FULL_ONLY_TESTS = (
     "tests/test_precision.py::test_bf16_mixed_tracks_fp32_over_50_steps",  # 5 fits of 50 steps, ~75 s
     "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
     "tests/test_restart.py::test_the_readme_checkpoint_commands_work_as_written",  # 5 launches, 2-3 min
+    "tests/test_context_parallel.py::test_a_model_with_local_positions_is_refused_at_setup_on_every_rank",
+    "tests/test_compile.py::test_split_backward_weight_gradients_are_exact_with_inductor",  # a cold inductor compile
 )
 
 

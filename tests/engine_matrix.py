@@ -21,9 +21,9 @@ import torchmetrics
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.distributed.tensor import DTensor
 
-from example_models import GPTLightningModule
 from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
 
 #: name -> (strategy arguments, batch size per rank)

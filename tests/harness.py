@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: with batch B and N ranks with batch B/N see the same global batches.
 TINY_JOB = [
     "--seed_everything=1234",
-    "--model=example_models.GPTLightningModule",
+    "--model=lightning_par.examples.GPTLightningModule",
     "--model.preset=tiny",
     "--model.n_layers=8",  # the blocks hold ~92% of the parameters, as in a real model
     "--data=lightning_par.data.TextDataModule",

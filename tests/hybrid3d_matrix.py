@@ -23,9 +23,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.distributed.tensor import DTensor
 
-from example_models import GPTLightningModule, HFLlamaLightningModule
 from lightning_par import Hybrid3DStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule, HFCausalLMLightningModule, HFLlamaLightningModule
 from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
 from tests.conftest import CLIP, EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
 from tests.probes import GradNorms, StateReport
@@ -72,6 +72,11 @@ CASES: dict[str, Case] = {
         clip=True, devices=8),
     "dp2_tp2_pp2_zero3_zbv_sgd": Case("single_sgd", dict(schedule="zbv", n_microbatches=2, zero_stage=3), SGD,
                                       devices=8),
+    # tp2 x pp2 x cp2 (8 ranks, one replica; ZeRO-1 over the flattened dp x cp ranks): each sequence split in two
+    "tp2_pp2_cp2_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, cp=2), SGD, devices=8),
+    "hf_llama_tp2_pp2_cp2": Case("hf_single", dict(schedule="1f1b", n_microbatches=2, cp=2), hf=True, devices=8),
+    "qwen2_tp2_pp2_cp2_sgd": Case("qwen2_single_sgd", dict(schedule="1f1b", n_microbatches=2, cp=2),
+                                  dict(arch="qwen2", **SGD), hf=True, devices=8),
 }
 
 
@@ -118,9 +123,11 @@ class LayoutReport(pl.Callback):
 def fit(root: Path, cache: str, name: str) -> None:
     case = CASES[name]
     pl.seed_everything(1234)
-    dp = case.devices // 4
+    dp = case.devices // (4 * case.strategy.get("cp", 1))
     batch = GLOBAL_BATCH // dp // case.accumulate
-    if case.hf:
+    if case.hf and "arch" in case.model:
+        model = HFCausalLMLightningModule(n_layers=4, n_kv_heads=2, **case.model)
+    elif case.hf:
         model = HFLlamaLightningModule(n_layers=4, n_kv_heads=2, **case.model)
     else:
         model = GPTLightningModule(preset="tiny", n_layers=8, **case.model)

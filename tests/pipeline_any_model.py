@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from example_models import HFCausalLMLightningModule, causal_lm_loss
+from lightning_par.examples import HFCausalLMLightningModule, causal_lm_loss
 from lightning_par.parallel.blocks import find_blocks
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule

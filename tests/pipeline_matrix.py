@@ -15,10 +15,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from example_models import GPTLightningModule
 from lightning_par import PipelineStrategy
 from lightning_par.callbacks import PipelineTimeline
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from example_models.gpt import GPT, GPTConfig, causal_lm_loss
+from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.measure import CommCounter
 from lightning_par.parallel.blocks import find_blocks
 from lightning_par.parallel.pipeline.fsdp import fsdp_group_count, fully_shard_stages

@@ -21,8 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import example_models
-from lightning_par import LayoutStrategy
+from lightning_par import LayoutStrategy, examples
 from lightning_par.callbacks import PipelineTimeline
 from lightning_par.parallel.layout import Layout
 from lightning_par.planner.plan import Candidate
@@ -39,7 +38,7 @@ PP2_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev")  # a fit costs 
 
 @dataclass(frozen=True)
 class Case:
-    """One measured layout: the planner's description of it, and the model (an ``example_models`` class)."""
+    """One measured layout: the planner's description of it, and the model (a ``lightning_par.examples`` class)."""
 
     layout: Candidate
     model: str = "GPTLightningModule"
@@ -94,7 +93,7 @@ def fit(root: Path, name: str) -> None:
     case = CASES[name]
     layout = case.layout.layout()
     pl.seed_everything(1234)
-    model = getattr(example_models, case.model)(**case.kwargs)
+    model = getattr(examples, case.model)(**case.kwargs)
     strategy = LayoutStrategy(**{f.name: getattr(layout, f.name) for f in fields(Layout)})
     data = DataLoader(_tokens(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH // case.layout.dp)
     trainer = pl.Trainer(

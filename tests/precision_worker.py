@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from example_models.plain_lm import PlainLM, PlainLMLightningModule
 from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.examples.plain_lm import PlainLM, PlainLMLightningModule
 from lightning_par.parallel.gradient_sync import choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts

@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from example_models import GPTLightningModule
 from lightning_par import Hybrid3DStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule
 from tests.harness import checkpoint_worker_main
 
 EPOCH_STEPS = 12

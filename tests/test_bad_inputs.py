@@ -30,7 +30,7 @@ from lightning_par.topology import is_number
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group is initialised
 
-CPU_JOB = ["--model=example_models.GPTLightningModule", "--model.preset=tiny",
+CPU_JOB = ["--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
            "--data=lightning_par.data.TextDataModule", "--trainer.accelerator=cpu", "--trainer.devices=1"]
 
 
@@ -121,7 +121,7 @@ def test_the_cli_says_it_before_the_trainer_is_built(capsys):
 ])
 def test_plan_refuses_a_world_of_zero(args, said, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--model=example_models.GPTLightningModule", "--model.preset=tiny", *args])
+        main(["plan", "--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny", *args])
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err
 

@@ -32,7 +32,7 @@ def test_ranks_split_each_global_batch_by_data_parallel_rank(single_run, dp4_run
     assert sorted(reports) == [0, 1, 2, 3]
     for rank, report in reports.items():
         assert report["sampler"] == {"num_replicas": 4, "rank": rank}
-        assert report["coordinates"] == {"pp": 0, "dp": rank, "tp": 0}
+        assert report["coordinates"] == {"pp": 0, "dp": rank, "cp": 0, "tp": 0}
     (reference,) = single_run.reports
     per_sample = 4  # the probe records 4 tokens of each sample
     for step, global_batch in enumerate(reference["first_batches"]):

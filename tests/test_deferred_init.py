@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from example_models.gpt import GPT, GPTConfig
+from lightning_par.examples.gpt import GPT, GPTConfig
 from lightning_par.parallel.deferred_init import DEFAULT_THRESHOLD, DeferredInitError, deferred_init
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,7 +251,7 @@ _RSS_PROBE = textwrap.dedent("""
         spec.loader.exec_module(module)
         return module
 
-    GPT, GPTConfig = (lambda m: (m.GPT, m.GPTConfig))(load("gpt", sys.argv[1] + "/example_models/gpt.py"))
+    GPT, GPTConfig = (lambda m: (m.GPT, m.GPTConfig))(load("gpt", sys.argv[1] + "/lightning_par/examples/gpt.py"))
     deferred_init = load("deferred_init", sys.argv[1] + "/lightning_par/parallel/deferred_init.py").deferred_init
 
     def status(field):

@@ -33,11 +33,13 @@ COMMANDS: dict[str, str] = {
         f"{PARSE}: installs into a fresh venv (network); its lightning-par part is parsed",
     "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -e \".[dev]\" && "
     ".venv/bin/python -m pytest -q": f"{PARSE}: .ci/run runs it as written in a fresh clone (the whole default set)",
-    "lightning-par fit --model=example_models.PlainLMLightningModule --data=lightning_par.data.TextDataModule "
+    "lightning-par fit --model=lightning_par.examples.PlainLMLightningModule --data=lightning_par.data.TextDataModule "
     "--trainer.accelerator=cpu --trainer.devices=2 --trainer.strategy=zero2 --trainer.max_steps=20": RUN,
-    "lightning-par fit --model=example_models.HFCausalLMLightningModule --data=lightning_par.data.TextDataModule "
+    "lightning-par fit --model=lightning_par.examples.HFCausalLMLightningModule "
+    "--data=lightning_par.data.TextDataModule "
     "--trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=20 --trainer.strategy=zero3": RUN,
-    "lightning-par fit --model=example_models.HFLlamaLightningModule --trainer.devices=2 --trainer.strategy=zero3 "
+    "lightning-par fit --model=lightning_par.examples.HFLlamaLightningModule --trainer.devices=2 "
+    "--trainer.strategy=zero3 "
     "--trainer.callbacks+=lightning_par.FromPretrained --trainer.callbacks.path=hf_out":
         f"{PARSE}: needs hf_out from an export; tests/test_export.py starts runs from a Hugging Face directory",
     "lightning-par fit --config configs/zero.yaml --data.data_files=corpus.jsonl --data.text_field=text "
@@ -53,15 +55,27 @@ COMMANDS: dict[str, str] = {
     "torchrun --nproc_per_node 2 --max-restarts 3 --no-python lightning-par fit --config configs/zero.yaml "
     "--trainer.devices=2 --checkpoint_every_n_steps=50":
         f"{PARSE}: a killed rank and a restart; tests/test_restart.py launches the same under torchrun",
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=zero3 "
+    "--trainer.strategy.compile=true":
+        f"{PARSE}: inductor compiles for minutes on 2 CPU cores; tests/test_compile.py runs compiled fits (full set)",
     "lightning-par plan --config configs/demo.yaml": RUN,
-    "lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8": RUN,
-    "lightning-par plan --model=example_models.GPTLightningModule --model.preset=1b --layout dp=2,tp=2,pp=2": RUN,
+    # docs/context-parallel.md and the README
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=context_parallel2": RUN,
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=8 --trainer.strategy.cp=2":
+        f"{PARSE}: 8 ranks on 2 cores; tests/test_hybrid3d.py trains tp2 x pp2 x cp2 on 8 ranks (full set)",
+    "lightning-par fit --model=lightning_par.examples.HFLlamaLightningModule "
+    "--data=lightning_par.data.TextDataModule "
+    "--data.batch_format=dict --trainer.accelerator=cpu --trainer.devices=4 --trainer.strategy=context_parallel2 "
+    "--trainer.strategy.zero_stage=3 --trainer.max_steps=20": RUN,
+    "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 8": RUN,
+    "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=1b "
+    "--layout dp=2,tp=2,pp=2": RUN,
     "lightning-par export lightning_logs/demo/version_0/checkpoints/last.ckpt model.safetensors":
         f"{PARSE}: needs the demo's checkpoint; tests/test_restart.py runs it as written (full set)",
-    "lightning-par export last.ckpt hf_out --hf --model-class example_models.HFLlamaLightningModule":
+    "lightning-par export last.ckpt hf_out --hf --model-class lightning_par.examples.HFLlamaLightningModule":
         f"{PARSE}: placeholder checkpoint; tests/test_export.py exports Hugging Face directories",
     "lightning-par fit --config configs/zero.yaml --trainer.strategy=zero3": RUN,
-    "lightning-par fit --model=example_models.HFLlamaLightningModule --data=lightning_par.data.TextDataModule "
+    "lightning-par fit --model=lightning_par.examples.HFLlamaLightningModule --data=lightning_par.data.TextDataModule "
     "--trainer.accelerator=cpu --trainer.devices=2 --trainer.strategy=megatron_tp2 --trainer.max_steps=20": RUN,
     "lightning-par fit --config configs/demo.yaml --trainer.strategy=pipeline2_interleaved_1f1b": RUN,
     "lightning-par fit --config configs/demo.yaml": RUN,
@@ -93,12 +107,12 @@ COMMANDS: dict[str, str] = {
     # docs/faults.md
     "lightning-par fit --config configs/zero.yaml --trainer.strategy.heartbeat_timeout=30": RUN,
     # docs/plan.md
-    "lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 16 --hardware a100 "
+    "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 16 --hardware a100 "
     "--gpu-memory 40 --seq 4096 --global-batch 256 --json plan.json": RUN,
     "lightning-par plan --hf-config path/to/config.json --world 8":
         f"{PARSE}: placeholder config; tests/test_planner.py plans Hugging Face configs",
-    "lightning-par plan --model=example_models.plain_lm.PlainLM --world 4 --hardware cpu": RUN,
-    "lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 64 --runtime "
+    "lightning-par plan --model=lightning_par.examples.plain_lm.PlainLM --world 4 --hardware cpu": RUN,
+    "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 64 --runtime "
     "megatron-overlap --precision bf16-mixed-master --exposed": RUN,
     # docs/precision.md
     "lightning-par fit --config configs/zero.yaml --trainer.precision=bf16-mixed": RUN,
@@ -195,8 +209,8 @@ def test_command_parses(command, monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["fit", "--config", "configs/demo.yaml", "--trainer.strategy=zer2"],  # a mistyped strategy name
     ["fit", "--config", "configs/demo.yaml", "--trainer.max_stepz=2"],  # an option Trainer does not have
-    ["fit", "--model=example_models.NoSuchModule"],  # a class path that does not import
-    ["plan", "--model=example_models.GPTLightningModule", "--wrld", "8"],
+    ["fit", "--model=lightning_par.examples.NoSuchModule"],  # a class path that does not import
+    ["plan", "--model=lightning_par.examples.GPTLightningModule", "--wrld", "8"],
     ["export", "last.ckpt"],  # no output path
 ], ids=lambda argv: " ".join(argv)[:60])
 def test_a_wrong_command_fails_the_check(argv, monkeypatch, capsys):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from example_models import (
+from lightning_par.examples import (
     GPT,
     GPT_PRESETS,
     MLP,
@@ -19,7 +19,7 @@ from example_models import (
     causal_lm_loss,
     num_params,
 )
-from example_models.gpt import Attention, apply_rope, rope_cos_sin
+from lightning_par.examples.gpt import Attention, apply_rope, rope_cos_sin
 
 
 def count(model: torch.nn.Module) -> int:

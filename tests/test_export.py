@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from example_models import GPTLightningModule, HFLlamaLightningModule
 from lightning_par.cli import main as cli_main
 from lightning_par.data import TextDataModule
+from lightning_par.examples import GPTLightningModule, HFLlamaLightningModule
 from lightning_par.plugins import sharded_checkpoint
 from lightning_par.plugins.checkpoint_export import (
     export_safetensors,
@@ -33,7 +33,7 @@ from lightning_par.plugins.checkpoint_export import (
 from lightning_par.plugins.checkpoint_files import CheckpointError
 from tests.harness import TINY_JOB, launch_cli, max_rel_diff
 
-HF_CLASS = "example_models.HFLlamaLightningModule"
+HF_CLASS = "lightning_par.examples.HFLlamaLightningModule"
 TINY_HF = {"n_layers": 2}  # in-process models: 2 decoder layers of the default width
 # the checkpoints here are written by one process without a process group, which DCP warns about
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -252,7 +252,7 @@ LAYOUTS = {
     "zero1": (2, 4, ["--trainer.strategy=zero1"], False),
     "tp2_pp2": (4, 8, ["--trainer.strategy=hybrid3d_tp2_pp2"], False),
 }
-HF_JOB = ["--model=example_models.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2",
+HF_JOB = ["--model=lightning_par.examples.HFLlamaLightningModule", "--model.n_layers=4", "--model.n_kv_heads=2",
           "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--sample_tokens=0"]
 STEPS_RTOL = 1e-5
 

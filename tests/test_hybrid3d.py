@@ -12,8 +12,8 @@ import re
 import pytest
 from lightning.pytorch import Trainer
 
-from example_models.gpt import GPT, GPTConfig
 from lightning_par import Hybrid3DStrategy, LayoutError
+from lightning_par.examples.gpt import GPT, GPTConfig
 from lightning_par.parallel.tensor_parallel import check_tp_plan
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
 from tests.harness import Run, launch_cli, max_rel_diff
@@ -64,8 +64,9 @@ def test_each_rank_holds_its_stages_under_one_gradient_owner(matrix, name):
     assert not first & second - {"embed", "head"}  # only a V schedule's rank 0 holds both ends
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.devices == 8])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.devices == 8 and "cp" not in c.strategy])
 def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
+    # (context parallel reduce-scatters key/value gradients in every attention's backward besides: not counted here)
     """ZeRO-1/2: one reduce-scatter per bucket and one all-gather per bucket per optimizer step, whatever the number
     of micro-batches (2) and accumulated batches (2 in the zero2 case); ZeRO-3: one reduce-scatter and one all-gather
     per FSDP group (a block, or a stage's root)."""

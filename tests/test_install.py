@@ -1,10 +1,15 @@
 """What the README's main install (no extras) runs: every strategy it advertises, the pipeline demo included."""
 
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 
+import pytest
 import tomllib
 
-from tests.harness import REPO, launch_cli
+from tests.harness import REPO, base_env, launch_cli
 
 NO_EXTRAS = REPO / "tests" / "no_extras"  # its sitecustomize makes matplotlib and transformers look absent
 
@@ -27,3 +32,54 @@ def test_pipeline_demo_runs_without_the_extras(tmp_path, cache_dir, monkeypatch)
     assert 0.0 < bubble < 1.0
     assert len(scalars["train/loss"]) == 5
     assert (tmp_path / "tb").exists() and list(tmp_path.rglob("pipeline_timeline.json"))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel ``pip install .`` would install, built from a copy of the package's sources (setuptools, no
+    network, no isolation), and that wheel unpacked as site-packages would hold it."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
+    shutil.copytree(REPO / "lightning_par", src / "lightning_par", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", build, str(root / "dist")], cwd=src, capture_output=True, text=True,
+                         check=True)
+    path = root / "dist" / out.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(path) as zf:
+        zf.extractall(root / "site")
+        names = zf.namelist()
+    return names, root / "site"
+
+
+def test_wheel_holds_the_examples_inside_the_package(wheel):
+    names, _ = wheel
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"lightning_par"}  # no top-level example_models (nor tests, benchmarks) in site-packages
+    assert {"lightning_par/examples/__init__.py", "lightning_par/examples/lit_gpt.py",
+            "lightning_par/examples/hf_causal_lm.py", "lightning_par/_compat.py"} <= set(names)
+
+
+def test_old_example_class_path_works_from_the_installed_package(wheel, tmp_path, cache_dir):
+    """A config written for the old top-level package (``class_path: example_models.lit_gpt.GPTLightningModule``)
+    trains from the unpacked wheel alone (no source tree on the path), with one warning naming the new path."""
+    _, site = wheel
+    (tmp_path / "old.yaml").write_text(
+        "model:\n  class_path: example_models.lit_gpt.GPTLightningModule\n  init_args:\n    preset: tiny\n"
+        "    n_layers: 2\ndata:\n  class_path: lightning_par.data.TextDataModule\n  init_args:\n    seq_len: 16\n"
+        f"    batch_size: 4\n    max_corpus_bytes: 20000\n    cache_dir: {cache_dir}\n")
+    env = {**base_env(cache_dir), "PYTHONPATH": str(site)}
+    probe = ("import lightning_par, example_models.lit_gpt as old, lightning_par.examples.lit_gpt as new; "
+             "print(lightning_par.__file__, old is new)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == [str(site / "lightning_par" / "__init__.py"), "True"]
+    fit = subprocess.run([sys.executable, "-m", "lightning_par.cli", "fit", "--config", "old.yaml",
+                          "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=2",
+                          "--trainer.enable_checkpointing=false", "--sample_tokens=0",
+                          "--trainer.limit_val_batches=0"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    log = fit.stdout + fit.stderr
+    assert fit.returncode == 0, log[-4000:]
+    assert log.count("`example_models` is now `lightning_par.examples`") == 1
+    assert "max_steps=2` reached" in log

@@ -27,7 +27,7 @@ SEQ = 32
 
 
 def _tiny_gpt():
-    from example_models import GPTLightningModule
+    from lightning_par.examples import GPTLightningModule
 
     return GPTLightningModule(preset="tiny", n_layers=8)
 
@@ -48,7 +48,7 @@ def _cli(tmp_path, *extra):
     from lightning_par.cli import LightningParCLI
 
     return LightningParCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                           run=False, args=["--model=example_models.GPTLightningModule", "--model.preset=tiny",
+                           run=False, args=["--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
                                             "--data=lightning_par.data.TextDataModule", "--trainer.accelerator=cpu",
                                             "--trainer.devices=1", "--trainer.logger=TensorBoardLogger",
                                             f"--trainer.logger.save_dir={tmp_path}", *extra]).trainer

@@ -20,7 +20,7 @@ from lightning_par.planner.cli import main as plan_main
 from lightning_par.strategies.names import registered_names, unknown_strategy_message
 from tests.harness import REPO, launch_cli
 
-CPU_JOB = ["--model=example_models.GPTLightningModule", "--model.preset=tiny",
+CPU_JOB = ["--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
            "--data=lightning_par.data.TextDataModule", "--trainer.accelerator=cpu", "--trainer.devices=2"]
 
 

@@ -296,8 +296,8 @@ def test_a_batch_the_pipeline_cannot_split_fails_clearly(batch, match):
 
 
 def test_text_data_module_dict_batches_and_the_hugging_face_module_takes_both():
-    from example_models import HFCausalLMLightningModule, HFLlamaLightningModule
     from lightning_par.data import TextDataModule, collate_hf_dict, collate_pairs
+    from lightning_par.examples import HFCausalLMLightningModule, HFLlamaLightningModule
 
     blocks = torch.randint(0, 256, (4, 17))
     pairs = [(b[:-1], b[1:]) for b in blocks]

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from example_models import GPT, GPT2, MLP, GPT2Config, GPTConfig, causal_lm_loss
-from example_models import PlainLM as ExamplePlainLM
+from lightning_par.examples import GPT, GPT2, MLP, GPT2Config, GPTConfig, causal_lm_loss
+from lightning_par.examples import PlainLM as ExamplePlainLM
 from lightning_par.parallel.blocks import find_blocks
 from lightning_par.parallel.deferred_init import deferred_init
 from lightning_par.parallel.pipeline import check_chain, model_units, plan_stages

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from example_models import GPT, MLP, GPTConfig
+from lightning_par.examples import GPT, MLP, GPTConfig
 from lightning_par.parallel.pipeline import (
     assign_units,
     declared_units,
@@ -253,7 +253,7 @@ def test_more_stages_than_units():
 
 def test_model_without_pipeline_units():
     with pytest.raises(LayoutError, match=r"Sequential declares no pipeline units.*add a `pp_plan` / "
-                                          r"`pipeline_units\(\)`.*like example_models.GPT"):
+                                          r"`pipeline_units\(\)`.*like lightning_par.examples.GPT"):
         split_model(nn.Sequential(nn.Linear(2, 2)), 1, 0)
     wrapper = nn.Module()
     wrapper.model = gpt(2)

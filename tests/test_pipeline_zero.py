@@ -117,7 +117,7 @@ def meshes(one_process_group):
 
 
 def _gpt(n_layers: int = 2, tied: bool = False):
-    from example_models.gpt import GPT, GPTConfig
+    from lightning_par.examples.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig.from_preset("tiny", n_layers=n_layers, tie_embeddings=tied))
@@ -134,7 +134,7 @@ class _Counting(nn.Module):
 
 
 def test_prepare_sees_the_split_and_its_result_is_what_the_stages_run(meshes):
-    from example_models.gpt import causal_lm_loss
+    from lightning_par.examples.gpt import causal_lm_loss
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     model = _gpt()
@@ -165,7 +165,7 @@ def test_fsdp_stage_gradients_wait_while_accumulating(meshes):
     issues no collective over a group of one, so the launched test counts them.)"""
     from torch.distributed.tensor import DTensor
 
-    from example_models.gpt import causal_lm_loss
+    from lightning_par.examples.gpt import causal_lm_loss
     from lightning_par.parallel.pipeline.fsdp import fsdp_group_count, fully_shard_stages
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 

@@ -57,9 +57,9 @@ def measured(tmp_path_factory, cache_dir):
 
 
 def _info(model: str, **kwargs):
-    import example_models
+    from lightning_par import examples
 
-    return inspect_model(build_model(getattr(example_models, model), kwargs))
+    return inspect_model(build_model(getattr(examples, model), kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +96,13 @@ def test_state_bytes_per_rank_equal_the_measured(measured, name):
 # activation bytes
 # ----------------------------------------------------------------------------------------------------------------------
 def _measured_saved(model: str, kwargs: dict, recompute: str, precision: str, b: int, s: int) -> int:
-    import example_models
+    from lightning_par import examples
     from lightning_par.measure import ActivationMeter
     from lightning_par.parallel.blocks import find_blocks
     from lightning_par.parallel.recompute import apply_recompute
 
     torch.manual_seed(0)
-    lm = getattr(example_models, model)(**kwargs)
+    lm = getattr(examples, model)(**kwargs)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if precision == "bf16-true" else default)
     try:
@@ -142,7 +142,7 @@ def test_tensor_parallel_block_activations_equal_the_tp_accounting_figures(t, sp
     exact formula tests/test_tp_accounting.py holds to the measurement (692736 bytes at t=1, 445952 at t=2, ...)."""
     from benchmarks.tensor_parallel import BATCH, BLOCK
     from benchmarks.tensor_parallel import SEQ as BLOCK_SEQ
-    from example_models import GPT, GPTConfig
+    from lightning_par.examples import GPT, GPTConfig
     from lightning_par.parallel.tp_accounting import block_activation_formula
 
     with torch.device("meta"):
@@ -408,7 +408,7 @@ def _plan(tmp_path, capsys, *args: str) -> tuple[str, dict]:
 
 
 def test_plan_command_prints_the_rank_table_and_writes_json(tmp_path, capsys):
-    text, data = _plan(tmp_path, capsys, "--model=example_models.GPTLightningModule", "--model.preset=tiny",
+    text, data = _plan(tmp_path, capsys, "--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
                        "--model.n_layers=8", "--layout", "dp=2,tp=2,pp=2")
     assert ParallelDims(2, 2, 2).rank_table() in text  # what the strategy logs at start-up
     assert "MiB per rank" in text
@@ -422,7 +422,7 @@ def test_plan_command_prints_the_rank_table_and_writes_json(tmp_path, capsys):
 def test_gpu_memory_decides_what_fits(tmp_path, capsys):
     """--gpu-memory replaces the preset's memory, and a layout fits when its fullest rank fits in it less what the
     runtime reserves."""
-    args = ("--model=example_models.GPTLightningModule", "--model.preset=small", "--world", "2")
+    args = ("--model=lightning_par.examples.GPTLightningModule", "--model.preset=small", "--world", "2")
     _, roomy = _plan(tmp_path, capsys, *args)
     smallest = min(layout["bytes_per_rank"]["total"] for layout in roomy["layouts"])
     largest = max(layout["bytes_per_rank"]["total"] for layout in roomy["layouts"])
@@ -478,7 +478,7 @@ def _constructs(c: Candidate) -> bool:
 def test_plain_pytorch_module_and_hardware_file(tmp_path):
     """A plain nn.Module that declares nothing (blocks found in its ModuleList, no TP plan) plans with tp=1 only; a
     hardware file overrides a preset's fields."""
-    from example_models.plain_lm import PlainLM
+    from lightning_par.examples.plain_lm import PlainLM
 
     (tmp_path / "hw.json").write_text(json.dumps({"base": "a100", "memory_gib": 40, "name": "a100-40"}))
     hw = load_hardware(tmp_path / "hw.json")

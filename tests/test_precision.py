@@ -90,7 +90,7 @@ def mesh(one_process_group):
 
 
 def _model() -> nn.Module:
-    from example_models.plain_lm import PlainLM
+    from lightning_par.examples.plain_lm import PlainLM
 
     torch.manual_seed(0)
     return PlainLM(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=8)

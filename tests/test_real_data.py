@@ -179,7 +179,7 @@ def test_streaming_shards_the_blocks_over_data_parallel_ranks(corpus, tmp_path):
 
     import lightning.pytorch as pl
 
-    from example_models import GPTLightningModule
+    from lightning_par.examples import GPTLightningModule
 
     model = GPTLightningModule(preset="tiny", n_layers=1)  # a fit reads the stream: no length, max_steps ends it
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=1, val_check_interval=2,
@@ -190,7 +190,12 @@ def test_streaming_shards_the_blocks_over_data_parallel_ranks(corpus, tmp_path):
 
 
 def test_the_example_models_take_the_data_modules_vocabulary(corpus, tmp_path):
-    from example_models import GPTLightningModule, HFLlamaLightningModule
+    from lightning_par.examples import (
+        GPT2LightningModule,
+        GPTLightningModule,
+        HFLlamaLightningModule,
+        PlainLMLightningModule,
+    )
 
     dm = TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(corpus.tokenizer), seq_len=SEQ)
     trainer = SimpleNamespace(datamodule=dm)
@@ -209,6 +214,49 @@ def test_the_example_models_take_the_data_modules_vocabulary(corpus, tmp_path):
     alone = GPTLightningModule(preset="tiny")  # no trainer (the planner, an export): the preset's 256
     alone.configure_model()
     assert alone.model.embed.num_embeddings == 256
+    gpt2, plain = GPT2LightningModule(n_embd=32, n_layers=1), PlainLMLightningModule(dim=32, n_layers=1)
+    for module in (gpt2, plain):
+        module._trainer = trainer
+        module.configure_model()
+    assert gpt2.model.wte.num_embeddings == gpt2.model.lm_head.out_features == gpt2.hparams.vocab_size == 320
+    assert plain.model.tok_emb.num_embeddings == plain.model.head.out_features == plain.hparams.vocab_size == 320
+    small = PlainLMLightningModule(vocab_size=128)  # below the tokenizer's ids: refused, not truncated
+    small._trainer = trainer
+    with pytest.raises(ValueError, match="smaller than the data's vocabulary"):
+        small.configure_model()
+    for alone in (GPT2LightningModule(n_embd=32, n_layers=1), PlainLMLightningModule(dim=32, n_layers=1)):
+        alone.configure_model()  # no data module: bytes
+        assert alone.hparams.vocab_size == 256
+
+
+def test_plan_reads_the_vocabulary_of_the_configs_tokenizer(corpus, tmp_path, capsys):
+    """``lightning-par plan --config`` gives the model the tokenizer's (padded) vocabulary, as a fit does; the
+    corpus is not read (its file here does not even exist, which a TextDataModule would refuse)."""
+    from lightning_par.planner.cli import main as plan_main
+    from lightning_par.planner.fit_config import read_fit_config
+    from lightning_par.planner.model import build_model
+    from lightning_par.topology import LayoutError
+
+    def config(model_args: str = "") -> Path:
+        path = tmp_path / f"fit{len(model_args)}.yaml"
+        path.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n"
+                        "model:\n  class_path: lightning_par.examples.GPTLightningModule\n"
+                        f"  init_args:\n    preset: tiny\n    n_layers: 2\n{model_args}"
+                        "data:\n  class_path: lightning_par.data.TextDataModule\n"
+                        f"  init_args:\n    data_files: {tmp_path / 'absent.jsonl'}\n"
+                        f"    tokenizer: {corpus.tokenizer}\n    seq_len: {SEQ}\n")
+        return path
+
+    fit = read_fit_config(config())
+    assert fit.vocab_size == 320 and fit.model_args["vocab_size"] == 320
+    assert build_model(fit.model, fit.model_args).model.embed.num_embeddings == 320
+    assert read_fit_config(config("    vocab_size: 512\n")).model_args["vocab_size"] == 512  # the config's own wins
+    assert plan_main(["--config", str(config())]) == 0
+    assert "vocabulary 320 (the data's tokenizer)" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config().read_text().replace(str(corpus.tokenizer), str(tmp_path / "nope")))
+    with pytest.raises(LayoutError, match=r"bad.yaml: data.init_args.tokenizer=.*nope.* is not a directory"):
+        read_fit_config(bad)
 
 
 def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
@@ -217,7 +265,7 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     import lightning.pytorch as pl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from example_models import HFLlamaLightningModule
+    from lightning_par.examples import HFLlamaLightningModule
     from lightning_par.plugins.checkpoint_export import main as export
 
     pl.seed_everything(0)
@@ -230,7 +278,7 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     trainer.save_checkpoint(tmp_path / "hf.ckpt")
     out = tmp_path / "export"
     assert export([str(tmp_path / "hf.ckpt"), str(out), "--hf", "--model-class",
-                   "example_models.HFLlamaLightningModule"]) == 0
+                   "lightning_par.examples.HFLlamaLightningModule"]) == 0
     tok = AutoTokenizer.from_pretrained(out)
     text = corpus.texts[3]
     assert tok(text)["input_ids"] == dm.tokenizer(text)["input_ids"] and tok.eos_token_id == dm.tokenizer.eos_token_id
@@ -242,7 +290,7 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     trainer.fit(byte_model, datamodule=plain)
     trainer.save_checkpoint(tmp_path / "bytes.ckpt")
     assert export([str(tmp_path / "bytes.ckpt"), str(tmp_path / "bytes"), "--hf", "--model-class",
-                   "example_models.HFLlamaLightningModule"]) == 0
+                   "lightning_par.examples.HFLlamaLightningModule"]) == 0
     assert not (tmp_path / "bytes" / "tokenizer.json").exists()  # byte-level data: no tokenizer to write
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bytes").config.vocab_size == 256
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from example_models.gpt import GPT, Block, GPTConfig
+from lightning_par.examples.gpt import GPT, Block, GPTConfig
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS, apply_recompute
 from lightning_par.parallel.tp_accounting import (
     live_activation_bytes,

@@ -174,8 +174,8 @@ def _fit_text(root, cache, ckpt=None, accumulate=1):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from example_models import GPTLightningModule
     from lightning_par.data import TextDataModule
+    from lightning_par.examples import GPTLightningModule
 
     class Losses(pl.Callback):
         def __init__(self):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from example_models.gpt import GPT, GPTConfig
 from lightning_par import LayoutError, MegatronTPStrategy
+from lightning_par.examples.gpt import GPT, GPTConfig
 from lightning_par.parallel.tensor_parallel import check_sequence_length, resolve_tp_plan
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 from tests.harness import launch_cli, max_rel_diff
@@ -171,7 +171,7 @@ def test_resolved_plan_lists_every_module_in_order():
 
 def test_hugging_face_llama_plan_is_read_from_the_model():
     pytest.importorskip("transformers")
-    from example_models import HFLlamaLightningModule
+    from lightning_par.examples import HFLlamaLightningModule
 
     lm = HFLlamaLightningModule(n_layers=2)
     lm.configure_model()

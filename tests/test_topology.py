@@ -22,7 +22,7 @@ def test_tp_innermost_then_dp_then_pp():
     assert dims.groups("tp") == [[2 * i, 2 * i + 1] for i in range(8)]
     assert dims.group_of(5, "dp") == [1, 3, 5, 7]
     assert dims.group_of(5, "pp") == [5, 13]
-    assert dims.coordinates(13) == {"pp": 1, "dp": 2, "tp": 1}
+    assert dims.coordinates(13) == {"pp": 1, "dp": 2, "cp": 0, "tp": 1}
     for rank in range(16):
         assert dims.rank_of(**dims.coordinates(rank)) == rank
 

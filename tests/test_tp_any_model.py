@@ -1,6 +1,6 @@
-"""Tensor parallelism on a model the engine was not written around: the GPT-2-style ``example_models.GPT2`` (learned
-positions, LayerNorms and linears with biases, MLP linears as direct children of the block, tied embeddings), plus
-the RNG tracker for dropout and clear errors for plans that cannot be applied.
+"""Tensor parallelism on a model the engine was not written around: the GPT-2-style ``lightning_par.examples.GPT2``
+(learned positions, LayerNorms and linears with biases, MLP linears as direct children of the block, tied embeddings),
+plus the RNG tracker for dropout and clear errors for plans that cannot be applied.
 
 (a) Parity with one process through the CLI, 20 fp32 steps: tied with plain SGD, untied with AdamW (4 launches).
 (b) One 2-rank launch without Lightning (``tests/tp_any_model_worker.py``): gradients against one process (tied,
@@ -16,14 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from example_models.gpt2 import GPT2, GPT2Config
 from lightning_par import LayoutError
+from lightning_par.examples.gpt2 import GPT2, GPT2Config
 from lightning_par.parallel.tensor_parallel import resolve_tp_plan
 from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, need_full
 from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 
 PARITY_RTOL = 1e-5
-GPT2_MODEL = "--model=example_models.GPT2LightningModule"
+GPT2_MODEL = "--model=lightning_par.examples.GPT2LightningModule"
 TIED_SGD = ["--model.tie_embeddings=true", "--model.optimizer=sgd", "--model.lr=0.2"]
 UNTIED_ADAMW = ["--model.tie_embeddings=false", "--model.optimizer=adamw"]
 

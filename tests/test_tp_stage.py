@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from example_models.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par import LayoutError
+from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.parallel.pipeline.split import RemovedUnit, plan_stages, rank_module
 from lightning_par.parallel.tensor_parallel import check_tp_plan, resolve_tp_plan
 

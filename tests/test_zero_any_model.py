@@ -116,7 +116,7 @@ class _Wrapped(nn.Module):
     """A LightningModule-like holder: the model, a module next to it, a container of two more, a bare parameter."""
 
     def __init__(self, loose: bool) -> None:
-        from example_models.plain_lm import PlainLM
+        from lightning_par.examples.plain_lm import PlainLM
 
         super().__init__()
         self.model = PlainLM(n_layers=3)
@@ -151,7 +151,7 @@ def test_zero3_shards_parameters_outside_the_blocks_root(dp_mesh, loose):
 
 
 def test_zero3_groups_blocks_named_by_block_types(dp_mesh):
-    from example_models.plain_lm import Block
+    from lightning_par.examples.plain_lm import Block
     from lightning_par.parallel.zero import fully_shard_units
 
     model = nn.Sequential(nn.Embedding(256, 32), *(Block(32, 4) for _ in range(3)), nn.Linear(32, 256))
@@ -166,7 +166,7 @@ def test_zero3_groups_blocks_named_by_block_types(dp_mesh):
 
 
 def test_gathered_meter_sees_one_block_and_the_root(dp_mesh):
-    from example_models import PlainLMLightningModule
+    from lightning_par.examples import PlainLMLightningModule
     from lightning_par.measure import GatheredParamMeter
     from lightning_par.parallel.zero import fully_shard_units
 

@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from example_models.gpt import causal_lm_loss
-from example_models.gpt2 import GPT2, GPT2Config
+from lightning_par.examples.gpt import causal_lm_loss
+from lightning_par.examples.gpt2 import GPT2, GPT2Config
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_par.topology import LayoutError
 from tests.harness import close_process_group

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from example_models.gpt import GPT, GPTConfig, causal_lm_loss
+from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.measure import CommCounter, local_numel, state_bytes
 from lightning_par.parallel.grad_norm import global_grad_norm
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from tests.conftest import CLIP, EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 
-#: name -> (model, init args, gradient clipping); models are built from example_models by name
+#: name -> (model, init args, gradient clipping); models are built from lightning_par.examples by name
 FITS: dict[str, tuple[str, dict, float | None]] = {
     # plain SGD: no momentum, no clipping -- each step's update is exactly lr x the averaged gradient
     "plain_sgd": ("PlainLMLightningModule", dict(n_layers=8, optimizer="sgd", lr=0.5), None),
@@ -62,14 +62,13 @@ class GatheredPeak(pl.Callback):
 
 
 def fit(root: Path, cache: str, name: str, world: int) -> None:
-    import example_models
-    from lightning_par import ZeroStrategy
+    from lightning_par import ZeroStrategy, examples
     from lightning_par.data import TextDataModule
     from tests.probes import GradNorms
 
     model_name, kwargs, clip = FITS[name]
     pl.seed_everything(1234)
-    model = getattr(example_models, model_name)(**kwargs)
+    model = getattr(examples, model_name)(**kwargs)
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // world,
                           cache_dir=cache)
     callbacks: list = [GradNorms()]
@@ -91,7 +90,7 @@ def grad_memory(bucket_cap_mb: float) -> dict:
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from example_models.plain_lm import PlainLM
+    from lightning_par.examples.plain_lm import PlainLM
     from lightning_par.measure import GradientMeter
     from lightning_par.parallel.zero import ZeroPartitioner
 

@@ -4,7 +4,7 @@ ZeRO-3 shards each block as its own FSDP2 group, data-parallel replicas reduce g
 recompute wraps each block, and the pipeline split cuts the ordered units into stages. All of them ask
 :func:`find_blocks`, which looks, in this order, for:
 
-1. **our declaration**: a submodule with ``pipeline_units()`` (``example_models.GPT`` expands its ``pp_plan``);
+1. **our declaration**: a submodule with ``pipeline_units()`` (``lightning_par.examples.GPT`` expands its ``pp_plan``);
 2. **a Hugging Face model's own**: ``config.base_model_pp_plan`` plus the head's ``_pp_plan`` give the ordered
    units, ``_no_split_modules`` names the block classes;
 3. **``block_types``** given by the user (classes or class names), as Lightning's FSDPStrategy takes a wrap policy;

@@ -51,8 +51,7 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
     without blocks is one unit: each direct child holding parameters is replicated as its own root.
     Returns the roots (empty with a single data-parallel rank: nothing to reduce).
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
+    from lightning_par._compat import replicate
     from lightning_par.parallel.zero import _apply_groups, data_parallel_groups
     from lightning_par.topology import LayoutError
 

@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_par._compat import DisableTorchFunction, TorchDispatchMode, parse_to, tree_flatten, tree_map
 
 __all__ = ["DEFAULT_THRESHOLD", "DeferredInit", "DeferredInitError", "deferred_init"]
 
@@ -438,7 +438,7 @@ class DeferredInit:
                 kwargs = {"dtype": t.dtype, "device": self._device_of(t), **kwargs}
                 return torch.tensor(*args[1:], **kwargs)
             if func in _FORCING_METHODS:
-                with torch._C.DisableTorchFunction():
+                with DisableTorchFunction():
                     forced = self._force(t)
                 return func(forced, *args[1:], **kwargs)
         elif func is torch.Tensor.to and len(args) > 1 and self._is_deferred(args[1]):  # x.to(deferred_other)
@@ -451,7 +451,7 @@ class DeferredInit:
         if args and isinstance(args[0], torch.Tensor):
             args = (self._device_of(args[0]), args[0].dtype, *args[1:])
         copy = kwargs.pop("copy", False)
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, non_blocking, memory_format = parse_to(*args, **kwargs)
         here = self._device_of(t)
         device = here if device is None else _normalize(device)
         dtype = t.dtype if dtype is None else dtype
@@ -636,7 +636,7 @@ class DeferredInit:
         stores: dict[int, torch.UntypedStorage] = {}
         live = peak = replayed = 0
         try:
-            with torch.no_grad(), torch._C.DisableTorchFunction():
+            with torch.no_grad(), DisableTorchFunction():
                 for i, op in enumerate(ops):
                     if not run[i]:
                         continue
@@ -682,7 +682,7 @@ class _DispatchMode(TorchDispatchMode):
         self.record = record
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunction():
+        with DisableTorchFunction():
             return self.record._on_dispatch(func, args, kwargs or {})
 
 

@@ -23,7 +23,9 @@ class Layout:
     """What to apply to a model: parallel sizes, the ZeRO stage across data parallel, the pipeline schedule.
 
     Attributes:
-        dp, tp, pp: sizes (``dp="auto"``: world / (tp * pp)).
+        dp, tp, pp: sizes (``dp="auto"``: world / (tp * pp * cp)).
+        cp: context-parallel size: each sequence split over cp ranks (causal load balancing), attention over the
+            whole sequence, gradients averaged over dp x cp (:mod:`lightning_par.parallel.context_parallel`).
         zero_stage: 0 replicas, 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP2).
         offload_optimizer, offload_parameters: ZeRO offload to host memory.
         schedule, n_microbatches, virtual_stages, stage_costs: the pipeline (pp > 1).
@@ -36,6 +38,7 @@ class Layout:
     dp: Size = "auto"
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_parameters: bool = False
@@ -52,6 +55,7 @@ class Layout:
         _check_size("dp", self.dp, allow_auto=True)
         _check_size("tp", self.tp, allow_auto=False)
         _check_size("pp", self.pp, allow_auto=False)
+        _check_size("cp", self.cp, allow_auto=False)
         check_schedule_name(self.schedule)
         for name in ("n_microbatches", "virtual_stages"):  # checked here even where pp = 1 leaves them unused
             if getattr(self, name) is not None:
@@ -79,6 +83,10 @@ class Layout:
                 "sequence_parallel=True needs tp > 1: it splits the sequence over the tensor-parallel ranks. "
                 "Set tp to 2 or more, or sequence_parallel=False."
             )
+        if self.cp > 1 and self.sequence_parallel:
+            raise LayoutError(
+                "sequence_parallel=True with cp > 1 is not supported: both split the sequence (sequence parallel "
+                "over tp, context parallel over cp) and their composition is untested. Use one of them.")
         check_number("bucket_cap_mb", self.bucket_cap_mb, "a positive, finite number of MiB (default 25)", above=0)
         if self.block_types is not None and (isinstance(self.block_types, str | type) or not all(
                 isinstance(t, str | type) for t in self.block_types)):
@@ -91,7 +99,7 @@ class Layout:
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The concrete sizes for ``world_size`` ranks, or a :class:`LayoutError` that says how to fix them."""
-        return ParallelDims.resolve(world_size, dp=self.dp, tp=self.tp, pp=self.pp)
+        return ParallelDims.resolve(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     @property
     def stage_plan(self) -> StagePlan:

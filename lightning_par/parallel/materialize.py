@@ -24,8 +24,8 @@ from collections.abc import Collection, Iterator
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_par._compat import compute_local_shape_and_global_offset
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.host_memory import release_freed_memory
 

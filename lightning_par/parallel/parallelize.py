@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.recompute import apply_recompute
+from lightning_par.parallel.rng import has_dropout
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
 
 
@@ -74,7 +75,7 @@ class ParallelizeConfig:
     tp_mesh: DeviceMesh
     sequence_parallel: bool = False
     recompute: str = "none"
-    compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (left empty for now)
+    compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (parallel/compile.py)
 
 
 @dataclass
@@ -101,7 +102,11 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     plan = None
     if config.tp_mesh.size() > 1:
         # before data-parallel sharding: FSDP2 and the ZeRO partitioner then see DTensor parameters
-        plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, stage=parts.pipelined)
+        # compiled blocks: the dropout regions' generator swaps inside each block are graph breaks (rng.py); left out
+        # where they change nothing (sequence parallelism swaps once, around the whole forward, outside the blocks)
+        rng = config.compile is None or config.sequence_parallel or has_dropout(parts.root)
+        plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
+                                     stage=parts.pipelined)
     apply_recompute(parts.blocks, config.recompute)
     if config.compile is not None:
         for block in parts.blocks:

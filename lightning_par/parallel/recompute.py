@@ -36,20 +36,21 @@ def check_recompute(kind: str) -> None:
                           "every activation; selective recomputes the attention core; full recomputes each block).")
 
 
-_sdpa = F.scaled_dot_product_attention
-
-
-def _recomputed_sdpa(*args: Any, **kwargs: Any) -> Any:
-    return checkpoint(_sdpa, *args, use_reentrant=False, **kwargs)
-
-
 @contextmanager
 def _attention_recomputed() -> Iterator[None]:
-    F.scaled_dot_product_attention = _recomputed_sdpa
+    # the attention in place now, which is context parallel's (parallel/context_parallel.py) under cp
+    inner = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = functools.partial(checkpoint, inner, use_reentrant=False)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = _sdpa
+        F.scaled_dot_product_attention = inner
+
+
+def _full(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # a call of `checkpoint` in a function of ours, not a partial of it: torch.compile recognises the direct call and
+    # traces the recomputation into the block's graph (a partial of `checkpoint` itself is run eagerly, uncompiled)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +65,7 @@ def apply_recompute(blocks: Sequence[nn.Module], kind: str) -> int:
         return 0
     for block in blocks:
         if kind == "full":
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            block.forward = functools.partial(_full, block.forward)
         else:
             block.forward = functools.partial(_selective, block.forward)
     return len(blocks)

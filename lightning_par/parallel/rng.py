@@ -116,6 +116,11 @@ class TensorParallelRNG:
         digest = hashlib.blake2b(key + state.numpy().tobytes(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & (2**63 - 1)
 
+    # enter and exit run eagerly under torch.compile (a graph break at each region boundary of a compiled block):
+    # dynamo cannot trace the generator swap, and traced, it would guard on `forwards` and recompile every step.
+    # Each graph then runs wholly inside or wholly outside a region, so its random draws (inductor seeds them from
+    # the default generator at the graph's start) are per rank or common as in eager mode.
+    @torch.compiler.disable
     def enter(self, region: str = "") -> None:
         """Swap in a state for ``region`` on this rank (nothing if a region is already open)."""
         if self._outer is None:
@@ -125,6 +130,7 @@ class TensorParallelRNG:
             set_rng_state(self.device_type, generator.get_state())
             self._outer = outer
 
+    @torch.compiler.disable
     def exit(self) -> None:
         """Give the default generator its own state back, unadvanced (nothing if no region is open)."""
         if self._outer is not None:
@@ -170,3 +176,22 @@ class TensorParallelRNG:
                     handles.append(model.get_submodule(name).register_forward_pre_hook(close))
         handles.append(model.register_forward_hook(close, always_call=True))
         return handles
+
+
+def has_dropout(module: nn.Module) -> bool:
+    """Whether ``module`` declares dropout: a dropout module with ``p > 0``, or a ``config`` (Hugging Face style) with
+    a ``*dropout*`` / ``*pdrop*`` rate above 0. A hard-coded ``F.dropout(x, 0.1)`` in model code is not seen.
+
+    Used with compiled blocks: without dropout the tensor-parallel regions' generator swaps change nothing, and
+    their hooks (graph breaks, see :meth:`TensorParallelRNG.enter`) are left out."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return True
+        config = getattr(sub, "config", None)
+        if config is not None and not isinstance(config, dict | str):
+            for name in dir(config):
+                if ("dropout" in name or "pdrop" in name) and not name.startswith("_"):
+                    value = getattr(config, name, None)
+                    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                        return True
+    return False

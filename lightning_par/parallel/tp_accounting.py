@@ -9,7 +9,7 @@ No Lightning import.
 - :func:`layer_traffic` runs one layer forward and backward under it; :func:`ring_sent_bytes` turns records into
   bytes sent per rank; :func:`megatron_traffic_formula` is what the paper predicts.
 - :func:`saved_activation_bytes` counts the bytes autograd keeps for backward; :func:`megatron_activation_formula`
-  is table 2, :func:`block_activation_formula` the exact count for ``example_models.gpt.Block``.
+  is table 2, :func:`block_activation_formula` the exact count for ``lightning_par.examples.gpt.Block``.
 """
 
 from __future__ import annotations
@@ -70,13 +70,14 @@ class CollectiveRecord(NamedTuple):
 
 def _group_size(name_or_group: Any) -> int:
     from torch.distributed import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from lightning_par._compat import resolve_process_group
 
     if isinstance(name_or_group, ProcessGroup):
         return name_or_group.size()
     if isinstance(name_or_group, torch.ScriptObject):  # how c10d ops receive their group below the dispatcher
         return ProcessGroup.unbox(name_or_group).size()
-    return _resolve_process_group(name_or_group).size()
+    return resolve_process_group(name_or_group).size()
 
 
 def _is_group(value: Any) -> bool:
@@ -230,7 +231,7 @@ def megatron_activation_formula(s: int, b: int, h: int, a: int, t: int = 1, sp: 
 
 def block_activation_formula(s: int, b: int, h: int, a: int, kv_heads: int, ffn: int, t: int = 1,
                              sp: bool = False, element_size: int = 4) -> dict[str, float]:
-    """Exact bytes ``example_models.gpt.Block`` saves for backward on one rank, split as table 2 splits them.
+    """Exact bytes ``lightning_par.examples.gpt.Block`` saves for backward on one rank, split as table 2 splits them.
 
     Derived from what autograd saves in its forward (torch 2.13, CPU), element counts:
 
@@ -287,8 +288,7 @@ def split_by_tp(measured: dict[int, float]) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------------
 def _plain_tensors(value: Any) -> list[Tensor]:
     """The plain tensors holding ``value``'s data: a DTensor's local shard, any wrapper subclass's inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    from torch.utils._pytree import tree_flatten
+    from lightning_par._compat import is_traceable_wrapper_subclass, tree_flatten
 
     out: list[Tensor] = []
     stack = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
@@ -319,7 +319,8 @@ class LiveActivationMeter:
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from lightning_par._compat import TorchDispatchMode
 
         meter = self
         self._weakref = StorageWeakRef
@@ -378,7 +379,7 @@ def live_activation_bytes(block: nn.Module, x: Tensor, *args: Any, **kwargs: Any
 
 def recompute_activation_formula(kind: str, s: int, b: int, h: int, a: int, kv_heads: int, ffn: int, t: int = 1,
                                  sp: bool = False, element_size: int = 4) -> float:
-    """Exact bytes ``example_models.gpt.Block`` keeps per block on one rank under recompute ``kind``.
+    """Exact bytes ``lightning_par.examples.gpt.Block`` keeps per block on one rank under recompute ``kind``.
 
     ``none``: :func:`block_activation_formula`. ``full``: the block input only, ``sbh`` elements (``sbh/t`` with
     sequence parallelism, where the input is this rank's sequence shard). ``selective``: the attention core's

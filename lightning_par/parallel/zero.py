@@ -36,6 +36,7 @@ once, after the pipeline summed its tied copies' gradients.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -605,7 +606,8 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
     root = dp_mesh._get_root_mesh()
     dp_name = (dp_mesh.mesh_dim_names or (None,))[0]
     tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
-    names = root.mesh_dim_names or ()
+    # a flattened dp (the dp_cp mesh of context parallel) is named among the root's flattened dimensions
+    names = (*(root.mesh_dim_names or ()), *getattr(root, "_flatten_mapping", {}))
     # the same root mesh: equal, not necessarily identical (a later Trainer in the same process builds an equal mesh,
     # and torch may hand back the root it recorded for the first)
     tp_root = tp_mesh._get_root_mesh()
@@ -619,7 +621,12 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
             f"{tp_mesh.mesh_dim_names}); build them as init_device_mesh(..., mesh_dim_names=(..., 'dp', 'tp'))."
         )
     order = sorted((dp_name, tp_name), key=names.index)
-    return _ShardMesh(root[tuple(order)], order.index(dp_name), order.index(tp_name))
+    if dp_name not in (root.mesh_dim_names or ()):  # dp_cp: its dimensions lie outside tp's (pp, dp, cp, tp)
+        order = [dp_name, tp_name]
+    with warnings.catch_warnings():  # torch deprecates slicing a flattened dimension; no other way to pair it
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        mesh = root[tuple(order)]
+    return _ShardMesh(mesh, order.index(dp_name), order.index(tp_name))
 
 
 # -- stage 3 ------------------------------------------------------------------------------------------------------

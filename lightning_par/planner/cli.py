@@ -2,12 +2,12 @@
 
     lightning-par plan --config configs/demo.yaml      # the fit config: its model, ranks, strategy and batch
     lightning-par plan --config configs/demo.yaml --world 16 --hardware h100-sxm   # the same run on 16 GPUs
-    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 8
-    lightning-par plan --model=example_models.GPTLightningModule --model.preset=8b --world 16 --hardware a100 \\
+    lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 8
+    lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 16 --hardware a100 \\
         --gpu-memory 40 --seq 4096 --global-batch 256 --json plan.json
-    lightning-par plan --model=example_models.HFLlamaLightningModule --model.n_layers=8 --world 4 --hardware cpu
+    lightning-par plan --model=lightning_par.examples.HFLlamaLightningModule --model.n_layers=8 --world 4 --hardware cpu
     lightning-par plan --hf-config path/to/config.json --world 8
-    lightning-par plan --model=example_models.GPTLightningModule --model.preset=1b --layout dp=2,tp=2,pp=2
+    lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=1b --layout dp=2,tp=2,pp=2
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                                     "init_args), ranks (trainer.devices x num_nodes), strategy, precision, "
                                     "data.seq_len and batch_size; the options below override it")
     p.add_argument("--model", help="class path of a LightningModule or nn.Module, e.g. "
-                                   "example_models.GPTLightningModule; init arguments as --model.NAME=VALUE")
+                                   "lightning_par.examples.GPTLightningModule; init arguments as --model.NAME=VALUE")
     p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) instead of --model")
     p.add_argument("--world", type=_positive(int), help="number of ranks (devices); default: the product of --layout")
     p.add_argument("--layout", help="one layout, e.g. dp=2,tp=2,pp=2 (prints its rank table) or with "
@@ -182,8 +182,9 @@ def _main(argv: list[str]) -> int:
         args.micro_batch, args.global_batch = fit.micro_batch, fit.global_batch
     args.micro_batch = args.micro_batch or 1
     if args.config:
+        vocab = f", vocabulary {fit.vocab_size} (the data's tokenizer)" if fit.vocab_size else ""
         print(f"from {args.config}: {args.model}, {args.world or '?'} ranks, layout "
-              f"{','.join(f'{k}={v}' for k, v in layout.items()) or 'any'}", file=sys.stderr)
+              f"{','.join(f'{k}={v}' for k, v in layout.items()) or 'any'}{vocab}", file=sys.stderr)
     world = args.world
     if world is None:
         if not {"dp", "tp", "pp"} & set(layout):

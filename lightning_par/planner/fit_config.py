@@ -3,12 +3,14 @@
 From the fit config: the model (``model.class_path`` / ``init_args``), the world size (``trainer.devices`` x
 ``trainer.num_nodes``), the layout (``trainer.strategy``: a lightning-par class with its ``init_args``, or a registered
 name), the precision (``trainer.precision``), the sequence length and batch (``data.init_args.seq_len`` /
-``batch_size``, ``trainer.accumulate_grad_batches``) and, for ``trainer.accelerator: cpu``, the CPU hardware preset.
+``batch_size``, ``trainer.accumulate_grad_batches``), for ``trainer.accelerator: cpu`` the CPU hardware preset, and
+the vocabulary of ``data.init_args.tokenizer`` (a model whose ``vocab_size`` is unset takes it, as in a fit).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ class FitPlan:
     global_batch: int | None = None
     seq: int | None = None
     hardware: str | None = None
+    vocab_size: int | None = None  # the data's tokenizer's (padded) vocabulary; None: byte-level or no tokenizer
     notes: list[str] = field(default_factory=list)  # what was read, for the user
 
 
@@ -63,7 +66,11 @@ def read_fit_config(path: str | Path) -> FitPlan:
         plan.layout["precision"] = precision
     if str(trainer.get("accelerator", "")).lower() == "cpu":
         plan.hardware = "cpu"
-    data_args = _class_and_args(config.get("data"))[1]
+    data_class, data_args = _class_and_args(config.get("data"))
+    plan.vocab_size = _data_vocab_size(data_class, data_args, path)
+    if plan.vocab_size is not None and plan.model_args.get("vocab_size") is None and _takes(plan.model, "vocab_size"):
+        plan.model_args["vocab_size"] = plan.vocab_size  # what vocab_size_from_data gives the model in a fit
+        plan.notes.append(f"vocabulary {plan.vocab_size} from the tokenizer {data_args['tokenizer']}")
     if isinstance(data_args.get("seq_len"), int):
         plan.seq = data_args["seq_len"]
     batch = data_args.get("batch_size")
@@ -93,6 +100,41 @@ def layout_of(strategy: Any) -> dict[str, Any]:
         if plan.virtual_stages > 1:
             out["v"] = plan.virtual_stages
     return out
+
+
+def _data_vocab_size(class_path: str | None, args: dict[str, Any], path: str | Path) -> int | None:
+    """The vocabulary a fit config's TextDataModule gives the model: its ``tokenizer`` directory loaded as the data
+    module loads it, padded as it pads it (the corpus is not read). ``None`` without a tokenizer or for another data
+    module."""
+    from lightning_par.data import TextDataModule, load_tokenizer, tokenizer_vocab_size
+
+    tokenizer = args.get("tokenizer")
+    if not isinstance(tokenizer, str):
+        return None
+    if class_path and "." not in class_path:  # a short name, as jsonargparse accepts it
+        class_path = f"lightning_par.data.{class_path}"
+    cls = _import(class_path) if class_path else TextDataModule
+    if not (isinstance(cls, type) and issubclass(cls, TextDataModule)):
+        return None
+    pad = args.get("pad_vocab_to", inspect.signature(cls).parameters["pad_vocab_to"].default)
+    try:
+        return tokenizer_vocab_size(load_tokenizer(tokenizer), int(pad))
+    except (OSError, ValueError, ImportError, TypeError) as err:
+        raise LayoutError(f"--config {path}: data.init_args.tokenizer={tokenizer!r}: {err}") from err
+
+
+def _takes(class_path: str | None, name: str) -> bool:
+    """Whether the class at ``class_path`` takes an init argument ``name``."""
+    cls = _import(class_path) if class_path else None
+    return isinstance(cls, type) and name in inspect.signature(cls).parameters
+
+
+def _import(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def _class_and_args(spec: Any) -> tuple[str | None, dict[str, Any]]:
@@ -130,11 +172,7 @@ def _strategy(spec: Any) -> Any:
         return None
     if "." not in class_path:
         class_path = f"lightning_par.{class_path}"
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
+    cls = _import(class_path)
     if cls not in ALL_STRATEGIES:
         return None
     return cls(**init_args)

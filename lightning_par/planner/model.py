@@ -42,7 +42,8 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 def import_object(path: str) -> Any:
     module_name, _, name = path.rpartition(".")
     if not module_name:
-        raise LayoutError(f"--model={path!r}: give the full import path, e.g. example_models.GPTLightningModule.")
+        raise LayoutError(f"--model={path!r}: give the full import path, "
+                          "e.g. lightning_par.examples.GPTLightningModule.")
     try:
         return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as err:

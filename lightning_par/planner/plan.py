@@ -77,19 +77,21 @@ class Candidate:
     sequence_parallel: bool = False
     recompute: str = "none"
     precision: str = "bf16-mixed"
+    cp: int = 1  # context parallel: each sequence split over cp ranks
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def label(self) -> str:
         sched = "-" if self.pp == 1 else self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1
                                                          and self.schedule not in ("zbv", "dualpipev") else "")
-        return (f"dp{self.dp} tp{self.tp}{'+sp' if self.sequence_parallel else ''} pp{self.pp} z{self.zero_stage} "
+        return (f"dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''} tp{self.tp}"
+                f"{'+sp' if self.sequence_parallel else ''} pp{self.pp} z{self.zero_stage} "
                 f"{sched} rc={self.recompute} {self.precision}")
 
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
                       schedule=self.schedule or "1f1b", n_microbatches=self.n_microbatches if self.pp > 1 else None,
                       virtual_stages=self.virtual_stages if self.pp > 1 else None,
                       sequence_parallel=self.sequence_parallel, recompute=self.recompute)
@@ -394,11 +396,15 @@ class Planner:
         eb, act_elt = element_bytes(c.precision, c.zero_stage), _act_elt(c.precision)
         n_states = OPTIMIZER_STATES[self.optimizer]
 
-        # which node boundaries each group crosses (ranks: tp innermost, then dp, pp outermost)
+        # which node boundaries each group crosses (ranks: tp innermost, then cp, dp, pp outermost)
         per_node = hw.devices_per_node
         tp_span = c.tp > per_node
-        dp_span = c.tp * c.dp > per_node
-        pp_span = c.tp * c.dp * c.pp > per_node
+        cp_span = c.tp * c.cp > per_node
+        dp_span = c.tp * c.cp * c.dp > per_node
+        pp_span = c.tp * c.cp * c.dp * c.pp > per_node
+        if c.cp > 1 and work.seq_len % (2 * c.cp):
+            raise LayoutError(f"cp={c.cp} cuts each sequence into {2 * c.cp} chunks: the sequence length "
+                              f"{work.seq_len} does not divide by {2 * c.cp}.")
 
         # -- per stage: units, saved bytes, forward / backward time, tensor-parallel traffic --------------------
         collectives = self.tp_collectives(split) if c.tp > 1 else {}
@@ -421,6 +427,7 @@ class Planner:
         stage_wgrad: list[float] = []
         stage_released: list[float] = []
         stage_tp_exposed: list[float] = []
+        stage_cp_bytes: list[float] = []
         for s, units in enumerate(units_by_stage):
             # the same stage recurs in many layouts (every ZeRO stage, schedule and dp size): costed once
             key = (id(trace), tp_seq, c.tp, c.sequence_parallel, tp_span, tuple(units), s == n_stages - 1)
@@ -454,6 +461,11 @@ class Planner:
             stage_released.append(released)
             stage_tp_bytes.append(tp_bytes)
             stage_out.append(out)
+            if c.cp > 1:
+                self._context_parallel(c, units, act_elt, hw.bandwidth(cp_span), hw.latency_s, stage_f, stage_b,
+                                       stage_w, stage_held, stage_wgrad, stage_released, stage_tp_bytes, stage_out,
+                                       stage_cp_bytes)
+                stage_tp_exposed[-1] /= c.cp  # its tp traffic is that of 1/cp of the tokens
 
         # -- the schedule --------------------------------------------------------------------------------------
         pp_bw = hw.bandwidth(pp_span)
@@ -502,7 +514,7 @@ class Planner:
         reduce_finish = gather_exposed = tp_exposed_max = 0.0
         bucket = runtime.bucket_mb * 2**20
         dp_bw = hw.bandwidth(dp_span)
-        d = c.dp
+        d = c.dp * c.cp  # gradients are averaged over the dp x cp ranks of a stage
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
             params = self._rank_params(rank_units)
@@ -520,7 +532,7 @@ class Planner:
                 # torch's schedules keep FSDP2 stages gathered through the step and accumulate unsharded gradients,
                 # reduce-scattered after the last backward (lightning_par.parallel.pipeline.fsdp)
                 transient += numel * (eb.gather + eb.grad) - mem[0] - mem[1]
-            elif c.pp > 1 and c.dp > 1 and c.zero_stage == 0:
+            elif c.pp > 1 and c.dp * c.cp > 1 and c.zero_stage == 0:
                 transient += numel * eb.grad  # the pipeline's flat all-reduce of all gradients
             elif c.pp > 1 and c.zero_stage == 2:
                 transient += numel * eb.grad - mem[1]  # full gradients until the one reduce-scatter after the schedule
@@ -573,7 +585,7 @@ class Planner:
 
         # -- step time ---------------------------------------------------------------------------------------------
         dp_exposed = max(0.0, reduce_finish - t_pipe) + max(0.0, gather_exposed)
-        opt_numel = max(r.numel for r in ranks) / (c.dp if c.zero_stage >= 1 else 1)
+        opt_numel = max(r.numel for r in ranks) / (c.dp * c.cp if c.zero_stage >= 1 else 1)
         # read the gradient, read and write the fp32 values and every state, write the parameters where a master
         # is kept apart
         master = eb.master or eb.param
@@ -590,7 +602,8 @@ class Planner:
         worst = max(r.total for r in ranks)
         runs, note = _runs_today(c)
         return Estimate(
-            c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max}, bubble, step, tokens / step,
+            c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max,
+                       **({"cp": max(stage_cp_bytes) * m} if c.cp > 1 else {})}, bubble, step, tokens / step,
             per_device / 1e12, per_device / peak, worst <= hw.usable_bytes, runs, note,
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
             list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
@@ -633,6 +646,33 @@ class Planner:
             self._numels[key] = (numel, tied)
         return self._numels[key]
 
+    def _context_parallel(self, c: Candidate, units: Sequence[str], act_elt: int, bandwidth: float, latency: float,
+                          *per_stage: list[float]) -> None:
+        """Make the last stage's figures (appended just now) those of a cp rank: a 1/cp share of the tokens for its
+        compute, saved activations, tensor- and pipeline-parallel traffic; plus, per block, the whole sequence's keys
+        and values all-gathered (kept for backward, unless the block is recomputed) and their gradients
+        reduce-scattered in backward (:mod:`lightning_par.parallel.context_parallel`)."""
+        f, b, w, held, wgrad, released, tp_bytes, out, cp_bytes = per_stage
+        for figures in (f, b, w, held, wgrad, released, tp_bytes, out):
+            figures[-1] /= c.cp
+        blocks = [u for u in units if u in self.info.blocks]
+        kv = len(blocks) * self.work.micro_batch * self.work.seq_len * self._kv_per_token() / c.tp * act_elt
+        gather = _ring("all_gather", kv, c.cp)
+        calls = len(blocks) * 2  # keys and values
+        forwards = 2 if c.recompute == "full" else 1
+        f[-1] += gather / bandwidth + calls * latency
+        b[-1] += forwards * gather / bandwidth + forwards * calls * latency  # reduce-scatter (+ the re-gather)
+        if c.recompute != "full":
+            held[-1] += kv * (c.cp - 1) / c.cp
+        cp_bytes.append(forwards * gather + _ring("reduce_scatter", kv, c.cp))
+
+    def _kv_per_token(self) -> int:
+        """Key and value elements per token of one block (its k_proj and v_proj outputs), else 2 x hidden."""
+        first = self.info.blocks[0] if self.info.blocks else None
+        found = sum(p.shape[0] for p in self.info.params if first in p.units and p.name.endswith(
+            ("k_proj.weight", "v_proj.weight")))
+        return found or 2 * (self.info.hidden_size or 0)
+
     def _rank_params(self, units: set[str]) -> list[ParamInfo]:
         """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
         key = frozenset(units)
@@ -643,14 +683,14 @@ class Planner:
     def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
                n_states: int) -> tuple[float, float, float]:
         """Parameters, gradients, optimizer states (with a separate master copy) of ``params`` on one rank."""
-        key = (id(params), split.tp, split.sequence_parallel, c.dp, c.zero_stage, eb, n_states)
+        key = (id(params), split.tp, split.sequence_parallel, c.dp * c.cp, c.zero_stage, eb, n_states)
         if key not in self._states:
             self._states[key] = self._state_bytes(params, split, c, eb, n_states)
         return self._states[key]
 
     def _state_bytes(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
                      n_states: int) -> tuple[float, float, float]:
-        d = c.dp
+        d = c.dp * c.cp  # the cp ranks of a replica shard the states too (gradients averaged over dp x cp)
         full = sum(split.local_numel(p) for p in params)
         # measured: with replicas (ZeRO-0) the gradient of a vocabulary-parallel embedding is a full-vocabulary
         # tensor on every tp rank (its shard is a view into it); ZeRO-1/2 copy it into their buckets and FSDP2
@@ -769,6 +809,7 @@ class Planner:
                                                   + ([trace.loss] if s == last else []), tp_seq)
                 held = max(held, self._held[key])
             in_flight = {"gpipe": c.n_microbatches, "1f1b": min(c.n_microbatches, c.pp - rank)}.get(c.schedule, 1)
+            held /= c.cp  # a cp rank holds 1/cp of the tokens' activations (and more: the gathered keys, values)
             floor = max(floor, sum(self._state(params, split, c, eb, n_states)) + in_flight * held)
         return floor
 

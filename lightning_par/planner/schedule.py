@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import NamedTuple
 
+from lightning_par._compat import schedule_order_only
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 
 #: Of what a zero-bubble input-gradient backward's graph saved, the share counted as held until the step ends
@@ -69,11 +70,7 @@ def _single_stage_order(name: str, pp: int, m: int) -> dict[int, list[Action]]:
     return out
 
 
-@cache
-def _compute_order_only(torch_class: type) -> type:
-    """``torch_class`` without the last step of its constructor, which lowers ``pipeline_order`` to communication
-    actions for the runtime: only the compute order is read here, and the lowering takes seconds at large m."""
-    return type(torch_class.__name__, (torch_class,), {"_prepare_schedule_with_comms": lambda self, *a, **k: None})
+_compute_order_only = cache(schedule_order_only)
 
 
 @lru_cache(maxsize=256)

@@ -35,10 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_plan
 from lightning_par.planner.model import ModelInfo, short_model
@@ -458,8 +457,6 @@ def _forward(model: nn.Module, tokens: Tensor) -> Any:
 def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                 precision: str = "fp32", micro_batch: int = 1, seq_len: int = 128) -> ModelTrace:
     """Saved bytes and ops of every unit (and the loss) for one micro-batch on one tensor-parallel rank."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if precision not in PRECISIONS:
         raise LayoutError(f"precision={precision!r}: use one of {list(PRECISIONS)}.")
     short = short_model(info)

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import Shard, ShardedTensor
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
 

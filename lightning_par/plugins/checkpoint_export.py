@@ -560,7 +560,7 @@ def _checkpoint_class(ckpt: str | Path, hparams: dict[str, Any], trusted: bool) 
     if not named:
         raise ValueError(f"{ckpt} does not say which LightningModule saved it (no _class_path among its "
                          "hyper-parameters: it was not run through the lightning-par CLI). Pass --model-class, e.g. "
-                         "--model-class example_models.HFLlamaLightningModule.")
+                         "--model-class lightning_par.examples.HFLlamaLightningModule.")
     if not trusted:
         raise ValueError(f"{ckpt} names its LightningModule class {named!r}; importing it runs that module's code, "
                          f"so --hf imports no class on the checkpoint's word alone. Pass --model-class {named} if "
@@ -646,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the LightningModule attribute to strip from the names (default: the one first name "
                              "component all entries share, e.g. 'model'); '' keeps the names. Without --hf only.")
     parser.add_argument("--model-class", default=None,
-                        help="with --hf: the LightningModule class (e.g. example_models.HFLlamaLightningModule)")
+                        help="with --hf: the LightningModule class "
+                             "(e.g. lightning_par.examples.HFLlamaLightningModule)")
     parser.add_argument("--trust-checkpoint-class", action="store_true",
                         help="with --hf and no --model-class: import the class the checkpoint names (the Lightning "
                              "CLI saves it with the hyper-parameters); importing a module runs its code, so only for "

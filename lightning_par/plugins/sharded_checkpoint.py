@@ -23,10 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_par._compat import ShardedTensor, set_element
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, checkpoint_meta, zero_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError

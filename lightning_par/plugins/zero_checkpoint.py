@@ -25,11 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_par._compat import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    compute_local_shape_and_global_offset,
+    make_wrapper_subclass,
+)
 from lightning_par.parallel.zero import ZeroPartitioner
 
 # DCP reads ShardedTensor's size through its (deprecated) torch function; the objects here never leave DCP
@@ -111,7 +117,7 @@ def blocks_tensor(shards: list[Shard], size: torch.Size) -> ShardedTensor:
     """A DCP-only ShardedTensor: this rank's blocks ``shards`` of a tensor of ``size`` (no cross-rank metadata, no
     process group)."""
     dtype, device = shards[0].tensor.dtype, shards[0].tensor.device
-    tensor = torch.Tensor._make_wrapper_subclass(ShardedTensor, size, dtype=dtype, device=device)
+    tensor = make_wrapper_subclass(ShardedTensor, size, dtype=dtype, device=device)
     tensor._metadata = ShardedTensorMetadata([s.metadata for s in shards], size, TensorProperties(dtype=dtype))
     tensor._local_shards = shards
     tensor._sharding_spec = None

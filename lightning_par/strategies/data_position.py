@@ -19,12 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_par._compat import Stateful, update_dataloader
 from lightning_par.parallel.data_order import DataParallelSampler
 
 _warnings = WarningCache()
@@ -38,7 +37,7 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
     user's with the same arguments). Any other sampler, batch sampler or iterable dataset cannot be positioned:
     one warning says that a mid-epoch resume replays that epoch, and the loader is left as it is.
     """
-    if isinstance(loader, _Stateful):
+    if isinstance(loader, Stateful):
         return loader
     if not isinstance(loader, DataLoader):
         return _not_resumable(loader, f"is a {type(loader).__name__}, not a DataLoader")
@@ -50,7 +49,7 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
     if type(sampler) is DistributedSampler:
         sampler = DataParallelSampler(sampler.dataset, num_replicas=sampler.num_replicas, rank=sampler.rank,
                                       shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
-        loader = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
+        loader = update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     elif not isinstance(sampler, DataParallelSampler):
         return _not_resumable(loader, f"has its own sampler ({_sampler_name(sampler)})")
     position = DataPosition(trainer, sampler, loader.batch_size)

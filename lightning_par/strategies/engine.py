@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,26 +24,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par.parallel import shutdown
+from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
+from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
+from lightning_par._compat import distributed_is_initialized as _distributed_is_initialized
+from lightning_par._compat import init_dist_connection as _init_dist_connection
+from lightning_par._compat import optimizers_to_device as _optimizers_to_device
+from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
+from lightning_par.parallel import context_parallel, shutdown
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
+from lightning_par.parallel.context_parallel import ContextParallel
+from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
@@ -64,18 +64,22 @@ from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.strategies.data_position import resumable_train_loader
-from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh
+from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
 log = logging.getLogger(__name__)
 
 
 class LayoutStrategy(ParallelStrategy):
-    """Train a LightningModule on a (pp, dp, tp) device mesh with the given layout.
+    """Train a LightningModule on a (pp, dp, cp, tp) device mesh with the given layout.
 
     Args:
-        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp).
+        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp * cp).
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
+        cp: context-parallel size: each sequence is split over ``cp`` ranks (causal load balancing: rank i keeps
+            chunks i and 2cp-1-i of 2cp), attention runs over the whole sequence (keys and values all-gathered),
+            the model gets global ``position_ids``, the loss is the token mean of the whole batch and gradients are
+            averaged over dp x cp. The sequence length must divide by 2 * cp (see docs/context-parallel.md).
         zero_stage: ZeRO stage across data parallel: 0 replicas, gradients all-reduced (DDP); 1 optimizer states
             sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.
@@ -89,6 +93,12 @@ class LayoutStrategy(ParallelStrategy):
             be replicated (norms, residual stream); each block's all-reduce becomes an all-gather + reduce-scatter.
         recompute: activation recompute per block: ``"none"``, ``"selective"`` (the attention core, Megatron's
             selective recompute) or ``"full"`` (each block keeps only its input and runs forward again in backward).
+        compile: ``torch.compile`` each repeated block in place, after tensor parallel and recompute and before
+            data-parallel sharding (:mod:`lightning_par.parallel.compile`): ``True``, or a dict of options
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``), or a
+            :class:`~lightning_par.parallel.compile.CompileOptions` (not in the type hint, so that the command line
+            takes true/false or a dict and lists no sub-options). Graphs and recompiles are counted; the fit
+            ends with their summary and ``compile/*`` scalars in the logger.
         block_types: the classes (or class names) of the model's repeated blocks, for a model whose blocks cannot
             be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
             data-parallel grouping and by the pipeline split.
@@ -118,6 +128,7 @@ class LayoutStrategy(ParallelStrategy):
         dp: Size = "auto",
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         zero_stage: int = 0,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
@@ -133,6 +144,7 @@ class LayoutStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        compile: bool | dict[str, Any] = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -147,7 +159,7 @@ class LayoutStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.layout = Layout(
-            dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
+            dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, stage_costs=stage_costs, sequence_parallel=sequence_parallel,
             recompute=recompute, block_types=block_types, bucket_cap_mb=bucket_cap_mb,
@@ -162,11 +174,14 @@ class LayoutStrategy(ParallelStrategy):
                               "or pp) saves one file. Use a ZeRO stage 1-3, tp or pp layout, or Lightning's "
                               "AsyncCheckpointIO plugin for one-file checkpoints.")
         self._async_save = async_save
+        self.compile_options = CompileOptions.of(compile)  # checked here, in the launching process
+        self.compiler: BlockCompiler | None = None  # the blocks' compiler and its counts (from setup)
         self._async: AsyncSaver | None = None
         self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._grad_mesh: DeviceMesh | None = None
         # the mode components this layout switched on (set in setup)
         self._runner: Runner = SingleRunner()  # the PipelineRuntime under pp > 1 (from setup)
         self._tensor_parallel: TensorParallelPlan | None = None
@@ -175,6 +190,8 @@ class LayoutStrategy(ParallelStrategy):
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
         self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
+        self._context_parallel: ContextParallel | None = None  # cp > 1 (from setup)
+        self._cp_undo = ExitStack()  # what cp set on the model and on torch, undone at teardown
 
     @property
     def precision_plugin(self) -> LayoutPrecision:
@@ -246,8 +263,16 @@ class LayoutStrategy(ParallelStrategy):
 
     @property
     def coordinates(self) -> dict[str, int]:
-        """This rank's coordinates on the mesh, e.g. ``{"pp": 0, "dp": 1, "tp": 0}``."""
+        """This rank's coordinates on the mesh, e.g. ``{"pp": 0, "dp": 1, "cp": 0, "tp": 0}``."""
         return self.dims.coordinates(self.global_rank)
+
+    @property
+    def grad_mesh(self) -> DeviceMesh:
+        """The mesh data-parallel gradients are averaged over: ``dp``, or the flattened ``dp_cp`` under cp > 1 (the
+        cp ranks of a replica saw different tokens of the same samples)."""
+        if self._grad_mesh is None:
+            self._grad_mesh = gradient_mesh(self.device_mesh)
+        return self._grad_mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -303,9 +328,10 @@ class LayoutStrategy(ParallelStrategy):
             self._async = AsyncSaver(self.is_global_zero, self.barrier)  # a process group: every rank, now
         self._agree_on_rng_state()
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
+        self._grad_mesh = None
         assert self.lightning_module is not None
         # LightningModule.device_mesh reads this, as under Lightning's ModelParallelStrategy.
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"{type(self).__name__}: {self.dims.describe()}, backend {self._process_group_backend}\n"
                        f"{self.dims.rank_table()}")
 
@@ -343,13 +369,18 @@ class LayoutStrategy(ParallelStrategy):
         # the one owner of data-parallel gradients, chosen first: its `shard` is the last transform of `parallelize`
         # (FSDP2 at ZeRO-3, with the precision's dtypes: bf16 buckets with fp32 master shards at ZeRO-1/2,
         # MixedPrecisionPolicy at ZeRO-3)
-        self._gradient_sync = choose_gradient_sync(self.layout, self.device_mesh["dp"], fitting,
+        self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
                                                    self.precision_plugin.shard_precision(self.layout.zero_stage))
+        if self.dims.cp > 1:  # the loss is wrapped before the pipeline takes it
+            self._setup_context_parallel()
         if self.dims.pp > 1:
             self._setup_pipeline(trainer, fitting)  # the runtime splits, then calls _parallelize per rank module
         else:
-            blocks = self._find_blocks().block_modules() if self.layout.recompute != "none" else []
+            per_block = self.layout.recompute != "none" or self.compile_options is not None
+            blocks = self._find_blocks().block_modules() if per_block else []
             self._parallelize(ModelParts(root=self.lightning_module, stages=[self.lightning_module], blocks=blocks))
+        if self._context_parallel is not None:
+            self._install_context_parallel()
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
         self.model = self._gradient_sync.wrap(self.model)
         if fitting:
@@ -358,7 +389,8 @@ class LayoutStrategy(ParallelStrategy):
             # Lightning's clipping computes the norm of what this rank holds; clip by the whole model's instead
             self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
         self._scope_metrics_to_data_parallel()
-        rank_zero_info(f"data-parallel gradients: {self._gradient_sync.name} over dp={self.dims.dp}")
+        over = f"dp={self.dims.dp} x cp={self.dims.cp}" if self.dims.cp > 1 else f"dp={self.dims.dp}"
+        rank_zero_info(f"data-parallel gradients: {self._gradient_sync.name} over {over}")
         self.setup_precision_plugin()
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -366,9 +398,13 @@ class LayoutStrategy(ParallelStrategy):
     def _parallelize(self, parts: ModelParts) -> list[nn.Module]:
         """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
         for every layout); returns the stage modules."""
-        config = ParallelizeConfig(device=self.root_device, dp_mesh=self.device_mesh["dp"],
+        if self.compile_options is not None:
+            self.compiler = BlockCompiler(self.compile_options,
+                                          split_backward=self.layout.stage_plan.spec is not None
+                                          and self.layout.stage_plan.spec.split_backward)
+        config = ParallelizeConfig(device=self.root_device, dp_mesh=self.grad_mesh,
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
-                                   recompute=self.layout.recompute)
+                                   recompute=self.layout.recompute, compile=self.compiler)
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._deferred,
                            pretrained=self.pretrained)
         self._deferred = None
@@ -380,6 +416,8 @@ class LayoutStrategy(ParallelStrategy):
                 f"{', vocab-parallel loss' if done.tensor_parallel.vocab_parallel_head else ''}")
         if self.layout.recompute != "none":
             rank_zero_info(f"activation recompute ({self.layout.recompute}) on {len(parts.blocks)} blocks of rank 0")
+        if self.compiler is not None:
+            rank_zero_info(f"{self.compile_options.describe()}: {len(parts.blocks)} blocks of rank 0")
         if "kept_bytes" in done.stats:
             rank_zero_info(f"deferred init: rank 0 {describe_materialized(done.stats)}")
         if "pretrained_tensors" in done.stats:
@@ -439,6 +477,64 @@ class LayoutStrategy(ParallelStrategy):
                 module.process_group = self.device_mesh["dp"].get_group()
 
     # ----------------------------------------------------------------------------------------------------------------
+    # Context parallel (cp > 1): each step's batch cut along the sequence (lightning_par.parallel.context_parallel)
+    # ----------------------------------------------------------------------------------------------------------------
+    def _setup_context_parallel(self) -> None:
+        """Check the model can take global positions, make its loss the whole sequence's, and set the context the
+        attention reads. Refused alike on every rank, before any collective of the step."""
+        lm = self.lightning_module
+        assert lm is not None
+        blocks = self._find_blocks()
+        context_parallel.check_takes_positions(blocks.root)
+        mesh = self.device_mesh["cp"]
+        cp = ContextParallel(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
+        if callable(getattr(lm, "loss_fn", None)):
+            self._cp_undo.callback(vars(lm).pop, "loss_fn", None)
+            lm.loss_fn = cp.mean_loss(lm.loss_fn)
+        else:
+            own = next((m for m in lm.modules() if ModelLoss.of(m) is not None), None)
+            if own is None:
+                raise LayoutError(
+                    f"context parallel (cp={self.dims.cp}) computes the loss over every token of the whole sequence, "
+                    f"so it must know the loss: {type(lm).__name__} defines no loss_fn(outputs, targets) and holds no "
+                    "Hugging Face causal LM with a loss of its own. Define loss_fn (a token mean) and compute the "
+                    "step's loss with it, or train a Hugging Face *ForCausalLM returning `self.model(**batch).loss`.")
+            previous = own.loss_function
+            self._cp_undo.callback(setattr, own, "loss_function", previous)
+            own.loss_function = cp.model_loss(previous)
+        self._block_types = tuple({type(m) for m in blocks.block_modules()})
+        self._position_root = type(blocks.root)
+        self._context_parallel = cp
+        rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, keys and values "
+                       f"all-gathered per attention, global position_ids into {type(blocks.root).__name__}")
+
+    def _install_context_parallel(self) -> None:
+        """The position and attention hooks, on the modules that now run the model (the stage modules under pp)."""
+        assert self.lightning_module is not None and self._context_parallel is not None
+        # from here (not during the pipeline's tracing of the model at setup) attention is context parallel's
+        context_parallel.activate(self._context_parallel)
+        self._cp_undo.callback(context_parallel.activate, None)
+        self._cp_undo.enter_context(context_parallel.attention_redirected())
+        hooked = 0
+        # pp > 1: the stage modules the schedule calls (the rank module's forward is the pipeline's)
+        candidates = self.pipeline.stage_modules if self.pipeline is not None else self.lightning_module.modules()
+        for module in candidates:
+            if isinstance(module, self._position_root):  # (FSDP2 subclasses it)
+                n_blocks = sum(isinstance(m, self._block_types) for m in module.modules())
+                for handle in context_parallel.install(module, self._context_parallel, n_blocks):
+                    self._cp_undo.callback(handle.remove)
+                hooked += 1
+        if not hooked:
+            raise LayoutError(f"context parallel: no {self._position_root.__name__} left to give positions to after "
+                              "the layout was applied; this is a bug, please report it with the layout.")
+
+    def _shard_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``(batch, ...)`` with the batch cut to this rank's share of each sequence (cp > 1)."""
+        if self._context_parallel is None or not args:
+            return args
+        return (self._context_parallel.shard(args[0]), *args[1:])
+
+    # ----------------------------------------------------------------------------------------------------------------
     # Pipeline parallel (pp > 1): the schedule runs forward and backward inside ``training_step``
     # ----------------------------------------------------------------------------------------------------------------
     def _setup_pipeline(self, trainer: Trainer, fitting: bool) -> None:
@@ -479,7 +575,7 @@ class LayoutStrategy(ParallelStrategy):
         log.info(pipeline.describe())
         if fitting:
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
-            trainer.fit_loop._skip_backward = True
+            set_skip_backward(trainer, True)
 
     def _pipeline_loss_fn(self, model: nn.Module) -> Any:
         """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
@@ -495,7 +591,7 @@ class LayoutStrategy(ParallelStrategy):
                     f"pipeline parallel (pp={self.dims.pp}): {name} defines loss_fn() but no compute_loss(batch): "
                     "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
                     "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
-                    "example_models.GPTLightningModule does.")
+                    "lightning_par.examples.GPTLightningModule does.")
             return lm.loss_fn
         own = ModelLoss.of(model)
         if own is None:
@@ -506,12 +602,13 @@ class LayoutStrategy(ParallelStrategy):
                 "`self.model(**batch).loss` from training_step (labels in the batch); or define "
                 "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
                 "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
-                "example_models.GPTLightningModule does.")
+                "lightning_par.examples.GPTLightningModule does.")
         rank_zero_info(f"pipeline loss: {own.name} on the last stage, the token mean over each whole batch "
                        f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
         return None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._shard_sequence(args)
         if not self._runner.takes_over_step:
             with self._loss_context():
                 return super().training_step(*args, **kwargs)
@@ -563,21 +660,29 @@ class LayoutStrategy(ParallelStrategy):
                 f"{type(lm).__name__} defines no loss_fn(), so under pipeline parallel its training_step must get its "
                 "loss from the model's own call, `self.model(**batch).loss` (labels in the batch), which runs the "
                 "schedule; this training_step did not call the model. Call it, or define `loss_fn(outputs, targets)` "
-                "and `compute_loss(batch)` (see example_models.GPTLightningModule).")
+                "and `compute_loss(batch)` (see lightning_par.examples.GPTLightningModule).")
         if returned is not None and returned is not losses[0]:
             raise LayoutError(
                 f"{type(lm).__name__}.training_step returned a loss other than the model's `.loss`: under pipeline "
                 "parallel that loss was computed and backpropagated inside the schedule (the tensor is detached), so "
                 "a loss computed from it (scaled, or with terms added) would not be trained on. Return "
                 "`self.model(**batch).loss` as it is, or define `loss_fn(outputs, targets)` and `compute_loss(batch)` "
-                "to compute your own loss (see example_models.GPTLightningModule).")
+                "to compute your own loss (see lightning_par.examples.GPTLightningModule).")
         return output
 
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._context_parallel is not None:
+            raise LayoutError(f"predict_step under context parallel (cp={self.dims.cp}) is not supported: predictions "
+                              "(and generation) need the whole sequence on a rank. Predict with a layout without cp.")
+        return super().predict_step(*args, **kwargs)
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._shard_sequence(args)
         with self._pipeline_eval_loss(), self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._shard_sequence(args)
         with self._pipeline_eval_loss(), self._loss_context():
             return super().test_step(*args, **kwargs)
 
@@ -785,6 +890,33 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = None
         super().on_exception(exception)
 
+    def on_train_end(self) -> None:
+        if self.compiler is not None:
+            self._report_compile()
+
+    def _report_compile(self) -> None:
+        """The fit's compile summary: rank 0's graphs by block, the most graphs, recompiles and backend seconds of
+        any rank (a warning if any recompiled), and those three as ``compile/*`` scalars in the logger."""
+        assert self.compiler is not None and self.lightning_module is not None
+        summary = self.compiler.summary(self.lightning_module)
+        counts = [(summary.graphs, summary.recompiles, summary.seconds)] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(counts, counts[0])
+        graphs, recompiles, seconds = (max(c[i] for c in counts) for i in range(3))
+        rank_zero_info(f"torch.compile: rank 0: {summary.describe()}; most on any rank: {graphs} graphs, "
+                       f"{recompiles} recompiles, {seconds:.1f} s")
+        if graphs == 0:
+            rank_zero_warn("torch.compile: no block compiled a graph on any rank; the blocks ran eagerly (a graph "
+                           "break before any tensor operation, or a forward replaced by something dynamo skips).")
+        if recompiles:
+            rank_zero_warn(f"torch.compile: a rank compiled {recompiles} block graph(s) again for inputs compiled "
+                           f"before (guards failed){': ' + summary.reasons[-1] if summary.reasons else ''}. Set "
+                           "TORCH_LOGS=recompiles to see why; see docs/compile.md.")
+        trainer = self.lightning_module.trainer
+        for logger in trainer.loggers:
+            logger.log_metrics({"compile/graphs": float(graphs), "compile/recompiles": float(recompiles),
+                                "compile/backend_seconds": seconds}, step=trainer.global_step)
+
     def teardown(self) -> None:
         try:
             if self._async is not None:
@@ -794,16 +926,25 @@ class LayoutStrategy(ParallelStrategy):
                 self._heartbeat.stop()
                 self._heartbeat = None
             if self._runner.takes_over_step and self.lightning_module is not None:
-                self.lightning_module.trainer.fit_loop._skip_backward = False
+                set_skip_backward(self.lightning_module.trainer, False)
             if self.model is not None:
                 self.model = self._gradient_sync.unwrap(self.model)
+            self._cp_undo.close()
+            self._context_parallel = None
+            if self.compiler is not None:
+                # before Lightning moves the model to the CPU (see BlockCompiler.release)
+                self.compiler.release(self.lightning_module)
             super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="lightning-par engine: a (pp, dp, tp) layout, data parallel by default"
+            cls.strategy_name, cls,
+            description="lightning-par engine: a (pp, dp, cp, tp) layout, data parallel by default"
         )
+        for cp in (2, 4):  # any other layout with cp: --trainer.strategy.cp=N on this name or hybrid3d
+            strategy_registry.register(f"context_parallel{cp}", cls, cp=cp,
+                                       description=f"lightning-par engine: context parallel cp={cp}, dp = the rest")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout})"

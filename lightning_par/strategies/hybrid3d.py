@@ -14,11 +14,12 @@ from lightning_par.topology import Size
 class Hybrid3DStrategy(LayoutStrategy):
     """3D parallelism: ``pp`` pipeline stages, each split over ``tp`` tensor-parallel ranks, in ``dp`` replicas.
 
-    One (pp, dp, tp) device mesh: tensor-parallel ranks innermost (adjacent ranks, the fastest links), pipeline
-    outermost. The model is built without memory and split into stages first; each rank materialises only its own
-    stages (the full model never exists on a rank), then each stage gets, in this order, the model's tensor-parallel
-    plan (patterns naming another stage's units are skipped there), activation recompute and ZeRO across data
-    parallel. Rank 0 logs the rank table (global rank -> (pp, dp, tp)) and which units each stage holds.
+    One (pp, dp, cp, tp) device mesh (cp: context parallel, 1 unless set): tensor-parallel ranks innermost (adjacent
+    ranks, the fastest links), pipeline outermost. The model is built without memory and split into stages first;
+    each rank materialises only its own stages (the full model never exists on a rank), then each stage gets, in this
+    order, the model's tensor-parallel plan (patterns naming another stage's units are skipped there), activation
+    recompute and ZeRO across data parallel. Rank 0 logs the rank table (global rank -> (pp, dp, tp), with cp when
+    set) and which units each stage holds.
 
     ZeRO with pipelines: stages 1 and 2 reduce-scatter each gradient bucket once per optimizer step, after the
     schedule's last backward (not once per micro-batch); stage 3 (FSDP2 per block and per stage) gathers each group
@@ -28,7 +29,9 @@ class Hybrid3DStrategy(LayoutStrategy):
     Args:
         tp: tensor-parallel size (must divide heads, hidden and FFN sizes and the vocabulary).
         pp: pipeline-parallel size.
-        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp).
+        dp: data-parallel size, or ``"auto"`` for world size / (tp * pp * cp).
+        cp: context-parallel size: each sequence split over ``cp`` ranks (between dp and tp on the mesh), attention
+            over the whole sequence, gradients averaged over dp x cp (see docs/context-parallel.md).
         zero_stage: across data parallel: 0 replicas, 1 optimizer states sharded (default), 2 + gradients,
             3 + parameters (FSDP2).
         schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``zero_bubble``,
@@ -48,6 +51,8 @@ class Hybrid3DStrategy(LayoutStrategy):
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.
         async_save: write checkpoints in the background (DCP ``async_save``).
+        compile: ``torch.compile`` each block in place: ``True``, or a dict of options (``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``) or a ``CompileOptions``; see ``lightning_par.parallel.compile``.
         checkpoint_io: a CheckpointIO plugin for one-file checkpoints; default atomic writes.
 
     Example::
@@ -63,6 +68,7 @@ class Hybrid3DStrategy(LayoutStrategy):
         tp: int = 2,
         pp: int = 2,
         dp: Size = "auto",
+        cp: int = 1,
         zero_stage: int = 1,
         schedule: str = "1f1b",
         n_microbatches: int | None = None,
@@ -78,15 +84,16 @@ class Hybrid3DStrategy(LayoutStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        compile: bool | dict[str, Any] = False,
         checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
-            dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
+            dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, recompute=recompute,
             block_types=block_types, stage_costs=stage_costs, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, bucket_cap_mb=bucket_cap_mb,
             process_group_backend=process_group_backend, timeout=timeout, heartbeat_timeout=heartbeat_timeout,
-            async_save=async_save, checkpoint_io=checkpoint_io,
+            async_save=async_save, compile=compile, checkpoint_io=checkpoint_io,
         )
 
     @classmethod
@@ -96,6 +103,7 @@ class Hybrid3DStrategy(LayoutStrategy):
             presets[f"hybrid3d_tp{tp}_pp{pp}"] = {"tp": tp, "pp": pp}
             presets[f"hybrid3d_tp{tp}_pp{pp}_sp"] = {"tp": tp, "pp": pp, "sequence_parallel": True}
         presets["hybrid3d_tp2_pp2_zero3"] = {"tp": 2, "pp": 2, "zero_stage": 3}
+        presets["hybrid3d_tp2_pp2_cp2"] = {"tp": 2, "pp": 2, "cp": 2}
         for name, init_args in presets.items():
             strategy_registry.register(name, cls, description=f"lightning-par Hybrid3DStrategy({init_args})",
                                        **init_args)

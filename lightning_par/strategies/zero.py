@@ -39,6 +39,8 @@ class ZeroStrategy(LayoutStrategy):
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.
         async_save: stages 1-3: write checkpoints in the background (DCP ``async_save``).
+        compile: ``torch.compile`` each block in place: ``True``, or a dict of options (``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``) or a ``CompileOptions``; see ``lightning_par.parallel.compile``.
         checkpoint_io: a CheckpointIO plugin for stage 0's one-file checkpoints; default atomic writes.
 
     Example::
@@ -61,13 +63,14 @@ class ZeroStrategy(LayoutStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        compile: bool | dict[str, Any] = False,
         checkpoint_io: Any = None,
     ) -> None:
         super().__init__(
             dp="auto", tp=1, pp=1, zero_stage=stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, recompute=recompute, bucket_cap_mb=bucket_cap_mb,
             block_types=block_types, process_group_backend=process_group_backend, timeout=timeout,
-            heartbeat_timeout=heartbeat_timeout, async_save=async_save, checkpoint_io=checkpoint_io,
+            heartbeat_timeout=heartbeat_timeout, async_save=async_save, compile=compile, checkpoint_io=checkpoint_io,
         )
 
     @property

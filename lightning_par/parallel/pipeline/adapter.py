@@ -15,8 +15,8 @@ Three kinds of model:
   instead (the forward does ``if inputs_embeds is None: inputs_embeds = self.embed_tokens(input_ids)``); the head's
   ``_pp_plan`` (``lm_head: (["hidden_states"], ["logits"])``) names the output field. A stage whose ``lm_head`` was
   removed returns its hidden states in ``.logits``.
-* **A model declaring** ``pipeline_units()`` (``example_models.GPT``): called positionally; its forward skips the
-  units set to ``None``.
+* **A model declaring** ``pipeline_units()`` (``lightning_par.examples.GPT``): called positionally; its forward
+  skips the units set to ``None``.
 * **Any other model** (blocks found in an ``nn.ModuleList``): a later stage runs the forward on the model's own
   input, the units before the stage's returning zeros of their output shapes (:class:`~.split.RemovedUnit`,
   ``"shape"``), and the received activation is injected as the input of the stage's first unit (a forward pre-hook
@@ -146,8 +146,10 @@ def stage_forward(module: nn.Module, io: StageIO, first: bool, entry: nn.Module 
     if inject and entry is None:
         raise ValueError("a later stage of a model fed by injection needs its first unit (entry=)")
 
-    def forward(x: Tensor, attention_mask: Tensor | None = None, model_inputs: Tensor | None = None) -> Tensor:
-        kwargs = dict(io.constant)
+    def forward(x: Tensor, attention_mask: Tensor | None = None, model_inputs: Tensor | None = None,
+                **model_kwargs: Any) -> Tensor:
+        # model_kwargs: what a forward pre-hook adds for the model (context parallel's global position_ids)
+        kwargs = {**io.constant, **model_kwargs}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         if inject:

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_par._compat import tree_leaves
 from lightning_par.parallel.pipeline.adapter import StageIO, first_tensor, stage_io
 from lightning_par.parallel.pipeline.split import feeds_by_injection, meta_copy
 from lightning_par.topology import LayoutError

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import split_batch
@@ -385,7 +386,7 @@ class PipelineRuntime:
                 "stages, with the loss computed on the last stage: it needs labels= (the output then holds the "
                 "loss only), e.g. `loss = self.model(**batch).loss` with 'labels' in the batch. This call gave "
                 "no labels. To compute your own loss from the logits, define loss_fn(outputs, targets) and "
-                "compute_loss(batch) instead (see example_models.GPTLightningModule).")
+                "compute_loss(batch) instead (see lightning_par.examples.GPTLightningModule).")
         return PipelineOutput(loss=self.train_step(inputs, labels=labels, num_items_in_batch=items))
 
     def train_step(self, inputs: Tensor | Mapping[str, Tensor], targets: Tensor | None = None, *,
@@ -549,10 +550,10 @@ class PipelineRuntime:
         grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
         if n == 1 or not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=dp_group)
         flat /= n
-        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        for grad, synced in zip(grads, unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(synced)
 
     # -- forward only ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Split a model into pipeline stages by removing the units a stage does not own.
 
 The units are the model's parts in execution order, e.g. ``["embed", "layers.0", ..., "layers.7", "norm", "head"]``
-for :class:`example_models.GPT` (its ``pipeline_units()``), or ``["model.embed_tokens", "model.layers.0", ...,
+for :class:`lightning_par.examples.GPT` (its ``pipeline_units()``), or ``["model.embed_tokens", "model.layers.0", ...,
 "model.norm", "lm_head"]`` for a Hugging Face ``LlamaForCausalLM`` (from its ``base_model_pp_plan``, found by
 :func:`lightning_par.parallel.blocks.find_blocks` and passed here as ``units=``). A stage is a contiguous run of those
 units, and the stage's module is the model with every other unit removed, so that the parameters that remain keep
@@ -210,7 +210,7 @@ class RemovedUnit(nn.Module):
 
 def removes_to_none(model: nn.Module) -> bool:
     """Whether ``model`` removes units by setting them to ``None``: it declares ``pipeline_units()`` (and so
-    follows that protocol, as ``example_models.GPT`` does); other models get :class:`RemovedUnit` stand-ins."""
+    follows that protocol, as ``lightning_par.examples.GPT`` does); other models get :class:`RemovedUnit` stand-ins."""
     return callable(getattr(model, "pipeline_units", None))
 
 
@@ -241,7 +241,7 @@ def _check_units(model: nn.Module, units: list[str], where: str, containers: tup
             raise LayoutError(
                 f"pipeline unit {unit!r} sits in an {type(parent).__name__}; removing it would re-index the others "
                 f"and rename their parameters. Hold repeated blocks in an {kinds} keyed '0', '1', ... like "
-                "example_models.GPT."
+                "lightning_par.examples.GPT."
             )
     for unit in units:
         inner = [u for u in units if u.startswith(unit + ".")]
@@ -265,7 +265,8 @@ def declared_units(model: nn.Module) -> list[str]:
             hint = f" Its submodule `{inner}` declares them: split that module instead."
         raise LayoutError(
             f"{type(model).__name__} declares no pipeline units, so it cannot be split into pipeline stages; add a "
-            "`pp_plan` / `pipeline_units()` that lists its units in execution order like example_models.GPT, or "
+            "`pp_plan` / `pipeline_units()` that lists its units in execution order like "
+            "lightning_par.examples.GPT, or "
             "pass the units found by lightning_par.parallel.blocks.find_blocks as `units=`." + hint
         )
     return _check_units(model, list(declare()), f"{type(model).__name__}.pipeline_units()", (nn.ModuleDict,))

@@ -91,10 +91,15 @@ def num_params(config: GPTConfig) -> int:
     return embed + config.n_layers * block + d + head
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq_len, head_dim // 2], in fp32."""
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None,
+                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq_len, head_dim // 2], in fp32; for `position_ids` [B, T] (the tokens' positions,
+    0..seq_len-1 when not given) of shape [B, 1, T, head_dim // 2], to broadcast over the heads."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if position_ids is None:
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    else:
+        angles = (position_ids.to(device=device, dtype=torch.float32)[..., None] * inv_freq).unsqueeze(-3)
     return angles.cos(), angles.sin()
 
 
@@ -118,14 +123,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv_dim, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the projection outputs, not the config: under tensor parallelism a
         # column-parallel q_proj/k_proj/v_proj produces only this rank's share of the heads.
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device)
+        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device, position_ids=position_ids)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -154,8 +159,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -229,12 +234,14 @@ class GPT(nn.Module):
                 units.append(name)
         return units
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` [B, T]: the tokens' positions in their sequence (default 0..T-1), for a caller that
+        gives the model part of a sequence (context parallel)."""
         if tokens.size(1) > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.size(1)} exceeds max_seq_len {self.config.max_seq_len}")
         h = self.embed(tokens) if self.embed is not None else tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if position_ids is None else layer(h, position_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:

@@ -20,8 +20,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from example_models.gpt import causal_lm_loss
 from lightning_par.data import vocab_size_from_data
+from lightning_par.examples.gpt import causal_lm_loss
 from lightning_par.parallel.pipeline.batches import split_batch
 
 #: arch -> (config class, model class) in ``transformers``

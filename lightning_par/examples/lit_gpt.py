@@ -7,8 +7,8 @@ import lightning as L
 import torch
 import torchmetrics
 
-from example_models.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.data import vocab_size_from_data
+from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 
 
 class TokenPerplexity(torchmetrics.Metric):

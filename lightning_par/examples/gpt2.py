@@ -1,6 +1,6 @@
 """A GPT-2-style causal language model in plain PyTorch, in the spirit of nanoGPT.
 
-Unlike the Llama-style `example_models.gpt.GPT` it has learned position embeddings (`wpe`), LayerNorms with a
+Unlike the Llama-style `lightning_par.examples.gpt.GPT` it has learned position embeddings (`wpe`), LayerNorms with a
 bias, biased linears, an MLP whose `c_fc`/`c_proj` are direct children of the block, dropout, and (by default)
 tied token embedding / output head, as GPT-2 has. Module names follow Hugging Face's GPT-2 where they can; the
 attention keeps separate `q_proj`/`k_proj`/`v_proj` instead of GPT-2's fused `c_attn`, because a column-parallel
@@ -11,14 +11,15 @@ The model contains no parallel code. It only declares how it may be split: `tp_p
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from example_models.gpt import causal_lm_loss
+from lightning_par.data import vocab_size_from_data
+from lightning_par.examples.gpt import causal_lm_loss
 
 
 @dataclass
@@ -168,7 +169,8 @@ class GPT2LightningModule(L.LightningModule):
     The network is built in `configure_model()`, so a strategy can build it on every rank after seeding.
 
     Args:
-        vocab_size: Vocabulary size; 256 for raw UTF-8 bytes.
+        vocab_size: Vocabulary size; ``None``: the data module's (``trainer.datamodule.vocab_size``: 256 for UTF-8
+            bytes, the tokenizer's padded length with a tokenizer), or 256 without a data module.
         n_embd: Model width.
         n_layers: Number of blocks.
         n_heads: Attention heads.
@@ -182,7 +184,7 @@ class GPT2LightningModule(L.LightningModule):
 
     def __init__(
         self,
-        vocab_size: int = 256,
+        vocab_size: int | None = None,
         n_embd: int = 64,
         n_layers: int = 4,
         n_heads: int = 4,
@@ -197,12 +199,16 @@ class GPT2LightningModule(L.LightningModule):
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
         self.save_hyperparameters()
+        vocab_size = 256 if vocab_size is None else vocab_size  # until configure_model reads the data's
         self.config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layers,
                                  n_head=n_heads, dropout=dropout, tie_word_embeddings=tie_embeddings)
         self.model: GPT2 | None = None
 
     def configure_model(self):
         if self.model is None:
+            vocab_size = vocab_size_from_data(self, self.hparams.vocab_size, default=self.config.vocab_size)
+            self.config = replace(self.config, vocab_size=vocab_size)
+            self.hparams.vocab_size = vocab_size  # what the checkpoint records, so the model is rebuilt alike
             self.model = GPT2(self.config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

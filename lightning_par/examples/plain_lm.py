@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_par.data import vocab_size_from_data
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then a GELU MLP, each with a residual."""
@@ -55,10 +57,12 @@ class PlainLM(nn.Module):
 
 
 class PlainLMLightningModule(L.LightningModule):
-    """:class:`PlainLM` on byte tokens; batches are ``(inputs, targets)`` [B, T] (``lightning_par.data``).
+    """:class:`PlainLM` on the data module's tokens; batches are ``(inputs, targets)`` [B, T]
+    (``lightning_par.data``).
 
     Args:
-        vocab_size: vocabulary size; 256 for the byte-level ``TextDataModule``.
+        vocab_size: vocabulary size; ``None``: the data module's (256 for the byte-level ``TextDataModule``, the
+            tokenizer's padded length with a tokenizer), or 256 without a data module.
         dim: model width.
         n_layers: number of blocks.
         n_heads: attention heads.
@@ -68,7 +72,7 @@ class PlainLMLightningModule(L.LightningModule):
         weight_decay: AdamW weight decay.
     """
 
-    def __init__(self, vocab_size: int = 256, dim: int = 64, n_layers: int = 4, n_heads: int = 4,
+    def __init__(self, vocab_size: int | None = None, dim: int = 64, n_layers: int = 4, n_heads: int = 4,
                  max_seq_len: int = 256, optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.1):
         super().__init__()
         if optimizer not in ("adamw", "sgd"):
@@ -79,6 +83,7 @@ class PlainLMLightningModule(L.LightningModule):
     def configure_model(self):
         if self.model is None:  # built here so a strategy can build it on every rank after seeding
             hp = self.hparams
+            hp.vocab_size = vocab_size_from_data(self, hp.vocab_size)  # recorded so a checkpoint rebuilds it alike
             self.model = PlainLM(hp.vocab_size, hp.dim, hp.n_layers, hp.n_heads, hp.max_seq_len)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""Every private torch, Lightning and jsonargparse name lightning-par uses, in one place.
+
+Private names change between releases without notice, so lightning-par is tested against one minor release of each
+(:data:`TESTED`, the ranges pyproject.toml declares). Importing this module (``import lightning_par`` does) checks
+the installed versions: an untested one stops the import with one message naming the tested versions, unless
+``LIGHTNING_PAR_ALLOW_UNTESTED=1`` turns it into one warning. Every private name is then loaded here, at import, so a
+release that lacks one fails at once with an ImportError naming it -- not with an AttributeError deep in a run.
+No other module of lightning_par imports a private name or reaches one as ``torch.x._y``, and the private
+Lightning attributes that steer a run go through the accessors below (tests/test_compat.py checks both). Private
+attributes of objects (a ShardedTensor's ``_local_shards``; FSDP2's ``_fsdp_param_groups`` and a module's
+``_trainer``, read with a fallback) stay where they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from packaging.version import Version
+
+#: minor release tested of each package whose private names are used (pyproject.toml declares the same ranges)
+TESTED = {"torch": "2.13", "lightning": "2.6", "jsonargparse": "4.53"}
+ALLOW_UNTESTED = "LIGHTNING_PAR_ALLOW_UNTESTED"
+
+
+class UntestedVersionError(ImportError):
+    """An installed torch, lightning or jsonargparse of a minor release lightning-par was not tested with."""
+
+
+def installed_versions() -> dict[str, str]:
+    """The installed version of each package of :data:`TESTED`: its ``__version__`` (a source build of torch may
+    have no package metadata), else its metadata's, else ``"missing"``."""
+    out = {}
+    for package in TESTED:
+        try:
+            out[package] = str(importlib.import_module(package).__version__)
+        except (ImportError, AttributeError):
+            try:
+                out[package] = version(package)
+            except PackageNotFoundError:
+                out[package] = "missing"
+    return out
+
+
+def _minor(text: str) -> str:
+    try:
+        return ".".join(str(n) for n in Version(text).release[:2])
+    except ValueError:
+        return text
+
+
+def _tested(package: str) -> str:
+    return f"{package}=={TESTED[package]}.*"
+
+
+def check_versions(installed: dict[str, str] | None = None) -> list[str]:
+    """Raise :class:`UntestedVersionError` when an installed package is not the tested minor release, or warn once
+    where ``LIGHTNING_PAR_ALLOW_UNTESTED=1``. Returns the untested packages (empty when all are tested)."""
+    installed = installed_versions() if installed is None else installed
+    untested = [p for p, v in installed.items() if _minor(v) != TESTED[p]]
+    if not untested:
+        return []
+    found = ", ".join(f"{p} {installed[p]}" for p in untested)
+    message = (f"lightning-par is tested with {', '.join(f'{p} {v}.x' for p, v in TESTED.items())} and uses private "
+               f"names of them that change between releases; found {found}. Install the tested versions "
+               f"(pip install {' '.join(repr(_tested(p)) for p in untested)}), or set {ALLOW_UNTESTED}=1 to try "
+               "anyway (a private name that is gone then fails at import, named).")
+    if os.environ.get(ALLOW_UNTESTED, "") not in ("", "0"):
+        warnings.warn(message, UserWarning, stacklevel=2)
+        return untested
+    raise UntestedVersionError(message)
+
+
+def missing_name_error(package: str, name: str) -> ImportError:
+    """The error for a private ``name`` of ``package`` that the installed release does not have."""
+    found = installed_versions().get(package, "?")
+    return ImportError(f"lightning-par needs {name}, a private name of {package} that {package} {found} does not have "
+                       f"(lightning-par is tested with {package} {TESTED[package]}.x): install {_tested(package)!r}.")
+
+
+def private(package: str, module: str, attribute: str) -> Any:
+    """``module.attribute`` (``attribute`` may be dotted), or :func:`missing_name_error` when it is gone."""
+    try:
+        value: Any = importlib.import_module(module)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+    except (ImportError, AttributeError) as err:
+        raise missing_name_error(package, f"{module}.{attribute}") from err
+    return value
+
+
+check_versions()
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch
+# ----------------------------------------------------------------------------------------------------------------------
+# FSDP2's ``replicate`` (DDP on DTensors over a (dp, tp) mesh, data_parallel.py): the public DDP wrapper takes
+# neither DTensor parameters nor a 2-D mesh.
+replicate = private("torch", "torch.distributed._composable.replicate_with_fsdp", "replicate")
+# ZeRO-1/2 flat shards and ZeRO-3 blocks written to / read from DCP (plugins/*checkpoint.py): DTensor cannot express
+# a flat, uneven shard of a parameter, and DCP reads any ShardedTensor layout into any other.
+Shard = private("torch", "torch.distributed._shard.sharded_tensor", "Shard")
+ShardedTensor = private("torch", "torch.distributed._shard.sharded_tensor", "ShardedTensor")
+ShardMetadata = private("torch", "torch.distributed._shard.sharded_tensor", "ShardMetadata")
+ShardedTensorMetadata = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "ShardedTensorMetadata")
+TensorProperties = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")
+# a ShardedTensor built without a process group (zero_checkpoint.blocks_tensor): its public constructors need one
+make_wrapper_subclass = private("torch", "torch", "Tensor._make_wrapper_subclass")
+# puts a value at a DCP path inside a nested state dict (sharded_checkpoint.py); DCP has no public setter
+set_element = private("torch", "torch.distributed.checkpoint._traverse", "set_element")
+# where a DTensor's local shard lies in the global tensor; DTensor has no public method for it
+compute_local_shape_and_global_offset = private("torch", "torch.distributed.tensor._utils",
+                                                "compute_local_shape_and_global_offset")
+# the tensor a row-parallel layer returns while its all-reduce runs (measure.py counts the memory inside it)
+AsyncCollectiveTensor = private("torch", "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+# context parallel gathers the keys and values of the sequence shards with a differentiable all-gather
+# (parallel/context_parallel.py); torch.distributed.nn.all_gather returns a list and has no single-tensor form
+all_gather_single_autograd = private("torch", "torch.distributed._functional_collectives", "all_gather_single_autograd")
+wait_tensor = private("torch", "torch.distributed._functional_collectives", "wait_tensor")
+# the process group behind a group name as c10d ops receive it below the dispatcher (tp_accounting.py)
+resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "_resolve_process_group")
+# dispatch modes see every aten op: deferred init, the planner's trace and the TP accounting are built on them;
+# torch has no public dispatch-mode API
+TorchDispatchMode = private("torch", "torch.utils._python_dispatch", "TorchDispatchMode")
+is_traceable_wrapper_subclass = private("torch", "torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+# shapes without memory for the planner's trace (planner/trace.py); no public fake-tensor API
+FakeTensorMode = private("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
+# nested containers of tensors (torch has no public pytree module)
+tree_flatten = private("torch", "torch.utils._pytree", "tree_flatten")
+tree_leaves = private("torch", "torch.utils._pytree", "tree_leaves")
+tree_map = private("torch", "torch.utils._pytree", "tree_map")
+# deferred init forces a tensor without re-entering its own __torch_function__, and parses Tensor.to's arguments
+# exactly as torch does (deferred_init.py)
+DisableTorchFunction = private("torch", "torch._C", "DisableTorchFunction")
+parse_to = private("torch", "torch._C._nn", "_parse_to")
+# one all-reduce for all gradients of a pipeline stage (pipeline/runtime.py), as DDP's buckets do
+flatten_dense_tensors = private("torch", "torch._utils", "_flatten_dense_tensors")
+unflatten_dense_tensors = private("torch", "torch._utils", "_unflatten_dense_tensors")
+_SCHEDULE_LOWERING = "_prepare_schedule_with_comms"
+
+
+def schedule_order_only(torch_class: type) -> type:
+    """``torch_class`` (a pipelining schedule) without the last step of its constructor, which lowers
+    ``pipeline_order`` to communication actions for the runtime and takes seconds at large micro-batch counts: the
+    planner reads only the compute order. A schedule without that step (a single-stage one) is returned as is."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    if issubclass(torch_class, PipelineScheduleMulti) and not hasattr(torch_class, _SCHEDULE_LOWERING):
+        raise missing_name_error("torch", f"{torch_class.__name__}.{_SCHEDULE_LOWERING}")
+    return type(torch_class.__name__, (torch_class,), {_SCHEDULE_LOWERING: lambda self, *a, **k: None})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Lightning
+# ----------------------------------------------------------------------------------------------------------------------
+# the strategies launch and join processes as Lightning's own DDP strategy does (strategies/engine.py)
+_SubprocessScriptLauncher = private("lightning", "lightning.pytorch.strategies.launchers.subprocess_script",
+                                    "_SubprocessScriptLauncher")
+distributed_is_initialized = private("lightning", "lightning.fabric.utilities.distributed",
+                                     "_distributed_is_initialized")
+default_process_group_backend = private("lightning", "lightning.fabric.utilities.distributed",
+                                        "_get_default_process_group_backend_for_device")
+init_dist_connection = private("lightning", "lightning.fabric.utilities.distributed", "_init_dist_connection")
+sync_ddp_if_available = private("lightning", "lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
+optimizers_to_device = private("lightning", "lightning.fabric.utilities.optimizer", "_optimizers_to_device")
+# the data position a checkpoint saves (strategies/data_position.py): Lightning's own protocol and loader rebuild
+Stateful = private("lightning", "lightning.fabric.utilities.types", "_Stateful")
+update_dataloader = private("lightning", "lightning.pytorch.utilities.data", "_update_dataloader")
+
+
+def _require_attribute(obj: Any, name: str, where: str) -> None:
+    if not hasattr(obj, name):
+        raise missing_name_error("lightning", f"{where}.{name}")
+
+
+def set_skip_backward(trainer: Any, skip: bool) -> None:
+    """Tell Lightning's loop not to run backward nor zero gradients: a pipeline schedule does both in the step (as
+    Lightning's StochasticWeightAveraging does; no public switch exists)."""
+    _require_attribute(trainer.fit_loop, "_skip_backward", "Trainer.fit_loop")
+    trainer.fit_loop._skip_backward = skip
+
+
+def uses_distributed_sampler(trainer: Any) -> bool:
+    """The Trainer's ``use_distributed_sampler`` argument (the Trainer keeps it on a private connector only)."""
+    _require_attribute(trainer, "_accelerator_connector", "Trainer")
+    return trainer._accelerator_connector.use_distributed_sampler
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """Make ``LightningModule.device_mesh`` return ``mesh``, as Lightning's ModelParallelStrategy does (the property
+    has no setter)."""
+    _require_attribute(module, "_device_mesh", "LightningModule")
+    module._device_mesh = mesh
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# jsonargparse (the CLI, lightning_par/cli.py)
+# ----------------------------------------------------------------------------------------------------------------------
+# --KEY.help CLASS, the action of a type-hinted option and the value of a --KEY.SUB=VALUE option: the CLI extends
+# them so that a registered strategy name takes per-option overrides
+ActionHelpClassPath = private("jsonargparse", "jsonargparse._actions", "_ActionHelpClassPath")
+ActionTypeHint = private("jsonargparse", "jsonargparse._typehints", "ActionTypeHint")
+NestedArg = private("jsonargparse", "jsonargparse._util", "NestedArg")

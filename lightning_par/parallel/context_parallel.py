@@ -1,0 +1,357 @@
+"""Context parallel: each sequence split over the ``cp`` ranks, attention still over the whole sequence.
+
+A batch reaches every ``cp`` rank of a data-parallel replica whole (the sampler is over dp only); each rank keeps
+its share of the sequence, with causal load balancing: the sequence is cut into ``2 * cp`` chunks and rank ``i``
+keeps chunks ``i`` and ``2 * cp - 1 - i``, so every rank holds as many early (cheap) as late (expensive) queries
+of the causal attention. Inputs, targets and position ids are cut the same way (:meth:`ContextParallel.shard`).
+
+Everything but attention is per token, so it runs on the shard as it is. Attention runs here
+(:func:`sequence_attention`): the shard's keys and values are all-gathered over the cp group (torch's autograd
+all-gather, whose backward reduce-scatters their gradients), and the causal mask is made from the global positions
+of queries and keys. One implementation serves
+
+* a model whose attention calls ``F.scaled_dot_product_attention`` (the example GPT): that call is redirected
+  while the model runs under cp (:func:`attention_redirected`, as selective recompute does);
+* Hugging Face models (Llama, Qwen2, ...): an attention implementation registered in ``AttentionInterface``
+  (:data:`HF_ATTENTION`), set on the model's config, with no mask function (so the model makes no local mask).
+
+On CUDA, torch's ``torch.distributed.tensor.experimental.context_parallel`` (a ring over SDPA's flash and efficient
+kernels, the same load balancing) would take the place of :func:`sequence_attention` for the SDPA path; torch 2.13
+has no sharding rule for the CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``), hence the all-gather
+written here, which runs on gloo.
+
+The positions must be global for the model to be right: rotary tables from ``position_ids`` (Hugging Face models,
+the example GPT) are; a learned position embedding indexed by ``arange`` of the local length is not. The strategy
+passes ``position_ids`` to the model's forward and refuses a model whose forward takes none
+(:func:`check_takes_positions`); a forward whose attention did not come here is refused after its first call.
+
+The loss is the mean over every counted token of the whole sequence: each rank's share (its token-loss sum over the
+replica's token count) is summed over cp in forward (:func:`sum_over_cp`), so every cp rank reports the replica's
+loss, and its gradient is scaled by cp in backward, because the data-parallel owners average gradients over dp x cp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
+from lightning_par.topology import LayoutError
+
+#: the attention implementation name registered with Hugging Face's ``AttentionInterface``
+HF_ATTENTION = "lightning_par_context_parallel"
+
+
+def check_sequence_length(seq_len: int, cp: int) -> None:
+    """The sequence must cut into ``2 * cp`` equal chunks (causal load balancing)."""
+    if seq_len % (2 * cp):
+        raise LayoutError(
+            f"context parallel cp={cp} cuts each sequence into 2 * cp = {2 * cp} equal chunks (rank i keeps chunks i "
+            f"and {2 * cp - 1} - i, balancing the causal attention), but the batch's sequence length is {seq_len}. "
+            f"Use a sequence length divisible by {2 * cp} (e.g. {seq_len + (-seq_len) % (2 * cp)}).")
+
+
+def shard_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
+    """The global positions cp rank ``rank`` holds of a sequence of ``seq_len``: chunks ``rank`` and
+    ``2 * cp - 1 - rank`` of ``2 * cp``, in that order."""
+    check_sequence_length(seq_len, cp)
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
+
+
+class _SumOverCP(torch.autograd.Function):
+    """Forward: the sum over the cp group. Backward: the gradient times cp (the owners then average over cp)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
+        ctx.size = size
+        total = share.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return grad * ctx.size, None, None
+
+
+@dataclass
+class ContextParallel:
+    """The cp group of this rank, and the positions of the batch it is working on."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    positions: Tensor | None = None  # this rank's global positions of the current batch [T / cp]
+    targets: Tensor | None = None  # a dict batch: next-token targets of its labels, this rank's share
+    attention_calls: int = 0  # in the model's forward in progress
+    positions_given: int = 0  # forwards given this batch's positions since it was cut
+
+    # -- the batch -----------------------------------------------------------------------------------------------
+    def shard(self, batch: Any) -> Any:
+        """This rank's share of ``batch`` (a tuple ``(inputs, targets)`` or a Hugging Face dict), cut along the
+        sequence; sets :attr:`positions` (and :attr:`targets` for a dict's labels). Anything else is refused."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
+            inputs, targets = batch
+            if inputs.dim() != 2 or targets.shape != inputs.shape:
+                raise LayoutError(f"context parallel cuts a batch (inputs, targets) of token ids [batch, sequence]; "
+                                  f"got shapes {tuple(inputs.shape)} and {tuple(targets.shape)}.")
+            index = self._index(inputs)
+            self.targets = None
+            return type(batch)((inputs[:, index], targets[:, index]))
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
+            return self._shard_dict(batch)
+        raise LayoutError(
+            f"context parallel cuts each sequence of a batch over the cp ranks; it accepts a tuple (inputs, targets) "
+            f"of token-id tensors or a Hugging Face dict with 'input_ids' (and 'labels', 'attention_mask', "
+            f"'position_ids'), not {type(batch).__name__}.")
+
+    def _index(self, ids: Tensor) -> Tensor:
+        self.positions_given = 0
+        self.positions = shard_positions(ids.size(1), self.size, self.rank, device=ids.device)
+        return self.positions
+
+    def _shard_dict(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        ids = batch["input_ids"]
+        if ids.dim() != 2:
+            raise LayoutError(f"context parallel: input_ids must be [batch, sequence], got {tuple(ids.shape)}.")
+        mask = batch.get("attention_mask")
+        if isinstance(mask, Tensor) and not bool(mask.bool().all()):
+            raise LayoutError(
+                "context parallel attends over the whole sequence with a causal mask made from global positions; a "
+                "padding attention_mask (zeros) is not supported. Pack the sequences to full length (no padding), "
+                "or train this data without cp.")
+        labels = batch.get("labels")
+        targets = next_token_targets(labels) if isinstance(labels, Tensor) else None
+        if targets is not None and ids.size(1) % (2 * self.size) == 1:
+            # seq_len + 1 tokens (the labels aligned with the inputs): the last token has no target and no earlier
+            # token attends to it, so it is dropped, exactly, and the rest cut evenly
+            batch = {k: v[:, :-1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == ids.shape else v
+                     for k, v in batch.items()}
+            ids, targets = batch["input_ids"], targets[:, :-1]
+        index = self._index(ids)
+        out: dict[str, Any] = {}
+        for key, value in batch.items():
+            if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == ids.shape:
+                out[key] = value[:, index]
+            elif isinstance(value, Tensor) and value.dim() >= 1 and value.size(-1) == ids.size(1):
+                raise LayoutError(f"context parallel cannot cut the batch's {key!r} of shape {tuple(value.shape)}: "
+                                  f"only [batch, sequence, ...] tensors shaped like input_ids {tuple(ids.shape)}.")
+            else:
+                out[key] = value
+        if isinstance(batch.get("position_ids"), Tensor):
+            self.positions = out["position_ids"][0] if out["position_ids"].dim() == 2 else self.positions
+        # the model shifts labels inside its loss; shifted above on the whole sequence, then cut
+        self.targets = targets[:, index] if targets is not None else None
+        return out
+
+    # -- positions into the model -----------------------------------------------------------------------------
+    def position_ids(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The forward's keywords with this batch's global ``position_ids`` [1, T / cp] added where none were given
+        (for a forward pre-hook); None when there is nothing to add."""
+        if self.positions is None or kwargs.get("position_ids") is not None:
+            return None
+        seq = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() >= 2), None)
+        if seq is not None and seq.size(1) != self.positions.numel():
+            raise LayoutError(
+                f"context parallel: the model was called on a sequence of {seq.size(1)} tokens, not on this step's "
+                f"shard ({self.positions.numel()} tokens); under cp only the training, validation and test steps "
+                "cut their batches (generation and predict_step are not supported: run them without cp).")
+        self.positions_given += 1
+        return {**kwargs, "position_ids": self.positions.unsqueeze(0)}
+
+    # -- the loss ---------------------------------------------------------------------------------------------
+    def sum_over_cp(self, share: Tensor) -> Tensor:
+        """``share`` summed over the cp ranks (forward); backward scales by cp, undoing the owners' cp average."""
+        if not self.positions_given:  # the loss of a forward that ran without this batch's positions
+            raise LayoutError("context parallel: the model computed a loss on this step's shard without being given "
+                              "its global position_ids (the strategy's hook on the model did not run); this is a "
+                              "bug, please report it with the layout.")
+        return _SumOverCP.apply(share, self.group, self.size)
+
+    def token_count(self, targets: Tensor) -> Tensor:
+        """The counted targets (not ``-100``) of the whole sequence: this rank's, summed over cp."""
+        count = (targets != IGNORE_INDEX).sum().to(torch.float64)
+        dist.all_reduce(count, group=self.group)
+        return count
+
+    def mean_loss(self, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        """``loss_fn(outputs, targets)`` (a token mean of one shard) made the token mean of the whole sequence."""
+
+        def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+            if self.targets is not None and self.targets.shape == targets.shape:
+                targets = self.targets  # a dict batch's labels shifted on the whole sequence, not on the shard
+            local = loss_fn(outputs, targets)
+            counted = (targets != IGNORE_INDEX).sum()
+            share = local * counted / self.token_count(targets).clamp(min=1).to(local.dtype)
+            return self.sum_over_cp(share)
+
+        return loss
+
+    def model_loss(self, loss_function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """A Hugging Face model's ``loss_function`` made the token mean (or the sum over ``num_items_in_batch``) of
+        the whole sequence; the labels are shifted on the whole sequence (:attr:`targets`), not on the shard."""
+
+        def loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Any = None,
+                 shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+            if shift_labels is None:
+                if self.targets is None or self.targets.shape != labels.shape:
+                    raise LayoutError("context parallel: the model's labels are not the shard of the batch's labels "
+                                      "this step cut; pass the batch's 'labels' to the model as they are.")
+                shift_labels = self.targets
+            total = self.token_count(shift_labels) if num_items_in_batch is None else num_items_in_batch
+            local_sum = loss_function(logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=1,
+                                      shift_labels=shift_labels, **kwargs)
+            total = torch.as_tensor(total, dtype=local_sum.dtype, device=local_sum.device)
+            return self.sum_over_cp(local_sum / total.clamp(min=1))
+
+        return loss
+
+
+#: the context of the step in progress (set by the strategy; read by the attention)
+_active: ContextParallel | None = None
+
+
+def activate(context: ContextParallel | None) -> None:
+    """Make ``context`` the one :func:`sequence_attention` uses (None: none)."""
+    global _active
+    _active = context
+
+
+def active() -> ContextParallel:
+    if _active is None or _active.positions is None:
+        raise LayoutError("context-parallel attention ran outside a context-parallel step (no positions set).")
+    return _active
+
+
+def sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = True,
+                       scale: float | None = None, dropout_p: float = 0.0, enable_gqa: bool = False) -> Tensor:
+    """Attention of this rank's queries [B, H, T / cp, D] over the whole sequence's keys and values: the shards'
+    keys and values all-gathered over cp (backward reduce-scatters their gradients), the causal mask made from
+    global positions. (On CUDA this is where torch's context-parallel SDPA would apply.)"""
+    context = active()
+    context.attention_calls += 1
+    q_pos = context.positions
+    # all-gather concatenates along dim 0: bring the sequence there and back
+    keys = _gather_sequence(key, context)
+    values = _gather_sequence(value, context)
+    mask = None
+    if is_causal:
+        seq_len = q_pos.numel() * context.size
+        kv_pos = torch.cat([shard_positions(seq_len, context.size, r, device=q_pos.device)
+                            for r in range(context.size)])
+        mask = q_pos[:, None] >= kv_pos[None, :]
+    return _sdpa(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def _gather_sequence(tensor: Tensor, context: ContextParallel) -> Tensor:
+    from lightning_par._compat import all_gather_single_autograd, wait_tensor
+
+    moved = tensor.movedim(-2, 0).contiguous()
+    gathered = wait_tensor(all_gather_single_autograd(moved, 0, context.group))
+    return gathered.movedim(0, -2)
+
+
+_sdpa = F.scaled_dot_product_attention
+
+
+def _redirected_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> Tensor:
+    if _active is None:  # no context-parallel step in this process
+        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+    if attn_mask is not None:
+        raise LayoutError(
+            "context parallel: the model called scaled_dot_product_attention with an explicit attn_mask, made for "
+            "the local shard of the sequence; only is_causal=True (or no mask) can be applied over the whole "
+            "sequence. Use is_causal=True, or train without cp.")
+    return sequence_attention(query, key, value, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                              enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def attention_redirected() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` calls go to :func:`sequence_attention` while inside."""
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _redirected_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
+def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                 dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """A Hugging Face attention function (``AttentionInterface``): [B, H, T, D] in, [B, T, H, D] out."""
+    if kwargs.get("sliding_window") is not None:
+        raise LayoutError("context parallel: sliding-window attention is not supported; use a model without it.")
+    gqa = query.size(1) != key.size(1)
+    causal = getattr(module, "is_causal", True)
+    out = sequence_attention(query, key, value, is_causal=causal, scale=scaling,
+                             dropout_p=dropout if module.training else 0.0, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_hf_attention(model: nn.Module) -> bool:
+    """Set a Hugging Face model's attention to :func:`hf_attention`; False when ``model`` is no such model."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    for module in model.modules():
+        sub = getattr(module, "config", None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            sub._attn_implementation_internal = HF_ATTENTION
+    return True
+
+
+def check_takes_positions(model: nn.Module) -> None:
+    """Refuse a model whose forward takes no ``position_ids``: under cp its positions would be the shard's local
+    ones (0..T/cp-1), silently wrong."""
+    try:
+        takes = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise LayoutError(
+            f"context parallel gives each rank a load-balanced share of the sequence, so the model must take the "
+            f"global positions of its tokens: {type(model).__name__}.forward has no `position_ids` argument (a "
+            "position embedding from `arange` of the local length would be wrong on every rank but the first). "
+            "Accept `position_ids` [batch, sequence] and use them for the positions (rotary tables or a position "
+            "embedding), as Hugging Face models and lightning_par.examples.GPT do; or train without cp.")
+
+
+def install(model: nn.Module, context: ContextParallel, n_blocks: int) -> list[Any]:
+    """Hooks on ``model`` (the module holding the blocks, called with the batch's inputs): global position ids
+    into its forward, and a check that its ``n_blocks`` blocks' attention ran here. A Hugging Face model gets the
+    registered attention; any other model's SDPA calls are redirected by :func:`attention_redirected`, which the
+    caller keeps entered while it trains (a recompute in backward calls SDPA again). Returns the hook handles."""
+    use_hf_attention(model)
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        context.attention_calls = 0
+        added = context.position_ids(args, kwargs)
+        return None if added is None else (args, added)
+
+    def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if context.attention_calls < n_blocks:
+            raise LayoutError(
+                f"context parallel: {type(module).__name__} holds {n_blocks} blocks but only "
+                f"{context.attention_calls} attention calls went through the context-parallel attention, so some "
+                "attention saw only this rank's share of the sequence. The attention must call "
+                "F.scaled_dot_product_attention (is_causal=True, no attn_mask) or be a Hugging Face attention "
+                "(AttentionInterface); train this model without cp.")
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after)]

@@ -1,0 +1,75 @@
+"""Train the tiny GPT eagerly and with its blocks compiled, per layout, one ``Trainer.fit`` after another.
+
+Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (ZeRO-3, tp2, pp2 ZBV) or 4 (tp2 x pp2). Each case
+fits twice on the same seed and data -- ``compile=False``, then ``compile=True`` (inductor) -- with plain SGD (a
+gradient off by any factor moves the loss), and writes ``ROOT/NAME_{eager,compiled}/tb`` (per-step losses, read by
+:class:`tests.harness.Run`) and, per rank, ``ROOT/NAME_compiled/rank{R}.json``: the compile summary (graphs, distinct
+inputs, recompiles, graphs by block) and whether any state-dict key changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from example_models import GPTLightningModule
+from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par.data import TextDataModule
+from tests.conftest import GLOBAL_BATCH, SGD_LR
+from tests.harness import checkpoint_worker_main
+
+STEPS = 6
+#: what compile=True means here; LIGHTNING_PAR_COMPILE_BACKEND=aot_eager traces without generating code (debugging)
+COMPILE = dict(backend=os.environ.get("LIGHTNING_PAR_COMPILE_BACKEND", "inductor"))
+#: name -> (ranks, strategy class, its arguments, batch size per rank)
+CASES: dict[str, tuple[int, type, dict, int]] = {
+    "zero3_dp2": (2, ZeroStrategy, dict(stage=3), GLOBAL_BATCH // 2),
+    "tp2": (2, MegatronTPStrategy, dict(tp=2), GLOBAL_BATCH),
+    "pp2_zbv": (2, PipelineStrategy, dict(pp=2, schedule="zbv", n_microbatches=2), GLOBAL_BATCH),
+    "tp2_pp2": (4, Hybrid3DStrategy, dict(tp=2, pp=2, zero_stage=0, schedule="1f1b", n_microbatches=2),
+                GLOBAL_BATCH),
+}
+
+
+class CompileReport(pl.Callback):
+    """After fit, per rank: the compile summary and the state-dict keys (they must not change under compile)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        compiler = trainer.strategy.compiler
+        report = {"keys": sorted(pl_module.state_dict()),
+                  "summary": asdict(compiler.summary(pl_module)) if compiler is not None else None}
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def fit_one(root: Path, cache: str, name: str, compiled: bool) -> None:
+    devices, strategy_cls, strategy_args, batch = CASES[name]
+    pl.seed_everything(1234)
+    model = GPTLightningModule(preset="tiny", optimizer="sgd", lr=SGD_LR)
+    data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=batch, cache_dir=cache)
+    out = root / f"{name}_{'compiled' if compiled else 'eager'}"
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy_cls(**strategy_args, compile=compiled and COMPILE),
+        max_steps=STEPS, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+        logger=TensorBoardLogger(save_dir=out / "tb"), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[CompileReport(out)], default_root_dir=out,
+    )
+    trainer.fit(model, data)
+
+
+def fit(root: Path, cache: str, name: str, _sources: dict) -> None:
+    """Both variants of case ``name``: eager, then compiled."""
+    for compiled in (False, True):
+        fit_one(root, cache, name, compiled)
+
+
+if __name__ == "__main__":
+    checkpoint_worker_main(fit)  # --root --cache --cases (no checkpoints from elsewhere here)
