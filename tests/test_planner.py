@@ -361,7 +361,7 @@ def test_a_large_world_plans_in_seconds():
     """The 8b GPT on 2048 H100s (global batch 16384 of 8192 tokens: up to 2048 micro-batches per pipeline), one
     precision, full recompute: layouts that cannot fit are left out before their schedules run, long
     schedules are extrapolated, stage costs are shared between layouts. Measured: about 6 s of CPU on this
-    machine (the whole `plan --world 2048`, every precision and recompute: 100 s, where it took more than 230 s
+    machine (the whole `plan --world 2048`, every precision and recompute: 48 s, where it took more than 230 s
     and 15 minutes of a loaded machine before); held to 30 s of this process's CPU time, whatever the load."""
     import time
 
