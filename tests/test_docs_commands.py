@@ -112,6 +112,8 @@ COMMANDS: dict[str, str] = {
     "lightning-par plan --hf-config path/to/config.json --world 8":
         f"{PARSE}: placeholder config; tests/test_planner.py plans Hugging Face configs",
     "lightning-par plan --model=lightning_par.examples.plain_lm.PlainLM --world 4 --hardware cpu": RUN,
+    "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 64 --runtime "
+    "megatron-overlap --precision bf16-mixed-master --exposed": RUN,
     # docs/precision.md
     "lightning-par fit --config configs/zero.yaml --trainer.precision=bf16-mixed": RUN,
     "pytest tests/test_precision.py": f"{PARSE}: a test file of this suite (default set)",

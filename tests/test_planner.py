@@ -28,8 +28,15 @@ import torch
 
 from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.model import build_model, inspect_model
-from lightning_par.planner.plan import Candidate, Planner, Workload
-from lightning_par.planner.schedule import action_order, formula_bubble, rank_of_stage, simulate
+from lightning_par.planner.plan import Candidate, Planner, Runtime, Workload, element_bytes, hidden
+from lightning_par.planner.schedule import (
+    action_order,
+    extrapolate,
+    formula_bubble,
+    rank_of_stage,
+    simulate,
+    steady_microbatches,
+)
 from lightning_par.planner.trace import saved_bytes, trace_model
 from lightning_par.topology import LayoutError, ParallelDims
 from tests.conftest import GLOBAL_BATCH
@@ -208,13 +215,184 @@ def test_bubble_of_uniform_stages_equals_the_closed_form(schedule):
 # ----------------------------------------------------------------------------------------------------------------------
 def test_megatron_table1_throughput_within_15_percent():
     """The ten configurations of the paper's Table 1 planned on the a100 preset (see benchmarks/planner_megatron.py):
-    each fits in 80 GB and its predicted TFLOP/s per GPU is within 15% of the published figure."""
-    from benchmarks.planner_megatron import compare, format_table
+    each fits in 80 GB and its predicted TFLOP/s per GPU is within 15% of the published figure (7.4% at most with
+    the GEMM efficiency by shape; 12.5% with one efficiency for every shape). Planned as Megatron-core runs them
+    today (everything overlapped, bf16-mixed-master, ZeRO-1), the predicted MFU rises with the model's size -- as
+    measured MFU does -- where one efficiency for every shape kept it flat."""
+    from benchmarks.planner_megatron import compare, format_table, overlapped
 
     rows = compare()
     print(format_table(rows))
     assert all(r["fits"] for r in rows)
     assert all(abs(r["ratio"] - 1) <= 0.15 for r in rows), [round(r["ratio"], 3) for r in rows]
+    later = overlapped()
+    print(format_table(later))
+    mfu = [r["mfu"] for r in later]
+    assert all(r["fits"] for r in later)
+    assert mfu[-1] >= mfu[0] + 0.03, mfu  # 37% -> 42%
+    assert all(b >= a - 0.015 for a, b in zip(mfu, mfu[1:], strict=False)), mfu
+    # with everything overlapped, less is exposed than in the paper's runs: tp most of all
+    pairs = zip(later, rows, strict=True)
+    assert all(x["exposed_s"]["tp"] < r["exposed_s"]["tp"] or r["t"] == 1 for x, r in pairs), later
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the runtime model: overlap, bytes per precision, GEMMs by shape, pruning
+# ----------------------------------------------------------------------------------------------------------------------
+def test_hidden_communication_closed_form():
+    """Communication in chunks, each launched as compute over a window makes it ready: the last chunk always waits;
+    where it outruns the compute the rest waits too."""
+    assert hidden(0.0, 1.0, 4) == 0.0
+    assert hidden(1.0, 10.0, 4) == pytest.approx(0.25)
+    assert hidden(10.0, 1.0, 4) == pytest.approx(10.0 - 0.75)
+    assert hidden(2.0, 5.0, 1) == 2.0  # one bucket: launched when the backward is over
+
+
+def test_bytes_per_precision(tiny_info):
+    """Data-parallel traffic per parameter (ring factor (d-1)/d apart): 4 bytes in bf16-true (2 reduced, 2
+    gathered), 6 in bf16-mixed under ZeRO-1/2 and in bf16-mixed-master (4 reduced in fp32, 2 gathered in bf16), 8 in
+    fp32 and for an fp32 all-reduce. bf16-mixed-master holds bf16 parameters, fp32 gradients, and fp32 master and
+    Adam states sharded by ZeRO: 6 + 12/d bytes per parameter at ZeRO-1, Megatron's distributed-optimizer figure."""
+    planner = Planner(tiny_info, CPU, Workload(1, SEQ, 16))
+    n = tiny_info.numel
+    ring = n * 3 / 4
+
+    def dp_bytes(zero: int, precision: str) -> float:
+        return planner.estimate(Candidate(4, 1, 1, zero, precision=precision, n_microbatches=4)).comm_bytes["dp"]
+
+    assert dp_bytes(1, "bf16-true") == pytest.approx(4 * ring)
+    assert dp_bytes(1, "bf16-mixed") == pytest.approx(6 * ring)
+    assert dp_bytes(2, "bf16-mixed-master") == pytest.approx(6 * ring)
+    assert dp_bytes(1, "fp32") == pytest.approx(8 * ring)
+    assert dp_bytes(0, "bf16-mixed-master") == pytest.approx(8 * ring)  # an fp32 all-reduce
+    chunk = -(-n // 4)
+    state = planner.state_bytes(Candidate(4, 1, 1, 1, precision="bf16-mixed-master"))[0]
+    assert state == {"parameters": 2 * n, "gradients": 4 * n, "optimizer_states": 12 * chunk}
+    state = planner.state_bytes(Candidate(4, 1, 1, 2, precision="bf16-mixed-master"))[0]
+    assert state == {"parameters": 2 * n, "gradients": 4 * chunk, "optimizer_states": 12 * chunk}
+    zero3 = sum(planner.state_bytes(Candidate(4, 1, 1, 3, precision="bf16-mixed-master"))[0].values())
+    assert zero3 == pytest.approx(18 * n / 4, rel=0.02)  # each tensor padded to a multiple of 4 rows
+    assert element_bytes("bf16-mixed", 0) == element_bytes("fp32", 0)  # autocast over fp32 weights
+
+
+def _mid_planner(runtime: Runtime, seq: int = 2048, batch: int = 64) -> Planner:
+    return Planner(_info("GPTLightningModule", preset="1b"), PRESETS["h100-sxm"], Workload(1, seq, batch),
+                   runtime=runtime)
+
+
+def test_overlap_settings_hide_what_the_runtime_overlaps():
+    """On the 1b GPT across H100 nodes: the exposed seconds per group follow each setting -- ZeRO-1's all-gather
+    after the step is waited for (lightning-par) or hidden under the next forward; under a pipeline the all-reduce
+    after each rank's schedule is partly hidden by the cooldown of the ranks before it, and more when it starts in
+    the last backward; tp collectives pipelined with the GEMMs leave at least their first chunk exposed."""
+    plain = _mid_planner(Runtime())
+    hw = plain.hw
+    zero1 = Candidate(16, 1, 1, 1, n_microbatches=4, precision="bf16-true")
+    waited = plain.estimate(zero1)
+    gather = waited.comm_bytes["dp"] / 2 / hw.inter_node_bandwidth  # bf16-true: as many bytes as the reduce
+    assert waited.exposed["dp"] >= gather
+    assert waited.exposed["dp"] == waited.breakdown["dp_exposed"]
+    hid = _mid_planner(Runtime(param_gather_overlap=True)).estimate(zero1)
+    forward = waited.stage_costs[0][0]  # one micro-batch's forward: what hides the gather, bucket by bucket
+    assert 0.9 * forward <= waited.exposed["dp"] - hid.exposed["dp"] <= forward
+    assert hid.step_time < waited.step_time
+    after = _mid_planner(Runtime(dp_overlap=False)).estimate(replace(zero1, zero_stage=0))
+    during = plain.estimate(replace(zero1, zero_stage=0))
+    assert 0 < during.exposed["dp"] < after.exposed["dp"]
+
+    pipe = Candidate(2, 1, 4, 0, "1f1b", 1, 8, precision="bf16-true")
+    pipe_est = plain.estimate(pipe)
+    reduce_t = pipe_est.comm_bytes["dp"] / hw.inter_node_bandwidth
+    assert 0 < pipe_est.exposed["dp"] <= reduce_t + 1e-3
+    assert pipe_est.exposed["pp"] > 0
+    early = _mid_planner(Runtime(pp_dp_overlap=True)).estimate(pipe)
+    assert early.exposed["dp"] < pipe_est.exposed["dp"]
+
+    tp = Candidate(2, 8, 1, 0, n_microbatches=32, precision="bf16-true")
+    exposed_tp = plain.estimate(tp)
+    overlapped_tp = _mid_planner(Runtime(tp_comm_overlap=True)).estimate(tp)
+    assert exposed_tp.exposed["tp"] > 0
+    assert exposed_tp.exposed["tp"] / 8 <= overlapped_tp.exposed["tp"] < exposed_tp.exposed["tp"]
+    assert overlapped_tp.step_time < exposed_tp.step_time
+    assert set(exposed_tp.to_dict()["exposed_s"]) == {"dp", "tp", "pp"}
+
+
+def test_gemm_efficiency_by_shape_and_compiled_fusion(tiny_info):
+    """The preset's efficiency rises with the GEMM's intensity and saturates; the trace records each product's
+    intensity (the tiny GPT's 64 x 64 projections of 2 x 32 tokens: 64^3 / (3 * 64^2)); compiled, the ops between
+    products cost one fused kernel: less time, the products' time unchanged."""
+    a100 = PRESETS["a100"]
+    effs = [a100.efficiency(i) for i in (16, 64, 100, 300, 1000, 3000)]
+    assert effs == sorted(effs) and effs[0] < 0.3 < 0.6 < effs[-1] == a100.efficiency(None)
+    assert replace(a100, matmul_table=()).efficiency(100) == a100.matmul_efficiency
+    trace = trace_model(tiny_info, 1, False, "none", "fp32", 2, SEQ)
+    block = trace.units[tiny_info.blocks[0]]
+    assert 64**3 / (3 * 64**2) in block.forward.intensity
+    for ops in (block.forward, block.backward):
+        eager, compiled = ops.times(a100), ops.times(a100, compiled=True)
+        assert compiled[0] < eager[0] and compiled[2] == eager[2] and compiled[1] == eager[1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev"])
+def test_long_schedules_extrapolate_exactly_from_two_shorter_runs(schedule):
+    """Thousands of micro-batches (large worlds) are planned from two runs past the warmup: every figure -- makespan,
+    bubble, peak bytes, when each rank ends and starts its last backward -- equals the whole run's, with stages of
+    unequal cost and transfers between ranks."""
+    pp, v = 4, 1 if schedule == "1f1b" else 2
+    n = pp * v
+
+    def run(m: int):
+        return simulate(action_order(schedule, pp, m, v), n, rank_of_stage(schedule, pp, v),
+                        lambda a: {"F": 1.0, "B": 2.0, "I": 1.2, "W": 0.8}[a.kind] * (1.3 if a.stage in (0, n - 1)
+                                                                                       else 1.0),
+                        transfer=lambda a, b: 0.05, held=lambda s: 1.0 + 0.1 * s, held_for_w=lambda s: 0.3,
+                        released_by_w=lambda s: 0.5)
+
+    m = 256
+    short = steady_microbatches(schedule, pp, m, v)
+    assert short == 16 and steady_microbatches(schedule, pp, 63, v) is None  # small m: every action is run
+    whole, line = run(m), extrapolate(run(short), run(2 * short), short, 2 * short, m)
+    assert line.makespan == pytest.approx(whole.makespan, rel=1e-9)
+    for field_name in ("bubble", "peak_held", "peak_with_grads", "rank_end", "rank_first_forward", "rank_last_grads"):
+        assert getattr(line, field_name) == pytest.approx(getattr(whole, field_name), rel=1e-9, abs=1e-9), field_name
+
+
+def test_a_large_world_plans_in_seconds():
+    """The 8b GPT on 2048 H100s (global batch 16384 of 8192 tokens: up to 2048 micro-batches per pipeline), one
+    precision, full recompute: layouts that cannot fit are left out before their schedules run, long
+    schedules are extrapolated, stage costs are shared between layouts. Measured: about 6 s of CPU on this
+    machine (the whole `plan --world 2048`, every precision and recompute: 48 s, where it took more than 230 s
+    and 15 minutes of a loaded machine before); held to 30 s of this process's CPU time, whatever the load."""
+    import time
+
+    info = _info("GPTLightningModule", preset="8b")
+    planner = Planner(info, PRESETS["h100-sxm"], Workload(1, 8192, 8 * 2048), max_tp=8)
+    start = time.process_time()
+    estimates, skipped = planner.plan(2048, precisions=["bf16-true"], recompute=["full"])
+    seconds = time.process_time() - start
+    pruned = sum(n for reason, n in skipped.items() if reason.startswith("cannot fit"))
+    print(f"{len(estimates)} layouts planned, {pruned} left out as too large, in {seconds:.1f} s of CPU")
+    assert estimates and estimates[0].fits and pruned > 0
+    assert max(e.candidate.n_microbatches for e in estimates) >= 1024
+    assert seconds < 30
+
+
+def test_layouts_that_cannot_fit_are_pruned_before_their_schedules(tiny_info):
+    """A layout is left out when its model state and one micro-batch's activations alone exceed the device; the
+    layouts kept are estimated as without pruning, and each one left out did not fit."""
+    planner = Planner(tiny_info, CPU, Workload(1, SEQ, 16))
+    kwargs = {"precisions": ["fp32"], "recompute": ["none", "full"], "schedules": ["1f1b", "interleaved_1f1b"]}
+    everything, _ = planner.plan(8, prune=False, **kwargs)
+    totals = sorted(e.worst.total for e in everything)
+    gib = totals[len(totals) // 2] / 2**30
+    tight = Planner(tiny_info, replace(CPU, memory_gib=gib, reserved_gib=0.0), Workload(1, SEQ, 16))
+    pruned, skipped = tight.plan(8, **kwargs)
+    full, _ = tight.plan(8, prune=False, **kwargs)
+    left = {e.candidate for e in full} - {e.candidate for e in pruned}
+    assert left and all(not e.fits for e in full if e.candidate in left)
+    assert sum(n for reason, n in skipped.items() if reason.startswith("cannot fit")) == len(left)
+    by_candidate = {e.candidate: e for e in full}
+    assert all(e.step_time == by_candidate[e.candidate].step_time for e in pruned)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

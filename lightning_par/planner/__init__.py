@@ -10,11 +10,24 @@ saved for backward, FLOPs and bytes moved per op), orders each pipeline schedule
 
 from lightning_par.planner.hardware import PRESETS, Hardware, load_hardware
 from lightning_par.planner.model import ModelInfo, build_model, inspect_model
-from lightning_par.planner.plan import MEGATRON_2021, Candidate, Estimate, Planner, Runtime, Workload, rank_table
+from lightning_par.planner.plan import (
+                                        MEGATRON_2021,
+                                        MEGATRON_OVERLAP,
+                                        RUNTIMES,
+                                        Candidate,
+                                        Estimate,
+                                        Planner,
+                                        Runtime,
+                                        Workload,
+                                        element_bytes,
+                                        rank_table,
+)
 
 __all__ = [
     "MEGATRON_2021",
+    "MEGATRON_OVERLAP",
     "PRESETS",
+    "RUNTIMES",
     "Candidate",
     "Estimate",
     "Hardware",
@@ -23,6 +36,7 @@ __all__ = [
     "Runtime",
     "Workload",
     "build_model",
+    "element_bytes",
     "inspect_model",
     "load_hardware",
     "rank_table",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
@@ -22,7 +22,7 @@ from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.planner.fit_config import FitPlan, read_fit_config
 from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.model import build_model, inspect_model
-from lightning_par.planner.plan import Candidate, Planner, Workload, rank_table
+from lightning_par.planner.plan import RUNTIMES, Candidate, Planner, Workload, rank_table
 from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
 from lightning_par.planner.trace import PRECISIONS
 from lightning_par.topology import LayoutError, check_number, is_number
@@ -85,6 +85,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", type=_csv(str, PRECISIONS), default=list(PRECISIONS),
                    help=f"precisions to consider (default: {','.join(PRECISIONS)})")
     p.add_argument("--max-tp", type=_positive(int), help="largest tensor-parallel size (default: devices per node)")
+    p.add_argument("--runtime", choices=list(RUNTIMES), default="lightning-par",
+                   help="how the training runtime overlaps communication: lightning-par (the default: what this "
+                        "version does), megatron-2021 (Narayanan et al. 2021: nothing overlapped), megatron-overlap "
+                        "(Megatron-core with --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap)")
+    p.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="tensor-parallel collectives pipelined with the matrix products (default: the runtime's)")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile: the ops between matrix products fused into one kernel (default: the "
+                        "runtime's)")
+    p.add_argument("--no-prune", action="store_true",
+                   help="estimate every layout, also those whose model state and one micro-batch's activations "
+                        "alone exceed the device (by default they are left out before their schedules are run)")
+    p.add_argument("--exposed", action="store_true",
+                   help="add the exposed dp / tp / pp communication seconds per step to the table")
     p.add_argument("--top", type=_positive(int), default=15, help="rows to print (default 15)")
     p.add_argument("--all", action="store_true", help="print every layout")
     p.add_argument("--runnable", action="store_true", help="only layouts this version of lightning-par runs")
@@ -187,7 +201,11 @@ def _main(argv: list[str]) -> int:
     if "m" in layout:  # micro-batches per step given: the global batch follows
         global_batch = layout["m"] * (world // (layout.get("tp", 1) * layout.get("pp", 1))) * args.micro_batch
     work = Workload(args.micro_batch, seq, global_batch)
-    planner = Planner(info, hw, work, args.optimizer, max_tp=args.max_tp or max(hw.devices_per_node, 1))
+    runtime = RUNTIMES[args.runtime]
+    runtime = replace(runtime, **{k: v for k, v in (("tp_comm_overlap", args.tp_comm_overlap),
+                                                     ("compiled", args.compiled)) if v is not None})
+    planner = Planner(info, hw, work, args.optimizer, max_tp=args.max_tp or max(hw.devices_per_node, 1),
+                      runtime=runtime)
     print(header(info.description, hw, work, world, planner.optimizer))
 
     if layout:
@@ -203,17 +221,18 @@ def _main(argv: list[str]) -> int:
             precisions=[fixed["precision"]] if "precision" in fixed else args.precision,
             virtual=[fixed["v"]] if "v" in fixed else args.virtual,
             sequence_parallel=[fixed["sp"]] if "sp" in fixed else (False, True),
-            sizes=[(dp, tp, pp)])
+            sizes=[(dp, tp, pp)], prune=not args.no_prune)
     else:
         print(f"planning every layout of {world} ranks ...", file=sys.stderr)
         estimates, skipped = planner.plan(world, zero_stages=args.zero, schedules=args.schedules,
-                                          recompute=args.recompute, precisions=args.precision, virtual=args.virtual)
+                                          recompute=args.recompute, precisions=args.precision, virtual=args.virtual,
+                                          prune=not args.no_prune)
     if args.runnable:
         estimates = [e for e in estimates if e.runs_today]
     shown = estimates if args.all else estimates[:args.top]
     print()
     if shown:
-        print(table(shown))
+        print(table(shown, exposed=args.exposed))
         if len(shown) < len(estimates):
             print(f"   ... {len(estimates) - len(shown)} more (--all prints them, --json writes them)")
     print()
@@ -223,7 +242,7 @@ def _main(argv: list[str]) -> int:
         print(rank_breakdown(estimates[0]))
     if args.json_out:
         write_json(args.json_out, estimates, {
-            "model": info.description, "hardware": hw.to_dict(), "world": world,
+            "model": info.description, "hardware": hw.to_dict(), "runtime": asdict(runtime), "world": world,
             "workload": {"micro_batch": work.micro_batch, "seq_len": work.seq_len,
                          "global_batch": work.global_batch}, "optimizer": planner.optimizer,
             "left_out": skipped,

@@ -20,7 +20,8 @@ import yaml
 from lightning_par.topology import LayoutError
 
 #: Lightning's precision flags -> the planner's precisions (others are left to --precision)
-_PRECISIONS = {"32": "fp32", "32-true": "fp32", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
+_PRECISIONS = {"32": "fp32", "32-true": "fp32", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
+               "bf16-mixed-master": "bf16-mixed-master"}
 
 
 @dataclass

@@ -3,8 +3,12 @@
 A device is described by a handful of numbers, used by :mod:`lightning_par.planner.trace` (the time of an op) and
 :mod:`lightning_par.planner.plan` (collectives, memory):
 
-- ``peak_flops`` by compute dtype and ``matmul_efficiency``: how fast matrix products run (an op costs
-  ``flops / (peak * efficiency)``, or the time to move its bytes, whichever is longer: a roofline per op);
+- ``peak_flops`` by compute dtype and ``matmul_table``: how fast matrix products run, by shape. A GEMM of
+  ``M x K`` by ``K x N`` has the intensity ``I = MNK / (MK + KN + MN)`` (its FLOPs per element moved, halved);
+  the table maps ``I`` to the fraction of peak it reaches, rising and saturating (small and thin GEMMs leave the
+  tensor cores idle: too few tiles, wave quantization, memory traffic per FLOP), interpolated in ``log I``. An op
+  costs ``flops / (peak * efficiency(I))``, or the time to move its bytes, whichever is longer: a roofline per op.
+  Without a table, ``matmul_efficiency`` is the one fraction for every shape;
 - ``memory_bandwidth``: how fast the other ops (norms, activations, softmax, the optimizer step) move bytes;
 - ``op_overhead_s``: the fixed cost of launching one op (eager PyTorch: one kernel per op);
 - ``intra_node_bandwidth`` / ``inter_node_bandwidth``: collective bus bandwidth per device (NCCL's "busbw": a ring
@@ -21,6 +25,7 @@ measured); or a JSON / YAML file with the same fields (``--hardware FILE``), mis
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -35,7 +40,8 @@ class Hardware:
 
     name: str
     peak_flops: dict[str, float] = field(default_factory=dict)  # compute dtype ("fp32", "bf16") -> FLOP/s
-    matmul_efficiency: float = 0.7
+    matmul_efficiency: float = 0.7  # every shape, where matmul_table is empty
+    matmul_table: tuple[tuple[float, float], ...] = ()  # (GEMM intensity I, fraction of peak), I increasing
     memory_bandwidth: float = 2e12  # bytes/s
     op_overhead_s: float = 5e-6
     intra_node_bandwidth: float = 200e9  # bytes/s per device, collective bus bandwidth
@@ -46,11 +52,28 @@ class Hardware:
     reserved_gib: float = 2.0
     notes: str = ""
 
-    def flops(self, compute_dtype: str) -> float:
-        """Achievable matmul FLOP/s for a compute dtype ("fp32" or "bf16")."""
+    def flops(self, compute_dtype: str, intensity: float | None = None) -> float:
+        """Achievable matmul FLOP/s for a compute dtype ("fp32" or "bf16") and a GEMM of this intensity (None:
+        the largest shapes)."""
         if compute_dtype not in self.peak_flops:
             raise LayoutError(f"hardware {self.name!r} gives no peak FLOP/s for {compute_dtype}; add it to peak_flops.")
-        return self.peak_flops[compute_dtype] * self.matmul_efficiency
+        return self.peak_flops[compute_dtype] * self.efficiency(intensity)
+
+    def efficiency(self, intensity: float | None = None) -> float:
+        """The fraction of peak a GEMM of intensity ``I`` reaches: ``matmul_table`` interpolated in ``log I``,
+        flat beyond its ends (``matmul_efficiency`` without a table)."""
+        table = self.matmul_table
+        if not table:
+            return self.matmul_efficiency
+        if intensity is None or intensity >= table[-1][0]:
+            return table[-1][1]
+        if intensity <= table[0][0]:
+            return table[0][1]
+        for (x0, y0), (x1, y1) in zip(table, table[1:], strict=False):
+            if intensity <= x1:
+                t = math.log(intensity / x0) / math.log(x1 / x0)
+                return y0 + t * (y1 - y0)
+        return table[-1][1]
 
     def bandwidth(self, span_nodes: bool) -> float:
         return self.inter_node_bandwidth if span_nodes else self.intra_node_bandwidth
@@ -63,12 +86,23 @@ class Hardware:
         return asdict(self)
 
 
+#: Fraction of dense bf16 peak a cuBLAS GEMM reaches in training, by intensity ``MNK / (MK + KN + MN)``. The shape
+#: -- rising with the GEMM's size and saturating -- is the one NVIDIA's "Matrix Multiplication Background User's
+#: Guide" (docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication) explains and plots for
+#: A100 (tile quantization, wave quantization, memory- vs math-bound); the level is fitted to Megatron-LM's
+#: measured Table 1 (Narayanan et al. 2021, A100; ``benchmarks/planner_megatron.py``): achieved throughput inside
+#: training, lower than an isolated GEMM's (clocks under sustained power, kernels beside it). Attention with head
+#: size 64-128 sits at ``I`` 60-140, a transformer's linear layers at 500-1700. H100 takes the same fractions of its
+#: peak: no H100 measurement is held here.
+GEMM_TABLE_TRAINING = ((64.0, 0.25), (128.0, 0.36), (256.0, 0.47), (512.0, 0.56), (1024.0, 0.63), (2048.0, 0.66))
+
 PRESETS: dict[str, Hardware] = {
     "h100-sxm": Hardware(
         name="h100-sxm",
         # dense bf16 989 TFLOP/s; fp32 without TF32 (PyTorch's default for float32 matmuls) 67 TFLOP/s
         peak_flops={"bf16": 989e12, "fp32": 67e12},
         matmul_efficiency=0.58,
+        matmul_table=GEMM_TABLE_TRAINING,
         memory_bandwidth=3.35e12 * 0.8,
         op_overhead_s=4e-6,
         intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
@@ -83,6 +117,7 @@ PRESETS: dict[str, Hardware] = {
         name="a100",
         peak_flops={"bf16": 312e12, "fp32": 19.5e12},
         matmul_efficiency=0.58,
+        matmul_table=GEMM_TABLE_TRAINING,
         memory_bandwidth=2.039e12 * 0.8,
         op_overhead_s=5e-6,
         intra_node_bandwidth=230e9,  # NVLink 3 (600 GB/s both ways): all-reduce bus bandwidth of nccl-tests
@@ -99,6 +134,10 @@ PRESETS: dict[str, Hardware] = {
         # matmuls have no native kernel on this CPU and run at about 1 GFLOP/s
         peak_flops={"fp32": 90e9, "bf16": 0.9e9},
         matmul_efficiency=1.0,
+        # torch.mm of fp32 M x K by K x N on one thread, best of 9 rounds, less the 1.2 us dispatch of a 1x1 mm
+        # (benchmarks of 2026-11-25 on this machine, shared with other jobs): 32^3 6 GFLOP/s (I 10.7), 64^3 40
+        # (I 21), 128^3 98 (I 43), 256^3 102, 128x512x128 98; larger ones at the 90 of the quiet machine
+        matmul_table=((10.7, 0.07), (21.3, 0.44), (42.7, 1.0)),
         memory_bandwidth=12e9,  # one core copying 64 MiB
         op_overhead_s=1e-5,  # eager dispatch of one op with autograd
         intra_node_bandwidth=0.75e9,  # gloo all-reduce of 16 MiB between 2 processes on loopback
@@ -138,6 +177,14 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
     if unknown:
         raise LayoutError(f"{path}: unknown hardware fields {unknown}; the fields are {sorted(known)}.")
     data.setdefault("name", path.stem)
+    if "matmul_table" in data:
+        table = tuple((float(i), float(e)) for i, e in data["matmul_table"] or ())
+        if any(b[0] <= a[0] for a, b in zip(table, table[1:], strict=False)) or any(not 0 < e <= 1 for _, e in table):
+            raise LayoutError(f"{path}: matmul_table needs [intensity, efficiency] pairs with increasing intensity "
+                              "and efficiencies in (0, 1].")
+        data["matmul_table"] = table
+    elif "matmul_efficiency" in data:
+        data["matmul_table"] = ()  # one efficiency for every shape, as the file says
     if "peak_flops" in data:
         data["peak_flops"] = {**base.peak_flops, **{k: float(v) for k, v in data["peak_flops"].items()}}
     return replace(base, **data)

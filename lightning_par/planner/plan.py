@@ -8,7 +8,8 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   tensor-parallel shard of each parameter (:meth:`ModelInfo.tp_split`), only the units of the rank's pipeline stages
   (a tied embedding/head once per rank holding it), then the ZeRO stage across data parallel (1: optimizer states
   ``/dp``; 2: + gradients; 3: + parameters, each tensor split on dim 0 with padding as FSDP2 does). Bytes per
-  element: 4 for fp32 and bf16-mixed (fp32 master weights), 2 for bf16-true; Adam keeps 2 states, SGD none;
+  element by precision and ZeRO stage: :func:`element_bytes` (a separate fp32 master copy is counted with the
+  optimizer states); Adam keeps 2 states, SGD none;
 - **activations**: the bytes each unit saves for one micro-batch (:mod:`lightning_par.planner.trace`) times the
   micro-batches the schedule holds at once, from the schedule's own action order
   (:mod:`lightning_par.planner.schedule`): GPipe all ``m``, 1F1B ``p - rank`` on rank ``rank``, the others as torch
@@ -20,9 +21,15 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   all-gather -- per row-parallel output in forward and per column-parallel input in backward, again in the
   recomputed forward), ``pp`` (each micro-batch's activation to the next stage and its gradient back);
 - **time**: each stage's forward and backward per micro-batch from the traced ops on the hardware model
-  (:mod:`lightning_par.planner.hardware`), tensor-parallel collectives on the critical path, the schedule run with
-  those costs and the transfer time between stages (makespan and bubble), then the data-parallel reduction
-  (overlapped with the last backward when pp = 1), the optimizer step (memory bound).
+  (:mod:`lightning_par.planner.hardware`: GEMMs at an efficiency by their shape, the other ops bound by memory,
+  fused under ``compiled``), tensor-parallel collectives inside them (exposed, or pipelined with the GEMMs), the
+  schedule run with those costs and the transfer time between stages (makespan and bubble), then the
+  data-parallel communication the compute does not hide -- per :class:`Runtime`: gradients reduced in buckets
+  under the last backward or after each rank's schedule (ranks that finish early hide theirs under the others'
+  cooldown), ZeRO-1/2's parameter all-gather waited for or hidden under the next forward, ZeRO-3's gathers
+  prefetched block by block -- and the optimizer step (memory bound). ``Estimate.exposed`` gives the exposed
+  seconds per group. Bytes per element of each part of the state and of the traffic follow the precision
+  (:func:`element_bytes`: ``bf16-mixed-master`` moves 6 bytes per parameter over dp).
 
 Whether the engine runs a layout is asked of the engine itself: :class:`Layout` is constructed and its
 :class:`LayoutError` kept as the note. Nothing here lists the engine's refusals, so the planner follows the engine as
@@ -42,7 +49,14 @@ from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
-from lightning_par.planner.schedule import Simulation, action_order, rank_of_stage, simulate
+from lightning_par.planner.schedule import (
+    Simulation,
+    action_order,
+    extrapolate,
+    rank_of_stage,
+    simulate,
+    steady_microbatches,
+)
 from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved_bytes, trace_model
 from lightning_par.topology import LayoutError, ParallelDims
 
@@ -132,6 +146,10 @@ class Estimate:
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp exposed, optimizer
     stage_costs: list[tuple[float, float, float]] = field(default_factory=list)  # per stage: F, B, W seconds
     units_by_stage: list[list[str]] = field(default_factory=list)
+    # seconds of communication on the busiest rank's critical path, per group: dp (after the schedule; the rest
+    # of dp traffic hides under compute), tp (inside each stage's forward and backward), pp (the fill and drain
+    # hops between stages); tp and pp are part of "pipeline"
+    exposed: dict[str, float] = field(default_factory=dict)
 
     @property
     def worst(self) -> RankMemory:
@@ -148,35 +166,112 @@ class Estimate:
             "comm_bytes_per_step": self.comm_bytes, "bubble": self.bubble, "step_time_s": self.step_time,
             "tokens_per_s": self.tokens_per_s, "model_tflops_per_device": self.model_tflops_per_device,
             "mfu": self.mfu, "fits": self.fits, "runs_today": self.runs_today, "engine_note": self.engine_note,
-            "time_breakdown_s": self.breakdown,
+            "time_breakdown_s": self.breakdown, "exposed_s": self.exposed,
         }
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """How the training runtime overlaps communication; the defaults describe lightning-par.
+    """How the training runtime overlaps communication with compute; the defaults describe lightning-par.
 
     Attributes:
-        dp_overlap: with pp = 1, data-parallel gradients are reduced in buckets during the last backward (DDP,
-            ZeRO-1/2 reduce-scatter); the pipeline runtime reduces them after the schedule either way.
+        dp_overlap: with pp = 1, gradients are reduced in buckets as the last micro-batch's backward produces them
+            (DDP, the ZeRO-1/2 partitioner, FSDP2; gradient accumulation holds the reduction back on the other
+            micro-batches); False: all of it after the backward.
+        pp_dp_overlap: under a pipeline, each rank reduces its gradients in buckets from the start of its last
+            gradient-producing backward, under the schedule's cooldown (Megatron's ``--overlap-grad-reduce`` with
+            pipelines); False: after the rank's schedule ends, as lightning-par's pipeline owners do.
+        param_gather_overlap: ZeRO-1/2's parameter all-gather after the step is hidden behind the next step's first
+            forward, bucket by bucket (Megatron's ``--overlap-param-gather``); False: the step waits for it, as
+            lightning-par's partitioner does.
+        tp_comm_overlap: tensor-parallel collectives are split into tp chunks and pipelined with the matrix
+            products beside them (Megatron's ``--tp-comm-overlap``, torch's async TP): only what the products
+            cannot cover, and the first chunk, is exposed; False: each collective waits, as DTensor TP does.
         p2p_split_over_tp: a stage sends 1/tp of its activation to the next stage and the tp ranks there gather it
             (Megatron's scatter/gather); lightning-par sends the whole activation from every tp rank.
+        bucket_mb: data-parallel bucket size (lightning-par's ``Layout.bucket_cap_mb``, 25 MiB).
+        compiled: the model runs under ``torch.compile``: the ops between two matrix products are one fused kernel
+            (:meth:`~lightning_par.planner.trace.Ops.times`).
     """
 
     dp_overlap: bool = True
+    pp_dp_overlap: bool = False
+    param_gather_overlap: bool = False
+    tp_comm_overlap: bool = False
     p2p_split_over_tp: bool = False
+    bucket_mb: float = 25.0
+    compiled: bool = False
 
 
 #: Megatron-LM as measured in Narayanan et al. 2021 (seed 004, Table 1): gradients all-reduced after the backward
 #: pass, activations between stages split over the tp ranks.
 MEGATRON_2021 = Runtime(dp_overlap=False, p2p_split_over_tp=True)
 
+#: Megatron-LM (core) as large runs use it today: ``--overlap-grad-reduce --overlap-param-gather
+#: --tp-comm-overlap`` with the distributed optimizer, scatter/gather between stages, fused kernels; buckets of
+#: 40M parameters in fp32 (its default ``bucket_size``).
+MEGATRON_OVERLAP = Runtime(dp_overlap=True, pp_dp_overlap=True, param_gather_overlap=True, tp_comm_overlap=True,
+                           p2p_split_over_tp=True, bucket_mb=40e6 * 4 / 2**20, compiled=True)
+
+RUNTIMES: dict[str, Runtime] = {"lightning-par": Runtime(), "megatron-2021": MEGATRON_2021,
+                                "megatron-overlap": MEGATRON_OVERLAP}
+
+
+def hidden(comm: float, window: float, chunks: int) -> float:
+    """The exposed part of ``comm`` seconds of communication sent in ``chunks`` equal pieces, each launched as
+    compute spread evenly over ``window`` seconds makes it ready (a bucket of gradients, a chunk of a GEMM): the
+    last chunk always waits, and where communication outruns compute the rest of it does too."""
+    if comm <= 0:
+        return 0.0
+    chunks = max(1, chunks)
+    return max(comm / chunks, comm - window * (chunks - 1) / chunks)
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The planner
 # ----------------------------------------------------------------------------------------------------------------------
-def _elt(precision: str) -> int:
-    return 2 if precision == "bf16-true" else 4
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per parameter element, by what holds it, for one precision under one ZeRO stage.
+
+    Attributes:
+        param: the parameters as stored between steps (ZeRO-3: the shard).
+        grad: the gradient storage.
+        master: a separate fp32 master copy, counted with the optimizer states (0: the parameters are the master).
+        state: one optimizer state.
+        reduce: what gradients are summed in over data parallel (the reduce-scatter or all-reduce).
+        gather: what parameters are all-gathered in (ZeRO 1-3), and what a gathered ZeRO-3 block holds.
+    """
+
+    param: int
+    grad: int
+    master: int
+    state: int
+    reduce: int
+    gather: int
+
+
+def element_bytes(precision: str, zero_stage: int) -> ElementBytes:
+    """The bytes per element of each part of the model state and of the data-parallel traffic.
+
+    ``fp32`` and ``bf16-true``: one dtype for everything. ``bf16-mixed`` follows lightning-par's policy
+    (:mod:`lightning_par.plugins.precision`): autocast over fp32 parameters under ZeRO-0 and ZeRO-3 (FSDP2 gathers
+    the fp32 shards as bf16, reduces in fp32); under ZeRO-1/2 bf16 buckets with an fp32 master shard, gradients
+    reduced in fp32 and kept in bf16. ``bf16-mixed-master`` is Megatron-LM's mixed precision with its distributed
+    optimizer: bf16 parameters, gradients accumulated and reduce-scattered in fp32 (its
+    ``accumulate_allreduce_grads_in_fp32``, on for bf16), fp32 master weights and Adam states sharded by ZeRO, the
+    parameters all-gathered in bf16 -- 6 bytes of dp traffic per parameter (4 reduced + 2 gathered) and, with Adam,
+    the ``6 + 12/d`` bytes per parameter of Megatron's distributed-optimizer table at ZeRO-1.
+    """
+    if precision == "bf16-true":
+        return ElementBytes(2, 2, 0, 2, 2, 2)
+    if precision == "bf16-mixed-master":
+        return ElementBytes(2, 4, 4, 4, 4, 2)
+    if precision == "bf16-mixed" and zero_stage in (1, 2):
+        return ElementBytes(2, 2, 4, 4, 4, 2)
+    if precision == "bf16-mixed" and zero_stage == 3:
+        return ElementBytes(4, 4, 0, 4, 4, 2)
+    return ElementBytes(4, 4, 0, 4, 4, 4)
 
 
 def _act_elt(precision: str) -> int:
@@ -205,10 +300,17 @@ class Planner:
         self._tp_comm: dict[tuple, dict[str, tuple[list[float], list[float]]]] = {}
         self._stages: dict[tuple, list[list[str]]] = {}
         self._simulations: dict[tuple, Simulation] = {}
+        self._unit_times: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+        self._params_of: dict[frozenset[str], list[ParamInfo]] = {}
+        self._stage_costs: dict[tuple, tuple[float, ...]] = {}
+        self._numels: dict[tuple, tuple[int, int]] = {}
+        self._held: dict[tuple, float] = {}
+        self._states: dict[tuple, tuple[float, float, float]] = {}
 
     # -- pieces that are shared between layouts ------------------------------------------------------------------
     def trace(self, tp: int, recompute: str, precision: str) -> ModelTrace:
         """Unit traces for this tp size; with sequence-parallel attribution where the model allows it."""
+        precision = "bf16-true" if precision == "bf16-mixed-master" else precision  # the same model in bf16
         key = (tp, recompute, precision)
         if key not in self._traces:
             sp = False
@@ -267,9 +369,20 @@ class Planner:
         self._tp_comm[key] = out
         return out
 
+    def unit_times(self, unit: UnitTrace, tp_seq: int) -> tuple[float, float, float, float, float]:
+        """Seconds of one unit's forward, backward, weight-gradient backward, and the matrix products of its forward
+        and backward, on the planner's hardware (cached: a block's trace stands for every block of its kind)."""
+        key = (id(unit), tp_seq)
+        if key not in self._unit_times:
+            compiled = self.runtime.compiled
+            f, _, f_mm = unit.forward.times(self.hw, tp_seq, compiled)
+            b, w, b_mm = unit.backward.times(self.hw, tp_seq, compiled)
+            self._unit_times[key] = (f, b, min(w, b), f_mm, b_mm)
+        return self._unit_times[key]
+
     # -- one layout ------------------------------------------------------------------------------------------------
     def estimate(self, c: Candidate) -> Estimate:
-        info, hw, work = self.info, self.hw, self.work
+        info, hw, work, runtime = self.info, self.hw, self.work, self.runtime
         split = info.tp_split(c.tp, c.sequence_parallel)
         if c.sequence_parallel and work.seq_len % c.tp:
             raise LayoutError(f"sequence_parallel with tp={c.tp} needs a sequence length divisible by {c.tp}, got "
@@ -280,7 +393,7 @@ class Planner:
         n_stages = len(units_by_stage)
         m = c.n_microbatches
         tp_seq = c.tp if c.sequence_parallel else 1
-        elt, act_elt = _elt(c.precision), _act_elt(c.precision)
+        eb, act_elt = element_bytes(c.precision, c.zero_stage), _act_elt(c.precision)
         n_states = OPTIMIZER_STATES[self.optimizer]
 
         # which node boundaries each group crosses (ranks: tp innermost, then cp, dp, pp outermost)
@@ -305,42 +418,59 @@ class Planner:
                 n += 2 if c.sequence_parallel and kind == "all_reduce" else 1
             return sent, sent / tp_bw + n * hw.latency_s
 
+        def tp_exposed(comm: float, matmuls: float) -> float:
+            # overlapped: each collective is cut into tp chunks pipelined with the products beside it
+            return hidden(comm, matmuls, c.tp) if runtime.tp_comm_overlap else comm
+
         stage_of_unit = {u: s for s, units in enumerate(units_by_stage) for u in units}
         stage_f, stage_b, stage_w, stage_held, stage_tp_bytes, stage_out = [], [], [], [], [], []
         stage_wgrad: list[float] = []
         stage_released: list[float] = []
+        stage_tp_exposed: list[float] = []
         stage_cp_bytes: list[float] = []
         for s, units in enumerate(units_by_stage):
-            traces: list[UnitTrace] = [trace.units[u] for u in units]
-            if s == n_stages - 1:
-                traces.append(trace.loss)
-            f = sum(t.forward.time(hw, tp_seq) for t in traces)
-            b = sum(t.backward.time(hw, tp_seq) for t in traces)
-            w = sum(t.backward.time(hw, tp_seq, weight_grad=True) for t in traces)
-            fwd_elems = [e for u in units for e in collectives.get(u, ([], []))[0]]
-            bwd_elems = [e for u in units for e in collectives.get(u, ([], []))[1]]
-            if c.recompute == "full":  # the recomputed forward of the blocks communicates again
-                bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
-            fwd_bytes, fwd_t = coll_time(fwd_elems)
-            bwd_bytes, bwd_t = coll_time(bwd_elems)
+            # the same stage recurs in many layouts (every ZeRO stage, schedule and dp size): costed once
+            key = (id(trace), tp_seq, c.tp, c.sequence_parallel, tp_span, tuple(units), s == n_stages - 1)
+            if key not in self._stage_costs:
+                traces: list[UnitTrace] = [trace.units[u] for u in units]
+                if s == n_stages - 1:
+                    traces.append(trace.loss)
+                f = b = w = f_mm = b_mm = 0.0
+                for t in traces:
+                    tf, tb, tw, tfm, tbm = self.unit_times(t, tp_seq)
+                    f, b, w, f_mm, b_mm = f + tf, b + tb, w + tw, f_mm + tfm, b_mm + tbm
+                fwd_elems = [e for u in units for e in collectives.get(u, ([], []))[0]]
+                bwd_elems = [e for u in units for e in collectives.get(u, ([], []))[1]]
+                if c.recompute == "full":  # the recomputed forward of the blocks communicates again
+                    bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
+                fwd_bytes, fwd_comm = coll_time(fwd_elems)
+                bwd_bytes, bwd_comm = coll_time(bwd_elems)
+                self._stage_costs[key] = (
+                    f, b, w, f_mm, b_mm, fwd_bytes + bwd_bytes, fwd_comm, bwd_comm, saved_bytes(traces, tp_seq),
+                    # I keeps the output gradients of the ops that read parameters, and the gradient it received
+                    sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq,
+                    sum(t.saved_weight_path for t in traces), trace.units[units[-1]].output_bytes / tp_seq)
+            f, b, w, f_mm, b_mm, tp_bytes, fwd_comm, bwd_comm, held, wgrad, released, out = self._stage_costs[key]
+            fwd_t, bwd_t = tp_exposed(fwd_comm, f_mm), tp_exposed(bwd_comm, b_mm)
             stage_f.append(f + fwd_t)
             stage_b.append(b + bwd_t)
-            stage_w.append(min(w, b))
-            stage_held.append(saved_bytes(traces, tp_seq))
-            # I keeps the output gradients of the ops that read parameters, and the gradient it received
-            stage_wgrad.append(sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq)
-            stage_released.append(sum(t.saved_weight_path for t in traces))
-            stage_tp_bytes.append(fwd_bytes + bwd_bytes)
-            stage_out.append(trace.units[units[-1]].output_bytes / tp_seq)
+            stage_w.append(w)
+            stage_tp_exposed.append(fwd_t + bwd_t)
+            stage_held.append(held)
+            stage_wgrad.append(wgrad)
+            stage_released.append(released)
+            stage_tp_bytes.append(tp_bytes)
+            stage_out.append(out)
             if c.cp > 1:
                 self._context_parallel(c, units, act_elt, hw.bandwidth(cp_span), hw.latency_s, stage_f, stage_b,
                                        stage_w, stage_held, stage_wgrad, stage_released, stage_tp_bytes, stage_out,
                                        stage_cp_bytes)
+                stage_tp_exposed[-1] /= c.cp  # its tp traffic is that of 1/cp of the tokens
 
         # -- the schedule --------------------------------------------------------------------------------------
         pp_bw = hw.bandwidth(pp_span)
+        p2p_split = c.tp if runtime.p2p_split_over_tp else 1
         if c.pp > 1:
-            order = action_order(c.schedule, c.pp, m, v)
             rank_of = rank_of_stage(c.schedule, c.pp, v)
 
             def cost(a) -> float:
@@ -352,64 +482,96 @@ class Planner:
                     return stage_b[a.stage] - stage_w[a.stage]
                 return stage_w[a.stage]
 
-            p2p_split = c.tp if self.runtime.p2p_split_over_tp else 1
             # layouts that differ only in the ZeRO stage run the same schedule with the same costs: simulate it once
             key = (c.schedule, c.pp, m, v, p2p_split, pp_bw, *map(tuple, (stage_f, stage_b, stage_w, stage_out,
                                                                          stage_held, stage_wgrad, stage_released)))
             if key not in self._simulations:
-                self._simulations[key] = simulate(
-                    order, n_stages, rank_of, cost,
-                    transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
-                    held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
-                    released_by_w=lambda s: stage_released[s])
+                def run(micro: int) -> Simulation:
+                    return simulate(
+                        action_order(c.schedule, c.pp, micro, v), n_stages, rank_of, cost,
+                        transfer=lambda src, dst: stage_out[min(src, dst)] / p2p_split / pp_bw + hw.latency_s,
+                        held=lambda s: stage_held[s], held_for_w=lambda s: stage_wgrad[s],
+                        released_by_w=lambda s: stage_released[s])
+
+                short = steady_microbatches(c.schedule, c.pp, m, v)  # thousands of micro-batches: two shorter runs
+                self._simulations[key] = run(m) if short is None else extrapolate(run(short), run(2 * short),
+                                                                                 short, 2 * short, m)
             sim = self._simulations[key]
             t_pipe, bubble, held_peak = sim.makespan, sim.mean_bubble, sim.peak_held
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
+            rank_end, rank_first, rank_grads = sim.rank_end, sim.rank_first_forward, sim.rank_last_grads
+            hop = sum(stage_out[:-1]) / max(1, n_stages - 1) / p2p_split / pp_bw + hw.latency_s
+            pp_exposed = 2 * (c.pp - 1) * hop  # the fill and the drain cross every pipeline hop once
         else:
             t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
             grads_peak = [0.0]
+            rank_end, rank_first, rank_grads = [t_pipe], [0.0], [t_pipe - stage_b[0]]
+            pp_exposed = 0.0
 
-        # -- memory per pipeline rank ----------------------------------------------------------------------------
+        # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
         dp_bytes_max = tp_bytes_max = pp_bytes_max = 0.0
-        dp_time_max = 0.0
-        zero3_gather_time = 0.0
+        reduce_finish = gather_exposed = tp_exposed_max = 0.0
+        bucket = runtime.bucket_mb * 2**20
+        dp_bw = hw.bandwidth(dp_span)
+        d = c.dp * c.cp  # gradients are averaged over the dp x cp ranks of a stage
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
             params = self._rank_params(rank_units)
-            numel = sum(split.local_numel(p) for p in params)
-            mem = self._state(params, split, c, elt, n_states)
+            numel, tied_numel = self._rank_numel(params, split, c, stage_of_unit)
+            mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
+            blocks = [u for u in rank_units if u in info.blocks]
             if c.zero_stage == 3 and c.pp == 1:
                 # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
-                blocks = [u for u in rank_units if u in info.blocks]
                 block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)) for u in blocks),
                                   default=0)
                 root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
-                transient += (2 * block_numel + root_numel) * elt
+                transient += (2 * block_numel + root_numel) * eb.gather
             elif c.zero_stage == 3:
                 # torch's schedules keep FSDP2 stages gathered through the step and accumulate unsharded gradients,
                 # reduce-scattered after the last backward (lightning_par.parallel.pipeline.fsdp)
-                transient += 2 * numel * elt - mem[0] - mem[1]
+                transient += numel * (eb.gather + eb.grad) - mem[0] - mem[1]
             elif c.pp > 1 and c.dp * c.cp > 1 and c.zero_stage == 0:
-                transient += numel * elt  # the pipeline's flat all-reduce of all gradients
+                transient += numel * eb.grad  # the pipeline's flat all-reduce of all gradients
             elif c.pp > 1 and c.zero_stage == 2:
-                transient += numel * elt - mem[1]  # full gradients until the one reduce-scatter after the schedule
+                transient += numel * eb.grad - mem[1]  # full gradients until the one reduce-scatter after the schedule
             ranks.append(RankMemory(r, *mem, held_peak[r], transient, numel))
 
-            # traffic of this rank, per step
-            d = c.dp * c.cp
-            if c.zero_stage == 0:
-                dp_bytes = _ring("all_reduce", numel * elt, d)
-            elif c.zero_stage in (1, 2):
-                dp_bytes = _ring("reduce_scatter", numel * elt, d) + _ring("all_gather", numel * elt, d)
-            else:
-                # gathered for each micro-batch's forward and backward; under a pipeline once per step
-                gathers = 1 if c.pp > 1 else 2 * m
-                dp_bytes = gathers * _ring("all_gather", numel * elt, d) + _ring("reduce_scatter", numel * elt, d)
-                zero3_gather_time = max(zero3_gather_time, _ring("all_gather", numel * elt, d)
-                                        / hw.bandwidth(dp_span))
+            # data-parallel traffic of this rank, per step, and how much of it the compute around it hides
+            reduce_bytes = _ring("all_reduce" if c.zero_stage == 0 else "reduce_scatter", numel * eb.reduce, d)
+            gather_bytes = _ring("all_gather", numel * eb.gather, d) if c.zero_stage else 0.0
+            n_gathers = (1 if c.pp > 1 else 2 * m) if c.zero_stage == 3 else 1
+            dp_bytes = reduce_bytes + n_gathers * gather_bytes
+            first_f = stage_f[stage_ids[0]]
+            if d > 1:
+                k = max(1, math.ceil(numel * eb.grad / bucket))  # buckets (ZeRO-3: FSDP2's groups, one per block)
+                k3 = len(blocks) + 1
+                reduce_t = reduce_bytes / dp_bw + (k3 if c.zero_stage == 3 else k) * hw.latency_s
+                gather_t = gather_bytes / dp_bw + (k3 if c.zero_stage == 3 else k) * hw.latency_s if gather_bytes \
+                    else 0.0
+                if c.zero_stage == 3 and c.pp == 1:
+                    # gathered for every micro-batch's forward and again for its backward, each block prefetched
+                    # under the one before; the last backward also reduce-scatters each block's gradients
+                    fwd = m * hidden(gather_t, stage_f[0], k3)
+                    bwd = (m - 1) * hidden(gather_t, stage_b[0], k3) + hidden(gather_t + reduce_t, stage_b[0], k3)
+                    reduce_finish = max(reduce_finish, rank_end[r] + fwd + bwd)
+                else:
+                    overlap = runtime.dp_overlap if c.pp == 1 else runtime.pp_dp_overlap
+                    window = rank_end[r] - rank_grads[r]
+                    exposed = hidden(reduce_t, window, k) if overlap and c.zero_stage != 3 else reduce_t
+                    reduce_finish = max(reduce_finish, rank_end[r] + exposed)
+                    if c.zero_stage == 3:
+                        # each stage gathered at its first forward, block after block; a rank's delay holds up
+                        # every stage after it in the fill
+                        gather_exposed += hidden(gather_t, first_f, k3)
+                    elif c.zero_stage and runtime.param_gather_overlap:
+                        # launched at the start of the step: the idle start of the rank hides it too
+                        gather_exposed = max(gather_exposed, hidden(gather_t, first_f, k) - rank_first[r])
+                    elif c.zero_stage:
+                        gather_exposed = max(gather_exposed, gather_t)  # after the step, waited for
             tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
+            tp_exposed_max = max(tp_exposed_max, m * sum(stage_tp_exposed[s] for s in stage_ids))
             pp_bytes = 0.0
             if c.pp > 1:
                 for s in stage_ids:
@@ -417,29 +579,18 @@ class Planner:
                         pp_bytes += m * stage_out[s]
                     if s > 0:
                         pp_bytes += m * stage_out[s - 1]
-                tied = [p for p in params if len({rank_of(stage_of_unit[u]) for u in p.units}) > 1]
-                pp_bytes += sum(_ring("all_reduce", split.local_numel(p) * elt, c.pp) for p in tied)
+                pp_bytes += _ring("all_reduce", tied_numel * eb.grad, c.pp)
             dp_bytes_max, tp_bytes_max, pp_bytes_max = (max(dp_bytes_max, dp_bytes), max(tp_bytes_max, tp_bytes),
                                                         max(pp_bytes_max, pp_bytes))
-            dp_time_max = max(dp_time_max, dp_bytes / hw.bandwidth(dp_span) + (hw.latency_s if d > 1 else 0.0))
 
         # -- step time ---------------------------------------------------------------------------------------------
-        last_backward = max(stage_b)
-        if c.dp * c.cp == 1:
-            dp_exposed = 0.0
-        elif c.zero_stage == 3 and c.pp == 1:
-            # parameters gathered per micro-batch, prefetched under the previous block's compute: exposed where
-            # the gather takes longer than the compute; gradients reduce-scattered under the last backward
-            compute = stage_f[0] + stage_b[0]
-            dp_exposed = m * max(0.0, 2 * zero3_gather_time - compute) + max(0.0, dp_time_max - 2 * m *
-                                                                              zero3_gather_time - last_backward)
-        elif c.pp == 1 and self.runtime.dp_overlap:
-            ag = dp_time_max / 2 if c.zero_stage in (1, 2) else 0.0  # all-gather after the step: exposed
-            dp_exposed = max(0.0, dp_time_max - ag - last_backward) + ag + hw.latency_s
-        else:
-            dp_exposed = dp_time_max  # reduced after the backward (the pipeline runtime: after the schedule)
+        dp_exposed = max(0.0, reduce_finish - t_pipe) + max(0.0, gather_exposed)
         opt_numel = max(r.numel for r in ranks) / (c.dp * c.cp if c.zero_stage >= 1 else 1)
-        optimizer_time = opt_numel * (3 * elt + 2 * n_states * elt) / hw.memory_bandwidth
+        # read the gradient, read and write the fp32 values and every state, write the parameters where a master
+        # is kept apart
+        master = eb.master or eb.param
+        per_element = eb.grad + 2 * master + 2 * n_states * eb.state + (eb.param if eb.master else 0)
+        optimizer_time = opt_numel * per_element / hw.memory_bandwidth
         step = t_pipe + dp_exposed + optimizer_time
 
         tokens = work.global_batch * work.seq_len
@@ -449,17 +600,14 @@ class Planner:
         per_device = model_flops / step / c.world
         peak = hw.peak_flops.get("fp32" if c.precision == "fp32" else "bf16", float("nan"))
         worst = max(r.total for r in ranks)
-        try:
-            c.layout()
-            runs, note = True, ""
-        except LayoutError as err:
-            runs, note = False, str(err)
+        runs, note = _runs_today(c)
         return Estimate(
             c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max,
                        **({"cp": max(stage_cp_bytes) * m} if c.cp > 1 else {})}, bubble, step, tokens / step,
             per_device / 1e12, per_device / peak, worst <= hw.usable_bytes, runs, note,
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
             list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
+            {"dp": dp_exposed, "tp": tp_exposed_max, "pp": pp_exposed},
         )
 
     def state_bytes(self, c: Candidate) -> list[dict[str, float]]:
@@ -470,7 +618,8 @@ class Planner:
         out = []
         for stage_ids in rank_stages:
             params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
-            mem = self._state(params, split, c, _elt(c.precision), OPTIMIZER_STATES[self.optimizer])
+            mem = self._state(params, split, c, element_bytes(c.precision, c.zero_stage),
+                              OPTIMIZER_STATES[self.optimizer])
             out.append(dict(zip(("parameters", "gradients", "optimizer_states"), mem, strict=True)))
         return out
 
@@ -481,6 +630,21 @@ class Planner:
             return self.stages(1, 1, "loop"), [[0]]
         plan = StagePlan(c.pp, c.virtual_stages, SCHEDULES[c.schedule].style)
         return self.stages(plan.pp, plan.virtual_stages, plan.style), [plan.stages_of(r) for r in range(c.pp)]
+
+    def _rank_numel(self, params: list[ParamInfo], split: TPSplit, c: Candidate,
+                    stage_of_unit: dict[str, int]) -> tuple[int, int]:
+        """Elements of a rank's parameters (its tp shards), and of those tied across pipeline ranks (summed over
+        the pipeline after the schedule)."""
+        key = (id(params), split.tp, split.sequence_parallel, c.pp, c.virtual_stages, c.schedule)
+        if key not in self._numels:
+            numel = sum(split.local_numel(p) for p in params)
+            tied = 0
+            if c.pp > 1:
+                rank_of = rank_of_stage(c.schedule, c.pp, c.virtual_stages)
+                tied = sum(split.local_numel(p) for p in params
+                           if len({rank_of(stage_of_unit[u]) for u in p.units}) > 1)
+            self._numels[key] = (numel, tied)
+        return self._numels[key]
 
     def _context_parallel(self, c: Candidate, units: Sequence[str], act_elt: int, bandwidth: float, latency: float,
                           *per_stage: list[float]) -> None:
@@ -511,10 +675,21 @@ class Planner:
 
     def _rank_params(self, units: set[str]) -> list[ParamInfo]:
         """The parameters a pipeline rank holding ``units`` keeps: theirs, and those outside every unit."""
-        return [p for p in self.info.params if not p.units or any(u in units for u in p.units)]
+        key = frozenset(units)
+        if key not in self._params_of:
+            self._params_of[key] = [p for p in self.info.params if not p.units or any(u in units for u in p.units)]
+        return self._params_of[key]
 
-    def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, elt: int,
+    def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
                n_states: int) -> tuple[float, float, float]:
+        """Parameters, gradients, optimizer states (with a separate master copy) of ``params`` on one rank."""
+        key = (id(params), split.tp, split.sequence_parallel, c.dp * c.cp, c.zero_stage, eb, n_states)
+        if key not in self._states:
+            self._states[key] = self._state_bytes(params, split, c, eb, n_states)
+        return self._states[key]
+
+    def _state_bytes(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
+                     n_states: int) -> tuple[float, float, float]:
         d = c.dp * c.cp  # the cp ranks of a replica shard the states too (gradients averaged over dp x cp)
         full = sum(split.local_numel(p) for p in params)
         # measured: with replicas (ZeRO-0) the gradient of a vocabulary-parallel embedding is a full-vocabulary
@@ -534,11 +709,11 @@ class Planner:
                 shape = split.local_shape(p)
                 rest = math.prod(shape[1:]) if len(shape) > 1 else 1
                 sharded += -(-shape[0] // d) * rest if shape else 1
-            return sharded * elt, sharded * elt, n_states * sharded * elt
+            return sharded * eb.param, sharded * eb.grad, sharded * (n_states * eb.state + eb.master)
         chunk = -(-full // d)
         grads = chunk if c.zero_stage == 2 else full + embedding_extra
         states = chunk if c.zero_stage >= 1 else full
-        return full * elt, grads * elt, n_states * states * elt
+        return full * eb.param, grads * eb.grad, states * (n_states * eb.state + eb.master)
 
     # -- all layouts -----------------------------------------------------------------------------------------------
     def candidates(self, world: int, zero_stages: Sequence[int] = (0, 1, 2, 3),
@@ -613,9 +788,51 @@ class Planner:
                                     out.append(Candidate(dp, tp, pp, zero, name, v, m, sp, rc, prec))
         return out, skipped
 
-    def plan(self, world: int, **kwargs: Any) -> tuple[list[Estimate], dict[str, int]]:
-        """Estimate every candidate; fastest first (layouts that fit before those that do not)."""
+    def memory_floor(self, c: Candidate) -> float:
+        """A lower bound of the fullest rank's bytes, without running the schedule: its model state (exact) and
+        the activations of one micro-batch of its largest stage (every schedule holds at least that at once) --
+        of ``m`` micro-batches under GPipe, ``min(m, p - rank)`` under 1F1B (what their orders hold, exactly)."""
+        split = self.info.tp_split(c.tp, c.sequence_parallel)
+        trace = self.trace(c.tp, c.recompute, c.precision)
+        tp_seq = c.tp if c.sequence_parallel else 1
+        units_by_stage, rank_stages = self.placement(c)
+        eb, n_states = element_bytes(c.precision, c.zero_stage), OPTIMIZER_STATES[self.optimizer]
+        last = len(units_by_stage) - 1
+        floor = 0.0
+        for rank, stage_ids in enumerate(rank_stages):
+            params = self._rank_params({u for s in stage_ids for u in units_by_stage[s]})
+            held = 0.0
+            for s in stage_ids:
+                key = (id(trace), tp_seq, tuple(units_by_stage[s]), s == last)
+                if key not in self._held:
+                    self._held[key] = saved_bytes([trace.units[u] for u in units_by_stage[s]]
+                                                  + ([trace.loss] if s == last else []), tp_seq)
+                held = max(held, self._held[key])
+            in_flight = {"gpipe": c.n_microbatches, "1f1b": min(c.n_microbatches, c.pp - rank)}.get(c.schedule, 1)
+            held /= c.cp  # a cp rank holds 1/cp of the tokens' activations (and more: the gathered keys, values)
+            floor = max(floor, sum(self._state(params, split, c, eb, n_states)) + in_flight * held)
+        return floor
+
+    def plan(self, world: int, prune: bool = True, **kwargs: Any) -> tuple[list[Estimate], dict[str, int]]:
+        """Estimate every candidate; fastest first (layouts that fit before those that do not). ``prune``: leave
+        out, before simulating their schedules, the layouts whose :meth:`memory_floor` already exceeds the device
+        (counted in the returned reasons; the one with the smallest floor is kept, so that something is shown)."""
         candidates, skipped = self.candidates(world, **kwargs)
+        if prune and candidates:
+            floors = []
+            for c in candidates:
+                try:
+                    floors.append(self.memory_floor(c))
+                except LayoutError:
+                    floors.append(0.0)  # estimate() says why
+            smallest = min(range(len(candidates)), key=floors.__getitem__)
+            usable = self.hw.usable_bytes
+            reason = (f"cannot fit in {usable / GiB:.3g} GiB: model state and one micro-batch's activations alone "
+                      "exceed it")
+            kept = [c for i, c in enumerate(candidates) if floors[i] <= usable or i == smallest]
+            if len(kept) < len(candidates):
+                skipped[reason] = len(candidates) - len(kept)
+            candidates = kept
         out = []
         for c in candidates:
             try:
@@ -625,6 +842,25 @@ class Planner:
                 skipped[key] = skipped.get(key, 0) + 1
         out.sort(key=lambda e: (not e.fits, e.step_time))
         return out, skipped
+
+
+#: the planner's precision names -> the Trainer's
+_TRAINER_PRECISION = {"fp32": "32-true"}
+
+
+def _runs_today(c: Candidate) -> tuple[bool, str]:
+    """Whether the engine runs the layout (its own :class:`Layout` check) in the candidate's precision (the
+    precision plugin's list), and why not."""
+    from lightning_par.plugins.precision import SUPPORTED  # Lightning is loaded with lightning_par.parallel anyway
+
+    try:
+        c.layout()
+    except LayoutError as err:
+        return False, str(err)
+    name = _TRAINER_PRECISION.get(c.precision, c.precision)
+    if name not in SUPPORTED:
+        return False, f"precision={name!r} is not a precision of this version's strategies ({', '.join(SUPPORTED)})"
+    return True, ""
 
 
 def _divisors(n: int) -> list[int]:

@@ -45,7 +45,10 @@ HEADER = ("#", "dp", "tp", "pp", "zero", "schedule", "sp", "recompute", "precisi
           "MFU", "runs")
 
 
-def rows(estimates: Sequence[Estimate], start: int = 1) -> list[tuple[str, ...]]:
+EXPOSED = ("dp exp s", "tp exp s", "pp exp s")
+
+
+def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -> list[tuple[str, ...]]:
     _, unit = _unit(estimates)
     out = []
     for i, e in enumerate(estimates, start):
@@ -58,15 +61,19 @@ def rows(estimates: Sequence[Estimate], start: int = 1) -> list[tuple[str, ...]]
             _traffic(e.comm_bytes["dp"], unit), _traffic(e.comm_bytes["tp"], unit), _traffic(e.comm_bytes["pp"], unit),
             f"{e.bubble:.2f}" if c.pp > 1 else "-", f"{e.step_time:.3g}",
             _rate(e.tokens_per_s), f"{e.mfu:.0%}", "yes" if e.runs_today else "not yet",
-        ))
+        ) + (tuple(f"{e.exposed.get(g, 0.0):.3g}" for g in ("dp", "tp", "pp")) if exposed else ()))
     return out
 
 
-def table(estimates: Sequence[Estimate], start: int = 1) -> str:
-    body = rows(estimates, start)
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(HEADER)]
+def table(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -> str:
+    """The estimates as a table; ``exposed``: with the exposed communication seconds per group."""
+    body = rows(estimates, start, exposed)
+    header = HEADER + (EXPOSED if exposed else ())
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
     name, _ = _unit(estimates)
     groups = [("", 10), (f"{name} per rank (the fullest)", 6), (f"{name} sent per step", 3), ("", 5)]
+    if exposed:
+        groups.append(("exposed comm", 3))
     lines = []
     top, col = [], 0
     for title, n in groups:
@@ -74,7 +81,7 @@ def table(estimates: Sequence[Estimate], start: int = 1) -> str:
         top.append(title.center(span) if title else " " * span)
         col += n
     lines.append("  ".join(top).rstrip())
-    lines.append("  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True)))
+    lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     for r in body:
         lines.append("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
     return "\n".join(lines)
@@ -123,8 +130,10 @@ def rank_breakdown(e: Estimate) -> str:
                      f"{r.optimizer_states / GiB:7.2f} {r.activations / GiB:7.2f} {r.transient / GiB:10.2f} "
                      f"{r.total / GiB:7.2f}")
     b = e.breakdown
-    lines.append(f"  step {e.step_time:.4g} s = pipeline {b['pipeline']:.4g} + data-parallel exposed "
-                 f"{b['dp_exposed']:.4g} + optimizer {b['optimizer']:.4g}; bubble {e.bubble:.3f}; sent per step "
+    x = e.exposed
+    lines.append(f"  step {e.step_time:.4g} s = pipeline {b['pipeline']:.4g} (of it tp exposed {x.get('tp', 0):.3g}, "
+                 f"pp exposed {x.get('pp', 0):.3g}) + data-parallel exposed {b['dp_exposed']:.4g} + optimizer "
+                 f"{b['optimizer']:.4g}; bubble {e.bubble:.3f}; sent per step "
                  f"dp {e.comm_bytes['dp'] / GiB:.3g} GiB, tp {e.comm_bytes['tp'] / GiB:.3g} GiB, "
                  f"pp {e.comm_bytes['pp'] / GiB:.3g} GiB")
     if not e.runs_today:

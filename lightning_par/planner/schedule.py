@@ -18,7 +18,7 @@ fraction (the bubble) and the most bytes of activations each rank holds at once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import NamedTuple
 
@@ -125,6 +125,11 @@ class Simulation:
         peak_with_grads: the same with the output gradients a zero-bubble I keeps for its W.
         peak_in_flight: per stage, the most micro-batches forwarded and not yet released.
         timeline: ``(rank, action, start, end)`` of every action.
+        rank_end: per rank, when its last action ends (its schedule returns).
+        rank_first_forward: per rank, when its first forward starts (what precedes it is idle).
+        rank_last_grads: per rank, when the first of its stages starts the backward that completes the stage's
+            gradients (the last micro-batch's B, or W): from then on its gradients are final, bucket by bucket,
+            and can be reduced under the rest of its schedule.
     """
 
     makespan: float
@@ -134,6 +139,9 @@ class Simulation:
     peak_with_grads: list[float]
     peak_in_flight: dict[int, int]
     timeline: list[tuple[int, Action, float, float]]
+    rank_end: list[float] = field(default_factory=list)
+    rank_first_forward: list[float] = field(default_factory=list)
+    rank_last_grads: list[float] = field(default_factory=list)
 
     @property
     def mean_bubble(self) -> float:
@@ -177,71 +185,102 @@ def simulate(order: dict[int, list[Action]], n_stages: int, rank_of: Callable[[i
     peak_flight: dict[int, int] = {}
     timeline: list[tuple[int, Action, float, float]] = []
 
-    def ready(action: Action) -> float | None:
-        s, mb = action.stage, action.microbatch
-        if action.kind == "F":
-            needs = [("F", s - 1, mb)] if s > 0 else []
-        elif action.kind in ("B", "I"):
-            needs = [("F", s, mb)] + ([("G", s + 1, mb)] if s < last else [])
-        else:
-            needs = [("G", s, mb)]
-        start = 0.0
-        for kind, stage, micro in needs:
-            end = done.get((kind, stage, micro))
-            if end is None:
-                return None
-            if stage != s:
-                end += transfer(stage, s) if owner[stage] != owner[s] else 0.0
-            start = max(start, end)
-        return start
+    # each action prepared once: what it waits for (with the transfer from another rank), its cost, what it
+    # completes, and how it changes the bytes its rank holds -- the loop below then only compares and adds
+    from_prev = [transfer(s - 1, s) if s > 0 and owner[s - 1] != owner[s] else 0.0 for s in range(n_stages)]
+    from_next = [transfer(s + 1, s) if s < last and owner[s + 1] != owner[s] else 0.0 for s in range(n_stages)]
+
+    prepared: dict[int, list[tuple]] = {}
+    for rank, actions in order.items():
+        steps = []
+        for action in actions:
+            s, kind, mb = action.stage, action.kind, action.microbatch
+            if kind == "F":
+                needs = ((("F", s - 1, mb), from_prev[s]),) if s > 0 else ()
+            elif kind in ("B", "I"):
+                needs = ((("F", s, mb), 0.0),) + (((("G", s + 1, mb), from_next[s]),) if s < last else ())
+            else:
+                needs = ((("G", s, mb), 0.0),)
+            live_delta = grads_delta = 0.0
+            flight = 0
+            if kind == "F":
+                live_delta, flight = held(s), 1
+            elif kind == "I" and s > 0:
+                grads_delta = held_for_w(s)
+            elif kind == "B" or (kind == "W" and s == 0):
+                live_delta, flight = -held(s), -1
+            elif kind == "W":
+                kept = held(s) - released_by_w(s)
+                share = 1.0 if s == last else KEPT_AFTER_W  # the last stage's loss keeps its graph to the end
+                live_delta, grads_delta, flight = -(released_by_w(s) + (1 - share) * kept), -held_for_w(s), -1
+            key = ("G" if kind in ("B", "I") else kind, s, mb)
+            steps.append((action, needs, cost(action), key, live_delta, grads_delta, flight))
+        prepared[rank] = steps
 
     progress = True
     while progress:
         progress = False
-        for rank, actions in order.items():
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                start = ready(action)
-                if start is None:
+        for rank, steps in prepared.items():
+            i, n = position[rank], len(steps)
+            while i < n:
+                action, needs, duration, key, live_delta, grads_delta, flight = steps[i]
+                start = free[rank]
+                blocked = False
+                for need, extra in needs:
+                    end = done.get(need)
+                    if end is None:
+                        blocked = True
+                        break
+                    if end + extra > start:
+                        start = end + extra
+                if blocked:
                     break
-                start = max(start, free[rank])
-                end = start + cost(action)
+                end = start + duration
                 free[rank] = end
-                key = ("G" if action.kind in ("B", "I") else action.kind, action.stage, action.microbatch)
                 done[key] = end
                 timeline.append((rank, action, start, end))
                 s = action.stage
-                if action.kind == "F":
-                    live[rank] += held(s)
-                    in_flight[s] = in_flight.get(s, 0) + 1
-                    peak_flight[s] = max(peak_flight.get(s, 0), in_flight[s])
-                elif action.kind == "I" and s > 0:
-                    grads[rank] += held_for_w(s)
-                elif action.kind == "B" or (action.kind == "W" and s == 0):
-                    live[rank] -= held(s)
-                    in_flight[s] -= 1
-                elif action.kind == "W":
-                    kept = held(s) - released_by_w(s)
-                    share = 1.0 if s == last else KEPT_AFTER_W  # the last stage's loss keeps its graph to the end
-                    live[rank] -= released_by_w(s) + (1 - share) * kept
-                    grads[rank] -= held_for_w(s)
-                    in_flight[s] -= 1
-                peak[rank] = max(peak[rank], live[rank])
-                peak_grads[rank] = max(peak_grads[rank], live[rank] + grads[rank])
-                position[rank] += 1
+                if flight:
+                    in_flight[s] = in_flight.get(s, 0) + flight
+                    if flight > 0 and in_flight[s] > peak_flight.get(s, 0):
+                        peak_flight[s] = in_flight[s]
+                if live_delta:
+                    live[rank] += live_delta
+                if grads_delta:
+                    grads[rank] += grads_delta
+                if live[rank] > peak[rank]:
+                    peak[rank] = live[rank]
+                if live[rank] + grads[rank] > peak_grads[rank]:
+                    peak_grads[rank] = live[rank] + grads[rank]
+                i += 1
                 progress = True
+            position[rank] = i
     stuck = {r: order[r][position[r]] for r in order if position[r] < len(order[r])}
     if stuck:
         raise RuntimeError(f"the schedule cannot proceed: the next actions wait on actions it never runs: {stuck}")
     start = min(t[2] for t in timeline)
     makespan = max(t[3] for t in timeline) - start
     busy = dict.fromkeys(order, 0.0)
-    for rank, _, begin, end in timeline:
+    rank_end = dict.fromkeys(order, start)
+    first_forward = dict.fromkeys(order, float("inf"))
+    last_grads: dict[int, tuple[float, float]] = {}  # stage -> (end, start) of its latest B or W
+    for rank, action, begin, end in timeline:
         busy[rank] += end - begin
-    busy = [busy[rank] for rank in sorted(order)]
+        rank_end[rank] = max(rank_end[rank], end)
+        if action.kind == "F":
+            first_forward[rank] = min(first_forward[rank], begin)
+        elif action.kind in ("B", "W") and end >= last_grads.get(action.stage, (-1.0, 0.0))[0]:
+            last_grads[action.stage] = (end, begin)
+    grads_start = dict(rank_end)
+    for stage, (_, begin) in last_grads.items():
+        grads_start[owner[stage]] = min(grads_start[owner[stage]], begin)
+    ranks = sorted(order)
+    busy = [busy[rank] for rank in ranks]
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
-    return Simulation(makespan, busy, bubble, [peak[r] for r in sorted(order)],
-                      [peak_grads[r] for r in sorted(order)], dict(sorted(peak_flight.items())), timeline)
+    return Simulation(makespan, busy, bubble, [peak[r] for r in ranks],
+                      [peak_grads[r] for r in ranks], dict(sorted(peak_flight.items())), timeline,
+                      [rank_end[r] - start for r in ranks], [min(first_forward[r], rank_end[r]) - start for r in ranks],
+                      [grads_start[r] - start for r in ranks])
 
 
 def formula_bubble(name: str, pp: int, m: int, v: int) -> float | None:
@@ -252,3 +291,40 @@ def formula_bubble(name: str, pp: int, m: int, v: int) -> float | None:
     if name in ("interleaved_1f1b", "looped_bfs"):
         return (pp - 1) / (m * v + pp - 1)
     return None
+
+
+def extrapolate(a: Simulation, b: Simulation, m_a: int, m_b: int, m: int) -> Simulation:
+    """The simulation of ``m`` micro-batches from those of ``m_a`` and ``m_b`` (both past the warmup): once every
+    rank is in its steady state each further micro-batch adds the same time and the same bytes (none where the
+    schedule releases as it goes, one micro-batch's under GPipe), so every figure is the line through the two. The
+    timeline is left empty. For large ``m`` (thousands of micro-batches on large worlds), where running every action
+    costs seconds per layout."""
+    t = (m - m_a) / (m_b - m_a)
+
+    def line(x: float, y: float) -> float:
+        return x + t * (y - x)
+
+    makespan = line(a.makespan, b.makespan)
+    busy = [line(x, y) for x, y in zip(a.busy, b.busy, strict=True)]
+    return Simulation(
+        makespan, busy, [1.0 - u / makespan if makespan > 0 else 0.0 for u in busy],
+        [line(x, y) for x, y in zip(a.peak_held, b.peak_held, strict=True)],
+        [line(x, y) for x, y in zip(a.peak_with_grads, b.peak_with_grads, strict=True)],
+        {s: round(line(a.peak_in_flight[s], b.peak_in_flight[s])) for s in a.peak_in_flight}, [],
+        [line(x, y) for x, y in zip(a.rank_end, b.rank_end, strict=True)], list(b.rank_first_forward),
+        [line(x, y) for x, y in zip(a.rank_last_grads, b.rank_last_grads, strict=True)])
+
+
+def steady_microbatches(name: str, pp: int, m: int, v: int) -> int | None:
+    """A number of micro-batches past the schedule's warmup (a multiple of pp, at least 2 pp and 16: every schedule
+    here, with up to 16 ranks and 4 virtual stages, extrapolates exactly from it) whose double ``m`` exceeds twice
+    over, or None where ``m`` is small enough to run every action (or the schedule refuses it)."""
+    short = pp * -(-max(2 * pp, 16) // pp)
+    if m < 4 * short:
+        return None
+    try:
+        StagePlan.for_schedule(name, pp, short, v)
+        StagePlan.for_schedule(name, pp, 2 * short, v)
+    except Exception:  # noqa: BLE001 -- a LayoutError: the schedule needs other counts; run it whole
+        return None
+    return short

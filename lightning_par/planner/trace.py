@@ -43,7 +43,10 @@ from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_pl
 from lightning_par.planner.model import ModelInfo, short_model
 from lightning_par.topology import LayoutError
 
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16-true")
+#: ``bf16-mixed``: autocast over fp32 parameters; ``bf16-true``: everything bf16; ``bf16-mixed-master``: bf16
+#: parameters and activations as in ``bf16-true`` (the same trace), fp32 master weights, gradients and optimizer
+#: states beside them (Megatron-LM's mixed precision; the bytes are the planner's, see :mod:`.plan`)
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16-true", "bf16-mixed-master")
 
 
 def compute_dtype(precision: str) -> str:
@@ -59,31 +62,64 @@ class Ops:
     low_precision: list[bool] = field(default_factory=list)
     seq: list[bool] = field(default_factory=list)  # runs on sequence shards under sequence parallelism
     weight_grad: list[bool] = field(default_factory=list)  # produces a weight gradient (zero bubble's W)
+    intensity: list[float] = field(default_factory=list)  # a GEMM's MNK / (MK + KN + MN); 0 for other ops
 
-    def add(self, flops: float, nbytes: float, low: bool, seq: bool, weight_grad: bool) -> None:
+    def add(self, flops: float, nbytes: float, low: bool, seq: bool, weight_grad: bool,
+            intensity: float = 0.0) -> None:
         self.flops.append(flops)
         self.nbytes.append(nbytes)
         self.low_precision.append(low)
         self.seq.append(seq)
         self.weight_grad.append(weight_grad)
+        self.intensity.append(intensity)
 
     @property
     def total_flops(self) -> float:
         return sum(self.flops)
 
-    def time(self, hw: Any, tp_seq: int = 1, weight_grad: bool | None = None) -> float:
-        """Seconds on ``hw``: per op the longer of its FLOPs at the matmul rate and its bytes at the memory
-        bandwidth, plus the launch overhead; ops on sequence shards take 1/``tp_seq``. ``weight_grad`` True / False
-        keeps only the ops that do / do not produce weight gradients."""
-        fast, slow, bw, overhead = hw.flops("bf16"), hw.flops("fp32"), hw.memory_bandwidth, hw.op_overhead_s
-        total = 0.0
-        for f, b, low, seq, w in zip(self.flops, self.nbytes, self.low_precision, self.seq, self.weight_grad,
-                                     strict=True):
-            if weight_grad is not None and w != weight_grad:
+    def time(self, hw: Any, tp_seq: int = 1, weight_grad: bool | None = None, compiled: bool = False) -> float:
+        """Seconds on ``hw`` (see :meth:`times`); ``weight_grad`` True / False keeps only the ops that do / do not
+        produce weight gradients."""
+        total, weights, _ = self.times(hw, tp_seq, compiled)
+        return total if weight_grad is None else weights if weight_grad else total - weights
+
+    def times(self, hw: Any, tp_seq: int = 1, compiled: bool = False) -> tuple[float, float, float]:
+        """Seconds on ``hw``: all ops, those making weight gradients, the matrix products. Per op the longer of its
+        FLOPs at the matmul rate of its shape (:meth:`Hardware.flops`) and its bytes at the memory bandwidth, plus
+        the launch overhead; ops on sequence shards take 1/``tp_seq``. ``compiled``: the ops between two matrix
+        products run as one fused kernel (what ``torch.compile``'s Inductor makes of them), which reads its inputs
+        and writes its output once -- costed as the largest of its ops' bytes and one launch."""
+        bw, overhead = hw.memory_bandwidth, hw.op_overhead_s
+        rates: dict[tuple[bool, float], float] = {}
+        total = weights = matmuls = 0.0
+        fused_bytes, fused_seq = 0.0, False
+
+        def flush() -> float:
+            return ((fused_bytes / bw) / (tp_seq if fused_seq else 1) + overhead) if fused_bytes else 0.0
+
+        for f, b, low, seq, w, i in zip(self.flops, self.nbytes, self.low_precision, self.seq, self.weight_grad,
+                                        self.intensity, strict=True):
+            if compiled and not f:
+                if b > fused_bytes:
+                    fused_bytes, fused_seq = b, seq
                 continue
-            t = max(f / (fast if low else slow), b / bw)
-            total += (t / tp_seq if seq else t) + overhead
-        return total
+            if compiled:
+                total += flush()
+                fused_bytes = 0.0
+            if f:
+                key = (low, i)
+                if key not in rates:
+                    rates[key] = hw.flops("bf16" if low else "fp32", i or None)
+                t = max(f / rates[key], b / bw)
+            else:
+                t = b / bw
+            t = (t / tp_seq if seq else t) + overhead
+            total += t
+            if f:
+                matmuls += t
+            if w:
+                weights += t
+        return total + (flush() if compiled else 0.0), weights, matmuls
 
 
 @dataclass
@@ -159,6 +195,28 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     return 0.0
 
 
+_GEMM_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "matmul": (0, 1)}
+
+
+def _intensity(func: Any, args: tuple) -> float:
+    """The GEMM intensity ``MNK / (MK + KN + MN)`` of a matrix product (attention: ``M = N =`` the query and key
+    lengths, ``K`` the head size); 0 where the shapes are not read (the hardware's largest-shape efficiency)."""
+    name = func._overloadpacket.__name__
+    try:
+        if name in _GEMM_OPERANDS:
+            i, j = _GEMM_OPERANDS[name]
+            a, b = args[i], args[j]
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        elif "scaled_dot_product" in name:
+            q, key = (args[1], args[2]) if name.endswith("_backward") else (args[0], args[1])
+            m, k, n = q.shape[-2], q.shape[-1], key.shape[-2]
+        else:
+            return 0.0
+    except (AttributeError, IndexError):
+        return 0.0
+    return float(m * n * k) / float(m * k + k * n + m * n) if m and n and k else 0.0
+
+
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
                "detach", "lift_fresh", "_unsafe_view", "alias"}
 
@@ -194,7 +252,8 @@ class _OpRecorder(TorchDispatchMode):
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tree_leaves(args) if isinstance(t, Tensor))
             weight_grad = bool(self.backward and flops and isinstance(out, Tensor)
                                and tuple(out.shape) in self.weight_shapes)
-            self.ops.add(flops, _nbytes(func, args, kwargs, out), low, self.in_seq(), weight_grad)
+            self.ops.add(flops, _nbytes(func, args, kwargs, out), low, self.in_seq(), weight_grad,
+                         _intensity(func, args) if flops else 0.0)
         if not self.backward and produces_tensor:
             keys = [_storage_key(t) for t in tree_leaves(args) if isinstance(t, Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
@@ -406,7 +465,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
     styles = _split_like_tp(root, tp, sequence_parallel) if tp > 1 else {}
     blocks = [root.get_submodule(b) for b in short.blocks]
     apply_recompute(blocks, recompute)
-    if precision == "bf16-true":
+    if precision in ("bf16-true", "bf16-mixed-master"):
         model.to(torch.bfloat16)
     seq_modules = {id(root.get_submodule(n)) for n, s in styles.items() if s == "sequence_parallel"} \
         if sequence_parallel else set()
