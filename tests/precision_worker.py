@@ -10,7 +10,8 @@ Run under torchrun (``tests.harness.launch_matrix``, 2 ranks). Writes ``ROOT/pre
   master copy, optimizer state tensors (Adam's scalar ``step`` left out). The fp32 gradient handed to a ZeRO-1/2
   master for the step is workspace, reported beside them.
 * ``losses``: ``Trainer.fit`` for 50 steps, 32-true under ZeRO-0 and bf16-mixed under ZeRO 0-3 (AdamW), per-step
-  losses from the LightningModule's step output.
+  losses from the LightningModule's step output; bf16-mixed-master under ZeRO 1-3 and 32-true, each with AdamW
+  and plain SGD (``--fits``), and its state bytes (``--state bf16-mixed-master``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from tests.harness import close_process_group
 LOSS_STEPS = 50
 FITS = {"fp32_zero0": ("32-true", 0), "bf16_zero0": ("bf16-mixed", 0), "bf16_zero1": ("bf16-mixed", 1),
         "bf16_zero2": ("bf16-mixed", 2), "bf16_zero3": ("bf16-mixed", 3)}
+# bf16-mixed-master (ZeRO 1-3) and its fp32 reference, with AdamW and with plain SGD
+for _opt in ("adamw", "sgd"):
+    FITS[f"fp32_zero0_{_opt}"] = ("32-true", 0, _opt)
+    FITS.update({f"master_zero{s}_{_opt}": ("bf16-mixed-master", s, _opt) for s in (1, 2, 3)})
 
 
 def _storage(t: Tensor) -> tuple[int, int]:
@@ -72,14 +77,17 @@ def count_state(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner
         for name, value in optimizer.state.get(p, {}).items():
             if isinstance(value, Tensor) and name != "step":
                 add("optimizer_states", value)
+    # the master's fp32 step gradient: a copy of the bf16 gradient storage under bf16-mixed (workspace); under
+    # bf16-mixed-master the fp32 gradient buffer itself (model state)
+    stored_fp32 = partitioner is not None and partitioner.grad_dtype == torch.float32
     for p in opt_params:
-        add("workspace", p.grad)  # the master's fp32 step gradient (ZeRO-1/2 mixed precision)
+        add("grads" if stored_fp32 else "workspace", p.grad)
     out["total"] = out["params"] + out["grads"] + out["master"] + out["optimizer_states"]
     return out
 
 
-def measure_state(stage: int, dp_mesh) -> dict:
-    plugin = LayoutPrecision("bf16-mixed", device="cpu")
+def measure_state(stage: int, dp_mesh, precision: str = "bf16-mixed") -> dict:
+    plugin = LayoutPrecision(precision, device="cpu")
     torch.manual_seed(0)
     model = PlainLM(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
     numel = sum(p.numel() for p in model.parameters())
@@ -128,13 +136,17 @@ class Losses(pl.Callback):
         self.values.append(loss.item() / dist.get_world_size())
 
 
-def fit(cache: str, precision: str, stage: int) -> list[float]:
+def fit(cache: str, precision: str, stage: int, optimizer: str = "adamw") -> list[float]:
     pl.seed_everything(1234, verbose=False)
-    model = PlainLMLightningModule(dim=64, n_layers=2, max_seq_len=32, lr=3e-3)
+    model = PlainLMLightningModule(dim=64, n_layers=2, max_seq_len=32, optimizer=optimizer,
+                                   lr=3e-3 if optimizer == "adamw" else 0.5)
+    # Lightning's Trainer takes only its own precision flags: the others go in as the plugin
+    flags = dict(plugins=[LayoutPrecision(precision)]) if precision == "bf16-mixed-master" else dict(
+        precision=precision)
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=8, cache_dir=cache)
     losses = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LayoutStrategy(zero_stage=stage),
-                         precision=precision, max_steps=LOSS_STEPS, limit_val_batches=0, logger=False,
+                         **flags, max_steps=LOSS_STEPS, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[losses], gradient_clip_val=1.0)
     trainer.fit(model, data)
@@ -147,12 +159,16 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--cache", required=True)
     parser.add_argument("--fits", nargs="*", default=list(FITS))
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--state", default="bf16-mixed", help="the precision of the state-bytes measurement")
     args = parser.parse_args()
+    global LOSS_STEPS
+    LOSS_STEPS = args.steps
     dist.init_process_group("gloo")
     dp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))["dp"]
     result: dict = {"state": {}, "losses": {}}
-    for stage in range(4):
-        result["state"][f"zero{stage}"] = measure_state(stage, dp_mesh)
+    for stage in range(4) if args.state == "bf16-mixed" else (1, 2, 3):
+        result["state"][f"zero{stage}"] = measure_state(stage, dp_mesh, args.state)
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result["state"])
     result["state_per_rank"] = ranks
