@@ -16,6 +16,7 @@ from lightning_par.strategies import (
     LayoutStrategy,
     MegatronTPStrategy,
     PipelineStrategy,
+    PlannedStrategy,
     ZeroStrategy,
 )
 from lightning_par.topology import LayoutError, ParallelDims
@@ -38,6 +39,7 @@ __all__ = [
     "LayoutError",
     "LayoutPrecision",
     "LayoutStrategy",
+    "PlannedStrategy",
     "MegatronTPStrategy",
     "ParallelDims",
     "PipelineStrategy",
