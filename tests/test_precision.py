@@ -63,7 +63,8 @@ def test_bf16_mixed_master_dtypes_and_bytes():
     assert (zero1.param, zero1.master, zero1.grad, zero1.reduce, zero1.optimizer_state) == (BF16, F32, F32, F32, F32)
     assert zero1.separate_master and zero1.autocast
     assert (zero3.param, zero3.compute, zero3.grad, zero3.reduce) == (F32, BF16, F32, F32)
-    assert plugin.shard_precision(2).grad_dtype == F32 and LayoutPrecision("bf16-mixed").shard_precision(2).grad_dtype is None
+    assert plugin.shard_precision(2).grad_dtype == F32
+    assert LayoutPrecision("bf16-mixed").shard_precision(2).grad_dtype is None
     psi, n = 8 * 3 * 5 * 7 * 1000, 4
     assert {s: plugin.policy(s).state_bytes(psi, s, n) for s in (1, 2, 3)} == {
         1: 6 * psi + 12 * psi // n, 2: 2 * psi + 16 * psi // n, 3: 16 * psi // n}
