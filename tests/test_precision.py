@@ -286,3 +286,12 @@ def test_planner_state_bytes_for_bf16_mixed_master_equal_the_measured(stage):
     psi, n = 134_912, 2
     measured = {1: 6 * psi + 12 * psi // n, 2: 2 * psi + 16 * psi // n, 3: 16 * psi // n}[stage]
     assert abs(predicted / measured - 1) <= 0.02, (stage, predicted, measured)
+
+
+def test_the_cli_turns_bf16_mixed_master_into_the_plugin():
+    from lightning_par.cli import _precision_as_plugin
+
+    plugin = ["--trainer.plugins+=lightning_par.LayoutPrecision", "--trainer.plugins.precision=bf16-mixed-master"]
+    assert _precision_as_plugin(["fit", "--trainer.precision=bf16-mixed-master", "--x=1"]) == ["fit", *plugin, "--x=1"]
+    assert _precision_as_plugin(["fit", "--trainer.precision", "bf16-mixed-master"]) == ["fit", *plugin]
+    assert _precision_as_plugin(["fit", "--trainer.precision=bf16-mixed"]) == ["fit", "--trainer.precision=bf16-mixed"]
