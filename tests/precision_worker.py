@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from example_models import GPTLightningModule
 from example_models.plain_lm import PlainLM, PlainLMLightningModule
 from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
@@ -43,6 +44,11 @@ FITS = {"fp32_zero0": ("32-true", 0), "bf16_zero0": ("bf16-mixed", 0), "bf16_zer
 for _opt in ("adamw", "sgd"):
     FITS[f"fp32_zero0_{_opt}"] = ("32-true", 0, _opt)
     FITS.update({f"master_zero{s}_{_opt}": ("bf16-mixed-master", s, _opt) for s in (1, 2, 3)})
+# tensor and pipeline parallel on the 2 ranks (one replica: its batch is the two replicas' of the others), on the
+# example GPT (it declares a tensor-parallel plan), against its fp32 run at dp=2
+FITS["gpt_fp32_zero0_sgd"] = ("32-true", 0, "sgd", dict(model="gpt"))
+FITS["gpt_master_tp2_zero1_sgd"] = ("bf16-mixed-master", 1, "sgd", dict(model="gpt", tp=2))
+FITS["gpt_master_pp2_zero2_sgd"] = ("bf16-mixed-master", 2, "sgd", dict(model="gpt", pp=2, n_microbatches=2))
 
 
 def _storage(t: Tensor) -> tuple[int, int]:
@@ -136,16 +142,22 @@ class Losses(pl.Callback):
         self.values.append(loss.item() / dist.get_world_size())
 
 
-def fit(cache: str, precision: str, stage: int, optimizer: str = "adamw") -> list[float]:
+def fit(cache: str, precision: str, stage: int, optimizer: str = "adamw", layout: dict | None = None) -> list[float]:
     pl.seed_everything(1234, verbose=False)
-    model = PlainLMLightningModule(dim=64, n_layers=2, max_seq_len=32, optimizer=optimizer,
-                                   lr=3e-3 if optimizer == "adamw" else 0.5)
+    layout = dict(layout or {})
+    lr = 3e-3 if optimizer == "adamw" else 0.5
+    if layout.pop("model", None) == "gpt":
+        model = GPTLightningModule(preset="tiny", n_layers=2, optimizer=optimizer, lr=0.2 if optimizer == "sgd" else lr)
+        # (SGD at 0.5 on this GPT swings enough that bf16 rounding grows to 5-8% by step 20)
+    else:
+        model = PlainLMLightningModule(dim=64, n_layers=2, max_seq_len=32, optimizer=optimizer, lr=lr)
     # Lightning's Trainer takes only its own precision flags: the others go in as the plugin
     flags = dict(plugins=[LayoutPrecision(precision)]) if precision == "bf16-mixed-master" else dict(
         precision=precision)
-    data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=8, cache_dir=cache)
+    batch = 16 if {"tp", "pp"} & set(layout) else 8  # per replica: 2 replicas of 8, or 1 of 16 (tp2, pp2)
+    data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=batch, cache_dir=cache)
     losses = Losses()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LayoutStrategy(zero_stage=stage),
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LayoutStrategy(zero_stage=stage, **layout),
                          **flags, max_steps=LOSS_STEPS, limit_val_batches=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[losses], gradient_clip_val=1.0)
