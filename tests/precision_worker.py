@@ -172,18 +172,20 @@ def main() -> None:
     parser.add_argument("--cache", required=True)
     parser.add_argument("--fits", nargs="*", default=list(FITS))
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--state", default="bf16-mixed", help="the precision of the state-bytes measurement")
+    parser.add_argument("--state", nargs="+", default=["bf16-mixed"],
+                        help="the precisions of the state-bytes measurement (bf16-mixed-master: ZeRO 1-3)")
     args = parser.parse_args()
     global LOSS_STEPS
     LOSS_STEPS = args.steps
     dist.init_process_group("gloo")
     dp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))["dp"]
-    result: dict = {"state": {}, "losses": {}}
-    for stage in range(4) if args.state == "bf16-mixed" else (1, 2, 3):
-        result["state"][f"zero{stage}"] = measure_state(stage, dp_mesh, args.state)
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, result["state"])
-    result["state_per_rank"] = ranks
+    result: dict = {"losses": {}}
+    for precision in args.state:  # "state_per_rank" (bf16-mixed), "bf16-mixed-master_state_per_rank"
+        state = {f"zero{stage}": measure_state(stage, dp_mesh, precision)
+                 for stage in (range(4) if precision == "bf16-mixed" else (1, 2, 3))}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, state)
+        result["state_per_rank" if precision == "bf16-mixed" else f"{precision}_state_per_rank"] = ranks
     for name in args.fits:
         result["losses"][name] = fit(args.cache, *FITS[name])
     if dist.get_rank() == 0:

@@ -201,9 +201,18 @@ def _launch(tmp_path, cache_dir, fits: list[str]) -> dict:
     return json.loads((tmp_path / "precision.json").read_text())
 
 
-def test_state_bytes_per_rank_equal_the_formulas(tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def state_launch(tmp_path_factory, cache_dir) -> dict:
+    """The default set's one launch: state bytes of bf16-mixed (ZeRO 0-3) and bf16-mixed-master (ZeRO 1-3), and 10
+    AdamW steps of fp32 and of bf16-mixed-master at ZeRO-1."""
+    return _launch(tmp_path_factory.mktemp("precision_state"), cache_dir,
+                   ["--steps", "10", "--state", "bf16-mixed", "bf16-mixed-master",
+                    "--fits", "fp32_zero0_adamw", "master_zero1_adamw"])
+
+
+def test_state_bytes_per_rank_equal_the_formulas(state_launch):
     """Measured at the optimizer step, each rank, plain LM (Psi = 134,912), Adam, bf16-mixed, N = 2."""
-    result = _launch(tmp_path, cache_dir, [])
+    result = state_launch
     n = 2
     for per_rank in result["state_per_rank"]:
         for stage in range(4):
@@ -231,13 +240,12 @@ def test_bf16_mixed_tracks_fp32_over_50_steps(tmp_path, cache_dir):
 BF16_SGD_LOSS_TOLERANCE = 5e-3
 
 
-def test_bf16_mixed_master_state_bytes_and_first_steps(tmp_path, cache_dir):
+def test_bf16_mixed_master_state_bytes_and_first_steps(state_launch):
     """bf16-mixed-master, 2 ranks, ZeRO 1-3: state bytes per rank = the policy's formula (6 Psi + 12 Psi / N,
     2 Psi + 16 Psi / N, 16 Psi / N), and 10 AdamW steps at ZeRO-1 within the bf16 tolerance of fp32."""
-    result = _launch(tmp_path, cache_dir, ["--steps", "10", "--state", "bf16-mixed-master", "--fits",
-                                            "fp32_zero0_adamw", "master_zero1_adamw"])
+    result = state_launch
     n = 2
-    for per_rank in result["state_per_rank"]:
+    for per_rank in result["bf16-mixed-master_state_per_rank"]:
         for stage in (1, 2, 3):
             measured = per_rank[f"zero{stage}"]
             psi = measured["numel"]
