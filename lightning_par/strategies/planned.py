@@ -194,7 +194,8 @@ class PlannedStrategy(LayoutStrategy):
         opts = self.plan_options
         memory = opts["gpu_memory"]
         if memory is None:
-            mine = torch.tensor([device_memory_gib(self.root_device, self.num_processes)], dtype=torch.float64)
+            mine = torch.tensor([device_memory_gib(self.root_device, self.num_processes)], dtype=torch.float64,
+                                device=self.root_device)  # (NCCL reduces device tensors only)
             dist.all_reduce(mine, op=dist.ReduceOp.MIN)  # the tightest rank decides
             memory = float(mine.item())
         result: list[Any] = [None]
