@@ -19,6 +19,7 @@ from lightning_par.strategies import (
     LayoutStrategy,
     MegatronTPStrategy,
     PipelineStrategy,
+    PlannedStrategy,
     ZeroStrategy,
 )
 from lightning_par.topology import LayoutError, ParallelDims
@@ -42,6 +43,7 @@ __all__ = [
     "LayoutError",
     "LayoutPrecision",
     "LayoutStrategy",
+    "PlannedStrategy",
     "MegatronTPStrategy",
     "ParallelDims",
     "PipelineStrategy",

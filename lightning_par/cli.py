@@ -68,6 +68,9 @@ def strategies_help() -> str:
                  "{n_microbatches: 8}}).")
     lines.append("Every option of one: lightning-par fit --trainer.strategy.help zero (a name or a class: "
                  "lightning_par.ZeroStrategy)")
+    lines.append("Precision: --trainer.precision=32-true, bf16-mixed, bf16-true, 16-true, 16-mixed, or lightning-par's "
+                 "bf16-mixed-master (Megatron-style: bf16 parameters, fp32 gradients, masters and optimizer states "
+                 "sharded by ZeRO 1-3; docs/precision.md)")
     lines.append("Before launching: lightning-par plan --config CONFIG.yaml, or --model=CLASS --world N (bytes per "
                  "rank, traffic, bubble and step time of every layout; lightning-par plan --help)")
     return "\n".join(lines)
@@ -419,9 +422,36 @@ def _refuse_unknown_strategy(strategy: object) -> None:
         raise SystemExit(2)
 
 
+#: precisions of lightning-par's own that Lightning's ``--trainer.precision`` does not accept
+_PLUGIN_PRECISIONS = ("bf16-mixed-master",)
+
+
+def _precision_as_plugin(argv: list[str]) -> list[str]:
+    """``--trainer.precision=bf16-mixed-master`` (or ``--trainer.precision bf16-mixed-master``) -> the
+    LayoutPrecision plugin with that mode, since Lightning's Trainer refuses flags not its own."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        value = arg.partition("=")[2] if arg.startswith("--trainer.precision=") else (
+            argv[i + 1] if arg == "--trainer.precision" and i + 1 < len(argv) else None)
+        if value in _PLUGIN_PRECISIONS:
+            out += ["--trainer.plugins+=lightning_par.LayoutPrecision", f"--trainer.plugins.precision={value}"]
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-par`` command."""
     argv = sys.argv[1:] if args is None else list(args)
+    if any(a.startswith("--trainer.precision") for a in argv):
+        argv = _precision_as_plugin(argv)
+        if args is None:
+            sys.argv[1:] = argv  # LightningCLI reads sys.argv (and warns when args differs from it)
+        else:
+            args = argv
     if argv and argv[0] == "plan":  # the planner: no Trainer, no LightningCLI
         from lightning_par.planner.cli import main as plan
 

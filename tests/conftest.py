@@ -146,6 +146,8 @@ FULL_ONLY_TESTS = (
     "tests/test_pipeline_zero.py",
     "tests/test_zero_3d.py",
     "tests/test_precision.py::test_bf16_mixed_tracks_fp32_over_50_steps",  # 5 fits of 50 steps, ~75 s
+    "tests/test_precision.py::test_bf16_mixed_master_tracks_fp32_with_adamw_and_sgd",  # 11 fits of 20 steps, ~65 s
+    "tests/test_reshard.py::test_bf16_mixed_resumes_from_its_fp32_master_weights[zero1_master_dp2]",  # ~45 s
     "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
     "tests/test_restart.py::test_the_readme_checkpoint_commands_work_as_written",  # 5 launches, 2-3 min
     "tests/test_context_parallel.py::test_a_model_with_local_positions_is_refused_at_setup_on_every_rank",

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule
+from lightning_par.plugins.precision import LayoutPrecision
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
 from tests.harness import checkpoint_worker_main
 
@@ -61,6 +62,10 @@ CASES: dict[str, Case] = {
     # bf16-mixed ZeRO-2: the fp32 master weights (not the bf16 parameters) are saved and restored
     "zero2_bf16_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, precision="bf16-mixed"),
     "zero2_bf16_dp2_resumed": Case(lambda: ZeroStrategy(stage=2), 2, 2, "zero2_bf16_dp2", precision="bf16-mixed"),
+    # bf16-mixed-master ZeRO-1 (fp32 gradient buckets): the same, with Megatron-style mixed precision
+    "zero1_master_dp2": Case(lambda: ZeroStrategy(stage=1), 2, 2, precision="bf16-mixed-master"),
+    "zero1_master_dp2_resumed": Case(lambda: ZeroStrategy(stage=1), 2, 2, "zero1_master_dp2",
+                                     precision="bf16-mixed-master"),
     # trainer.save_checkpoint(path) once fit has returned (the strategy torn down), under ZeRO-1 and 3D (ZeRO-1 over
     # one replica of a 2-stage pipeline)
     "zero1_dp2_saved_after_fit": Case(lambda: ZeroStrategy(stage=1), 2, 2, save_after_fit=True),
@@ -90,7 +95,10 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
         keep.append(ModelCheckpoint(dirpath=root / name / "linked", save_top_k=1, save_last="link",
                                     every_n_train_steps=EPOCH_STEPS))  # (a state key of its own)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=case.devices, strategy=case.strategy(), precision=case.precision,
+        accelerator="cpu", devices=case.devices, strategy=case.strategy(),
+        # Lightning's Trainer takes only its own precision flags: bf16-mixed-master goes in as the plugin
+        **(dict(plugins=[LayoutPrecision(case.precision)]) if case.precision == "bf16-mixed-master" else
+           dict(precision=case.precision)),
         max_steps=PARITY_STEPS,
         limit_train_batches=EPOCH_STEPS, limit_val_batches=2, log_every_n_steps=1,
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),

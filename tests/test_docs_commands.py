@@ -59,6 +59,11 @@ COMMANDS: dict[str, str] = {
     "--trainer.strategy.compile=true":
         f"{PARSE}: inductor compiles for minutes on 2 CPU cores; tests/test_compile.py runs compiled fits (full set)",
     "lightning-par plan --config configs/demo.yaml": RUN,
+    "lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=planned "
+    "--trainer.strategy.gpu_memory=4":
+        f"{PARSE}: 4 ranks on 2 cores; tests/test_planned.py launches strategy=planned on 4 ranks",
+    "lightning-par fit --config configs/zero.yaml --trainer.strategy.stage=1 --trainer.precision=bf16-mixed-master":
+        RUN,
     # docs/context-parallel.md and the README
     "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=context_parallel2": RUN,
     "lightning-par fit --config configs/demo.yaml --trainer.devices=8 --trainer.strategy.cp=2":

@@ -168,7 +168,8 @@ class ZeroSync(NoSync):
         self.partitioner = ZeroPartitioner(module, optimizers, self.dp_mesh, self.stage, self.bucket_cap_mb,
                                            self.offload, defer_reduction=self.pipeline is not None,
                                            param_dtype=self.precision.param_dtype,
-                                           reduce_dtype=self.precision.reduce_dtype)
+                                           reduce_dtype=self.precision.reduce_dtype,
+                                           grad_dtype=self.precision.grad_dtype)
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)

@@ -87,10 +87,14 @@ class ShardPrecision:
             and the fp32 values become a separate master shard per bucket; ZeRO-3 gathers its fp32 shards into it
             (FSDP2's ``MixedPrecisionPolicy.param_dtype``).
         reduce_dtype: the dtype gradients are summed in over data parallel.
+        grad_dtype: ZeRO-1/2: the dtype of the gradient buffers the reduce-scatter reads and writes (fp32 under
+            bf16-mixed-master: Megatron's fp32 main gradients, stepped by the fp32 master without a copy); None:
+            ``param_dtype`` (bf16-mixed: the averaged fp32 sum is rounded once into bf16 storage).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
 
     def fsdp_policy(self) -> object:
         """The same as FSDP2's ``MixedPrecisionPolicy`` (stage 3)."""
@@ -194,6 +198,9 @@ class ZeroPartitioner:
             parameters' dtype (the shard is then a view of its bucket).
         reduce_dtype: sum gradients over dp in this dtype (fp32): a bucket's gradient is cast to it for the
             reduce-scatter (one bucket at a time) and the averaged chunk is rounded once into the gradient storage.
+        grad_dtype: the gradient buffers' dtype (default ``param_dtype``). fp32 with ``param_dtype=bf16`` is
+            Megatron-style mixed precision: each parameter's bf16 gradient is upcast into an fp32 bucket, reduced
+            and kept in fp32 (stage 1: 4 Psi, stage 2: 4 Psi / N) and is the master shard's step gradient as is.
 
     Mixed precision (``param_dtype=bf16, reduce_dtype=fp32``) keeps, per rank, the ZeRO paper's model states: 2 Psi
     parameters, gradients 2 Psi (stage 1) or 2 Psi / N (stage 2), and 12 Psi / N fp32 master weights and Adam
@@ -236,6 +243,7 @@ class ZeroPartitioner:
         defer_reduction: bool = False,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
@@ -251,6 +259,7 @@ class ZeroPartitioner:
         self.defer_reduction = defer_reduction
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.grad_dtype = grad_dtype
         self._in_flight: list[_Bucket] = []  # stage 2: launched, not yet completed
         self.require_sync = True
         self.buckets: list[_Bucket] = []
@@ -374,7 +383,7 @@ class ZeroPartitioner:
         if index in bucket.ready_params:
             return
         if bucket.flat_grad is None:
-            bucket.flat_grad = torch.zeros_like(bucket.flat)
+            bucket.flat_grad = torch.zeros_like(bucket.flat, dtype=self.grad_dtype or bucket.flat.dtype)
         param = bucket.params[index]
         start, end = bucket.region(index)
         region = bucket.flat_grad[start:end]
@@ -419,7 +428,7 @@ class ZeroPartitioner:
             chunk = own
         else:
             bucket.flat_grad = None  # stage 2: only the reduced chunk is kept, in the gradients' storage dtype
-            chunk = chunk.to(bucket.flat.dtype)
+            chunk = chunk.to(self.grad_dtype or bucket.flat.dtype)
         assert bucket.shard is not None
         if bucket.shard.dtype != chunk.dtype:
             # mixed precision: an fp32 master cannot take a bf16 .grad; finish_gradient_sync hands it an fp32 copy

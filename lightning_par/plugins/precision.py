@@ -25,6 +25,26 @@ with Adam the persistent state per rank is the ZeRO paper's: 16 Psi (ZeRO-0), 4 
 an fp32 copy: the same 16 Psi, no extra copy step, and it is what DDP, FSDP2 ``replicate`` and the pipeline's own
 all-reduce support unchanged.
 
+``"bf16-mixed-master"`` is Megatron-LM's mixed precision with its distributed optimizer, at ZeRO 1-3 only:
+
+==========================  ==========  ======  ======  ======  ============================================
+owner                       parameters  master  grads   reduce  how
+==========================  ==========  ======  ======  ======  ============================================
+ZeRO-1/2 (the partitioner)  bf16        fp32    fp32    fp32    as bf16-mixed, but the gradient buckets are
+                                        shard                   fp32 (Megatron's main grads): bf16 grads are
+                                                                upcast into them, reduce-scattered and kept in
+                                                                fp32, the master's step gradient as they are:
+                                                                6 Psi + 12 Psi / N (ZeRO-1), 2 Psi + 16 Psi / N
+                                                                (ZeRO-2) with Adam
+ZeRO-3 (FSDP2)              fp32 shard  = the   fp32    fp32    the same as bf16-mixed: the fp32 shard is the
+                            (bf16 when  shard   shard           master, no bf16 copy at rest (16 Psi / N)
+                            gathered)
+==========================  ==========  ======  ======  ======  ============================================
+
+ZeRO-0 is refused for it: a full fp32 master copy beside bf16 replicas is 18 Psi per rank, more than bf16-mixed's
+16 Psi for the same numerics; use bf16-mixed there. Gradients of several micro-batches (accumulation, pipeline
+schedules) add up in the parameters' bf16 ``.grad`` before they are upcast, not in the fp32 buffer as in Megatron.
+
 ``"bf16-true"`` (and ``"16-true"``): everything in that dtype (the module converted, Lightning's ``HalfPrecision``).
 ``"16-mixed"`` needs a loss scaler whose skip-the-step decision every rank shares: that holds where each rank sees the
 whole, all-reduced gradient -- ZeRO-0 without tensor or pipeline parallel -- and is refused elsewhere, before launch
@@ -45,7 +65,7 @@ from torch import Tensor, nn
 from lightning_par.parallel.zero import ShardPrecision
 from lightning_par.topology import LayoutError
 
-SUPPORTED = ("32-true", "bf16-mixed", "bf16-true", "16-true", "16-mixed")
+SUPPORTED = ("32-true", "bf16-mixed", "bf16-mixed-master", "bf16-true", "16-true", "16-mixed")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 _LOW = {"bf16": torch.bfloat16, "16": torch.float16}
 
@@ -108,8 +128,9 @@ def _owner(zero_stage: int, tp: int, pp: int) -> str:
 
 
 class LayoutPrecision(Precision):
-    """Precision plugin for lightning-par strategies: one of ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``,
-    ``"16-true"``, ``"16-mixed"``.
+    """Precision plugin for lightning-par strategies: one of ``"32-true"``, ``"bf16-mixed"``,
+    ``"bf16-mixed-master"``, ``"bf16-true"``, ``"16-true"``, ``"16-mixed"``. Lightning's Trainer accepts only its
+    own precision flags, so ``"bf16-mixed-master"`` is passed as ``plugins=[LayoutPrecision("bf16-mixed-master")]``.
 
     Args:
         precision: the mode (``Trainer(precision=...)`` values; see the module docstring for what each keeps in
@@ -147,7 +168,8 @@ class LayoutPrecision(Precision):
     # -- the policy --------------------------------------------------------------------------------------------------
     @property
     def mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
+        """Autocast over the layout's parameters (bf16-mixed-master included)."""
+        return "-mixed" in self.precision
 
     @property
     def low_dtype(self) -> torch.dtype:
@@ -156,6 +178,11 @@ class LayoutPrecision(Precision):
 
     def check_layout(self, zero_stage: int, tp: int, pp: int) -> None:
         """Refuse a mode this layout cannot run correctly (raised before any process starts)."""
+        if self.precision == "bf16-mixed-master" and zero_stage == 0:
+            raise LayoutError(
+                "precision='bf16-mixed-master' keeps fp32 master weights sharded by ZeRO (Megatron's distributed "
+                "optimizer) and needs zero_stage 1, 2 or 3; with ZeRO stage 0 use precision='bf16-mixed' (the same "
+                "numerics, 16 bytes per parameter instead of 18).")
         if self.precision == "16-mixed" and (zero_stage != 0 or tp > 1 or pp > 1):
             where = ", ".join(x for x in (f"pp={pp}" if pp > 1 else "", f"tp={tp}" if tp > 1 else "",
                                           f"ZeRO stage {zero_stage}" if zero_stage else "") if x)
@@ -174,7 +201,8 @@ class LayoutPrecision(Precision):
         if not self.mixed:  # 32-true, bf16-true, 16-true: one dtype for everything
             return DtypePolicy(self.precision, owner, low, low, low, low, low, low)
         if zero_stage in (1, 2):
-            return DtypePolicy(self.precision, owner, param=low, compute=low, master=f32, grad=low, reduce=f32,
+            grad = f32 if self.precision == "bf16-mixed-master" else low
+            return DtypePolicy(self.precision, owner, param=low, compute=low, master=f32, grad=grad, reduce=f32,
                                optimizer_state=f32, separate_master=True, autocast=True,
                                loss_scaling=self.precision == "16-mixed")
         return DtypePolicy(self.precision, owner, param=f32, compute=low, master=f32, grad=f32, reduce=f32,
@@ -182,10 +210,11 @@ class LayoutPrecision(Precision):
 
     def shard_precision(self, zero_stage: int) -> ShardPrecision:
         """The dtypes the ZeRO owners take (:class:`~lightning_par.parallel.zero.ShardPrecision`); none outside
-        bf16-mixed."""
-        if self.precision != "bf16-mixed" or zero_stage == 0:
+        bf16-mixed and bf16-mixed-master (whose ZeRO-1/2 gradient buckets are fp32)."""
+        if self.precision not in ("bf16-mixed", "bf16-mixed-master") or zero_stage == 0:
             return ShardPrecision()
-        return ShardPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        grad = torch.float32 if self.precision == "bf16-mixed-master" else None
+        return ShardPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, grad_dtype=grad)
 
 
     # -- Lightning's hooks -------------------------------------------------------------------------------------------
@@ -193,7 +222,8 @@ class LayoutPrecision(Precision):
         """Lightning's autocast plugin (and GradScaler for 16-mixed), made once the device is known."""
         if self._impl is None:
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._impl = MixedPrecision(self.precision, device, scaler=self._scaler)  # type: ignore[arg-type]
+            amp = "bf16-mixed" if self.precision == "bf16-mixed-master" else self.precision  # the same autocast
+            self._impl = MixedPrecision(amp, device, scaler=self._scaler)  # type: ignore[arg-type]
         assert isinstance(self._impl, MixedPrecision)
         return self._impl
 

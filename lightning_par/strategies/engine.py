@@ -327,6 +327,7 @@ class LayoutStrategy(ParallelStrategy):
         if self._async_save and self._async is None:
             self._async = AsyncSaver(self.is_global_zero, self.barrier)  # a process group: every rank, now
         self._agree_on_rng_state()
+        self._choose_layout()
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
         self._grad_mesh = None
         assert self.lightning_module is not None
@@ -334,6 +335,10 @@ class LayoutStrategy(ParallelStrategy):
         set_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"{type(self).__name__}: {self.dims.describe()}, backend {self._process_group_backend}\n"
                        f"{self.dims.rank_table()}")
+
+    def _choose_layout(self) -> None:
+        """Where a strategy that picks its layout at launch (PlannedStrategy) sets ``self.layout``: every rank has
+        joined, nothing is built yet."""
 
     def _agree_on_rng_state(self) -> None:
         """Every rank continues from global rank 0's RNG state, as ``seed_everything`` would leave them: a model that
