@@ -252,7 +252,8 @@ def test_bytes_per_precision(tiny_info):
     """Data-parallel traffic per parameter (ring factor (d-1)/d apart): 4 bytes in bf16-true (2 reduced, 2
     gathered), 6 in bf16-mixed under ZeRO-1/2 and in bf16-mixed-master (4 reduced in fp32, 2 gathered in bf16), 8 in
     fp32 and for an fp32 all-reduce. bf16-mixed-master holds bf16 parameters, fp32 gradients, and fp32 master and
-    Adam states sharded by ZeRO: 6 + 12/d bytes per parameter at ZeRO-1, Megatron's distributed-optimizer figure."""
+    Adam states sharded by ZeRO: 6 + 12/d bytes per parameter at ZeRO-1, Megatron's distributed-optimizer figure;
+    16/d at ZeRO-3, where the fp32 shards are the masters."""
     planner = Planner(tiny_info, CPU, Workload(1, SEQ, 16))
     n = tiny_info.numel
     ring = n * 3 / 4
@@ -271,7 +272,8 @@ def test_bytes_per_precision(tiny_info):
     state = planner.state_bytes(Candidate(4, 1, 1, 2, precision="bf16-mixed-master"))[0]
     assert state == {"parameters": 2 * n, "gradients": 4 * chunk, "optimizer_states": 12 * chunk}
     zero3 = sum(planner.state_bytes(Candidate(4, 1, 1, 3, precision="bf16-mixed-master"))[0].values())
-    assert zero3 == pytest.approx(18 * n / 4, rel=0.02)  # each tensor padded to a multiple of 4 rows
+    # ZeRO-3: FSDP2's fp32 shards are the masters (gathered in bf16): 16 bytes per parameter over d, as measured
+    assert zero3 == pytest.approx(16 * n / 4, rel=0.02)  # each tensor padded to a multiple of 4 rows
     assert element_bytes("bf16-mixed", 0) == element_bytes("fp32", 0)  # autocast over fp32 weights
 
 

@@ -284,9 +284,7 @@ def _planner_knows_master() -> bool:
 
 
 @pytest.mark.skipif(not _planner_knows_master(), reason="the planner has no bf16-mixed-master byte counts yet")
-@pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.xfail(
-    strict=True, reason="the planner counts a bf16 parameter shard beside the fp32 master at ZeRO-3 (18 Psi / N); "
-                        "the strategy's fp32 FSDP2 shards are the masters (16 Psi / N, measured)"))])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_planner_state_bytes_for_bf16_mixed_master_equal_the_measured(stage):
     """The planner's bf16-mixed-master state bytes per rank for the plain LM at dp=2 (Adam) vs the bytes
     ``test_bf16_mixed_master_state_bytes_and_first_steps`` measures (= these formulas, exactly): within 2%."""

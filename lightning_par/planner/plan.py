@@ -261,16 +261,18 @@ def element_bytes(precision: str, zero_stage: int) -> ElementBytes:
     optimizer: bf16 parameters, gradients accumulated and reduce-scattered in fp32 (its
     ``accumulate_allreduce_grads_in_fp32``, on for bf16), fp32 master weights and Adam states sharded by ZeRO, the
     parameters all-gathered in bf16 -- 6 bytes of dp traffic per parameter (4 reduced + 2 gathered) and, with Adam,
-    the ``6 + 12/d`` bytes per parameter of Megatron's distributed-optimizer table at ZeRO-1.
+    the ``6 + 12/d`` bytes per parameter of Megatron's distributed-optimizer table at ZeRO-1. At ZeRO-3 the
+    strategies keep FSDP2's fp32 shards as the masters (bf16 gathered, fp32 reduced), as ``bf16-mixed`` does there:
+    ``16/d`` bytes per parameter with Adam, measured.
     """
     if precision == "bf16-true":
         return ElementBytes(2, 2, 0, 2, 2, 2)
+    if precision in ("bf16-mixed", "bf16-mixed-master") and zero_stage == 3:
+        return ElementBytes(4, 4, 0, 4, 4, 2)
     if precision == "bf16-mixed-master":
         return ElementBytes(2, 4, 4, 4, 4, 2)
     if precision == "bf16-mixed" and zero_stage in (1, 2):
         return ElementBytes(2, 2, 4, 4, 4, 2)
-    if precision == "bf16-mixed" and zero_stage == 3:
-        return ElementBytes(4, 4, 0, 4, 4, 2)
     return ElementBytes(4, 4, 0, 4, 4, 4)
 
 
@@ -851,15 +853,16 @@ _TRAINER_PRECISION = {"fp32": "32-true"}
 def _runs_today(c: Candidate) -> tuple[bool, str]:
     """Whether the engine runs the layout (its own :class:`Layout` check) in the candidate's precision (the
     precision plugin's list), and why not."""
-    from lightning_par.plugins.precision import SUPPORTED  # Lightning is loaded with lightning_par.parallel anyway
+    from lightning_par.plugins.precision import SUPPORTED, LayoutPrecision  # (Lightning is loaded anyway)
 
-    try:
-        c.layout()
-    except LayoutError as err:
-        return False, str(err)
     name = _TRAINER_PRECISION.get(c.precision, c.precision)
     if name not in SUPPORTED:
         return False, f"precision={name!r} is not a precision of this version's strategies ({', '.join(SUPPORTED)})"
+    try:
+        c.layout()
+        LayoutPrecision(name).check_layout(c.zero_stage, c.tp, c.pp)
+    except LayoutError as err:
+        return False, str(err)
     return True, ""
 
 
