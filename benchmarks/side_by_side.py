@@ -36,9 +36,10 @@ Ratios are against ``dp``. A layout that fails is reported with its error; the o
 
 Beside each row, the planner's prediction (:func:`predict`: ``lightning-par plan``'s estimate of the same layout,
 model, batch and precision on its ``cpu`` hardware preset): ``pred ms`` is the planner's step time of one rank with
-a core of its own, ``pred/dp`` its ratio to dp's -- compared with the measured ``CPU/dp`` (the work: gloo polls
-while it waits, so a rank burns CPU through its whole step, and the 4 ranks share 2 cores: wall time is about the
-summed CPU time / 2 on an otherwise idle machine; see docs/plan.md, "predicted vs measured on this machine").
+a core of its own, ``pred/dp`` its ratio to dp's, ``pred work/dp`` the ratio of its busy time (the step less the
+pipeline's idle share) -- the one to read beside the measured ``CPU/dp``: the 4 ranks share 2 cores, so what a
+layout costs here is the CPU its ranks burn (compute, gloo's collectives, DTensor's dispatch), while a rank
+blocked in a receive frees its core (see docs/plan.md, "predicted vs measured on this machine").
 ``--predict-only`` recomputes the predictions of a stored JSON without running anything (after a planner change).
 
     python benchmarks/side_by_side.py                  # 5 layouts x 1 round: ~5 minutes on 2 shared cores
@@ -106,10 +107,13 @@ def predict(preset: str = "small", n_layers: int = 8, n_kv_heads: int = 4, batch
     for name in dict.fromkeys(("dp", *layouts)):
         c, micro = candidate(name, batch)
         est = Planner(info, hw, Workload(micro, seq, batch)).estimate(c)
-        out[name] = {"label": c.label(), "step_s": est.step_time, "breakdown_s": est.breakdown,
+        # busy: the step less the pipeline's idle share (a rank blocked in a gloo receive burns no CPU)
+        busy = est.step_time - est.breakdown["pipeline"] * est.bubble
+        out[name] = {"label": c.label(), "step_s": est.step_time, "busy_s": busy, "breakdown_s": est.breakdown,
                      "exposed_s": est.exposed, "bubble": est.bubble}
     for row in out.values():
         row["ratio_vs_dp"] = row["step_s"] / out["dp"]["step_s"]
+        row["work_ratio_vs_dp"] = row["busy_s"] / out["dp"]["busy_s"]
     return {name: out[name] for name in layouts}
 
 
@@ -225,7 +229,7 @@ def print_table(result: dict) -> None:
           f"{result['rounds']} round(s); memory: the largest rank; pred: the planner's cpu preset")
     header = (f"{'layout':<7}{'strategy':<46}{'ms/step':>9}{'CPU ms/step':>12}{'peak RSS MiB':>14}"
               f"{'RSS growth MiB':>16}{'p+g+opt MiB':>13}{'time/dp':>9}{'CPU/dp':>8}{'RSS/dp':>8}{'growth/dp':>11}"
-              f"{'p+g+opt/dp':>12}{'pred ms':>9}{'pred/dp':>9}")
+              f"{'p+g+opt/dp':>12}{'pred ms':>9}{'pred/dp':>9}{'pred work/dp':>14}")
     print(header)
     for r in rows:
         if not r["ok"]:
@@ -233,7 +237,8 @@ def print_table(result: dict) -> None:
             continue
         ratios = [f"{v:.2f}" for v in r["ratios_vs_dp"].values()] if "ratios_vs_dp" in r else ["-"] * 5
         pred = r.get("predicted")
-        pred_cells = f"{pred['step_s'] * 1e3:>9.0f}{pred['ratio_vs_dp']:>9.2f}" if pred else f"{'-':>9}{'-':>9}"
+        pred_cells = (f"{pred['step_s'] * 1e3:>9.0f}{pred['ratio_vs_dp']:>9.2f}{pred['work_ratio_vs_dp']:>14.2f}"
+                      if pred else f"{'-':>9}{'-':>9}{'-':>14}")
         print(f"{r['layout']:<7}{r['strategy']:<46}{r['median_seconds_per_step'] * 1e3:>9.0f}"
               f"{r['median_cpu_seconds_per_step'] * 1e3:>12.0f}{fmt_mib(r['peak_rss_bytes']):>14}"
               f"{fmt_mib(r['rss_growth_bytes']):>16}{fmt_mib(r['state_bytes']):>13}"

@@ -61,6 +61,13 @@ from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved
 from lightning_par.topology import LayoutError, ParallelDims
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+#: ops per parameter tensor in one optimizer step off the GPU (torch's single-tensor path, its default on CPU):
+#: AdamW's step count, decay, two moment updates, square root, bias correction, epsilon and update; SGD's one
+OPTIMIZER_OPS = {"adamw": 10, "adam": 10, "sgd": 1, "sgd_momentum": 3}
+#: DTensor ops per tensor-parallel module (one entry of the resolved plan) per micro-batch, forward and backward
+#: together: its input redistributed or wrapped, the op on the sharded weight, its output unwrapped, each again in
+#: the backward
+TP_MODULE_DTENSOR_OPS = 6
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,11 @@ def hidden(comm: float, window: float, chunks: int) -> float:
     return max(comm / chunks, comm - window * (chunks - 1) / chunks)
 
 
+def not_hidden(comm: float, window: float, chunks: int) -> float:
+    """:func:`hidden` on hardware that cannot overlap (``Hardware.overlap`` False): all of ``comm`` is exposed."""
+    return max(0.0, comm)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The planner
 # ----------------------------------------------------------------------------------------------------------------------
@@ -383,6 +395,7 @@ class Planner:
     # -- one layout ------------------------------------------------------------------------------------------------
     def estimate(self, c: Candidate) -> Estimate:
         info, hw, work, runtime = self.info, self.hw, self.work, self.runtime
+        hide = hidden if hw.overlap else not_hidden
         split = info.tp_split(c.tp, c.sequence_parallel)
         if c.sequence_parallel and work.seq_len % c.tp:
             raise LayoutError(f"sequence_parallel with tp={c.tp} needs a sequence length divisible by {c.tp}, got "
@@ -420,7 +433,7 @@ class Planner:
 
         def tp_exposed(comm: float, matmuls: float) -> float:
             # overlapped: each collective is cut into tp chunks pipelined with the products beside it
-            return hidden(comm, matmuls, c.tp) if runtime.tp_comm_overlap else comm
+            return hide(comm, matmuls, c.tp) if runtime.tp_comm_overlap else comm
 
         stage_of_unit = {u: s for s, units in enumerate(units_by_stage) for u in units}
         stage_f, stage_b, stage_w, stage_held, stage_tp_bytes, stage_out = [], [], [], [], [], []
@@ -452,8 +465,12 @@ class Planner:
                     sum(t.saved_weight_path for t in traces), trace.units[units[-1]].output_bytes / tp_seq)
             f, b, w, f_mm, b_mm, tp_bytes, fwd_comm, bwd_comm, held, wgrad, released, out = self._stage_costs[key]
             fwd_t, bwd_t = tp_exposed(fwd_comm, f_mm), tp_exposed(bwd_comm, b_mm)
-            stage_f.append(f + fwd_t)
-            stage_b.append(b + bwd_t)
+            # the Python dispatch of the DTensor ops of the tp modules, half in forward and half in backward
+            dispatch = (TP_MODULE_DTENSOR_OPS / 2 * hw.dtensor_op_overhead_s
+                        * sum(1 for n in split.styles for u in units if n == u or n.startswith(u + "."))
+                        if c.tp > 1 else 0.0)
+            stage_f.append(f + fwd_t + dispatch)
+            stage_b.append(b + bwd_t + dispatch)
             stage_w.append(w)
             stage_tp_exposed.append(fwd_t + bwd_t)
             stage_held.append(held)
@@ -511,6 +528,7 @@ class Planner:
         # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
         dp_bytes_max = tp_bytes_max = pp_bytes_max = 0.0
+        n_tensors = 0  # parameter tensors of the fullest rank
         reduce_finish = gather_exposed = tp_exposed_max = 0.0
         bucket = runtime.bucket_mb * 2**20
         dp_bw = hw.bandwidth(dp_span)
@@ -518,6 +536,7 @@ class Planner:
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
             params = self._rank_params(rank_units)
+            n_tensors = max(n_tensors, len(params))
             numel, tied_numel = self._rank_numel(params, split, c, stage_of_unit)
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
@@ -553,21 +572,21 @@ class Planner:
                 if c.zero_stage == 3 and c.pp == 1:
                     # gathered for every micro-batch's forward and again for its backward, each block prefetched
                     # under the one before; the last backward also reduce-scatters each block's gradients
-                    fwd = m * hidden(gather_t, stage_f[0], k3)
-                    bwd = (m - 1) * hidden(gather_t, stage_b[0], k3) + hidden(gather_t + reduce_t, stage_b[0], k3)
+                    fwd = m * hide(gather_t, stage_f[0], k3)
+                    bwd = (m - 1) * hide(gather_t, stage_b[0], k3) + hide(gather_t + reduce_t, stage_b[0], k3)
                     reduce_finish = max(reduce_finish, rank_end[r] + fwd + bwd)
                 else:
                     overlap = runtime.dp_overlap if c.pp == 1 else runtime.pp_dp_overlap
                     window = rank_end[r] - rank_grads[r]
-                    exposed = hidden(reduce_t, window, k) if overlap and c.zero_stage != 3 else reduce_t
+                    exposed = hide(reduce_t, window, k) if overlap and c.zero_stage != 3 else reduce_t
                     reduce_finish = max(reduce_finish, rank_end[r] + exposed)
                     if c.zero_stage == 3:
                         # each stage gathered at its first forward, block after block; a rank's delay holds up
                         # every stage after it in the fill
-                        gather_exposed += hidden(gather_t, first_f, k3)
+                        gather_exposed += hide(gather_t, first_f, k3)
                     elif c.zero_stage and runtime.param_gather_overlap:
                         # launched at the start of the step: the idle start of the rank hides it too
-                        gather_exposed = max(gather_exposed, hidden(gather_t, first_f, k) - rank_first[r])
+                        gather_exposed = max(gather_exposed, hide(gather_t, first_f, k) - rank_first[r])
                     elif c.zero_stage:
                         gather_exposed = max(gather_exposed, gather_t)  # after the step, waited for
             tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
@@ -591,6 +610,8 @@ class Planner:
         master = eb.master or eb.param
         per_element = eb.grad + 2 * master + 2 * n_states * eb.state + (eb.param if eb.master else 0)
         optimizer_time = opt_numel * per_element / hw.memory_bandwidth
+        if c.tp > 1 or c.zero_stage == 3:  # DTensor parameters (TP's, FSDP2's): each op of the step dispatched
+            optimizer_time += n_tensors * OPTIMIZER_OPS[self.optimizer] * hw.dtensor_op_overhead_s
         step = t_pipe + dp_exposed + optimizer_time
 
         tokens = work.global_batch * work.seq_len
