@@ -36,10 +36,11 @@ Ratios are against ``dp``. A layout that fails is reported with its error; the o
 
 Beside each row, the planner's prediction (:func:`predict`: ``lightning-par plan``'s estimate of the same layout,
 model, batch and precision on its ``cpu`` hardware preset): ``pred ms`` is the planner's step time of one rank with
-a core of its own, ``pred/dp`` its ratio to dp's, ``pred work/dp`` the ratio of its busy time (the step less the
-pipeline's idle share) -- the one to read beside the measured ``CPU/dp``: the 4 ranks share 2 cores, so what a
-layout costs here is the CPU its ranks burn (compute, gloo's collectives, DTensor's dispatch), while a rank
-blocked in a receive frees its core (see docs/plan.md, "predicted vs measured on this machine").
+a core of its own, ``pred/dp`` its ratio to dp's, ``pred work/dp`` the ratio of its busy time (``Estimate.busy``:
+the step less the pipeline's idle share, plus the receives) -- the one to read beside the measured ``CPU/dp``: the
+4 ranks share 2 cores, so what a layout costs here is the CPU its ranks burn (compute, gloo's collectives,
+DTensor's dispatch), while a rank blocked in a receive frees its core (see docs/plan.md, "predicted vs measured
+on this machine").
 ``--predict-only`` recomputes the predictions of a stored JSON without running anything (after a planner change).
 
     python benchmarks/side_by_side.py                  # 5 layouts x 1 round: ~5 minutes on 2 shared cores
@@ -94,8 +95,9 @@ def candidate(name: str, batch: int):
 
 def predict(preset: str = "small", n_layers: int = 8, n_kv_heads: int = 4, batch: int = 8, seq: int = 128,
             layouts=tuple(LAYOUTS), hardware: str = "cpu") -> dict[str, dict]:
-    """The planner's step time of each layout on ``hardware`` (its ``cpu`` preset: this machine), and its ratio to
-    dp's: per layout ``{"step_s", "ratio_vs_dp", "breakdown_s", "exposed_s", "bubble"}``. In process, about a
+    """The planner's step time and busy time of each layout on ``hardware`` (its ``cpu`` preset: this machine), and
+    their ratios to dp's: per layout ``{"step_s", "ratio_vs_dp", "busy_s", "work_ratio_vs_dp", "breakdown_s",
+    "exposed_s", "bubble"}``. In process, about a
     second: the model is built on the meta device and traced on fake tensors."""
     from lightning_par.examples import GPTLightningModule
     from lightning_par.planner import Planner, Workload, build_model, inspect_model, load_hardware
@@ -107,9 +109,7 @@ def predict(preset: str = "small", n_layers: int = 8, n_kv_heads: int = 4, batch
     for name in dict.fromkeys(("dp", *layouts)):
         c, micro = candidate(name, batch)
         est = Planner(info, hw, Workload(micro, seq, batch)).estimate(c)
-        # busy: the step less the pipeline's idle share (a rank blocked in a gloo receive burns no CPU)
-        busy = est.step_time - est.breakdown["pipeline"] * est.bubble
-        out[name] = {"label": c.label(), "step_s": est.step_time, "busy_s": busy, "breakdown_s": est.breakdown,
+        out[name] = {"label": c.label(), "step_s": est.step_time, "busy_s": est.busy, "breakdown_s": est.breakdown,
                      "exposed_s": est.exposed, "bubble": est.bubble}
     for row in out.values():
         row["ratio_vs_dp"] = row["step_s"] / out["dp"]["step_s"]

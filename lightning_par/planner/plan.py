@@ -157,6 +157,10 @@ class Estimate:
     # of dp traffic hides under compute), tp (inside each stage's forward and backward), pp (the fill and drain
     # hops between stages); tp and pp are part of "pipeline"
     exposed: dict[str, float] = field(default_factory=dict)
+    # seconds per step a rank keeps its core busy, mean over the pipeline ranks: the step less its idle share of
+    # the schedule, plus the pipeline receives it waits in (gloo's receive runs on the rank's core). Where ranks
+    # share cores (the ``cpu`` preset's 4 ranks on 2 cores) the work of a layout is this times its ranks
+    busy: float = 0.0
 
     @property
     def worst(self) -> RankMemory:
@@ -173,7 +177,7 @@ class Estimate:
             "comm_bytes_per_step": self.comm_bytes, "bubble": self.bubble, "step_time_s": self.step_time,
             "tokens_per_s": self.tokens_per_s, "model_tflops_per_device": self.model_tflops_per_device,
             "mfu": self.mfu, "fits": self.fits, "runs_today": self.runs_today, "engine_note": self.engine_note,
-            "time_breakdown_s": self.breakdown, "exposed_s": self.exposed,
+            "time_breakdown_s": self.breakdown, "exposed_s": self.exposed, "busy_s": self.busy,
         }
 
 
@@ -518,12 +522,19 @@ class Planner:
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
             rank_end, rank_first, rank_grads = sim.rank_end, sim.rank_first_forward, sim.rank_last_grads
             hop = sum(stage_out[:-1]) / max(1, n_stages - 1) / p2p_split / pp_bw + hw.latency_s
+
+            def receives(r: int) -> float:  # each micro-batch's activation in and its gradient back, per stage
+                def t(s: int) -> float:
+                    return stage_out[s] / p2p_split / pp_bw + hw.latency_s
+                return m * sum((t(s - 1) if s > 0 else 0.0) + (t(s) if s < n_stages - 1 else 0.0)
+                               for s in rank_stages[r])
+            receive_time = sum(receives(r) for r in range(c.pp)) / c.pp
             pp_exposed = 2 * (c.pp - 1) * hop  # the fill and the drain cross every pipeline hop once
         else:
             t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
             grads_peak = [0.0]
             rank_end, rank_first, rank_grads = [t_pipe], [0.0], [t_pipe - stage_b[0]]
-            pp_exposed = 0.0
+            pp_exposed = receive_time = 0.0
 
         # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
@@ -629,6 +640,7 @@ class Planner:
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
             list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
             {"dp": dp_exposed, "tp": tp_exposed_max, "pp": pp_exposed},
+            step - t_pipe * bubble + receive_time,
         )
 
     def state_bytes(self, c: Candidate) -> list[dict[str, float]]:
