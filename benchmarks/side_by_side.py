@@ -34,8 +34,18 @@ Measured per rank, the table showing the largest value over the ranks:
 
 Ratios are against ``dp``. A layout that fails is reported with its error; the others go on.
 
+Beside each row, the planner's prediction (:func:`predict`: ``lightning-par plan``'s estimate of the same layout,
+model, batch and precision on its ``cpu`` hardware preset): ``pred ms`` is the planner's step time of one rank with
+a core of its own, ``pred/dp`` its ratio to dp's, ``pred work/dp`` the ratio of its busy time (``Estimate.busy``:
+the step less the pipeline's idle share, plus the receives) -- the one to read beside the measured ``CPU/dp``: the
+4 ranks share 2 cores, so what a layout costs here is the CPU its ranks burn (compute, gloo's collectives,
+DTensor's dispatch), while a rank blocked in a receive frees its core (see docs/plan.md, "predicted vs measured
+on this machine").
+``--predict-only`` recomputes the predictions of a stored JSON without running anything (after a planner change).
+
     python benchmarks/side_by_side.py                  # 5 layouts x 1 round: ~5 minutes on 2 shared cores
     python benchmarks/side_by_side.py --rounds 2 --layouts dp 3d
+    python benchmarks/side_by_side.py --predict-only    # the planner's predictions into the stored JSON
 """
 
 from __future__ import annotations
@@ -67,6 +77,44 @@ LAYOUTS: dict[str, tuple[str, dict, int, str]] = {
     "3d": ("Hybrid3DStrategy", {"tp": 2, "pp": 2, "schedule": "1f1b"}, 1,
            "Hybrid3DStrategy(tp=2, pp=2, 1f1b, m=4, zero1)"),
 }
+
+
+
+def candidate(name: str, batch: int):
+    """The planner's :class:`~lightning_par.planner.Candidate` for a layout of :data:`LAYOUTS`, and the sequences
+    per micro-batch: the data-parallel layouts give each replica ``batch / dp`` in one micro-batch, the pipelines
+    cut the batch into ``2 * pp`` micro-batches (the strategies' default)."""
+    from lightning_par.planner import Candidate
+
+    _, kw, dp, _ = LAYOUTS[name]
+    tp, pp = kw.get("tp", 1), kw.get("pp", 1)
+    zero = kw.get("stage", 1 if name == "3d" else 0)  # Hybrid3DStrategy's default: ZeRO-1
+    m = 2 * pp if pp > 1 else 1
+    return Candidate(dp, tp, pp, zero, kw.get("schedule"), 1, m, precision="fp32"), batch // dp // m
+
+
+def predict(preset: str = "small", n_layers: int = 8, n_kv_heads: int = 4, batch: int = 8, seq: int = 128,
+            layouts=tuple(LAYOUTS), hardware: str = "cpu") -> dict[str, dict]:
+    """The planner's step time and busy time of each layout on ``hardware`` (its ``cpu`` preset: this machine), and
+    their ratios to dp's: per layout ``{"step_s", "ratio_vs_dp", "busy_s", "work_ratio_vs_dp", "breakdown_s",
+    "exposed_s", "bubble"}``. In process, about a
+    second: the model is built on the meta device and traced on fake tensors."""
+    from lightning_par.examples import GPTLightningModule
+    from lightning_par.planner import Planner, Workload, build_model, inspect_model, load_hardware
+
+    info = inspect_model(build_model(GPTLightningModule, {"preset": preset, "n_layers": n_layers,
+                                                          "n_kv_heads": n_kv_heads}))
+    hw = load_hardware(hardware)
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(("dp", *layouts)):
+        c, micro = candidate(name, batch)
+        est = Planner(info, hw, Workload(micro, seq, batch)).estimate(c)
+        out[name] = {"label": c.label(), "step_s": est.step_time, "busy_s": est.busy, "breakdown_s": est.breakdown,
+                     "exposed_s": est.exposed, "bubble": est.bubble}
+    for row in out.values():
+        row["ratio_vs_dp"] = row["step_s"] / out["dp"]["step_s"]
+        row["work_ratio_vs_dp"] = row["busy_s"] / out["dp"]["busy_s"]
+    return {name: out[name] for name in layouts}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -163,6 +211,42 @@ def fmt_mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def add_predictions(result: dict) -> None:
+    """The planner's prediction (:func:`predict`) into each measured row of ``result``, as ``row["predicted"]``."""
+    rows = [r for r in result["rows"] if r["ok"]]
+    pred = predict(result["preset"], result["n_layers"], result["n_kv_heads"], result["batch"], result["seq"],
+                   [r["layout"] for r in rows])
+    result["predicted_with"] = {"hardware": "cpu", "runtime": "lightning-par"}
+    for r in rows:
+        r["predicted"] = pred[r["layout"]]
+
+
+def print_table(result: dict) -> None:
+    rows = result["rows"]
+    print(f"\n{result['preset']} GPT ({result['n_layers']} blocks, n_kv_heads={result['n_kv_heads']}, "
+          f"{result['numel'] / 1e6:.2f}M parameters), fp32, AdamW, global batch {result['batch']} x seq "
+          f"{result['seq']}, {WORLD} CPU ranks (gloo); {result['steps']} timed steps after {result['warmup']} x "
+          f"{result['rounds']} round(s); memory: the largest rank; pred: the planner's cpu preset")
+    header = (f"{'layout':<7}{'strategy':<46}{'ms/step':>9}{'CPU ms/step':>12}{'peak RSS MiB':>14}"
+              f"{'RSS growth MiB':>16}{'p+g+opt MiB':>13}{'time/dp':>9}{'CPU/dp':>8}{'RSS/dp':>8}{'growth/dp':>11}"
+              f"{'p+g+opt/dp':>12}{'pred ms':>9}{'pred/dp':>9}{'pred work/dp':>14}")
+    print(header)
+    for r in rows:
+        if not r["ok"]:
+            print(f"{r['layout']:<7}{r['strategy']:<46}failed: {r['error'][:100]}")
+            continue
+        ratios = [f"{v:.2f}" for v in r["ratios_vs_dp"].values()] if "ratios_vs_dp" in r else ["-"] * 5
+        pred = r.get("predicted")
+        pred_cells = (f"{pred['step_s'] * 1e3:>9.0f}{pred['ratio_vs_dp']:>9.2f}{pred['work_ratio_vs_dp']:>14.2f}"
+                      if pred else f"{'-':>9}{'-':>9}{'-':>14}")
+        print(f"{r['layout']:<7}{r['strategy']:<46}{r['median_seconds_per_step'] * 1e3:>9.0f}"
+              f"{r['median_cpu_seconds_per_step'] * 1e3:>12.0f}{fmt_mib(r['peak_rss_bytes']):>14}"
+              f"{fmt_mib(r['rss_growth_bytes']):>16}{fmt_mib(r['state_bytes']):>13}"
+              f"{ratios[0]:>9}{ratios[1]:>8}{ratios[2]:>8}{ratios[3]:>11}{ratios[4]:>12}{pred_cells}")
+    print(f"(load average {result['load_average_1min_at_end']:.1f} on {result['cpus']} CPUs; wall time "
+          f"{result['wall_seconds']:.0f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
@@ -175,6 +259,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--json", default="benchmarks/results/side_by_side.json")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="run nothing: add the planner's predictions to the rows of --json and print the table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -182,6 +268,14 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.worker:
         worker(opts)
+        return
+    if opts.predict_only:
+        path = Path(opts.json)
+        result = json.loads(path.read_text())
+        add_predictions(result)
+        print_table(result)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
         return
 
     start = time.time()
@@ -196,36 +290,18 @@ def main() -> None:
                 print(f"  {name} round {rnd}: {status} ({run['seconds']:.0f} s)", flush=True)
     rows = [summarise(name, runs[name]) for name in opts.layouts]
     elapsed = time.time() - start
-
     base = next((r for r in rows if r["layout"] == "dp" and r["ok"]), None)
-    numel = next((r["numel"] for r in rows if r["ok"]), 0)
-    print(f"\n{opts.preset} GPT ({opts.n_layers} blocks, n_kv_heads={opts.n_kv_heads}, {numel / 1e6:.2f}M parameters), "
-          f"fp32, AdamW, global batch {opts.batch} x seq {opts.seq}, {WORLD} CPU ranks (gloo); {opts.steps} timed "
-          f"steps after {opts.warmup} x {opts.rounds} round(s); memory: the largest rank")
-    header = (f"{'layout':<7}{'strategy':<46}{'ms/step':>9}{'CPU ms/step':>12}{'peak RSS MiB':>14}"
-              f"{'RSS growth MiB':>16}{'p+g+opt MiB':>13}{'time/dp':>9}{'CPU/dp':>8}{'RSS/dp':>8}{'growth/dp':>11}"
-              f"{'p+g+opt/dp':>12}")
-    print(header)
+    keys = {"step_time": "median_seconds_per_step", "cpu_time": "median_cpu_seconds_per_step",
+            "peak_rss": "peak_rss_bytes", "rss_growth": "rss_growth_bytes", "state_bytes": "state_bytes"}
     for r in rows:
-        if not r["ok"]:
-            print(f"{r['layout']:<7}{r['strategy']:<46}failed: {r['error'][:100]}")
-            continue
-        ratios = ["-"] * 5
-        if base is not None:
-            keys = {"step_time": "median_seconds_per_step", "cpu_time": "median_cpu_seconds_per_step",
-                    "peak_rss": "peak_rss_bytes", "rss_growth": "rss_growth_bytes", "state_bytes": "state_bytes"}
+        if r["ok"] and base is not None:
             r["ratios_vs_dp"] = {name: r[key] / base[key] for name, key in keys.items()}
-            ratios = [f"{v:.2f}" for v in r["ratios_vs_dp"].values()]
-        print(f"{r['layout']:<7}{r['strategy']:<46}{r['median_seconds_per_step'] * 1e3:>9.0f}"
-              f"{r['median_cpu_seconds_per_step'] * 1e3:>12.0f}{fmt_mib(r['peak_rss_bytes']):>14}"
-              f"{fmt_mib(r['rss_growth_bytes']):>16}{fmt_mib(r['state_bytes']):>13}"
-              f"{ratios[0]:>9}{ratios[1]:>8}{ratios[2]:>8}{ratios[3]:>11}{ratios[4]:>12}")
-    load = os.getloadavg()[0]
-    print(f"(load average {load:.1f} on {os.cpu_count()} CPUs; wall time {elapsed:.0f} s)")
-    result = {"preset": opts.preset, "n_layers": opts.n_layers, "n_kv_heads": opts.n_kv_heads, "numel": numel,
-              "batch": opts.batch, "seq": opts.seq, "warmup": opts.warmup, "steps": opts.steps,
-              "rounds": opts.rounds, "world": WORLD, "rows": rows, "load_average_1min_at_end": load,
-              "cpus": os.cpu_count(), "wall_seconds": elapsed}
+    result = {"preset": opts.preset, "n_layers": opts.n_layers, "n_kv_heads": opts.n_kv_heads,
+              "numel": next((r["numel"] for r in rows if r["ok"]), 0), "batch": opts.batch, "seq": opts.seq,
+              "warmup": opts.warmup, "steps": opts.steps, "rounds": opts.rounds, "world": WORLD, "rows": rows,
+              "load_average_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), "wall_seconds": elapsed}
+    add_predictions(result)
+    print_table(result)
     path = Path(opts.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

@@ -11,9 +11,16 @@ A device is described by a handful of numbers, used by :mod:`lightning_par.plann
   Without a table, ``matmul_efficiency`` is the one fraction for every shape;
 - ``memory_bandwidth``: how fast the other ops (norms, activations, softmax, the optimizer step) move bytes;
 - ``op_overhead_s``: the fixed cost of launching one op (eager PyTorch: one kernel per op);
+- ``dtensor_op_overhead_s``: what one op on a DTensor costs on top (its sharding propagation in Python), where the
+  host's time is the step's time (the CPU ranks): paid by the tensor-parallel modules in forward and backward and,
+  per parameter tensor, by the optimizer step over TP's and FSDP2's DTensor parameters. 0 on the GPU presets,
+  where the host runs ahead of the kernels;
 - ``intra_node_bandwidth`` / ``inter_node_bandwidth``: collective bus bandwidth per device (NCCL's "busbw": a ring
   all-reduce of ``n`` bytes over ``k`` devices takes ``2 n (k-1)/k / bandwidth``), inside a node (NVLink) and
   across nodes (InfiniBand), and ``latency_s`` per collective;
+- ``overlap``: whether communication can run beside compute (GPUs: the copy engines and NCCL's own SMs). False
+  for the CPU ranks here: gloo's transfers and reductions run on the same cores as the compute, which the 4 ranks
+  already oversubscribe, so every collective's time is exposed, whatever the runtime overlaps;
 - ``devices_per_node``: which groups stay inside a node (ranks are laid out tp innermost, pp outermost);
 - ``memory_gib`` and ``reserved_gib``: device memory, and what the runtime takes before any tensor (CUDA context,
   NCCL buffers, allocator fragmentation).
@@ -44,9 +51,11 @@ class Hardware:
     matmul_table: tuple[tuple[float, float], ...] = ()  # (GEMM intensity I, fraction of peak), I increasing
     memory_bandwidth: float = 2e12  # bytes/s
     op_overhead_s: float = 5e-6
+    dtensor_op_overhead_s: float = 0.0
     intra_node_bandwidth: float = 200e9  # bytes/s per device, collective bus bandwidth
     inter_node_bandwidth: float = 25e9
     latency_s: float = 2e-5
+    overlap: bool = True
     devices_per_node: int = 8
     memory_gib: float = 80.0
     reserved_gib: float = 2.0
@@ -140,13 +149,22 @@ PRESETS: dict[str, Hardware] = {
         matmul_table=((10.7, 0.07), (21.3, 0.44), (42.7, 1.0)),
         memory_bandwidth=12e9,  # one core copying 64 MiB
         op_overhead_s=1e-5,  # eager dispatch of one op with autograd
-        intra_node_bandwidth=0.75e9,  # gloo all-reduce of 16 MiB between 2 processes on loopback
-        inter_node_bandwidth=0.75e9,
-        latency_s=5e-4,
+        # a DTensor op of 4 elements on a 1-rank mesh, one thread, best of 5 x 200 in CPU time: 25.6 us, the plain
+        # op 2.8 us (2026-11-25)
+        dtensor_op_overhead_s=23e-6,
+        # gloo on 4 ranks sharing the 2 cores (as the tests and benchmarks run), CPU time per rank and collective,
+        # 100 rounds (15 of 4 MiB) at load 5-7 (2026-11-25): 4 KiB all-reduce 1.73 ms, all-gather 1.17 ms; 4 MiB
+        # all-reduce 4.0 ms and all-gather (4 MiB in) 8.3 ms, i.e. 2.6 and 1.7 GB/s of bus bandwidth past the latency
+        intra_node_bandwidth=2e9,
+        inter_node_bandwidth=2e9,
+        latency_s=1.7e-3,
+        # gloo's transfers and reductions take the cores the compute needs: nothing is hidden (docs/plan.md,
+        # "predicted vs measured on this machine")
+        overlap=False,
         devices_per_node=2,  # ranks beyond the 2 cores share them
         memory_gib=11.5,  # 23 GiB of host memory shared by the 2 ranks
         reserved_gib=0.5,
-        notes="this machine: 2 AMD EPYC cores, one rank per core, gloo over loopback",
+        notes="this machine: 2 AMD EPYC cores, gloo over loopback (its figures measured with 4 ranks sharing them)",
     ),
 }
 

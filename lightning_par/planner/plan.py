@@ -61,6 +61,13 @@ from lightning_par.planner.trace import PRECISIONS, ModelTrace, UnitTrace, saved
 from lightning_par.topology import LayoutError, ParallelDims
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+#: ops per parameter tensor in one optimizer step off the GPU (torch's single-tensor path, its default on CPU):
+#: AdamW's step count, decay, two moment updates, square root, bias correction, epsilon and update; SGD's one
+OPTIMIZER_OPS = {"adamw": 10, "adam": 10, "sgd": 1, "sgd_momentum": 3}
+#: DTensor ops per tensor-parallel module (one entry of the resolved plan) per micro-batch, forward and backward
+#: together: its input redistributed or wrapped, the op on the sharded weight, its output unwrapped, each again in
+#: the backward
+TP_MODULE_DTENSOR_OPS = 6
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,10 @@ class Estimate:
     # of dp traffic hides under compute), tp (inside each stage's forward and backward), pp (the fill and drain
     # hops between stages); tp and pp are part of "pipeline"
     exposed: dict[str, float] = field(default_factory=dict)
+    # seconds per step a rank keeps its core busy, mean over the pipeline ranks: the step less its idle share of
+    # the schedule, plus the pipeline receives it waits in (gloo's receive runs on the rank's core). Where ranks
+    # share cores (the ``cpu`` preset's 4 ranks on 2 cores) the work of a layout is this times its ranks
+    busy: float = 0.0
 
     @property
     def worst(self) -> RankMemory:
@@ -166,7 +177,7 @@ class Estimate:
             "comm_bytes_per_step": self.comm_bytes, "bubble": self.bubble, "step_time_s": self.step_time,
             "tokens_per_s": self.tokens_per_s, "model_tflops_per_device": self.model_tflops_per_device,
             "mfu": self.mfu, "fits": self.fits, "runs_today": self.runs_today, "engine_note": self.engine_note,
-            "time_breakdown_s": self.breakdown, "exposed_s": self.exposed,
+            "time_breakdown_s": self.breakdown, "exposed_s": self.exposed, "busy_s": self.busy,
         }
 
 
@@ -225,6 +236,11 @@ def hidden(comm: float, window: float, chunks: int) -> float:
         return 0.0
     chunks = max(1, chunks)
     return max(comm / chunks, comm - window * (chunks - 1) / chunks)
+
+
+def not_hidden(comm: float, window: float, chunks: int) -> float:
+    """:func:`hidden` on hardware that cannot overlap (``Hardware.overlap`` False): all of ``comm`` is exposed."""
+    return max(0.0, comm)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -385,6 +401,7 @@ class Planner:
     # -- one layout ------------------------------------------------------------------------------------------------
     def estimate(self, c: Candidate) -> Estimate:
         info, hw, work, runtime = self.info, self.hw, self.work, self.runtime
+        hide = hidden if hw.overlap else not_hidden
         split = info.tp_split(c.tp, c.sequence_parallel)
         if c.sequence_parallel and work.seq_len % c.tp:
             raise LayoutError(f"sequence_parallel with tp={c.tp} needs a sequence length divisible by {c.tp}, got "
@@ -422,7 +439,7 @@ class Planner:
 
         def tp_exposed(comm: float, matmuls: float) -> float:
             # overlapped: each collective is cut into tp chunks pipelined with the products beside it
-            return hidden(comm, matmuls, c.tp) if runtime.tp_comm_overlap else comm
+            return hide(comm, matmuls, c.tp) if runtime.tp_comm_overlap else comm
 
         stage_of_unit = {u: s for s, units in enumerate(units_by_stage) for u in units}
         stage_f, stage_b, stage_w, stage_held, stage_tp_bytes, stage_out = [], [], [], [], [], []
@@ -454,8 +471,12 @@ class Planner:
                     sum(t.saved_weight_path for t in traces), trace.units[units[-1]].output_bytes / tp_seq)
             f, b, w, f_mm, b_mm, tp_bytes, fwd_comm, bwd_comm, held, wgrad, released, out = self._stage_costs[key]
             fwd_t, bwd_t = tp_exposed(fwd_comm, f_mm), tp_exposed(bwd_comm, b_mm)
-            stage_f.append(f + fwd_t)
-            stage_b.append(b + bwd_t)
+            # the Python dispatch of the DTensor ops of the tp modules, half in forward and half in backward
+            dispatch = (TP_MODULE_DTENSOR_OPS / 2 * hw.dtensor_op_overhead_s
+                        * sum(1 for n in split.styles for u in units if n == u or n.startswith(u + "."))
+                        if c.tp > 1 else 0.0)
+            stage_f.append(f + fwd_t + dispatch)
+            stage_b.append(b + bwd_t + dispatch)
             stage_w.append(w)
             stage_tp_exposed.append(fwd_t + bwd_t)
             stage_held.append(held)
@@ -503,16 +524,24 @@ class Planner:
             grads_peak = [g - h for g, h in zip(sim.peak_with_grads, sim.peak_held, strict=True)]
             rank_end, rank_first, rank_grads = sim.rank_end, sim.rank_first_forward, sim.rank_last_grads
             hop = sum(stage_out[:-1]) / max(1, n_stages - 1) / p2p_split / pp_bw + hw.latency_s
+
+            def receives(r: int) -> float:  # each micro-batch's activation in and its gradient back, per stage
+                def t(s: int) -> float:
+                    return stage_out[s] / p2p_split / pp_bw + hw.latency_s
+                return m * sum((t(s - 1) if s > 0 else 0.0) + (t(s) if s < n_stages - 1 else 0.0)
+                               for s in rank_stages[r])
+            receive_time = sum(receives(r) for r in range(c.pp)) / c.pp
             pp_exposed = 2 * (c.pp - 1) * hop  # the fill and the drain cross every pipeline hop once
         else:
             t_pipe, bubble, held_peak = m * (stage_f[0] + stage_b[0]), 0.0, [stage_held[0]]
             grads_peak = [0.0]
             rank_end, rank_first, rank_grads = [t_pipe], [0.0], [t_pipe - stage_b[0]]
-            pp_exposed = 0.0
+            pp_exposed = receive_time = 0.0
 
         # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
         dp_bytes_max = tp_bytes_max = pp_bytes_max = 0.0
+        n_tensors = 0  # parameter tensors of the fullest rank
         reduce_finish = gather_exposed = tp_exposed_max = 0.0
         bucket = runtime.bucket_mb * 2**20
         dp_bw = hw.bandwidth(dp_span)
@@ -520,6 +549,7 @@ class Planner:
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}
             params = self._rank_params(rank_units)
+            n_tensors = max(n_tensors, len(params))
             numel, tied_numel = self._rank_numel(params, split, c, stage_of_unit)
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
@@ -555,21 +585,21 @@ class Planner:
                 if c.zero_stage == 3 and c.pp == 1:
                     # gathered for every micro-batch's forward and again for its backward, each block prefetched
                     # under the one before; the last backward also reduce-scatters each block's gradients
-                    fwd = m * hidden(gather_t, stage_f[0], k3)
-                    bwd = (m - 1) * hidden(gather_t, stage_b[0], k3) + hidden(gather_t + reduce_t, stage_b[0], k3)
+                    fwd = m * hide(gather_t, stage_f[0], k3)
+                    bwd = (m - 1) * hide(gather_t, stage_b[0], k3) + hide(gather_t + reduce_t, stage_b[0], k3)
                     reduce_finish = max(reduce_finish, rank_end[r] + fwd + bwd)
                 else:
                     overlap = runtime.dp_overlap if c.pp == 1 else runtime.pp_dp_overlap
                     window = rank_end[r] - rank_grads[r]
-                    exposed = hidden(reduce_t, window, k) if overlap and c.zero_stage != 3 else reduce_t
+                    exposed = hide(reduce_t, window, k) if overlap and c.zero_stage != 3 else reduce_t
                     reduce_finish = max(reduce_finish, rank_end[r] + exposed)
                     if c.zero_stage == 3:
                         # each stage gathered at its first forward, block after block; a rank's delay holds up
                         # every stage after it in the fill
-                        gather_exposed += hidden(gather_t, first_f, k3)
+                        gather_exposed += hide(gather_t, first_f, k3)
                     elif c.zero_stage and runtime.param_gather_overlap:
                         # launched at the start of the step: the idle start of the rank hides it too
-                        gather_exposed = max(gather_exposed, hidden(gather_t, first_f, k) - rank_first[r])
+                        gather_exposed = max(gather_exposed, hide(gather_t, first_f, k) - rank_first[r])
                     elif c.zero_stage:
                         gather_exposed = max(gather_exposed, gather_t)  # after the step, waited for
             tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
@@ -593,6 +623,8 @@ class Planner:
         master = eb.master or eb.param
         per_element = eb.grad + 2 * master + 2 * n_states * eb.state + (eb.param if eb.master else 0)
         optimizer_time = opt_numel * per_element / hw.memory_bandwidth
+        if c.tp > 1 or c.zero_stage == 3:  # DTensor parameters (TP's, FSDP2's): each op of the step dispatched
+            optimizer_time += n_tensors * OPTIMIZER_OPS[self.optimizer] * hw.dtensor_op_overhead_s
         step = t_pipe + dp_exposed + optimizer_time
 
         tokens = work.global_batch * work.seq_len
@@ -610,6 +642,7 @@ class Planner:
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
             list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
             {"dp": dp_exposed, "tp": tp_exposed_max, "pp": pp_exposed},
+            step - t_pipe * bubble + receive_time,
         )
 
     def state_bytes(self, c: Candidate) -> list[dict[str, float]]:
