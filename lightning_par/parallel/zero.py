@@ -609,6 +609,14 @@ class _ShardMesh:
         return self.mesh, tuple(placements), global_numel
 
 
+def _same_ranks(root: DeviceMesh, name: str, mesh: DeviceMesh) -> bool:
+    """Whether ``root[name]`` is, on this rank, the group of ranks ``mesh`` is."""
+    try:
+        return root[name].mesh.tolist() == mesh.mesh.tolist()
+    except (KeyError, RuntimeError, ValueError):
+        return False
+
+
 def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
     if tp_mesh is None:
         return _ShardMesh(dp_mesh, 0)
@@ -617,13 +625,11 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
     tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
     # a flattened dp (the dp_cp mesh of context parallel) is named among the root's flattened dimensions
     names = (*(root.mesh_dim_names or ()), *getattr(root, "_flatten_mapping", {}))
-    # the same root mesh: equal, not necessarily identical (a later Trainer in the same process builds an equal mesh,
-    # and torch may hand back the root it recorded for the first)
-    tp_root = tp_mesh._get_root_mesh()
-    same_root = (root == tp_root and tuple(root.mesh.shape) == tuple(tp_root.mesh.shape)
-                 and root.mesh_dim_names == tp_root.mesh_dim_names)
-    if (not same_root or dp_name is None or tp_name is None or dp_name == tp_name
-            or dp_name not in names or tp_name not in names):
+    # tp must be the dimension of dp's root that holds the same ranks. Asked of dp's root, not of tp_mesh's: a later
+    # Trainer in the same process builds a new mesh, and torch may hand back, as tp's root, the root it recorded for
+    # an earlier one (of another shape once cp changes it)
+    if (dp_name is None or tp_name is None or dp_name == tp_name or dp_name not in names or tp_name not in names
+            or not _same_ranks(root, tp_name, tp_mesh)):
         raise LayoutError(
             "ZeRO stages 1/2 with tensor parallel need the dp mesh and the tensor-parallel parameters' mesh to be "
             f"two named dimensions of one DeviceMesh (got dp {dp_mesh.mesh_dim_names}, tp "
