@@ -42,7 +42,10 @@ def block_plan(sequence_parallel: bool = False, prefix: str = "") -> dict[str, P
         plan[f"{prefix}mlp_norm"] = SequenceParallel()
     for sub, column, row in (("attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
                              ("mlp", ("gate_proj", "up_proj"), "down_proj")):
-        plan[f"{prefix}{sub}"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        # attention also takes the block's position ids (None but under context parallel): no layout
+        extra = (None,) if sub == "attn" else ()
+        plan[f"{prefix}{sub}"] = PrepareModuleInput(input_layouts=(seq, *extra),
+                                                    desired_input_layouts=(Replicate(), *extra))
         for name in column:
             plan[f"{prefix}{sub}.{name}"] = ColwiseParallel()
         plan[f"{prefix}{sub}.{row}"] = RowwiseParallel(output_layouts=seq)

@@ -49,7 +49,7 @@ def test_clipping_uses_the_global_gradient_norm(runs, name):
 
 def test_ranks_and_sampler_follow_the_mesh(runs):
     reports = runs("dp2_tp2_sp").reports
-    assert [r["coordinates"] for r in reports] == [{"pp": 0, "dp": d, "tp": t} for d in (0, 1) for t in (0, 1)]
+    assert [r["coordinates"] for r in reports] == [{"pp": 0, "dp": d, "cp": 0, "tp": t} for d in (0, 1) for t in (0, 1)]
     assert reports[0]["groups"]["tp"] == [0, 1] and reports[0]["groups"]["dp"] == [0, 2]
     # the tp ranks of one replica see the same samples, the two replicas different ones
     assert reports[0]["first_batches"] == reports[1]["first_batches"] != reports[2]["first_batches"]

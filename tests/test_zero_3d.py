@@ -215,7 +215,10 @@ def test_tp_parameters_on_a_mesh_apart_from_dp_are_refused(mesh):
     from lightning_par import LayoutError
     from lightning_par.parallel.zero import ZeroPartitioner
 
-    other = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    # a tensor-parallel mesh that is not a dimension of dp's mesh. The check is by ranks (the tp dimension of dp's
+    # root must hold the same ranks as the parameters' mesh), so in this one-rank world the apart mesh is told
+    # apart by its dimension, which dp's root does not have
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("model",))
     module = _tp_module(other)
     with pytest.raises(LayoutError, match="two named dimensions of one DeviceMesh"):
         ZeroPartitioner(module, [torch.optim.SGD(module.parameters(), lr=1.0)], mesh["dp"], 1)
