@@ -31,6 +31,18 @@ CASES: dict[str, tuple[int, type, dict, int]] = {
     "zero3_dp2": (2, ZeroStrategy, dict(stage=3), GLOBAL_BATCH // 2),
     "tp2": (2, MegatronTPStrategy, dict(tp=2), GLOBAL_BATCH),
     "pp2_zbv": (2, PipelineStrategy, dict(pp=2, schedule="zbv", n_microbatches=2), GLOBAL_BATCH),
+    # the rest of "every strategy, every schedule": ZeRO 0-2, sequence parallel, and the other pipeline schedules
+    # (one stage per rank, virtual stages, split backward, DualPipeV's two directions)
+    "zero0_dp2": (2, ZeroStrategy, dict(stage=0), GLOBAL_BATCH // 2),
+    "zero1_dp2": (2, ZeroStrategy, dict(stage=1), GLOBAL_BATCH // 2),
+    "zero2_dp2": (2, ZeroStrategy, dict(stage=2), GLOBAL_BATCH // 2),
+    "tp2_sp": (2, MegatronTPStrategy, dict(tp=2, sequence_parallel=True), GLOBAL_BATCH),
+    "pp2_gpipe": (2, PipelineStrategy, dict(pp=2, schedule="gpipe", n_microbatches=2), GLOBAL_BATCH),
+    "pp2_interleaved_1f1b": (2, PipelineStrategy, dict(pp=2, schedule="interleaved_1f1b", n_microbatches=2),
+                             GLOBAL_BATCH),
+    "pp2_looped_bfs": (2, PipelineStrategy, dict(pp=2, schedule="looped_bfs", n_microbatches=2), GLOBAL_BATCH),
+    "pp2_zero_bubble": (2, PipelineStrategy, dict(pp=2, schedule="zero_bubble", n_microbatches=2), GLOBAL_BATCH),
+    "pp2_dualpipev": (2, PipelineStrategy, dict(pp=2, schedule="dualpipev", n_microbatches=4), GLOBAL_BATCH),
     "tp2_pp2": (4, Hybrid3DStrategy, dict(tp=2, pp=2, zero_stage=0, schedule="1f1b", n_microbatches=2),
                 GLOBAL_BATCH),
 }

@@ -124,7 +124,7 @@ FULL_ONLY_RUNS = {
     "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
     "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw",
     *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
-    "compile_matrix",  # compiled vs eager under ZeRO-3, tp2, pp2 ZBV (2 ranks) and tp2 x pp2 (4 ranks)
+    "compile_matrix",  # compiled vs eager: ZeRO 0-3, tp2 (and SP), pp2 under each schedule, tp2 x pp2 (4 ranks)
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
