@@ -22,7 +22,6 @@ PARITY_RTOL = 1e-5  # as the other 4-rank plain-SGD parity tests (tests/test_eng
 
 def _tiny_gpt():
     from lightning_par.examples import GPTLightningModule
-
     from lightning_par.planner import build_model
 
     return build_model(GPTLightningModule, dict(preset="tiny", n_layers=8))

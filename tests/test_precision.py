@@ -292,7 +292,6 @@ def test_planner_state_bytes_for_bf16_mixed_master_equal_the_measured(stage):
     """The planner's bf16-mixed-master state bytes per rank for the plain LM at dp=2 (Adam) vs the bytes
     ``test_bf16_mixed_master_state_bytes_and_first_steps`` measures (= these formulas, exactly): within 2%."""
     from lightning_par.examples.plain_lm import PlainLM
-
     from lightning_par.planner.hardware import PRESETS
     from lightning_par.planner.model import build_model, inspect_model
     from lightning_par.planner.plan import Candidate, Planner, Workload
