@@ -222,6 +222,17 @@ def test_tp_parameters_on_a_mesh_apart_from_dp_are_refused(mesh):
     module = _tp_module(other)
     with pytest.raises(LayoutError, match="two named dimensions of one DeviceMesh"):
         ZeroPartitioner(module, [torch.optim.SGD(module.parameters(), lr=1.0)], mesh["dp"], 1)
+    # the rank check itself: the root's tp dimension and the parameters' mesh must hold the same ranks (a group of
+    # other ranks stands in for a mesh this one-rank world cannot build)
+    from types import SimpleNamespace
+
+    from lightning_par.parallel.zero import _same_ranks
+
+    root = mesh["dp"]._get_root_mesh()
+    assert _same_ranks(root, "tp", mesh["tp"])
+    assert _same_ranks(root, "tp", init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))  # equal group: accepted
+    assert not _same_ranks(root, "tp", SimpleNamespace(mesh=torch.tensor([1])))
+    assert not _same_ranks(root, "model", mesh["tp"])
     two_d = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Replicate(), Replicate()]))
     with pytest.raises(LayoutError, match="on a 2-D mesh"):
         ZeroPartitioner(torch.nn.Module(), [torch.optim.SGD([two_d], lr=1.0)], mesh["dp"], 1)
