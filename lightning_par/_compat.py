@@ -1,10 +1,12 @@
 """Every private torch, Lightning and jsonargparse name lightning-par uses, in one place.
 
-Private names change between releases without notice, so lightning-par is tested against one minor release of each
-(:data:`TESTED`, the ranges pyproject.toml declares). Importing this module (``import lightning_par`` does) checks
-the installed versions: an untested one stops the import with one message naming the tested versions, unless
-``LIGHTNING_PAR_ALLOW_UNTESTED=1`` turns it into one warning. Every private name is then loaded here, at import, so a
-release that lacks one fails at once with an ImportError naming it -- not with an AttributeError deep in a run.
+Private names change between releases without notice, so lightning-par is tested against a range of minor releases
+of each (:data:`TESTED`, the ranges pyproject.toml declares; torch 2.11 to 2.15, each run by
+``tests/compat/run.sh``). Importing this module (``import lightning_par`` does) checks the installed versions: one
+outside the range stops the import with one message naming the tested range, unless ``LIGHTNING_PAR_ALLOW_UNTESTED=1``
+turns it into one warning. Every private name is then loaded here, at import, with the older spelling each supported
+release needs (:func:`private`'s ``fallbacks``), so a release that lacks one fails at once with an ImportError naming
+it -- not with an AttributeError deep in a run.
 No other module of lightning_par imports a private name or reaches one as ``torch.x._y``, and the private
 Lightning attributes that steer a run go through the accessors below (tests/test_compat.py checks both). Private
 attributes of objects (a ShardedTensor's ``_local_shards``; FSDP2's ``_fsdp_param_groups`` and a module's
@@ -21,8 +23,9 @@ from typing import Any
 
 from packaging.version import Version
 
-#: minor release tested of each package whose private names are used (pyproject.toml declares the same ranges)
-TESTED = {"torch": "2.13", "lightning": "2.6", "jsonargparse": "4.53"}
+#: the oldest and newest minor release tested of each package whose private names are used (pyproject.toml declares
+#: the same ranges; tests/compat/run.sh runs the smoke set on each torch of the range, docs/compat.md has the results)
+TESTED = {"torch": ("2.11", "2.15"), "lightning": ("2.6", "2.6"), "jsonargparse": ("4.53", "4.53")}
 ALLOW_UNTESTED = "LIGHTNING_PAR_ALLOW_UNTESTED"
 
 
@@ -45,26 +48,43 @@ def installed_versions() -> dict[str, str]:
     return out
 
 
-def _minor(text: str) -> str:
+def _minor(text: str) -> tuple[int, ...] | None:
     try:
-        return ".".join(str(n) for n in Version(text).release[:2])
+        return Version(text).release[:2]
     except ValueError:
-        return text
+        return None
+
+
+def _in_range(package: str, installed: str) -> bool:
+    low, high = (Version(v).release[:2] for v in TESTED[package])
+    minor = _minor(installed)
+    return minor is not None and low <= minor <= high
+
+
+def tested_range(package: str) -> str:
+    """The tested releases of ``package`` in words: ``torch 2.11 to 2.15`` or ``lightning 2.6``."""
+    low, high = TESTED[package]
+    return f"{package} {low}.x" if low == high else f"{package} {low} to {high}"
 
 
 def _tested(package: str) -> str:
-    return f"{package}=={TESTED[package]}.*"
+    """A pip requirement for the tested range of ``package``."""
+    low, high = TESTED[package]
+    if low == high:
+        return f"{package}=={low}.*"
+    major, minor = high.split(".")
+    return f"{package}>={low},<{major}.{int(minor) + 1}"
 
 
 def check_versions(installed: dict[str, str] | None = None) -> list[str]:
     """Raise :class:`UntestedVersionError` when an installed package is not the tested minor release, or warn once
     where ``LIGHTNING_PAR_ALLOW_UNTESTED=1``. Returns the untested packages (empty when all are tested)."""
     installed = installed_versions() if installed is None else installed
-    untested = [p for p, v in installed.items() if _minor(v) != TESTED[p]]
+    untested = [p for p, v in installed.items() if not _in_range(p, v)]
     if not untested:
         return []
     found = ", ".join(f"{p} {installed[p]}" for p in untested)
-    message = (f"lightning-par is tested with {', '.join(f'{p} {v}.x' for p, v in TESTED.items())} and uses private "
+    message = (f"lightning-par is tested with {', '.join(tested_range(p) for p in TESTED)} and uses private "
                f"names of them that change between releases; found {found}. Install the tested versions "
                f"(pip install {' '.join(repr(_tested(p)) for p in untested)}), or set {ALLOW_UNTESTED}=1 to try "
                "anyway (a private name that is gone then fails at import, named).")
@@ -78,18 +98,24 @@ def missing_name_error(package: str, name: str) -> ImportError:
     """The error for a private ``name`` of ``package`` that the installed release does not have."""
     found = installed_versions().get(package, "?")
     return ImportError(f"lightning-par needs {name}, a private name of {package} that {package} {found} does not have "
-                       f"(lightning-par is tested with {package} {TESTED[package]}.x): install {_tested(package)!r}.")
+                       f"(lightning-par is tested with {tested_range(package)}): install {_tested(package)!r}.")
 
 
-def private(package: str, module: str, attribute: str) -> Any:
-    """``module.attribute`` (``attribute`` may be dotted), or :func:`missing_name_error` when it is gone."""
-    try:
-        value: Any = importlib.import_module(module)
-        for part in attribute.split("."):
-            value = getattr(value, part)
-    except (ImportError, AttributeError) as err:
-        raise missing_name_error(package, f"{module}.{attribute}") from err
-    return value
+def private(package: str, module: str, attribute: str, fallbacks: tuple[str, ...] = ()) -> Any:
+    """``module.attribute`` (``attribute`` may be dotted; ``module`` may be one of ``package``'s public modules when
+    only the spelling changed between releases); else the first of ``fallbacks`` (the names older or newer releases of
+    the tested range give the same thing, each ``"module:attribute"`` or an attribute of ``module``) that exists; else
+    :func:`missing_name_error` naming the first."""
+    for candidate in (f"{module}:{attribute}", *fallbacks):
+        where, _, name = candidate.rpartition(":") if ":" in candidate else (module, "", candidate)
+        try:
+            value: Any = importlib.import_module(where)
+            for part in name.split("."):
+                value = getattr(value, part)
+        except (ImportError, AttributeError):
+            continue
+        return value
+    raise missing_name_error(package, f"{module}.{attribute}")
 
 
 check_versions()
@@ -118,8 +144,30 @@ compute_local_shape_and_global_offset = private("torch", "torch.distributed.tens
 AsyncCollectiveTensor = private("torch", "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
 # context parallel gathers the keys and values of the sequence shards with a differentiable all-gather
 # (parallel/context_parallel.py); torch.distributed.nn.all_gather returns a list and has no single-tensor form
-all_gather_single_autograd = private("torch", "torch.distributed._functional_collectives", "all_gather_single_autograd")
+# (torch 2.13 renamed it; 2.11 and 2.12 spell it all_gather_tensor_autograd, same signature)
+all_gather_single_autograd = private("torch", "torch.distributed._functional_collectives", "all_gather_single_autograd",
+                                     fallbacks=("all_gather_tensor_autograd",))
 wait_tensor = private("torch", "torch.distributed._functional_collectives", "wait_tensor")
+
+
+def _called_late(module: str, attribute: str, fallbacks: tuple[str, ...]) -> Any:
+    """A function calling ``module.attribute`` (or the first fallback that exists), looked up on the module at each
+    call: code that wraps the module's function (measure.CommCounter) then sees the call."""
+    found = private("torch", module, attribute, fallbacks)
+    owner = importlib.import_module(module)
+    name = next(n for n in (attribute, *fallbacks) if getattr(owner, n, None) is found)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(owner, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+# ZeRO-1/2's flat-bucket reduce-scatter and all-gather (parallel/zero.py): public, but torch 2.13 introduced these
+# names and deprecated the older ones (a FutureWarning per call), which 2.11 and 2.12 have alone
+reduce_scatter_single = _called_late("torch.distributed", "reduce_scatter_single", ("reduce_scatter_tensor",))
+all_gather_single = _called_late("torch.distributed", "all_gather_single", ("all_gather_into_tensor",))
 # the process group behind a group name as c10d ops receive it below the dispatcher (tp_accounting.py)
 resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "_resolve_process_group")
 # dispatch modes see every aten op: deferred init, the planner's trace and the TP accounting are built on them;

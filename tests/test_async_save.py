@@ -123,3 +123,27 @@ def test_an_async_error_is_raised_at_the_next_save_naming_the_checkpoint(tmp_pat
 
 def test_last_links_to_an_async_save_only_once_it_commits(tmp_path):
     _in_a_process_of_its_own(_last_links_after_the_commit, tmp_path)
+
+
+def test_staging_reuses_its_host_buffers_from_one_save_to_the_next():
+    """The second save stages into the first save's buffers (no allocation, no re-pinning on a GPU machine) and
+    carries the new values; a tensor whose shape changed gets a buffer of its own. (The CUDA branch, a side stream
+    into pinned buffers, needs a GPU: benchmarks/gpu_check.py measures its stall.)"""
+    from lightning_par.plugins.async_checkpoint import _HostCopy
+
+    stager = _HostCopy()
+    model, checkpoint = _state(seed=1)
+    first = stager.stage(checkpoint)
+    assert isinstance(first, dict)  # CPU tensors: copied in the calling thread
+    weight = first["state_dict"]["0.weight"]
+    assert torch.equal(weight, model[0].weight) and weight.data_ptr() != model[0].weight.data_ptr()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    checkpoint["state_dict"]["extra"] = torch.ones(3)
+    second = stager.stage(checkpoint)
+    assert second["state_dict"]["0.weight"].data_ptr() == weight.data_ptr()  # the same buffer, refilled
+    assert torch.equal(second["state_dict"]["0.weight"], model[0].weight)
+    assert second["global_step"] == 1 and second["state_dict"]["extra"].tolist() == [1.0, 1.0, 1.0]
+    checkpoint["state_dict"]["extra"] = torch.ones(4)
+    third = stager.stage(checkpoint)
+    assert third["state_dict"]["extra"].shape == (4,) and len(stager._buffers) == 2 + len(first["state_dict"])

@@ -92,6 +92,30 @@ def test_trainer_precision_becomes_a_layout_precision():
         LayoutPrecision("64-true")
 
 
+def test_bf16_on_a_gpu_without_bf16_is_refused_before_launch(monkeypatch):
+    """A V100/T4-like GPU (compute capability 7.x) asked for a bf16 mode: one error naming the GPU and what to use,
+    from the strategy when the Trainer hands it the precision (faked CUDA: the check reads only these functions)."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    for mode in ("bf16-mixed", "bf16-mixed-master", "bf16-true"):
+        with pytest.raises(LayoutError, match=r"computes in bf16, which this GPU \(Tesla V100-SXM2-32GB, compute "
+                                              r"capability 7\.0\) does not support natively.*'16-mixed'"):
+            LayoutPrecision(mode).check_device("cuda")
+    LayoutPrecision("32-true").check_device("cuda")
+    LayoutPrecision("16-mixed").check_device("cuda")
+    LayoutPrecision("bf16-mixed").check_device("cpu")  # CPU autocast takes bf16
+    strategy = LayoutStrategy(zero_stage=2)
+    strategy.accelerator = CUDAAccelerator()
+    with pytest.raises(LayoutError, match="Tesla V100"):
+        strategy.precision_plugin = LayoutPrecision("bf16-mixed")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    strategy.precision_plugin = LayoutPrecision("bf16-mixed")  # an A100/H100 takes it
+
+
 def test_autocast_and_true_modes():
     layer = nn.Linear(4, 4)
     with LayoutPrecision("bf16-mixed", device="cpu").forward_context():

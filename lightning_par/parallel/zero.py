@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from lightning_par import _compat
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.parallel.host_memory import release_freed_memory
 from lightning_par.topology import LayoutError
@@ -400,7 +401,7 @@ class ZeroPartitioner:
         if self.reduce_dtype is not None and self.reduce_dtype != send.dtype:
             send = bucket.send = send.to(self.reduce_dtype)  # summed in fp32; one bucket's copy at a time
         bucket.reduced_chunk = torch.empty(bucket.chunk, dtype=send.dtype, device=bucket.flat.device)
-        bucket.work = dist.reduce_scatter_single(bucket.reduced_chunk, send, group=self.group, async_op=True)
+        bucket.work = _compat.reduce_scatter_single(bucket.reduced_chunk, send, group=self.group, async_op=True)
         if self.stage == 1:
             return  # the full buffers are kept anyway: everything is completed in finish_gradient_sync
         # Stage 2: complete the buckets launched before this one and free their full gradients, so at most two
@@ -522,7 +523,7 @@ class ZeroPartitioner:
             # precision: the fp32 master, rounded to the buckets' bf16)
             send = local.to(bucket.flat.device, bucket.flat.dtype, copy=True)
             bucket.grad_chunk = None  # the step has used it
-            works.append(dist.all_gather_single(bucket.flat, send, group=self.group, async_op=True))
+            works.append(_compat.all_gather_single(bucket.flat, send, group=self.group, async_op=True))
         for work in works:
             work.wait()
 

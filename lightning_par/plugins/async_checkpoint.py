@@ -1,6 +1,8 @@
 """Sharded saves that overlap training: DCP's ``async_save``, with the same atomic commit as a synchronous save.
 
-A save copies every rank's states to host memory (DCP's staging, in the training thread: the only stall) and returns;
+A save copies every rank's states to host memory (DCP's staging, :class:`_HostCopy`: into host buffers kept from one
+save to the next, pinned on a GPU machine, the device-to-host copies on a side CUDA stream so the training thread
+only launches them; on the CPU a copy in the training thread, the only stall) and returns;
 DCP's thread writes the files, then the coordinator writes DCP's metadata once every rank's files are written (over a
 gloo group of its own, so nothing in the background shares a communicator with training). When that is done on the
 writer rank, the checksums, the manifest and the rename happen there, in the same thread: the checkpoint takes its
@@ -47,6 +49,7 @@ class AsyncSaver:
         self._links: list[Path] = []  # links to make to the save in flight once it commits
         self._uncommitted: Path | None = None  # the writer's save in flight: links to it and deletions wait
         self._lock = threading.Lock()
+        self._stager = _HostCopy()  # its host buffers serve every save: the next save first waits for this one
 
     @property
     def in_flight(self) -> bool:
@@ -55,7 +58,7 @@ class AsyncSaver:
     def save(self, checkpoint: dict[str, Any], path: Path) -> None:
         self.wait()
         partial, sharded = sharded_checkpoint.begin(checkpoint, path, self.is_writer, self.barrier)
-        result = dcp.async_save(sharded, checkpoint_id=partial, process_group=self.group, async_stager=_HostCopy())
+        result = dcp.async_save(sharded, checkpoint_id=partial, process_group=self.group, async_stager=self._stager)
         future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
         self._future, self._path = future, path
         if self.is_writer:
@@ -123,16 +126,44 @@ class AsyncSaver:
 
 
 class _HostCopy(AsyncStager):
-    """Stage a checkpoint as a copy in host memory, in the calling (training) thread.
+    """Stage a checkpoint as a copy in host memory, into buffers reused from one save to the next.
 
     DCP's default stager copies tensors and DTensors but refuses ShardedTensors, which ZeRO-1/2's per-parameter
-    blocks are (:mod:`~lightning_par.plugins.zero_checkpoint`); this one copies all three.
+    blocks are (:mod:`~lightning_par.plugins.zero_checkpoint`); this one copies all three. The host buffer of each
+    tensor is kept (by its place in the state dict, shape and dtype) for the next save, as allocating and, on a GPU
+    machine, pinning gigabytes per save would cost more than the copy. Device tensors are copied on a side CUDA
+    stream, which first waits for the training stream (the values are the step's); the training stream then waits
+    for the copies (on the GPU, not the host) before it may change a parameter, and the writer thread waits for them
+    on the host (the future :meth:`stage` returns, which DCP's executor waits on) before it reads a buffer. Reusing
+    the buffers is safe because :class:`AsyncSaver` waits for the save in flight before the next one stages.
     """
 
     _synchronize_after_execute = False
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {key: _copy(value) for key, value in state_dict.items()}
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._stream: Any = None  # the side CUDA stream, made on the first device tensor
+        self._device_copies = False  # whether the save being staged copied from the device
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        self._device_copies = False
+        staged = {key: self._copy(value, (key,)) for key, value in state_dict.items()}
+        if not self._device_copies:
+            return staged
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        torch.cuda.current_stream().wait_event(copied)  # no parameter changes before its copy is taken
+        future: Future = Future()
+
+        def host_ready() -> None:  # in a thread: the training thread never waits for the copies
+            try:
+                copied.synchronize()
+                future.set_result(staged)
+            except BaseException as err:  # noqa: BLE001 -- handed to DCP's writer, which raises it
+                future.set_exception(err)
+
+        threading.Thread(target=host_ready, name="lightning-par-staging", daemon=True).start()
+        return future
 
     def synchronize_staging(self) -> None:
         pass
@@ -140,19 +171,37 @@ class _HostCopy(AsyncStager):
     def close(self) -> None:
         pass
 
+    @torch.no_grad()
+    def _tensor(self, tensor: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:
+        """The host copy of ``tensor`` in the buffer kept for ``where``."""
+        tensor = tensor.detach()
+        key = (*where, tuple(tensor.shape), tensor.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            pin = tensor.device.type == "cuda"
+            buffer = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        if tensor.device.type != "cuda":
+            return buffer.copy_(tensor)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=tensor.device)
+        if not self._device_copies:  # once per save: the copies see the values the training stream computed
+            self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            self._device_copies = True
+        with torch.cuda.stream(self._stream):
+            return buffer.copy_(tensor, non_blocking=True)
 
-@torch.no_grad()
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy(item) for item in value)
-    if isinstance(value, ShardedTensor):
-        shards = [Shard(shard.tensor.to("cpu", copy=True), shard.metadata) for shard in value.local_shards()]
-        return zero_checkpoint.blocks_tensor(shards, value.size())
-    if isinstance(value, DTensor):
-        return DTensor.from_local(value.to_local().to("cpu", copy=True), value.device_mesh, value.placements,
-                                  run_check=False, shape=value.shape, stride=value.stride())
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    return copy.deepcopy(value)
+    def _copy(self, value: Any, where: tuple[Any, ...]) -> Any:
+        if isinstance(value, dict):
+            return {key: self._copy(item, (*where, key)) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(item, (*where, i)) for i, item in enumerate(value))
+        if isinstance(value, ShardedTensor):
+            shards = [Shard(self._tensor(shard.tensor, (*where, tuple(shard.metadata.shard_offsets))), shard.metadata)
+                      for shard in value.local_shards()]
+            return zero_checkpoint.blocks_tensor(shards, value.size())
+        if isinstance(value, DTensor):
+            return DTensor.from_local(self._tensor(value.to_local(), where), value.device_mesh, value.placements,
+                                      run_check=False, shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, where)
+        return copy.deepcopy(value)

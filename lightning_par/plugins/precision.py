@@ -194,6 +194,20 @@ class LayoutPrecision(Precision):
                 + ". Use precision='bf16-mixed' (no loss scaling needed; fp32 master weights and optimizer states), "
                 "or 16-mixed with plain data parallel (ZeRO stage 0, tp=1, pp=1).")
 
+    def check_device(self, device_type: str) -> None:
+        """Refuse a bf16 mode on a GPU without native bf16 (before Ampere): torch would emulate it, slowly, or fail in
+        the first matmul. Raised when the Trainer hands the strategy this plugin, before any process starts."""
+        if self.low_dtype is not torch.bfloat16 or device_type != "cuda" or not torch.cuda.is_available():
+            return
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return
+        major, minor = torch.cuda.get_device_capability()
+        raise LayoutError(
+            f"precision={self.precision!r} computes in bf16, which this GPU ({torch.cuda.get_device_name()}, compute "
+            f"capability {major}.{minor}) does not support natively (bf16 needs compute capability 8.0 or newer: "
+            "A100, H100, H200, L40S, ...). Use precision='16-mixed' (with plain data parallel: ZeRO stage 0, tp=1, "
+            "pp=1) or precision='32-true'.")
+
     def policy(self, zero_stage: int = 0, tp: int = 1, pp: int = 1) -> DtypePolicy:
         """What this mode keeps in which dtype under the layout's data-parallel owner."""
         self.check_layout(zero_stage, tp, pp)

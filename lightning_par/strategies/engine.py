@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -207,6 +208,13 @@ class LayoutStrategy(ParallelStrategy):
         self._precision_plugin = LayoutPrecision.adopt(plugin)
         if self._precision_plugin is not None and getattr(self, "layout", None) is not None:
             self._precision_plugin.check_layout(self.layout.zero_stage, self.layout.tp, self.layout.pp)
+        self._check_precision_device()
+
+    def _check_precision_device(self) -> None:
+        """A bf16 mode on a GPU without bf16 is refused when the Trainer hands over the precision (it sets the
+        accelerator first), before launch."""
+        if self._precision_plugin is not None and isinstance(self.accelerator, CUDAAccelerator):
+            self._precision_plugin.check_device("cuda")
 
     @property
     def pipeline(self) -> PipelineRuntime | None:

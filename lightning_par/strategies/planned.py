@@ -189,6 +189,7 @@ class PlannedStrategy(LayoutStrategy):
     @LayoutStrategy.precision_plugin.setter  # type: ignore[attr-defined]
     def precision_plugin(self, plugin: Any) -> None:
         self._precision_plugin = LayoutPrecision.adopt(plugin)
+        self._check_precision_device()
 
     def _choose_layout(self) -> None:
         opts = self.plan_options
