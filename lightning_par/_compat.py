@@ -221,6 +221,22 @@ def schedule_order_only(torch_class: type) -> type:
     return type(torch_class.__name__, (torch_class,), {_SCHEDULE_LOWERING: lambda self, *a, **k: None})
 
 
+_INIT_P2P = "_get_init_p2p_neighbors_ops"
+
+
+def without_p2p_to_itself(stage: Any) -> Any:
+    """``stage`` (a ``PipelineStage``) whose first-step handshake leaves out its neighbours on its own rank.
+
+    torch 2.11 and 2.12 open every stage's links by sending a token to the previous and next stage; in a V-shaped
+    schedule (zbv, dualpipev) two neighbouring stages share a rank, and gloo cannot send to itself ("Pair is not
+    connected"). Stages on one rank hand tensors over directly, so that handshake is never needed; torch 2.13 skips
+    it itself. A stage without the method (a later release that renamed it) is returned as it is."""
+    ops_of = getattr(stage, _INIT_P2P, None)
+    if ops_of is not None:
+        setattr(stage, _INIT_P2P, lambda: [op for op in ops_of() if op.group_peer != stage.group_rank])
+    return stage
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Lightning
 # ----------------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import flatten_dense_tensors, unflatten_dense_tensors
+from lightning_par._compat import flatten_dense_tensors, unflatten_dense_tensors, without_p2p_to_itself
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import split_batch
@@ -248,7 +248,7 @@ class PipelineRuntime:
         if prepare is not None:
             self.stage_modules = self._prepare(prepare)
         n = plan.n_stages
-        self.stages = [pipelining.PipelineStage(mod, i, n, device, group=self.group)
+        self.stages = [without_p2p_to_itself(pipelining.PipelineStage(mod, i, n, device, group=self.group))
                        for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
         schedule_cls = getattr(pipelining, spec.torch_class)
         stages = self.stages[0] if spec.torch_class in ("ScheduleGPipe", "Schedule1F1B") else self.stages
