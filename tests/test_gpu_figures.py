@@ -338,3 +338,26 @@ def test_cpu_memory_is_the_resident_set_and_resets_nothing(monkeypatch):
     with open("/proc/self/statm") as f:
         rss_mib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     assert metrics["memory/max_MiB"] == pytest.approx(rss_mib, rel=0.2)
+
+
+# -- 6. the memory benchmark's --device cuda ---------------------------------------------------------------------
+def test_large_model_memory_summary_on_cuda_reads_the_device_bytes():
+    from benchmarks.large_model_memory import summarize, table
+
+    gib = 2**30
+
+    def report(rss: float, cuda_reserved: float | None, cuda_setup: float | None, cuda_peak: float | None) -> dict:
+        return {"max_rss_bytes": rss * gib, "setup_rss_bytes": 1 * gib, "peak_since_setup_bytes": rss * gib,
+                "model_bytes": 4 * gib, "materialized": {"kept_bytes": gib},
+                "cuda_max_reserved_bytes": None if cuda_reserved is None else cuda_reserved * gib,
+                "cuda_setup_allocated_bytes": None if cuda_setup is None else cuda_setup * gib,
+                "cuda_max_allocated_bytes": None if cuda_peak is None else cuda_peak * gib}
+
+    runs = {"one process": [report(6, 10, 0.5, 8.5)], "ZeRO-3, dp=4": [report(3, 4, 0.5, 2.5), report(3, 5, 0.5, 3)]}
+    cuda = summarize(runs, device="cuda")["ZeRO-3, dp=4"]
+    assert cuda["peak_bytes"] == [4 * gib, 5 * gib] and cuda["peak_ratio"] == 0.5  # reserved: 5 of 10
+    assert cuda["growth_ratio"] == 2.5 / 8  # (3 - 0.5) / (8.5 - 0.5)
+    cpu = summarize(runs)["ZeRO-3, dp=4"]  # host RSS, as before --device existed
+    assert cpu["peak_ratio"] == 0.5 and cpu["growth_ratio"] == 2 / 5
+    result = {"hidden": 8, "layers": 1, "device": "cuda", "layouts": summarize(runs, device="cuda")}
+    assert "peak CUDA memory reserved at fit start" in table(result)
