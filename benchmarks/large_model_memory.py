@@ -11,7 +11,12 @@ materialises only its share (``lightning_par.parallel.materialize``). Measured p
 * with ``--pretrained``, the same runs started from the model's ``save_pretrained`` directory (several safetensors
   shards) through ``FromPretrained``: growth / the model's fp32 bytes.
 
-    python -m benchmarks.large_model_memory [--hidden 1024 --layers 24] [--pretrained]
+With ``--device cuda`` the ranks run on GPUs (NCCL; one GPU per rank, so 4 for the 4-rank layouts) and the same
+figures are the device's, per rank from ``setup`` to fit start: ``peak`` is the most the caching allocator reserved
+(``torch.cuda.max_memory_reserved``), ``growth`` the peak allocated in tensors (``max_memory_allocated``) less what
+was allocated at ``setup``. Host RSS is still recorded. Not run on a GPU yet.
+
+    python -m benchmarks.large_model_memory [--hidden 1024 --layers 24] [--pretrained] [--device cuda]
 
 Prints a table and writes ``benchmarks/results/large_model_memory.json``. About 5 minutes on 2 cores.
 """
@@ -47,10 +52,13 @@ def model_args(hidden: int, layers: int) -> list[str]:
             f"--model.intermediate_size={int(hidden * 2.75) // 64 * 64}"]
 
 
-def measure(root: Path, cache: Path, model: list[str], layout: str, pretrained: Path | None = None) -> list[dict]:
-    """Launch ``layout``; each rank's FitStartMemory report, by rank."""
+def measure(root: Path, cache: Path, model: list[str], layout: str, pretrained: Path | None = None,
+            device: str = "cpu") -> list[dict]:
+    """Launch ``layout`` on CPU ranks or, with ``device="cuda"``, one GPU per rank; each rank's FitStartMemory
+    report, by rank."""
     devices, strategy = LAYOUTS[layout]
-    args = [*FIT_START, *model, *strategy, "--trainer.callbacks+=tests.probes.FitStartMemory",
+    accelerator = ["--trainer.accelerator=gpu"] if device == "cuda" else []  # after TINY_JOB's cpu: it wins
+    args = [*FIT_START, *accelerator, *model, *strategy, "--trainer.callbacks+=tests.probes.FitStartMemory",
             f"--trainer.callbacks.path={root / 'memory'}", "--trainer.callbacks.stop=true"]
     if pretrained is not None:
         args += ["--trainer.callbacks+=lightning_par.FromPretrained", f"--trainer.callbacks.path={pretrained}"]
@@ -73,47 +81,58 @@ def save_pretrained(out: Path, hidden: int, layers: int, shard_size: str) -> int
     return sum(p.numel() * 4 for p in lm.parameters())
 
 
-def _growth(report: dict) -> int:
+def _growth(report: dict, device: str = "cpu") -> int:
     """What the model cost a rank: its peak from ``setup`` (before ``configure_model``) to fit start, less its
-    resident size at ``setup`` (rank 0's data preparation, before, may peak higher: it is not counted)."""
+    resident size at ``setup`` (rank 0's data preparation, before, may peak higher: it is not counted); on CUDA the
+    peak bytes allocated on the device less those allocated at ``setup``."""
+    if device == "cuda":
+        return report["cuda_max_allocated_bytes"] - report["cuda_setup_allocated_bytes"]
     return report["peak_since_setup_bytes"] - report["setup_rss_bytes"]
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per layout: the worst rank's peak and growth, each over one process's."""
+def _peak(report: dict, device: str = "cpu") -> int:
+    """A rank's peak: its resident set at fit start, or on CUDA the most the allocator reserved on the device."""
+    return report["cuda_max_reserved_bytes"] if device == "cuda" else report["max_rss_bytes"]
+
+
+def summarize(runs: dict[str, list[dict]], device: str = "cpu") -> dict[str, dict]:
+    """Per layout: the worst rank's peak and growth, each over one process's (host RSS, or the GPU's bytes with
+    ``device="cuda"``)."""
     single = runs["one process"][0]
-    single_growth = _growth(single)
+    single_growth = _growth(single, device)
     out = {}
     for layout, ranks in runs.items():
-        peak = max(r["max_rss_bytes"] for r in ranks)
-        growth = max(_growth(r) for r in ranks)
-        out[layout] = {"ranks": len(ranks), "peak_bytes": [r["max_rss_bytes"] for r in ranks],
-                       "peak_ratio": peak / single["max_rss_bytes"], "growth_ratio": growth / single_growth,
+        peaks = [_peak(r, device) for r in ranks]
+        growth = max(_growth(r, device) for r in ranks)
+        out[layout] = {"ranks": len(ranks), "peak_bytes": peaks,
+                       "peak_ratio": max(peaks) / _peak(single, device), "growth_ratio": growth / single_growth,
                        "model_bytes": single["model_bytes"],
                        "materialized_bytes": max(r["materialized"].get("kept_bytes", 0) for r in ranks)}
     return out
 
 
 def run(hidden: int, layers: int, layouts: list[str], pretrained: bool = False,
-        shard_size: str = "200MB") -> dict:
+        shard_size: str = "200MB", device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = model_args(hidden, layers)
-        runs = {layout: measure(tmp / f"run{i}", tmp / "cache", model, layout) for i, layout in enumerate(layouts)}
-        result = {"hidden": hidden, "layers": layers, "layouts": summarize(runs)}
+        runs = {layout: measure(tmp / f"run{i}", tmp / "cache", model, layout, device=device)
+                for i, layout in enumerate(layouts)}
+        result = {"hidden": hidden, "layers": layers, "device": device, "layouts": summarize(runs, device)}
         if pretrained:
             fp32 = save_pretrained(tmp / "pretrained", hidden, layers, shard_size)
             result["pretrained"] = {}
             for i, layout in enumerate(layouts):
-                ranks = measure(tmp / f"pre{i}", tmp / "cache", model, layout, tmp / "pretrained")
-                growth = max(_growth(r) for r in ranks)
+                ranks = measure(tmp / f"pre{i}", tmp / "cache", model, layout, tmp / "pretrained", device)
+                growth = max(_growth(r, device) for r in ranks)
                 result["pretrained"][layout] = {"growth_bytes": growth, "growth_over_fp32": growth / fp32}
     return result
 
 
 def table(result: dict) -> str:
     n = result["layouts"]["one process"]["model_bytes"] / 4
-    lines = [f"Llama {result['hidden']} x {result['layers']} layers, {n / 1e6:.0f}M parameters, peak RSS at fit start",
+    what = "peak CUDA memory reserved" if result.get("device") == "cuda" else "peak RSS"
+    lines = [f"Llama {result['hidden']} x {result['layers']} layers, {n / 1e6:.0f}M parameters, {what} at fit start",
              "| layout | ranks | peak per rank (GiB) | peak / one process | growth / one process's | "
              "materialised (MiB) |", "|---|---|---|---|---|---|"]
     for layout, row in result["layouts"].items():
@@ -132,11 +151,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--pretrained", action="store_true", help="also start each layout from save_pretrained")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "large_model_memory.json"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one GPU per rank, the device's allocated / reserved peaks instead of host RSS")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/large_model_memory[_cuda].json")
     args = parser.parse_args()
-    result = run(args.hidden, args.layers, list(LAYOUTS), args.pretrained)
+    out = args.out or str(REPO / "benchmarks" / "results" /
+                          f"large_model_memory{'_cuda' if args.device == 'cuda' else ''}.json")
+    result = run(args.hidden, args.layers, list(LAYOUTS), args.pretrained, device=args.device)
     print(table(result))
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

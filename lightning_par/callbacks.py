@@ -40,15 +40,20 @@ class TokensPerSecond(pl.Callback):
     count for the model rebuilt on the meta device (a Hugging Face model from its config, a LightningModule from its
     saved hyperparameters) at the batches' sequence length; for a model the planner cannot describe, 6 x the whole
     model's parameters + 12 x layers x hidden x sequence for attention (said once in the log). Peak: on a GPU, the
-    planner's hardware preset for the device name (H100/H200, A100), in the precision's dtype (fp32 without TF32),
-    times the world size; on a CPU, measured once at the first log with a few square matmuls on rank 0's threads,
-    per core, times the cores the ranks of a node can use, times the nodes. No ``train/mfu`` on a GPU no preset
-    describes, unless ``peak_flops`` is given.
+    datasheet's dense peak for the device name (:data:`lightning_par.planner.hardware.GPUS`: H100 SXM/PCIe/NVL,
+    H200, A100, L40S, B200) in the precision's matmul dtype (fp32 at the TF32 peak when TF32 is on), times the world
+    size; on a CPU, measured once at the first log with a few square matmuls on rank 0's threads, per core, times the
+    cores the ranks of a node can use, times the nodes (measured anew at each launch: CPU figures of two launches
+    are not comparable). No ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one
+    warning says how).
+
+    The window is timed on the host clock after waiting for the device (``torch.cuda.synchronize`` at its two
+    edges, not in between), so queued kernels are counted in the window that launched them.
 
     Args:
         window: number of optimizer steps the rate is averaged over.
         mfu: also log ``train/mfu``.
-        peak_flops: peak FLOP/s of one device, instead of the preset or the measurement.
+        peak_flops: peak FLOP/s of one device, instead of the table's or the measurement.
         flops_per_token: the model's forward + backward FLOPs per token, instead of the planner's count.
     """
 
@@ -70,9 +75,21 @@ class TokensPerSecond(pl.Callback):
 
             self._n_params = parameter_counts(pl_module, getattr(trainer.strategy, "pipeline", None)).whole
 
+    @staticmethod
+    def _clock(trainer: pl.Trainer) -> float:
+        """The host clock once the device has finished what was queued: CUDA kernels run behind the host, so the
+        host clock alone measures launches (right only while something else, like the progress bar's ``.item()``,
+        waits for the device every step)."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if self._start is None:
-            self._start = time.perf_counter()
+        if self._start is None:  # a window's first edge
+            self._start = self._clock(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
@@ -81,7 +98,7 @@ class TokensPerSecond(pl.Callback):
         self._tokens += _count_tokens(batch) * replicas
         self._steps += 1
         if self._steps % self.window == 0 and self._start is not None:
-            elapsed = time.perf_counter() - self._start
+            elapsed = self._clock(trainer) - self._start  # the window's last edge
             rate = self._tokens / max(elapsed, 1e-9)
             if trainer.is_global_zero:
                 # to the loggers directly, at this step only (a value given to self.log from a callback would be
@@ -106,9 +123,17 @@ class TokensPerSecond(pl.Callback):
         peak = peak_flops(trainer.strategy.root_device, str(trainer.precision), trainer.world_size,
                           trainer.num_devices, trainer.num_nodes, self.peak_flops)
         if peak is None:
-            rank_zero_warn("train/mfu is not logged: no peak FLOP/s is known for "
-                           f"{trainer.strategy.root_device}; give it with --tokens_per_sec.peak_flops=FLOPS "
-                           "(of one device).")
+            device = trainer.strategy.root_device
+            if device.type == "cuda":
+                import torch
+
+                from lightning_par.planner.hardware import GPUS
+
+                known = ", ".join(spec.name for spec in GPUS.values())
+                device = f"{device} ({torch.cuda.get_device_name(device)}; the table knows {known})"
+            rank_zero_warn(f"train/mfu is not logged: no peak FLOP/s is known for {device}. Give the dense peak of "
+                           "one device in the run's matmul dtype: --tokens_per_sec.peak_flops=FLOPS on the command "
+                           "line, TokensPerSecond(peak_flops=FLOPS) in code.")
             return 0.0
         if self.flops_per_token is not None:
             flops, how = float(self.flops_per_token), "given"
@@ -213,14 +238,39 @@ class PipelineTimeline(pl.Callback):
                 add_figure("pipeline/timeline", figure, global_step=trainer.global_step)
 
 
-class MemoryPerRank(pl.Callback):
-    """Log the ranks' memory to TensorBoard every ``every`` optimizer steps: ``memory/min_MiB``, ``memory/mean_MiB``
-    and ``memory/max_MiB`` over all ranks, and ``memory/max_rank`` (the rank using most); with ``per_rank``, also
-    ``memory/rank{R}_MiB`` for each rank (one chart per rank: a few ranks, not 64).
+#: per CUDA device, the highest (allocated, reserved) peaks seen before MemoryPerRank reset them
+_RUN_PEAKS: dict[Any, tuple[int, int]] = {}
 
-    On CUDA the peak bytes allocated since the last log (``torch.cuda.max_memory_allocated``); on CPU the process's
-    resident set (RSS, from ``/proc/self/statm``), which is what a rank costs its host. Every rank measures, one
-    all-gather of one number per rank brings them to global rank 0, which logs; nothing happens between logs.
+
+def cuda_run_peak_bytes(device: Any) -> tuple[int, int]:
+    """The peak bytes allocated and reserved on a CUDA ``device`` since the process started, across the resets of
+    :class:`MemoryPerRank` (``torch.cuda.max_memory_allocated`` alone gives only the peak since the last one)."""
+    import torch
+
+    allocated, reserved = _RUN_PEAKS.get(str(device), (0, 0))
+    return (max(allocated, int(torch.cuda.max_memory_allocated(device))),
+            max(reserved, int(torch.cuda.max_memory_reserved(device))))
+
+
+class MemoryPerRank(pl.Callback):
+    """Log the ranks' memory to TensorBoard every ``every`` optimizer steps, as min, mean and max over all ranks and
+    the rank using most; with ``per_rank``, also each rank's own value (one chart per rank: a few ranks, not 64).
+
+    On CPU: the process's resident set (RSS, from ``/proc/self/statm``) at the logged step, which is what a rank
+    costs its host: ``memory/min_MiB``, ``memory/mean_MiB``, ``memory/max_MiB``, ``memory/max_rank``
+    (``memory/rank{R}_MiB``).
+
+    On CUDA: the peaks of the window, from the previous log (or the start of training) to this one, whatever ran
+    in it (validation included): torch's peaks are reset when a window starts and read when it ends, so the windows
+    tile the training and each one's peak is whole. Bytes in tensors
+    (``torch.cuda.max_memory_allocated``) as ``memory/allocated_peak_{min,mean,max}_MiB`` and
+    ``memory/allocated_peak_max_rank``, and bytes the caching allocator holds from the driver, tensors and cache
+    (``max_memory_reserved``), as ``memory/reserved_peak_...`` (``memory/rank{R}_allocated_peak_MiB``,
+    ``memory/rank{R}_reserved_peak_MiB``). Neither counts the CUDA context nor NCCL's buffers. The whole run's peak
+    survives the resets: :func:`cuda_run_peak_bytes`.
+
+    Every rank measures, one all-gather brings the numbers to global rank 0, which logs; nothing happens between
+    logs.
 
     Args:
         every: optimizer steps between two logs.
@@ -232,27 +282,42 @@ class MemoryPerRank(pl.Callback):
         self.per_rank = per_rank
 
     @staticmethod
-    def _bytes(device: Any) -> int:
+    def _bytes(device: Any) -> list[float]:
+        """This rank's numbers: [peak allocated, peak reserved] on CUDA (since the window's reset), [RSS] on CPU."""
         import os
 
         import torch
 
         if device.type == "cuda":
-            value = torch.cuda.max_memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return int(value)
+            return [float(torch.cuda.max_memory_allocated(device)), float(torch.cuda.max_memory_reserved(device))]
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return [float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))]
 
     @staticmethod
-    def metrics(values: list[float], per_rank: bool = False) -> dict[str, float]:
-        """The logged scalars for each rank's bytes ``values`` (index: global rank)."""
+    def metrics(values: list[float], per_rank: bool = False, name: str = "") -> dict[str, float]:
+        """The logged scalars for each rank's bytes ``values`` (index: global rank); ``name`` (``allocated_peak``,
+        ``reserved_peak``) goes into the tags, none for the CPU's resident size."""
         mib = [v / 2**20 for v in values]
-        out = {"memory/min_MiB": min(mib), "memory/mean_MiB": sum(mib) / len(mib), "memory/max_MiB": max(mib),
-               "memory/max_rank": float(mib.index(max(mib)))}
+        tag = f"memory/{name}_" if name else "memory/"
+        out = {f"{tag}min_MiB": min(mib), f"{tag}mean_MiB": sum(mib) / len(mib), f"{tag}max_MiB": max(mib),
+               f"{tag}max_rank": float(mib.index(max(mib)))}
         if per_rank:
-            out.update({f"memory/rank{rank}_MiB": value for rank, value in enumerate(mib)})
+            suffix = f"_{name}" if name else ""
+            out.update({f"memory/rank{rank}{suffix}_MiB": value for rank, value in enumerate(mib)})
         return out
+
+    @staticmethod
+    def _start_window(device: Any) -> None:
+        """Reset torch's CUDA peaks (keeping the run's, for :func:`cuda_run_peak_bytes`); nothing on CPU."""
+        if device.type != "cuda":
+            return
+        import torch
+
+        _RUN_PEAKS[str(device)] = cuda_run_peak_bytes(device)  # what the reset would lose
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_window(trainer.strategy.root_device)  # the first window: not setup's or the model's build
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -262,14 +327,19 @@ class MemoryPerRank(pl.Callback):
         import torch.distributed as dist
 
         device = trainer.strategy.root_device
-        mine = torch.tensor([float(self._bytes(device))], dtype=torch.float64,
-                            device=device if device.type == "cuda" else "cpu")
+        mine = torch.tensor(self._bytes(device), dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        self._start_window(device)  # the next window starts where this one ends
         values = [mine]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             values = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(values, mine)
         if trainer.is_global_zero:
-            metrics = self.metrics([v.item() for v in values], self.per_rank)
+            ranks = [v.tolist() for v in values]
+            if device.type == "cuda":
+                metrics = {**self.metrics([r[0] for r in ranks], self.per_rank, "allocated_peak"),
+                           **self.metrics([r[1] for r in ranks], self.per_rank, "reserved_peak")}
+            else:
+                metrics = self.metrics([r[0] for r in ranks], self.per_rank)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -5,8 +5,8 @@
   every matmul and attention op counted), else ``6 x parameters + 12 x layers x hidden x sequence`` (the usual
   estimate: a multiply-add per parameter forward, two backward, plus the attention scores and their product with
   the values). "Model FLOPs": recompute is not counted, and attention counts the full score matrix.
-- :func:`peak_flops`: FLOP/s of all devices of the job, from the planner's hardware presets
-  (:mod:`lightning_par.planner.hardware`) on a GPU it knows, measured on a CPU.
+- :func:`peak_flops`: FLOP/s of all devices of the job: on a GPU the datasheet's dense peak for its name and dtype
+  (:data:`lightning_par.planner.hardware.GPUS`; fp32 at the TF32 peak when TF32 is on), measured on a CPU.
 - :func:`parameter_counts`: the whole model's parameter count and this rank's share, on any layout.
 """
 
@@ -136,21 +136,50 @@ class Peak:
 
 
 def gpu_preset(device_name: str) -> str | None:
-    """The planner's hardware preset for a CUDA device name, or None."""
-    name = device_name.upper()
-    if "H100" in name or "H200" in name:  # an H200 is an H100 with more memory: the same peak FLOP/s
-        return "h100-sxm"
-    if "A100" in name:
-        return "a100"
-    return None
+    """The planner's hardware preset for a CUDA device name (the nearest one, see
+    :data:`lightning_par.planner.hardware.GPUS`), or None for a device the table does not hold."""
+    from lightning_par.planner.hardware import detect_gpu
+
+    spec = detect_gpu(device_name)
+    return None if spec is None else spec.preset
+
+
+def tf32_matmuls() -> bool:
+    """Whether float32 matmuls on CUDA run on TF32 tensor cores: ``torch.set_float32_matmul_precision("high")`` or
+    ``"medium"`` (Lightning suggests it), ``torch.backends.cuda.matmul.allow_tf32``, or the newer
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"``."""
+    matmul = torch.backends.cuda.matmul
+    # torch raises on reading one API's setting after the other API set it ("a mix of the legacy and new APIs"):
+    # each reading is tried on its own, and any that says TF32 counts
+    readings = (lambda: getattr(matmul, "fp32_precision", None) == "tf32",
+                lambda: torch.get_float32_matmul_precision() in ("high", "medium"),
+                lambda: bool(matmul.allow_tf32))
+    for reading in readings:
+        try:
+            if reading():
+                return True
+        except RuntimeError:
+            continue
+    return False
+
+
+def matmul_peak_key(dtype: torch.dtype) -> str:
+    """The :data:`~lightning_par.planner.hardware.GPUS` peak that matmuls in ``dtype`` run at on CUDA now."""
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    return "tf32" if tf32_matmuls() else "fp32"
 
 
 def peak_flops(device: torch.device, precision: str, world_size: int, local_ranks: int, num_nodes: int,
                per_device: float | None = None) -> Peak | None:
     """Peak FLOP/s of the job's devices for matmuls in the precision's dtype.
 
-    ``per_device`` given: that times ``world_size``. A GPU: the planner's preset for its name (H100/H200, A100;
-    fp32 without TF32) times ``world_size``; None for a GPU no preset describes. A CPU: measured once here with
+    ``per_device`` given: that times ``world_size``. A GPU: its dense peak from
+    :data:`lightning_par.planner.hardware.GPUS`, looked up by ``torch.cuda.get_device_name``, for bf16 or fp16, and
+    for fp32 the TF32 peak when TF32 is on (:func:`tf32_matmuls`, read now), else the plain fp32 one, times
+    ``world_size``; None for a GPU the table does not hold. A CPU: measured once here with
     :func:`measure_matmul_flops` on this rank's threads, divided by the thread count (the rate of one core),
     times the cores the job's ranks can use on a node (``min(cores, local_ranks x threads)``) times ``num_nodes``.
     """
@@ -158,16 +187,17 @@ def peak_flops(device: torch.device, precision: str, world_size: int, local_rank
         return Peak(per_device * world_size, f"{per_device:.3g} FLOP/s per device given x {world_size}")
     dtype = compute_dtype(precision)
     if device.type == "cuda":
-        from lightning_par.planner.hardware import PRESETS
+        from lightning_par.planner.hardware import detect_gpu
 
         device_name = torch.cuda.get_device_name(device)
-        preset = gpu_preset(device_name)
-        key = "fp32" if dtype == torch.float32 else "bf16"
-        if preset is None or key not in PRESETS[preset].peak_flops:
+        spec = detect_gpu(device_name)
+        if spec is None:
             return None
-        each = PRESETS[preset].peak_flops[key]
-        return Peak(each * world_size, f"{device_name}: {each / 1e12:.0f} TFLOP/s {key} (preset {preset}) x "
-                                       f"{world_size}")
+        key = matmul_peak_key(dtype)
+        each = spec.peak_flops[key]
+        why = {"tf32": ", fp32 matmuls with TF32 on", "fp32": ", TF32 off"}.get(key, "")
+        return Peak(each * world_size, f"{device_name} ({spec.name}): {each / 1e12:.4g} TFLOP/s dense {key}{why}, "
+                                       f"NVIDIA's datasheet x {world_size}")
     if device.type != "cpu":
         return None
     threads = torch.get_num_threads()

@@ -188,7 +188,12 @@ class StateReport(pl.Callback):
         # ru_maxrss is in KiB on Linux
         self.report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         device = trainer.strategy.root_device
-        self.report["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if device.type == "cuda":  # the whole run's peak: MemoryPerRank resets torch's at each of its windows
+            from lightning_par.callbacks import cuda_run_peak_bytes
+
+            self.report["peak_cuda_bytes"] = cuda_run_peak_bytes(device)[0]
+        else:
+            self.report["peak_cuda_bytes"] = None
         self._write(trainer)
 
     def _write(self, trainer) -> None:
@@ -207,12 +212,15 @@ class FitStartMemory(pl.Callback):
     (``max_rss_bytes``), its resident size when ``setup`` runs, before ``configure_model`` (``setup_rss_bytes``), its
     peak from then to fit start (``peak_since_setup_bytes``), the
     parameters it holds (``local_parameters``, a DTensor's local shard) and the whole model's parameter bytes
-    (``model_bytes``, the full tensors it holds a piece of)."""
+    (``model_bytes``, the full tensors it holds a piece of). On CUDA also the device's bytes allocated at ``setup``
+    (``cuda_setup_allocated_bytes``) and the peaks allocated and reserved from then to fit start
+    (``cuda_max_allocated_bytes``, ``cuda_max_reserved_bytes``; None on CPU)."""
 
     def __init__(self, path: str, stop: bool = False) -> None:
         self.path = Path(path)
         self.stop = stop  # end the fit there (memory benchmarks: no step is needed)
         self.setup_rss = 0
+        self.setup_cuda: int | None = None
 
     def setup(self, trainer, pl_module, stage) -> None:
         try:  # a library's import is not the model's memory: the example HF module imports it in configure_model
@@ -224,6 +232,10 @@ class FitStartMemory(pl.Callback):
         # the peak from here on: rank 0's data preparation (before setup) may have peaked higher than anything after
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # resets VmHWM to the current resident size
+        device = trainer.strategy.root_device
+        if device.type == "cuda":  # the same on the device: its peaks from here on
+            self.setup_cuda = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         from torch.distributed.tensor import DTensor
@@ -232,10 +244,15 @@ class FitStartMemory(pl.Callback):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         params = list({id(p): p for p in pl_module.parameters()}.values())
         local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        device = trainer.strategy.root_device
+        cuda = device.type == "cuda"
         (self.path / f"fit_start_rank{trainer.global_rank}.json").write_text(json.dumps({
             "max_rss_bytes": peak, "setup_rss_bytes": self.setup_rss, "peak_since_setup_bytes": _peak_since_reset(),
             "local_parameters": sum(t.numel() for t in local if not t.is_meta),
             "model_bytes": sum(p.numel() * p.element_size() for p in params),
-            "materialized": getattr(trainer.strategy, "materialized", {})}))
+            "materialized": getattr(trainer.strategy, "materialized", {}),
+            "cuda_setup_allocated_bytes": self.setup_cuda,
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None}))
         if self.stop:
             trainer.should_stop = True

@@ -25,14 +25,20 @@ A device is described by a handful of numbers, used by :mod:`lightning_par.plann
 - ``memory_gib`` and ``reserved_gib``: device memory, and what the runtime takes before any tensor (CUDA context,
   NCCL buffers, allocator fragmentation).
 
-Presets: ``h100-sxm``, ``a100`` (80 GB SXM, as in Megatron's Selene runs) and ``cpu`` (this 2-core CPU with gloo,
-measured); or a JSON / YAML file with the same fields (``--hardware FILE``), missing fields taken from ``base``.
+Presets: ``h100-sxm``, ``h200``, ``a100`` (80 GB SXM, as in Megatron's Selene runs) and ``cpu`` (this 2-core CPU
+with gloo, measured); or a JSON / YAML file with the same fields (``--hardware FILE``), missing fields taken from
+``base``.
+
+:data:`GPUS` is the table of CUDA devices by name (:func:`detect_gpu`): their dense peak FLOP/s per dtype, which
+``train/mfu`` divides by, and the preset ``strategy="planned"`` plans with (the nearest one, with a note, where no
+preset describes the device).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -122,6 +128,22 @@ PRESETS: dict[str, Hardware] = {
         reserved_gib=3.0,
         notes="H100 SXM5 80 GB, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
     ),
+    "h200": Hardware(
+        name="h200",
+        # the H100 SXM's GH100 with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet): the same compute and NVLink
+        peak_flops={"bf16": 989e12, "fp32": 67e12},
+        matmul_efficiency=0.58,
+        matmul_table=GEMM_TABLE_TRAINING,
+        memory_bandwidth=4.8e12 * 0.8,
+        op_overhead_s=4e-6,
+        intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways), as h100-sxm
+        inter_node_bandwidth=40e9,
+        latency_s=1.5e-5,
+        devices_per_node=8,
+        memory_gib=140.4,  # what CUDA reports for the "141 GB" (143,771 MiB), as 79.6 for the H100's "80 GB"
+        reserved_gib=3.0,
+        notes="H200 SXM 141 GB HBM3e, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
+    ),
     "a100": Hardware(
         name="a100",
         peak_flops={"bf16": 312e12, "fp32": 19.5e12},
@@ -206,3 +228,71 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
     if "peak_flops" in data:
         data["peak_flops"] = {**base.peak_flops, **{k: float(v) for k, v in data["peak_flops"].items()}}
     return replace(base, **data)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA devices by name
+# ----------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuSpec:
+    """One CUDA device model: its dense peak FLOP/s by matmul dtype (``bf16``, ``fp16``, ``tf32``: fp32 matmuls on
+    TF32 tensor cores, ``fp32``: without them), the preset the planner uses for it, and what that preset gets wrong
+    for it (``preset_note``, empty where the preset is this device)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    preset: str
+    preset_note: str = ""
+
+
+# Dense peaks (without 2:4 sparsity: NVIDIA's tables print the sparse figure, twice the dense one, marked "*") from
+# NVIDIA's datasheets at the boost clock: H100 (SXM5, PCIe, NVL), H200 (SXM, NVL), A100 (40/80 GB, SXM4 and PCIe: the
+# same peaks), L40S, and HGX B200 (per GPU, at 1000 W). fp32 is the CUDA cores' rate, what PyTorch's default float32
+# matmul precision ("highest") gets; tf32 where TF32 is on. None of these was measured here.
+_HOPPER_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}
+_HOPPER_NVL = {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}
+_AMPERE_A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
+_NEAREST = "the plan's step times and the choice between layouts are only as good as that nearest preset"
+GPUS: dict[str, GpuSpec] = {
+    "h100-sxm": GpuSpec("H100 SXM", _HOPPER_SXM, "h100-sxm"),
+    "h100-pcie": GpuSpec("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}, "h100-sxm",
+                         "an H100 PCIe has 76% of the SXM's peak, 2.0 TB/s instead of 3.35 and no NVSwitch; "
+                         + _NEAREST),
+    "h100-nvl": GpuSpec("H100 NVL", _HOPPER_NVL, "h100-sxm",
+                        "an H100 NVL has 84% of the SXM's peak, 94 GB at 3.9 TB/s and NVLink bridges between pairs "
+                        "only; " + _NEAREST),
+    "h200": GpuSpec("H200 SXM", _HOPPER_SXM, "h200"),
+    "h200-nvl": GpuSpec("H200 NVL", _HOPPER_NVL, "h200",
+                        "an H200 NVL has 84% of the SXM's peak and NVLink bridges instead of NVSwitch; " + _NEAREST),
+    "a100-sxm": GpuSpec("A100 SXM4", _AMPERE_A100, "a100"),
+    "a100-pcie": GpuSpec("A100 PCIe", _AMPERE_A100, "a100",
+                         "the a100 preset is an SXM4 80 GB on NVSwitch; a PCIe card has no NVSwitch and less memory "
+                         "bandwidth; " + _NEAREST),
+    "l40s": GpuSpec("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}, "a100",
+                    "an L40S has 48 GB of GDDR6 at 0.86 TB/s, PCIe only, and 1.16x the A100's bf16 peak; " + _NEAREST),
+    "b200": GpuSpec("B200", {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 75e12}, "h200",
+                    "a B200 has 2.3x the H200's bf16 peak, 8 TB/s and NVLink 5 (1.8 TB/s): the plan's step times are "
+                    "pessimistic and " + _NEAREST),
+}
+
+
+def detect_gpu(device_name: str) -> GpuSpec | None:
+    """The :data:`GPUS` entry for a CUDA device name (``torch.cuda.get_device_name``), or None for a device the table
+    does not hold. Names are matched on whole words: "NVIDIA H100 80GB HBM3" is the SXM (CUDA names it without the
+    form factor), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"; an L40 or
+    a GB200 is not an L40S or a B200."""
+    words = set(re.split(r"[^A-Z0-9]+", device_name.upper()))
+    if "B200" in words:
+        return GPUS["b200"]
+    if "L40S" in words:
+        return GPUS["l40s"]
+    for chip in ("h100", "h200"):
+        if chip.upper() in words:
+            if "NVL" in words:
+                return GPUS[f"{chip}-nvl"]
+            if "PCIE" in words and chip == "h100":
+                return GPUS["h100-pcie"]
+            return GPUS["h100-sxm" if chip == "h100" else "h200"]
+    if "A100" in words:
+        return GPUS["a100-pcie" if "PCIE" in words else "a100-sxm"]
+    return None

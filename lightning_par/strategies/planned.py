@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.strategies.engine import LayoutStrategy
@@ -138,13 +138,34 @@ def device_memory_gib(device: torch.device, local: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / max(local, 1)
 
 
+def default_hardware(device: torch.device) -> str:
+    """The planner's preset for this rank's device: ``cpu`` on a CPU; on CUDA the preset for the device's name
+    (:func:`lightning_par.planner.hardware.detect_gpu`), the nearest one with a warning that says what it gets wrong,
+    and ``h100-sxm`` with a warning for a GPU the table does not hold."""
+    if device.type != "cuda":
+        return "cpu"
+    from lightning_par.planner.hardware import detect_gpu
+
+    name = torch.cuda.get_device_name(device)
+    spec = detect_gpu(name)
+    how = "give the hardware with --trainer.strategy.hardware=PRESET_OR_FILE (PlannedStrategy(hardware=...))"
+    if spec is None:
+        rank_zero_warn(f"strategy='planned': no hardware preset describes {name}; planning with h100-sxm's speeds. "
+                       f"The chosen layout may not be the fastest here: {how}.")
+        return "h100-sxm"
+    if spec.preset_note:
+        rank_zero_warn(f"strategy='planned': {name} ({spec.name}) is planned with the nearest preset, "
+                       f"{spec.preset}: {spec.preset_note}. To plan with its own figures, {how}.")
+    return spec.preset
+
+
 class PlannedStrategy(LayoutStrategy):
     """The layout the planner predicts fastest among those that fit, chosen at launch (see the module docstring).
 
     Args:
         gpu_memory: memory per rank in GiB to plan for (default: measured at launch).
-        hardware: the planner's hardware preset or file for compute and link speeds (default: ``cpu`` on CPU,
-            ``h100-sxm`` on CUDA).
+        hardware: the planner's hardware preset or file for compute and link speeds (default: ``cpu`` on CPU, on
+            CUDA the preset for the detected GPU, see :func:`default_hardware`).
         zero_stages: the ZeRO stages to consider.
         schedules: the pipeline schedules to consider (default: all).
         recompute: the activation recompute kinds to consider (default: all).
@@ -246,7 +267,7 @@ class PlannedStrategy(LayoutStrategy):
                               "this run has no datamodule with an integer batch_size.")
         opts = self.plan_options
         seq = opts["seq_len"] or getattr(data, "seq_len", None) or _default_seq(inspect_model(meta))
-        hardware = opts["hardware"] or ("h100-sxm" if self.root_device.type == "cuda" else "cpu")
+        hardware = opts["hardware"] or default_hardware(self.root_device)
         return plan_layouts(meta, budget, batch, int(seq), self.precision_plugin.precision,
                             accumulate=int(trainer.accumulate_grad_batches or 1), hardware=hardware,
                             optimizer=opts["optimizer"], zero_stages=opts["zero_stages"],

@@ -17,6 +17,13 @@ within a millisecond or so of each other (a few ms on a loaded machine). :attr:`
 raw ``time.perf_counter`` value of that zero: on one host it is a clock shared by all ranks, and
 :func:`gather_records` can use it to align the ranks exactly.
 
+On CUDA the methods only queue kernels, so the host clock around them would time the launches. There each action
+gets a pair of CUDA events (``enable_timing``) recorded on the current stream before and after it, and one more
+event marks the zero; the times are resolved when :attr:`ScheduleRecorder.records` is first read, after one
+``torch.cuda.synchronize``, as ``elapsed_time`` from the zero event. The zero event is recorded when the host
+leaves the barrier, so across ranks the alignment by ``origin`` holds as far as each device was idle then. On CPU
+the host clock (``time.perf_counter``) is the compute's own.
+
 Then:
 
 - :func:`gather_records` collects every rank's records (``all_gather_object``);
@@ -39,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 KINDS = ("F", "B", "W")
@@ -80,20 +88,39 @@ class ScheduleRecorder:
     On entry the stages' methods are wrapped and, if ``torch.distributed`` is initialized, the ranks meet at a
     barrier over the stages' process group; the zero of the clock is taken right after it. On exit the original
     methods are restored. Entering again starts a new recording (the records of the previous one are dropped).
+    ``device``: where the stages compute (default: the first stage's ``device``); CUDA actions are timed with CUDA
+    events (see the module docstring).
     """
 
-    def __init__(self, stages: Sequence[Any], barrier: bool = True):
+    def __init__(self, stages: Sequence[Any], barrier: bool = True, device: Any = None):
         if not stages:
             raise ValueError("ScheduleRecorder needs at least one pipeline stage")
         self.stages = list(stages)
         self.barrier = barrier
         self.rank = getattr(self.stages[0], "group_rank", 0)
-        self.records: list[ComputeRecord] = []
+        self.device = torch.device(device if device is not None else getattr(self.stages[0], "device", "cpu"))
+        self.cuda = self.device.type == "cuda"
+        self._records: list[ComputeRecord] = []
+        # CUDA: (record with start = end = 0, start event, end event), resolved when the records are read
+        self._pending: list[tuple[ComputeRecord, Any, Any]] = []
+        self._zero_event: Any = None
         self.origin = 0.0  # raw time.perf_counter() of the zero of this rank's clock
         self._saved: list[tuple[Any, str, Any]] = []
 
+    @property
+    def records(self) -> list[ComputeRecord]:
+        """The actions recorded, times in seconds from this rank's zero (on CUDA: the devices' times, resolved at
+        the first read after the step, which waits for the device once)."""
+        if self._pending:
+            torch.cuda.synchronize(self.device)
+            zero = self._zero_event
+            self._records += [replace(r, start=zero.elapsed_time(start) / 1e3, end=zero.elapsed_time(end) / 1e3)
+                              for r, start, end in self._pending]
+            self._pending = []
+        return self._records
+
     def __enter__(self) -> ScheduleRecorder:
-        self.records = []
+        self._records, self._pending = [], []
         for stage in self.stages:
             for name, kind in _METHODS.items():
                 self._saved.append((stage, name, stage.__dict__.get(name)))
@@ -105,6 +132,9 @@ class ScheduleRecorder:
             self.__exit__()
             raise
         self.origin = time.perf_counter()
+        if self.cuda:
+            self._zero_event = torch.cuda.Event(enable_timing=True)
+            self._zero_event.record()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -125,13 +155,22 @@ class ScheduleRecorder:
             call = signature.bind(*args, **kwargs)
             microbatch = next(iter(call.arguments.values()))  # the chunk id comes first in all three methods
             full = kind != "B" or bool(call.arguments.get("full_backward", True))
+            if self.cuda:  # the kernels this call queues, between two events on the stream
+                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_event.record()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    end_event.record()
+                    record = ComputeRecord(self.rank, kind, stage.stage_index, int(microbatch), 0.0, 0.0, full)
+                    self._pending.append((record, start_event, end_event))
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 end = time.perf_counter()
-                self.records.append(ComputeRecord(self.rank, kind, stage.stage_index, int(microbatch),
-                                                  start - self.origin, end - self.origin, full))
+                self._records.append(ComputeRecord(self.rank, kind, stage.stage_index, int(microbatch),
+                                                   start - self.origin, end - self.origin, full))
 
         return recorded
 
