@@ -681,8 +681,16 @@ def _measured_steps(args) -> dict[str, tuple[int, str, float]]:
 # The runner: each stage a child process, one JSON line each
 # ----------------------------------------------------------------------------------------------------------------------
 def _last_line(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip()
-    return text.splitlines()[-1][:500] if text else type(err).__name__
+    """The error's last line; an error raised while handling another (Lightning's teardown after a failed fit)
+    names the first one, which is the cause."""
+    def line(e: BaseException) -> str:
+        text = f"{type(e).__name__}: {e}".strip()
+        return text.splitlines()[-1][:300]
+
+    first = err
+    while first.__context__ is not None and first.__context__ is not first:
+        first = first.__context__
+    return line(err) if first is err else f"{line(first)} (then {line(err)})"
 
 
 def child(args) -> None:
