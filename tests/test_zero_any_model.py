@@ -102,7 +102,8 @@ def test_zero2_frees_each_buckets_full_gradient_once_reduced(launches):
         assert chunks < variant["peak_bytes"] <= chunks + most
         assert abs(variant["peak_bytes"] / (chunks + bucket) - 1) <= 0.10
         assert variant["after_sync_bytes"] == chunks
-    assert stage2["peak_bytes"] < 0.4 * stage1["peak_bytes"]
+    # stage 2 holds about 1/N of stage 1's gradient memory (N = 2: 1/2, plus a bucket or two)
+    assert stage2["peak_bytes"] < (1 / n + 0.1) * stage1["peak_bytes"]
 
 
 # -- in this process, on one rank -----------------------------------------------------------------------------------
