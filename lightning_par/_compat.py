@@ -193,6 +193,10 @@ unflatten_dense_tensors = private("torch", "torch._utils", "_unflatten_dense_ten
 TorchCompileInductorWrapper = private("torch", "torch", "_TorchCompileInductorWrapper")
 TorchCompileWrapper = private("torch", "torch", "_TorchCompileWrapper")
 functorch_config = private("torch", "torch._functorch", "config")
+# the global gradient norm and its clipping (parallel/grad_norm.py): one kernel per list of same-device, same-dtype
+# gradients instead of several per gradient, as torch.nn.utils.clip_grad_norm_ does; torch has no public form
+foreach_norm = private("torch", "torch", "_foreach_norm")
+foreach_mul_ = private("torch", "torch", "_foreach_mul_")
 # every dropout module's base class (parallel/rng.py finds dropout regions by it); torch exports no public base
 DropoutNd = private("torch", "torch.nn.modules.dropout", "_DropoutNd")
 

@@ -92,8 +92,9 @@ def test_zero2_frees_each_buckets_full_gradient_once_reduced(launches):
                   f"{variant['after_sync_bytes']}; 4Psi = {full}, 4Psi/N = {chunks}, largest bucket {bucket}; "
                   f"shard gradients vs the averaged full gradient: max abs error {variant['max_abs_error']:.1e}")
             assert variant["max_abs_error"] <= 1e-6
-    # stage 1 keeps every bucket's full gradient, and their reduce-scatter outputs until the step
-    assert abs(stage1["peak_bytes"] / (full + chunks) - 1) <= 0.01
+    # stage 1 keeps every bucket's full gradient, plus the reduce-scatter outputs of at most two buckets in flight
+    # (each bucket is completed when the next one launches; all of them were kept until the step before)
+    assert full < stage1["peak_bytes"] <= full + report["largest_param_bytes"] + 2 * bucket // n
     assert stage1["after_sync_bytes"] == full
     # stage 2: about 4 Psi / N + one bucket -- at most the bucket being reduced and the one backward fills
     # (overlap); at most one without overlap
@@ -101,7 +102,8 @@ def test_zero2_frees_each_buckets_full_gradient_once_reduced(launches):
         assert chunks < variant["peak_bytes"] <= chunks + most
         assert abs(variant["peak_bytes"] / (chunks + bucket) - 1) <= 0.10
         assert variant["after_sync_bytes"] == chunks
-    assert stage2["peak_bytes"] < 0.4 * stage1["peak_bytes"]
+    # stage 2 holds about 1/N of stage 1's gradient memory (N = 2: 1/2, plus a bucket or two)
+    assert stage2["peak_bytes"] < (1 / n + 0.1) * stage1["peak_bytes"]
 
 
 # -- in this process, on one rank -----------------------------------------------------------------------------------

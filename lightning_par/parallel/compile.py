@@ -51,6 +51,13 @@ COMPILE_MODES: tuple[str | None, ...] = (None, "default", "reduce-overhead", "ma
                                          "max-autotune-no-cudagraphs")
 
 
+#: why a block compiled into CUDA graphs is refused (CompileOptions)
+CUDA_GRAPHS_WHY = ("a graph replays fixed memory addresses: FSDP2 gathers each block's parameters into new buffers "
+                   "every step, tensor parallel hands blocks AsyncCollectiveTensors whose collectives are still in "
+                   "flight, and pipeline stages run a block on several micro-batches in a schedule's order, so the "
+                   "graphs would be re-recorded each step or replay stale inputs")
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """What ``torch.compile`` is given for each block (see :func:`torch.compile` for each option).
@@ -59,8 +66,9 @@ class CompileOptions:
         backend: a registered backend name (``torch.compiler.list_backends()``): ``"inductor"`` (default; on CPU it
             compiles C++ with the system compiler), ``"aot_eager"`` (traces forward and backward, runs them
             eagerly: a quick check that a block compiles), ``"eager"``, ``"cudagraphs"``, ...
-        mode: ``None``/``"default"``, ``"reduce-overhead"`` (CUDA graphs), ``"max-autotune"`` or
-            ``"max-autotune-no-cudagraphs"`` (inductor only).
+        mode: ``None``/``"default"``, ``"max-autotune"`` (CPU only: on CUDA it records CUDA graphs) or
+            ``"max-autotune-no-cudagraphs"`` (inductor only). ``"reduce-overhead"`` (CUDA graphs) is refused, see
+            :data:`CUDA_GRAPHS_WHY`.
         fullgraph: refuse graph breaks inside a block (an error names the Python that broke it).
         dynamic: ``False`` (default): one graph per input shape, so same-shaped micro-batches compile once;
             ``None``: torch's automatic dynamic shapes (a second shape compiles a shape-generic graph);
@@ -99,6 +107,21 @@ class CompileOptions:
             raise LayoutError(f"compile options={self.options!r} must be a dict of inductor options.")
         if self.options and self.mode not in (None, "default"):
             raise LayoutError("compile: give `mode` or `options`, not both (torch.compile takes one of them).")
+        graphs = ("mode='reduce-overhead'" if self.mode == "reduce-overhead"
+                  else "backend='cudagraphs'" if self.backend == "cudagraphs"
+                  else "options={'triton.cudagraphs': True}" if (self.options or {}).get("triton.cudagraphs")
+                  else None)
+        if graphs is not None:
+            raise LayoutError(f"compile {graphs} records CUDA graphs, which lightning-par does not support (untested, "
+                              f"and {CUDA_GRAPHS_WHY}). Use mode='default' or 'max-autotune-no-cudagraphs'.")
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse what cannot run on ``device`` (at setup, once the device is known): on CUDA, inductor's
+        ``max-autotune`` mode also records CUDA graphs."""
+        if device.type == "cuda" and self.mode == "max-autotune":
+            raise LayoutError(f"compile mode='max-autotune' records CUDA graphs on CUDA, which lightning-par does not "
+                              f"support (untested, and {CUDA_GRAPHS_WHY}). Use mode='max-autotune-no-cudagraphs' "
+                              "(the same autotuning without CUDA graphs) or 'default'.")
 
     @classmethod
     def of(cls, value: bool | dict[str, Any] | CompileOptions | None) -> CompileOptions | None:

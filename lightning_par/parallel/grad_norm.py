@@ -21,6 +21,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import foreach_mul_, foreach_norm
+
 
 def _split_dims(grad: DTensor) -> tuple[int, ...]:
     """Mesh dimensions the gradient is split over (``Shard``, and FSDP2's ``_StridedShard`` on a tp shard)."""
@@ -29,16 +31,37 @@ def _split_dims(grad: DTensor) -> tuple[int, ...]:
     return tuple(i for i, placement in enumerate(grad.placements) if not placement.is_replicate())
 
 
+def _by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
+
+
+def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The fp32 sum of squares of all elements of ``tensors``, on ``device``: one norm kernel per device and dtype
+    (``_foreach_norm``, as ``clip_grad_norm_`` does), each part moved to ``device`` -- a partial sum of gradients
+    offloaded to the host joins the others (and the all-reduce, which NCCL takes for CUDA tensors only) there."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, dtype), group in _by_device_and_dtype(tensors).items():
+        # fp32 accumulation for narrower dtypes; _foreach_norm refuses to narrow fp64, whose norms are cast after
+        wide = dtype.is_floating_point and torch.finfo(dtype).bits >= 32
+        norms = foreach_norm(group, 2.0) if wide else foreach_norm(group, 2.0, dtype=torch.float32)
+        total = total + torch.stack(norms).float().square().sum().to(device)
+    return total
+
+
 def global_grad_norm(grads: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None,
                      device: torch.device | None = None) -> Tensor:
     """The 2-norm (fp32, on ``device``) of all ``grads`` of every rank, as one process would compute it.
 
     ``grads``: this rank's gradients, each counted here (leave out the copies another pipeline rank counts).
     ``pp_group``: the pipeline group whose ranks hold different stages (None without pipeline parallel).
-    Every rank of a data- or tensor-parallel group must pass gradients of the same kinds (they hold the same
-    stage), so their reductions match.
+    ``device``: where the partial sums are reduced and the result lives (the rank's root device; default: the
+    first gradient's). Every rank of a data- or tensor-parallel group must pass gradients of the same kinds (they
+    hold the same stage), so their reductions match.
     """
-    sums: dict[tuple, Tensor] = {}
+    locals_: dict[tuple, list[Tensor]] = {}
     meshes: dict[tuple, DeviceMesh] = {}
     for grad in grads:
         if isinstance(grad, DTensor):
@@ -48,12 +71,11 @@ def global_grad_norm(grads: Iterable[Tensor], pp_group: dist.ProcessGroup | None
             local = grad.to_local()
         else:
             key, local = ("plain",), grad
-        square = local.detach().float().pow(2).sum()
-        device = device or square.device
-        sums[key] = sums[key] + square if key in sums else square
+        device = device or local.device
+        locals_.setdefault(key, []).append(local.detach())
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for key in sorted(sums, key=str):  # the same order on every rank of a group
-        part = sums[key]
+    for key in sorted(locals_, key=str):  # the same order on every rank of a group
+        part = _sum_of_squares(locals_[key], total.device)
         if key != ("plain",):
             mesh = meshes[key]
             for dim in key[2]:
@@ -66,8 +88,11 @@ def global_grad_norm(grads: Iterable[Tensor], pp_group: dist.ProcessGroup | None
 
 @torch.no_grad()
 def clip_grads_(grads: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
-    """Scale ``grads`` in place so that the global norm is at most ``max_norm`` (as ``clip_grad_norm_`` does)."""
-    coef = float(max_norm) / (float(total_norm) + 1e-6)
-    if coef < 1.0:
-        for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef)
+    """Scale ``grads`` in place so that the global norm is at most ``max_norm`` (as ``clip_grad_norm_`` does).
+
+    The coefficient stays a tensor on ``total_norm``'s device and every gradient is multiplied by it, 1 where no
+    clipping is needed: deciding on the host would wait for the device at every clipped step."""
+    coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+    tensors = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    for (device, _), group in _by_device_and_dtype(tensors).items():
+        foreach_mul_(group, coef.to(device))

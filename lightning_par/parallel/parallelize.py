@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.recompute import apply_recompute
-from lightning_par.parallel.rng import has_dropout
+from lightning_par.parallel.rng import dropout_at, has_dropout
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
 
 
@@ -102,11 +102,14 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     plan = None
     if config.tp_mesh.size() > 1:
         # before data-parallel sharding: FSDP2 and the ZeRO partitioner then see DTensor parameters
-        # compiled blocks: the dropout regions' generator swaps inside each block are graph breaks (rng.py); left out
-        # where they change nothing (sequence parallelism swaps once, around the whole forward, outside the blocks)
+        # the dropout regions' generator swaps (rng.py) change nothing without dropout: each costs a state read and
+        # write, a hash and a new generator per column-parallel output and forward (on CUDA, device state round
+        # trips), and inside compiled blocks a graph break. They are installed only in blocks with dropout;
+        # sequence parallelism swaps once, around the whole forward. The tracker itself (its common default
+        # generator, its region() for hand-written dropout) is kept in eager mode.
         rng = config.compile is None or config.sequence_parallel or has_dropout(parts.root)
         plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
-                                     stage=parts.pipelined)
+                                     stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root))
     apply_recompute(parts.blocks, config.recompute)
     if config.compile is not None:
         for block in parts.blocks:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -150,13 +150,16 @@ class TensorParallelRNG:
             if opened:
                 self.exit()
 
-    def install(self, model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> list[Any]:
+    def install(self, model: nn.Module, plan: dict[str, str], sequence_parallel: bool,
+                where: Callable[[nn.Module], bool] | None = None) -> list[Any]:
         """Open and close the regions with forward hooks on ``model``'s modules; returns the hook handles.
 
         ``plan`` is the resolved plan relative to ``model``. Without sequence parallelism a region opens at each
         ``colwise`` module's output (sharded, local) and closes at each ``rowwise`` module's input; with it, the
         whole forward of ``model`` is one region. ``model``'s own forward closes a region left open (a colwise
         output that never reaches a row-parallel linear, or an exception) and counts the forwards.
+        ``where``: opens a region only at the colwise modules it accepts (default: all), e.g. those of blocks with
+        dropout (:func:`dropout_at`): a region costs a generator swap and a hash at every forward of the module.
         """
 
         def start(*_: Any) -> None:
@@ -171,7 +174,7 @@ class TensorParallelRNG:
         handles = [model.register_forward_pre_hook(start)]
         if not sequence_parallel:
             for name, style in plan.items():
-                if style == "colwise":
+                if style == "colwise" and (where is None or where(model.get_submodule(name))):
                     handles.append(model.get_submodule(name).register_forward_hook(
                         lambda *_, name=name: self.enter(name)))
                 elif style == "rowwise":
@@ -181,19 +184,38 @@ class TensorParallelRNG:
 
 
 def has_dropout(module: nn.Module) -> bool:
-    """Whether ``module`` declares dropout: a dropout module with ``p > 0``, or a ``config`` (Hugging Face style) with
-    a ``*dropout*`` / ``*pdrop*`` rate above 0. A hard-coded ``F.dropout(x, 0.1)`` in model code is not seen.
+    """Whether ``module`` declares dropout: a dropout module with ``p > 0``, a float attribute named ``*dropout*`` /
+    ``*pdrop*`` above 0 (a rate handed to ``scaled_dot_product_attention``), or a ``config`` (Hugging Face style)
+    with such a rate above 0. A hard-coded ``F.dropout(x, 0.1)`` in model code is not seen.
 
     Used with compiled blocks: without dropout the tensor-parallel regions' generator swaps change nothing, and
     their hooks (graph breaks, see :meth:`TensorParallelRNG.enter`) are left out."""
     for sub in module.modules():
         if isinstance(sub, DropoutNd) and sub.p > 0:
             return True
+        if any(_is_rate(name, value) for name, value in vars(sub).items()):
+            return True
         config = getattr(sub, "config", None)
         if config is not None and not isinstance(config, dict | str):
             for name in dir(config):
                 if ("dropout" in name or "pdrop" in name) and not name.startswith("_"):
-                    value = getattr(config, name, None)
-                    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                    if _is_rate(name, getattr(config, name, None)):
                         return True
     return False
+
+
+def _is_rate(name: str, value: Any) -> bool:
+    return (("dropout" in name or "pdrop" in name) and not name.startswith("_") and isinstance(value, int | float)
+            and not isinstance(value, bool) and value > 0)
+
+
+def dropout_at(blocks: Sequence[nn.Module], root: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether a module may feed dropout: the :func:`has_dropout` of the block holding it, or of ``root`` for a
+    module outside every block (for :meth:`TensorParallelRNG.install`'s ``where``)."""
+    inside: dict[int, bool] = {}
+    for block in blocks:
+        drops = has_dropout(block)
+        for sub in block.modules():
+            inside[id(sub)] = drops
+    whole = has_dropout(root)
+    return lambda module: inside.get(id(module), whole)

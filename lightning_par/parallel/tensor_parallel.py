@@ -57,7 +57,7 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -729,7 +729,7 @@ def _is_region(module: nn.Module, name: str, plan: dict[str, str]) -> bool:
 
 def apply_tensor_parallel(
     module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, rng: bool = True, *,
-    stage: bool = False,
+    stage: bool = False, rng_where: Callable[[nn.Module], bool] | None = None,
 ) -> TensorParallelPlan:
     """Split ``module`` (in place) over the 1-D ``tp_mesh`` by its declared plan; see :func:`resolve_tp_plan`.
 
@@ -737,9 +737,10 @@ def apply_tensor_parallel(
     parameters stay tied. With ``sequence_parallel`` a forward pre-hook on the declared model checks each batch's
     sequence length. With ``rng`` (default) dropout draws per-tp-rank masks inside the tensor-parallel regions and
     equal masks outside (:class:`~lightning_par.parallel.rng.TensorParallelRNG`; it first makes the default
-    generator equal on the tp ranks). The plan is checked completely before the first collective, so a bad plan
-    raises the same :class:`LayoutError` on every rank. Returns the :class:`TensorParallelPlan`; run the loss
-    inside its ``loss_context()``.
+    generator equal on the tp ranks); ``rng_where`` limits the per-rank regions to the column-parallel modules it
+    accepts (see :meth:`~lightning_par.parallel.rng.TensorParallelRNG.install`). The plan is checked completely
+    before the first collective, so a bad plan raises the same :class:`LayoutError` on every rank. Returns the
+    :class:`TensorParallelPlan`; run the loss inside its ``loss_context()``.
 
     ``stage=True``: ``module`` is one pipeline stage (see :func:`resolve_tp_plan`); plan patterns naming units
     this stage does not hold are skipped. Check the whole model first with :func:`check_tp_plan`. Only the stage
@@ -777,7 +778,7 @@ def apply_tensor_parallel(
     tracker = None
     if rng:
         tracker = TensorParallelRNG(tp_mesh)
-        tracker.install(model, {n[len(prefix):]: s for n, s in plan.items()}, sequence_parallel)
+        tracker.install(model, {n[len(prefix):]: s for n, s in plan.items()}, sequence_parallel, rng_where)
     vocab_head = any(isinstance(s, VocabParallelHead) for s in styles.values())
     return TensorParallelPlan(plan=plan, styles=styles, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel,
                               vocab_parallel_head=vocab_head, tied=tied, rng=tracker)

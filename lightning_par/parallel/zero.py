@@ -39,6 +39,7 @@ import math
 import warnings
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,28 @@ def _kind(param: Tensor, tensor_parallel: bool) -> str:
     if not isinstance(param, DTensor):
         return TP_REPLICATE if tensor_parallel else PLAIN
     return TP_SHARD if any(p.is_shard() for p in param.placements) else TP_REPLICATE
+
+
+class _HostCopies:
+    """Copies of gradients to the host for a CPU optimizer. From CUDA the copy is asynchronous (into pinned memory,
+    so it overlaps the rest of backward), ordered only on the device's stream: an event recorded after it is
+    awaited by :meth:`wait` before any CPU code reads the result. From the CPU it is the tensor itself."""
+
+    def __init__(self) -> None:
+        self._event: Any = None  # after the last copy launched (a stream runs its work in order)
+
+    def to_host(self, tensor: Tensor) -> Tensor:
+        if tensor.device.type != "cuda":
+            return tensor.to("cpu")
+        host = tensor.to("cpu", non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(tensor.device))
+        return host
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
 
 @dataclass
@@ -225,7 +248,8 @@ class ZeroPartitioner:
     backward is an error (its first gradient is already on its way), not a silently lost gradient.
 
     Gradient memory during backward, for Psi parameters in fp32 and bucket size B bytes: stage 1 keeps every
-    bucket's full gradient (4 Psi, plus the 4 Psi / N reduce-scatter outputs); stage 2 frees each bucket's full
+    bucket's full gradient (4 Psi; the averaged chunk is written into it), plus the send buffers and reduce-scatter
+    outputs of at most two buckets in flight (``overlap=False``: one); stage 2 frees each bucket's full
     gradient as soon as its reduce-scatter completes and keeps only its chunk, so it holds 4 Psi / N plus at most
     2 B (``overlap=False``: B). With ``defer_reduction`` the full gradients stay in ``param.grad`` until
     :meth:`finish_gradient_sync` (4 Psi during the schedule, for either stage); at rest stage 2 holds 4 Psi / N.
@@ -261,7 +285,8 @@ class ZeroPartitioner:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype
-        self._in_flight: list[_Bucket] = []  # stage 2: launched, not yet completed
+        self._in_flight: list[_Bucket] = []  # launched, not yet completed (overlap)
+        self._host_copies = _HostCopies()  # offload: the gradients' device-to-host copies, awaited before the step
         self.require_sync = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
@@ -402,11 +427,10 @@ class ZeroPartitioner:
             send = bucket.send = send.to(self.reduce_dtype)  # summed in fp32; one bucket's copy at a time
         bucket.reduced_chunk = torch.empty(bucket.chunk, dtype=send.dtype, device=bucket.flat.device)
         bucket.work = _compat.reduce_scatter_single(bucket.reduced_chunk, send, group=self.group, async_op=True)
-        if self.stage == 1:
-            return  # the full buffers are kept anyway: everything is completed in finish_gradient_sync
-        # Stage 2: complete the buckets launched before this one and free their full gradients, so at most two
-        # full buckets exist at once -- this one, being reduced, and the next one, being filled by backward
-        # (``overlap=False``: this one is completed now too, one full bucket at most, no overlap).
+        # Complete the buckets launched before this one, so at most two buckets are in flight at once -- this one,
+        # being reduced, and the next one, being filled by backward (``overlap=False``: this one is completed now
+        # too, no overlap). Completing frees a bucket's send buffer (the fp32 copy under mixed precision) and its
+        # reduce-scatter output, at either stage; stage 2 also frees the full gradient.
         earlier, self._in_flight = self._in_flight, []
         for done in earlier:
             self._complete(done)
@@ -435,7 +459,7 @@ class ZeroPartitioner:
             # mixed precision: an fp32 master cannot take a bf16 .grad; finish_gradient_sync hands it an fp32 copy
             bucket.grad_chunk = chunk
         else:
-            grad = chunk.to("cpu", non_blocking=True) if self.offload else chunk
+            grad = self._host_copies.to_host(chunk) if self.offload else chunk
             bucket.shard.grad = bucket.dtensor(grad)
         bucket.work, bucket.reduced_chunk = None, None
         bucket.reduced = True
@@ -460,6 +484,7 @@ class ZeroPartitioner:
             if bucket.work is not None:
                 self._complete(bucket)
         self._in_flight = []
+        self._host_copies.wait()  # the CPU optimizer must not read a gradient still being copied to the host
         for bucket in self.buckets:
             bucket.ready_params.clear()
             bucket.reduced = False
@@ -756,7 +781,8 @@ def fully_shard_units(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    # pinned host memory only where a device copies to it (pinning needs an accelerator: on a CPU mesh it fails)
+    policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if offload else OffloadPolicy()
     # mixed precision (bf16-mixed): fp32 shards are the master weights, gathered as bf16, gradients reduced in fp32
     mp = mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy()
     groups = data_parallel_groups(module, block_types)

@@ -104,7 +104,9 @@ class LayoutStrategy(ParallelStrategy):
             be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
             data-parallel grouping and by the pipeline split.
         bucket_cap_mb: gradient bucket size for the data-parallel all-reduce, in MiB (as in DDP).
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default nccl on CUDA, gloo on CPU.
+        process_group_backend: ``"gloo"``, ``"nccl"`` or a per-device string such as ``"cpu:gloo,cuda:nccl"``;
+            by default ``"cpu:gloo,cuda:nccl"`` on CUDA (CPU tensors, e.g. offloaded gradients' norms, can still
+            take part in a collective), gloo on CPU.
         timeout: how long a collective may wait before the process group gives up (a last resort: a long one
             also cuts legitimately slow collectives).
         heartbeat_timeout: seconds after which a rank that died or froze is named and every other rank stops
@@ -322,7 +324,7 @@ class LayoutStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         if self._process_group_backend is None:
-            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = default_backend(self.root_device)
         assert self.cluster_environment is not None
         if not dist.is_initialized():  # ours to destroy at exit, before the interpreter finalizes (exit code 0)
             shutdown.close_at_exit()
@@ -412,6 +414,7 @@ class LayoutStrategy(ParallelStrategy):
         """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
         for every layout); returns the stage modules."""
         if self.compile_options is not None:
+            self.compile_options.check_device(self.root_device)
             self.compiler = BlockCompiler(self.compile_options,
                                           split_backward=self.layout.stage_plan.spec is not None
                                           and self.layout.stage_plan.spec.split_backward)
@@ -961,6 +964,16 @@ class LayoutStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout})"
+
+
+def default_backend(device: torch.device) -> str:
+    """The process group backend for ``device`` when the user names none: on CUDA, NCCL for CUDA tensors and gloo for
+    CPU ones (a collective on a CPU tensor -- a norm of offloaded gradients, a tensor built on the host -- would
+    otherwise fail on plain NCCL with "No backend type associated with device type cpu"); Lightning's choice
+    elsewhere (gloo on CPU)."""
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return _get_default_process_group_backend_for_device(device)
 
 
 def _attempt_store(environment: Any, timeout: timedelta) -> dict[str, Any]:
