@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import tomllib
-import torch
 
 from lightning_par import _compat
 from tests.harness import REPO
@@ -166,8 +165,8 @@ def test_import_on_an_untested_torch_stops_or_warns_once(tmp_path):
     env.pop(_compat.ALLOW_UNTESTED, None)
     stopped = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert stopped.returncode == 1 and "imported" not in stopped.stdout
-    assert "UntestedVersionError: lightning-par is tested with torch 2.11 to 2.15, lightning 2.6.x, jsonargparse 4.53.x" in (
-        stopped.stderr)
+    assert ("UntestedVersionError: lightning-par is tested with torch 2.11 to 2.15, lightning 2.6.x, "
+            "jsonargparse 4.53.x") in stopped.stderr
     assert "found torch 2.16.0. Install the tested versions (pip install 'torch>=2.11,<2.16')" in stopped.stderr
     env[_compat.ALLOW_UNTESTED] = "1"
     allowed = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, cwd=tmp_path, capture_output=True,
