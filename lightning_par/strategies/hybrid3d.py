@@ -46,7 +46,8 @@ class Hybrid3DStrategy(LayoutStrategy):
         offload_optimizer: ZeRO 1-3: keep the sharded optimizer state in host memory.
         offload_parameters: ZeRO 3: keep the resting parameter shards in host memory too.
         bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
-        process_group_backend: ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``; by default the last on CUDA, gloo on CPU.
+        process_group_backend: ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``; by default the last on CUDA,
+            gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.

@@ -45,7 +45,8 @@ class MegatronTPStrategy(LayoutStrategy):
         bucket_cap_mb: gradient bucket size for the data-parallel reduction, in MiB.
         block_types: classes (or class names) of the model's repeated blocks, where they cannot be found from the
             model itself (see ``lightning_par.parallel.blocks.find_blocks``).
-        process_group_backend: ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``; by default the last on CUDA, gloo on CPU.
+        process_group_backend: ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``; by default the last on CUDA,
+            gloo on CPU.
         timeout: how long a collective may wait before giving up, so a dead rank does not hang the others.
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.
