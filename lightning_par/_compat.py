@@ -120,6 +120,18 @@ AsyncCollectiveTensor = private("torch", "torch.distributed._functional_collecti
 # (parallel/context_parallel.py); torch.distributed.nn.all_gather returns a list and has no single-tensor form
 all_gather_single_autograd = private("torch", "torch.distributed._functional_collectives", "all_gather_single_autograd")
 wait_tensor = private("torch", "torch.distributed._functional_collectives", "wait_tensor")
+# context parallel's ring attention (parallel/context_parallel.py) merges per-chunk attention outputs by their
+# log-sum-exp and recomputes each chunk pair's gradient from the merged output and log-sum-exp: only these aten ops
+# return the log-sum-exp and take it back (F.scaled_dot_product_attention returns neither). The CPU kernel; CUDA's
+# flash (half precision) and memory-efficient (fp32) kernels
+sdpa_flash_cpu = private("torch", "torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu.default")
+sdpa_flash_cpu_backward = private("torch", "torch",
+                                  "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
+sdpa_flash_cuda = private("torch", "torch", "ops.aten._scaled_dot_product_flash_attention.default")
+sdpa_flash_cuda_backward = private("torch", "torch", "ops.aten._scaled_dot_product_flash_attention_backward.default")
+sdpa_efficient_cuda = private("torch", "torch", "ops.aten._scaled_dot_product_efficient_attention.default")
+sdpa_efficient_cuda_backward = private("torch", "torch",
+                                       "ops.aten._scaled_dot_product_efficient_attention_backward.default")
 # the process group behind a group name as c10d ops receive it below the dispatcher (tp_accounting.py)
 resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "_resolve_process_group")
 # dispatch modes see every aten op: deferred init, the planner's trace and the TP accounting are built on them;
