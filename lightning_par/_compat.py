@@ -142,12 +142,6 @@ compute_local_shape_and_global_offset = private("torch", "torch.distributed.tens
                                                 "compute_local_shape_and_global_offset")
 # the tensor a row-parallel layer returns while its all-reduce runs (measure.py counts the memory inside it)
 AsyncCollectiveTensor = private("torch", "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
-# context parallel gathers the keys and values of the sequence shards with a differentiable all-gather
-# (parallel/context_parallel.py); torch.distributed.nn.all_gather returns a list and has no single-tensor form
-# (torch 2.13 renamed it; 2.11 and 2.12 spell it all_gather_tensor_autograd, same signature)
-all_gather_single_autograd = private("torch", "torch.distributed._functional_collectives", "all_gather_single_autograd",
-                                     fallbacks=("all_gather_tensor_autograd",))
-wait_tensor = private("torch", "torch.distributed._functional_collectives", "wait_tensor")
 
 
 def _called_late(module: str, attribute: str, fallbacks: tuple[str, ...]) -> Any:
@@ -168,6 +162,18 @@ def _called_late(module: str, attribute: str, fallbacks: tuple[str, ...]) -> Any
 # names and deprecated the older ones (a FutureWarning per call), which 2.11 and 2.12 have alone
 reduce_scatter_single = _called_late("torch.distributed", "reduce_scatter_single", ("reduce_scatter_tensor",))
 all_gather_single = _called_late("torch.distributed", "all_gather_single", ("all_gather_into_tensor",))
+# context parallel's ring attention (parallel/context_parallel.py) merges per-chunk attention outputs by their
+# log-sum-exp and recomputes each chunk pair's gradient from the merged output and log-sum-exp: only these aten ops
+# return the log-sum-exp and take it back (F.scaled_dot_product_attention returns neither). The CPU kernel; CUDA's
+# flash (half precision) and memory-efficient (fp32) kernels
+sdpa_flash_cpu = private("torch", "torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu.default")
+sdpa_flash_cpu_backward = private("torch", "torch",
+                                  "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
+sdpa_flash_cuda = private("torch", "torch", "ops.aten._scaled_dot_product_flash_attention.default")
+sdpa_flash_cuda_backward = private("torch", "torch", "ops.aten._scaled_dot_product_flash_attention_backward.default")
+sdpa_efficient_cuda = private("torch", "torch", "ops.aten._scaled_dot_product_efficient_attention.default")
+sdpa_efficient_cuda_backward = private("torch", "torch",
+                                       "ops.aten._scaled_dot_product_efficient_attention_backward.default")
 # the process group behind a group name as c10d ops receive it below the dispatcher (tp_accounting.py)
 resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "_resolve_process_group")
 # dispatch modes see every aten op: deferred init, the planner's trace and the TP accounting are built on them;

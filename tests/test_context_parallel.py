@@ -133,7 +133,7 @@ def _gradients_over_cp(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_and_loss(rank: int) -> dict[str, float]:
-    """The all-gathered attention and the token-weighted loss on this rank's shard of a whole sequence whose
+    """The ring attention and the token-weighted loss on this rank's shard of a whole sequence whose
     ``-100`` targets fall unevenly on the shards, against the whole sequence in one process (float64)."""
     import torch.distributed as dist
 
@@ -168,6 +168,73 @@ def _attention_and_loss(rank: int) -> dict[str, float]:
     for name, t, want in zip("qkv", (q, k, v), expected, strict=False):
         result[f"grad_{name}"] = _rel(_gradients_over_cp(t.grad), want)
     result["grad_logits"] = _rel(_gradients_over_cp(logits.grad), expected[3])
+    return result
+
+
+class _LargestOutputs:
+    """A dispatch mode noting every aten op's output shapes (what is allocated, inside the kernels' callers)."""
+
+    def __init__(self) -> None:
+        from lightning_par._compat import TorchDispatchMode, tree_leaves
+
+        shapes = self.shapes = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                shapes.extend(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+                return out
+
+        self.mode = Mode()
+
+    def quadratic(self, rows: int, cols: int) -> list[tuple[int, ...]]:
+        """The shapes holding a [rows, cols] plane (any order of the two, any leading dimensions)."""
+        return [s for s in self.shapes if len(s) >= 2 and {s[-2], s[-1]} == {rows, cols}]
+
+
+def _ring_attention(rank: int) -> dict[str, float]:
+    """The ring attention of this rank's shard against plain causal SDPA of the whole sequence in one process
+    (float32, outputs and q/k/v gradients), with and without GQA; and the shapes of [T / cp, T] it allocates,
+    against those of the mask the all-gather path made (the probe must see those)."""
+    import torch.distributed as dist
+
+    from lightning_par.parallel.context_parallel import ContextParallel, activate, sequence_attention
+
+    result: dict[str, float] = {}
+    B, H, T, D = 2, 4, 64, 16
+    cp = ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
+    cp.shard((torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long)))
+    index = cp.positions
+    for name, kv in (("mha", H), ("gqa", 2)):
+        torch.manual_seed(0)  # the same sequence on both ranks
+        q, k, v = (torch.randn(B, h, T, D, requires_grad=True) for h in (H, kv, kv))
+        grad = torch.randn(B, H, T, D)
+        whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != H)
+        whole.backward(grad)
+        expected = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        activate(cp)
+        probe = _LargestOutputs()
+        try:
+            with probe.mode:
+                local = sequence_attention(q[:, :, index], k[:, :, index], v[:, :, index], enable_gqa=kv != H)
+                local.backward(grad[:, :, index])
+        finally:
+            activate(None)
+        result[f"{name}_out"] = _rel(local, whole[:, :, index])
+        for n, t, want in zip("qkv", (q, k, v), expected, strict=True):
+            summed = t.grad.clone()
+            dist.all_reduce(summed)  # each rank's gradient of its own share of the loss, summed: the whole one's
+            result[f"{name}_grad_{n}"] = _rel(summed, want)
+        result[f"{name}_quadratic_shapes"] = len(probe.quadratic(T // 2, T))
+    # the probe sees the [T / cp, T] mask of the old path (all-gathered keys, mask from global positions)
+    old = _LargestOutputs()
+    with old.mode:
+        keys = torch.randn(B, H, T, D)
+        mask = index[:, None] >= torch.arange(T)[None, :]
+        torch.nn.functional.scaled_dot_product_attention(torch.randn(B, H, T // 2, D), keys, keys, attn_mask=mask)
+    result["old_quadratic_shapes"] = len(old.quadratic(T // 2, T))
     return result
 
 
@@ -245,7 +312,8 @@ def _two_ranks(rank: int, store: str, out: str, archs: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    result = {"attention": _attention_and_loss(rank), "activations": _activation_bytes(rank),
+    result = {"attention": _attention_and_loss(rank), "ring": _ring_attention(rank),
+              "activations": _activation_bytes(rank),
               **{arch: _hugging_face_model(rank, arch) for arch in archs}}
     if rank == 0:
         with open(out, "w") as f:
@@ -270,6 +338,21 @@ def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(two_ranks):
     got = two_ranks["attention"]
     print(f"two cp shards vs the whole sequence (float64): {got}")
     assert max(got.values()) <= 1e-12
+
+
+@pytest.mark.parametrize("layout", ["mha", "gqa"])
+def test_ring_attention_equals_causal_sdpa_of_the_whole_sequence(two_ranks, layout):
+    got = {k.removeprefix(f"{layout}_"): v for k, v in two_ranks["ring"].items() if k.startswith(f"{layout}_")}
+    print(f"cp=2 ring attention vs causal SDPA of the whole sequence, float32, {layout}: {got}")
+    assert max(got[k] for k in ("out", "grad_q", "grad_k", "grad_v")) <= 1e-5
+
+
+def test_ring_attention_allocates_nothing_of_shard_by_sequence_size(two_ranks):
+    got = two_ranks["ring"]
+    print(f"[T/cp, T] tensors allocated: ring {got['mha_quadratic_shapes']} (GQA {got['gqa_quadratic_shapes']}), "
+          f"the all-gather path's mask {got['old_quadratic_shapes']}")
+    assert got["old_quadratic_shapes"] >= 1  # the probe sees such a tensor where one is made
+    assert got["mha_quadratic_shapes"] == 0 and got["gqa_quadratic_shapes"] == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

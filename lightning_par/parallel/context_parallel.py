@@ -6,19 +6,19 @@ keeps chunks ``i`` and ``2 * cp - 1 - i``, so every rank holds as many early (ch
 of the causal attention. Inputs, targets and position ids are cut the same way (:meth:`ContextParallel.shard`).
 
 Everything but attention is per token, so it runs on the shard as it is. Attention runs here
-(:func:`sequence_attention`): the shard's keys and values are all-gathered over the cp group (torch's autograd
-all-gather, whose backward reduce-scatters their gradients), and the causal mask is made from the global positions
-of queries and keys. One implementation serves
+(:func:`sequence_attention`): ring attention over the cp group. The shards' keys and values travel the ring; at each
+step the pair (local queries, block in hand) is one SDPA call that is either fully visible, causal on its diagonal
+or partly skipped by the load balancing's chunk order, and the partial outputs are merged by their log-sum-exp; no
+mask and nothing of size [T / cp, T] is made, so the flash kernels apply and memory grows as T / cp. Backward
+recomputes each pair from the merged output and log-sum-exp. One implementation serves
 
 * a model whose attention calls ``F.scaled_dot_product_attention`` (the example GPT): that call is redirected
   while the model runs under cp (:func:`attention_redirected`, as selective recompute does);
 * Hugging Face models (Llama, Qwen2, ...): an attention implementation registered in ``AttentionInterface``
   (:data:`HF_ATTENTION`), set on the model's config, with no mask function (so the model makes no local mask).
 
-On CUDA, torch's ``torch.distributed.tensor.experimental.context_parallel`` (a ring over SDPA's flash and efficient
-kernels, the same load balancing) would take the place of :func:`sequence_attention` for the SDPA path; torch 2.13
-has no sharding rule for the CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``), hence the all-gather
-written here, which runs on gloo.
+torch's ``torch.distributed.tensor.experimental.context_parallel`` is the same ring on CUDA, but over DTensors and
+with no rule for the CPU kernel, hence the ring written here (see the comment above :class:`_RingAttention`).
 
 The positions must be global for the model to be right: rotary tables from ``position_ids`` (Hugging Face models,
 the example GPT) are; a learned position embedding indexed by ``arange`` of the local length is not. The strategy
@@ -69,6 +69,14 @@ def shard_positions(seq_len: int, cp: int, rank: int, device: torch.device | Non
                       torch.arange(second, second + chunk, device=device)])
 
 
+def _refuse_padding(mask: Tensor) -> None:
+    if not bool(mask.bool().all()):
+        raise LayoutError(
+            "context parallel attends over the whole sequence with a causal mask over sequence order; a padding "
+            "attention_mask (zeros) is not supported. Pack the sequences to full length (no padding), or train this "
+            "data without cp.")
+
+
 class _SumOverCP(torch.autograd.Function):
     """Forward: the sum over the cp group. Backward: the gradient times cp (the owners then average over cp)."""
 
@@ -95,6 +103,7 @@ class ContextParallel:
     targets: Tensor | None = None  # a dict batch: next-token targets of its labels, this rank's share
     attention_calls: int = 0  # in the model's forward in progress
     positions_given: int = 0  # forwards given this batch's positions since it was cut
+    padding_checked: bool = False  # the next batch's attention_mask was checked on the host (check_padding)
 
     # -- the batch -----------------------------------------------------------------------------------------------
     def shard(self, batch: Any) -> Any:
@@ -125,11 +134,11 @@ class ContextParallel:
         if ids.dim() != 2:
             raise LayoutError(f"context parallel: input_ids must be [batch, sequence], got {tuple(ids.shape)}.")
         mask = batch.get("attention_mask")
-        if isinstance(mask, Tensor) and not bool(mask.bool().all()):
-            raise LayoutError(
-                "context parallel attends over the whole sequence with a causal mask made from global positions; a "
-                "padding attention_mask (zeros) is not supported. Pack the sequences to full length (no padding), "
-                "or train this data without cp.")
+        if isinstance(mask, Tensor) and not self.padding_checked:
+            # a mask not seen on the host (shard called directly, or a loader yielding device tensors): checked
+            # here, which on an accelerator waits for the device
+            _refuse_padding(mask)
+        self.padding_checked = False
         labels = batch.get("labels")
         targets = next_token_targets(labels) if isinstance(labels, Tensor) else None
         if targets is not None and ids.size(1) % (2 * self.size) == 1:
@@ -153,6 +162,14 @@ class ContextParallel:
         # the model shifts labels inside its loss; shifted above on the whole sequence, then cut
         self.targets = targets[:, index] if targets is not None else None
         return out
+
+    def check_padding(self, batch: Any) -> None:
+        """Refuse a dict batch's padding ``attention_mask`` while the batch is still on the host (before it is
+        moved): there the check costs nothing, where on the device it would stop the host every step."""
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if isinstance(mask, Tensor) and mask.device.type == "cpu":
+            _refuse_padding(mask)
+            self.padding_checked = True
 
     # -- positions into the model -----------------------------------------------------------------------------
     def position_ids(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -235,30 +252,198 @@ def active() -> ContextParallel:
 
 def sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = True,
                        scale: float | None = None, dropout_p: float = 0.0, enable_gqa: bool = False) -> Tensor:
-    """Attention of this rank's queries [B, H, T / cp, D] over the whole sequence's keys and values: the shards'
-    keys and values all-gathered over cp (backward reduce-scatters their gradients), the causal mask made from
-    global positions. (On CUDA this is where torch's context-parallel SDPA would apply.)"""
+    """Attention of this rank's queries [B, H, T / cp, D] over the whole sequence: ring attention over the cp group
+    (:class:`_RingAttention`), no mask."""
     context = active()
     context.attention_calls += 1
-    q_pos = context.positions
-    # all-gather concatenates along dim 0: bring the sequence there and back
-    keys = _gather_sequence(key, context)
-    values = _gather_sequence(value, context)
-    mask = None
-    if is_causal:
-        seq_len = q_pos.numel() * context.size
-        kv_pos = torch.cat([shard_positions(seq_len, context.size, r, device=q_pos.device)
-                            for r in range(context.size)])
-        mask = q_pos[:, None] >= kv_pos[None, :]
-    return _sdpa(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+    if dropout_p:
+        raise LayoutError(
+            f"context parallel: attention dropout (p={dropout_p}) is not supported: the attention is computed per "
+            "pair of sequence chunks and recomputed in backward, which would need each pair's dropout pattern "
+            "replayed. Set the model's attention dropout to 0 (e.g. attention_dropout=0.0), or train without cp.")
+    heads, kv_heads = query.size(1), key.size(1)
+    if kv_heads != heads and (not enable_gqa or heads % kv_heads):
+        raise LayoutError(f"context parallel: {heads} query heads over {kv_heads} key/value heads needs "
+                          "enable_gqa=True and a whole number of query heads per key/value head.")
+    if key.size(2) != query.size(2) or value.size(2) != query.size(2):
+        raise LayoutError(f"context parallel: queries, keys and values must be this rank's shard of one sequence; "
+                          f"got lengths {query.size(2)}, {key.size(2)} and {value.size(2)} (a key/value cache is not "
+                          "supported under cp).")
+    return _RingAttention.apply(query, key, value, context, is_causal, scale)
 
 
-def _gather_sequence(tensor: Tensor, context: ContextParallel) -> Tensor:
-    from lightning_par._compat import all_gather_single_autograd, wait_tensor
+# -- ring attention ---------------------------------------------------------------------------------------------------
+# Why a ring written here: torch's ``torch.distributed.tensor.experimental.context_parallel`` is this ring, but it
+# takes DTensor inputs on a DeviceMesh (it rewrites the model's buffers in place and swaps the SDPA op on DTensors),
+# and its op table holds only CUDA's flash, efficient and cuDNN kernels: torch 2.13 has no rule for the CPU kernel
+# (``_scaled_dot_product_flash_attention_for_cpu``), so it cannot run on CPU/gloo, where this project is tested.
+# Why a ring and not an all-gather of K/V followed by per-pair attention: each rank then holds only its own K/V
+# (O(T / cp)) in forward and backward -- an all-gather keeps the whole sequence's K/V per layer for backward (cp x
+# the ring's) -- and the sends overlap the attention of the chunk pair in hand.
+#
+# Rank r holds chunks r and 2cp-1-r of the sequence (causal load balancing). At ring step i it holds the K/V of rank
+# s = r - i (mod cp); under the causal mask that block is one SDPA call, never a mask:
+#   s == r: its own shard, causal (the early chunk precedes the late one, so is_causal over the two is exact);
+#   s <  r: every query of r sees chunk s (earlier than both of r's chunks) and not chunk 2cp-1-s (later);
+#   s >  r: only r's late chunk 2cp-1-r sees anything: both of s's chunks, in full.
+# Partial outputs are merged by their log-sum-exp; backward recomputes each pair's gradient from the merged output
+# and log-sum-exp (exact: softmax(s_ij - lse_i) of the pair is its share of the whole row), with the K/V travelling
+# the ring again and their gradients travelling with them, back to their owner after cp hops.
 
-    moved = tensor.movedim(-2, 0).contiguous()
-    gathered = wait_tensor(all_gather_single_autograd(moved, 0, context.group))
-    return gathered.movedim(0, -2)
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One device's SDPA that returns its log-sum-exp, and its backward, as (q, k, v) -> (out, lse [B, H, T])."""
+
+    device: str
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
+        from lightning_par import _compat
+
+        if self.device == "cpu":
+            out, lse = _compat.sdpa_flash_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+        elif q.dtype in (torch.float16, torch.bfloat16):
+            out, lse = _compat.sdpa_flash_cuda(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        else:  # the memory-efficient kernel pads its log-sum-exp to a multiple of 32 queries
+            out, lse = _compat.sdpa_efficient_cuda(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+            lse = lse[..., :q.size(2)]
+        return out, lse
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                 scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+        from lightning_par import _compat
+
+        if self.device == "cpu":
+            return _compat.sdpa_flash_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        if q.dtype in (torch.float16, torch.bfloat16):  # no dropout: the RNG state and varlen offsets are unused
+            return _compat.sdpa_flash_cuda_backward(dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0,
+                                                    causal, None, None, scale=scale)
+        padded = F.pad(lse, (0, -lse.size(-1) % 32))
+        return _compat.sdpa_efficient_cuda_backward(dout, q, k, v, None, out, padded, None, None, 0.0,
+                                                    [True, True, True, False], causal, scale=scale)[:3]
+
+
+def _expand_heads(tensor: Tensor, groups: int) -> Tensor:
+    """Key/value heads repeated for their query heads (GQA), for kernels that take equal head counts."""
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+
+
+def _fold_heads(grad: Tensor, groups: int) -> Tensor:
+    """The gradient of :func:`_expand_heads`: each key/value head's query-head group summed."""
+    if groups == 1:
+        return grad
+    b, h, t, d = grad.shape
+    return grad.view(b, h // groups, groups, t, d).sum(2)
+
+
+class _Ring:
+    """Sends to the next cp rank and receives from the previous one, asynchronously."""
+
+    def __init__(self, context: ContextParallel) -> None:
+        self.group = context.group
+        self.next = dist.get_global_rank(self.group, (context.rank + 1) % context.size)
+        self.prev = dist.get_global_rank(self.group, (context.rank - 1) % context.size)
+
+    def shift(self, tensor: Tensor, tag: int = 0) -> Callable[[], Tensor]:
+        """Start sending ``tensor`` on; returns a wait giving the previous rank's tensor. (K/V blocks and their
+        gradients may be in flight together: told apart by ``tag``.)"""
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+                                        dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
+
+        def wait() -> Tensor:
+            for work in works:
+                work.wait()
+            return received
+
+        return wait
+
+
+def _pairs(rank: int, size: int, causal: bool) -> Iterator[tuple[str, str, bool]]:
+    """Per ring step (the K/V of rank ``rank - step`` in hand): the local query rows and the block's key rows of
+    the step's one SDPA call (``"all"``, or the ``"first"`` / ``"second"`` chunk), and whether it is causal."""
+    for step in range(size):
+        source = (rank - step) % size
+        if not causal:
+            yield "all", "all", False
+        elif source == rank:
+            yield "all", "all", True
+        elif source < rank:
+            yield "all", "first", False
+        else:
+            yield "second", "all", False
+
+
+def _rows(part: str, length: int) -> slice:
+    half = length // 2
+    return {"all": slice(None), "first": slice(0, half), "second": slice(half, length)}[part]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact causal (or full) attention of the local shard over the whole sequence, a ring over the cp group."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, context: ContextParallel, causal: bool,
+                scale: float | None) -> Tensor:
+        kernel = _Kernel(query.device.type)
+        groups = query.size(1) // key.size(1)
+        ring = _Ring(context)
+        length = query.size(2)
+        # the partial results merged in fp32 (bf16 outputs would lose the merge's precision), the input's if wider
+        acc = torch.promote_types(query.dtype, torch.float32)
+        q = query.contiguous()
+        block = torch.stack([key, value]).contiguous()  # one message per step: [2, B, KV, T / cp, D]
+        out: Tensor | None = None
+        lse: Tensor | None = None
+        for step, (rows, cols, pair_causal) in enumerate(_pairs(context.rank, context.size, causal)):
+            wait = ring.shift(block) if step < context.size - 1 else None  # the next block travels meanwhile
+            r, c = _rows(rows, length), _rows(cols, length)
+            k, v = (_expand_heads(t[:, :, c], groups) for t in block)
+            part_out, part_lse = kernel.forward(q[:, :, r].contiguous(), k, v, pair_causal, scale)
+            part_out, part_lse = part_out.to(acc), part_lse.to(acc)
+            if out is None or lse is None:  # step 0: the own shard, whose causal diagonal every query sees
+                out, lse = part_out, part_lse
+            else:
+                merged = torch.logaddexp(lse[:, :, r], part_lse)
+                out[:, :, r] = (out[:, :, r] * (lse[:, :, r] - merged).exp().unsqueeze(-1)
+                                + part_out * (part_lse - merged).exp().unsqueeze(-1))
+                lse[:, :, r] = merged
+            if wait is not None:
+                block = wait()
+        assert out is not None and lse is not None
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.context, ctx.causal, ctx.scale = context, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, out, lse = ctx.saved_tensors
+        context: ContextParallel = ctx.context
+        kernel = _Kernel(query.device.type)
+        groups = query.size(1) // key.size(1)
+        ring = _Ring(context)
+        length = query.size(2)
+        acc = torch.promote_types(query.dtype, torch.float32)
+        q, dout = query.contiguous(), grad_out.contiguous()
+        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+        block = torch.stack([key, value]).contiguous()
+        # the gradient of the K/V block in hand travels the ring with it, back to the block's owner
+        grads = torch.zeros(block.shape, dtype=acc, device=block.device)
+        for step, (rows, cols, pair_causal) in enumerate(_pairs(context.rank, context.size, ctx.causal)):
+            wait_block = ring.shift(block) if step < context.size - 1 else None
+            r, c = _rows(rows, length), _rows(cols, length)
+            k, v = (_expand_heads(t[:, :, c], groups) for t in block)
+            dq_part, dk, dv = kernel.backward(dout[:, :, r].contiguous(), q[:, :, r].contiguous(), k, v,
+                                              out[:, :, r].contiguous(), lse[:, :, r].contiguous(), pair_causal,
+                                              ctx.scale)
+            dq[:, :, r] += dq_part
+            grads[0][:, :, c] += _fold_heads(dk, groups)
+            grads[1][:, :, c] += _fold_heads(dv, groups)
+            grads = ring.shift(grads, tag=1)()  # after cp hops the gradients are home
+            if wait_block is not None:
+                block = wait_block()
+        return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None
 
 
 _sdpa = F.scaled_dot_product_attention

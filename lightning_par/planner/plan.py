@@ -684,22 +684,23 @@ class Planner:
     def _context_parallel(self, c: Candidate, units: Sequence[str], act_elt: int, bandwidth: float, latency: float,
                           *per_stage: list[float]) -> None:
         """Make the last stage's figures (appended just now) those of a cp rank: a 1/cp share of the tokens for its
-        compute, saved activations, tensor- and pipeline-parallel traffic; plus, per block, the whole sequence's keys
-        and values all-gathered (kept for backward, unless the block is recomputed) and their gradients
-        reduce-scattered in backward (:mod:`lightning_par.parallel.context_parallel`)."""
+        compute, saved activations, tensor- and pipeline-parallel traffic; plus, per block, the ring attention's
+        traffic (:mod:`lightning_par.parallel.context_parallel`): forward passes the rank's keys and values on cp - 1
+        times; backward passes them again and their gradients (fp32 or wider) cp times. Nothing more is held: each
+        rank keeps only its own keys and values for backward."""
         f, b, w, held, wgrad, released, tp_bytes, out, cp_bytes = per_stage
         for figures in (f, b, w, held, wgrad, released, tp_bytes, out):
             figures[-1] /= c.cp
         blocks = [u for u in units if u in self.info.blocks]
         kv = len(blocks) * self.work.micro_batch * self.work.seq_len * self._kv_per_token() / c.tp * act_elt
-        gather = _ring("all_gather", kv, c.cp)
-        calls = len(blocks) * 2  # keys and values
+        step = kv / c.cp  # every block's message of one ring step
+        ring_f = (c.cp - 1) * step
+        ring_b = ring_f + c.cp * step * max(4, act_elt) / act_elt
         forwards = 2 if c.recompute == "full" else 1
-        f[-1] += gather / bandwidth + calls * latency
-        b[-1] += forwards * gather / bandwidth + forwards * calls * latency  # reduce-scatter (+ the re-gather)
-        if c.recompute != "full":
-            held[-1] += kv * (c.cp - 1) / c.cp
-        cp_bytes.append(forwards * gather + _ring("reduce_scatter", kv, c.cp))
+        f[-1] += ring_f / bandwidth + (c.cp - 1) * len(blocks) * latency
+        b[-1] += ((forwards - 1) * (ring_f / bandwidth + (c.cp - 1) * len(blocks) * latency)  # the recompute's ring
+                  + ring_b / bandwidth + (2 * c.cp - 1) * len(blocks) * latency)
+        cp_bytes.append(forwards * ring_f + ring_b)
 
     def _kv_per_token(self) -> int:
         """Key and value elements per token of one block (its k_proj and v_proj outputs), else 2 x hidden."""

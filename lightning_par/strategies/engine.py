@@ -521,8 +521,8 @@ class LayoutStrategy(ParallelStrategy):
         self._block_types = tuple({type(m) for m in blocks.block_modules()})
         self._position_root = type(blocks.root)
         self._context_parallel = cp
-        rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, keys and values "
-                       f"all-gathered per attention, global position_ids into {type(blocks.root).__name__}")
+        rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, ring attention "
+                       f"over the cp group, global position_ids into {type(blocks.root).__name__}")
 
     def _install_context_parallel(self) -> None:
         """The position and attention hooks, on the modules that now run the model (the stage modules under pp)."""
@@ -543,6 +543,11 @@ class LayoutStrategy(ParallelStrategy):
         if not hooked:
             raise LayoutError(f"context parallel: no {self._position_root.__name__} left to give positions to after "
                               "the layout was applied; this is a bug, please report it with the layout.")
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self._context_parallel is not None:  # on the host, where it costs no device sync
+            self._context_parallel.check_padding(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _shard_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``(batch, ...)`` with the batch cut to this rank's share of each sequence (cp > 1)."""
