@@ -440,7 +440,8 @@ class _RingAttention(torch.autograd.Function):
             dq[:, :, r] += dq_part
             grads[0][:, :, c] += _fold_heads(dk, groups)
             grads[1][:, :, c] += _fold_heads(dv, groups)
-            grads = ring.shift(grads, tag=1)()  # after cp hops the gradients are home
+            if context.size > 1:  # (a group of one sends nothing: a rank cannot send to itself over gloo)
+                grads = ring.shift(grads, tag=1)()  # after cp hops the gradients are home
             if wait_block is not None:
                 block = wait_block()
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None
