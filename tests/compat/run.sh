@@ -5,7 +5,8 @@
 # with that torch from the package index (PyPI's builds are CUDA builds; they run on a CPU, ~3 GB each), lightning-par
 # installed into it as a user would (`pip install torch==X`, then `pip install -e ".[dev]"`), then the smoke tests:
 # import and private names, every strategy family at plain-SGD parity with one process (ZeRO 0-3, TP, a pipeline,
-# dp x tp and dp x pp on 4 ranks), ZeRO-1/2/3 and offload through the CLI, context parallel, a 3D run that resumes,
+# dp x tp and dp x pp on 4 ranks), ZeRO-1/2/3 and offload through the CLI, context parallel, 3D (tp2 x pp2) at
+# parity with one process under plain SGD and a 3D run that resumes,
 # and the CLI's documented commands parsing. The result line is appended to tests/compat/results.txt (docs/compat.md
 # quotes it). The default CI stays on the pinned 2.13 CPU build; this is run by hand for each release.
 #
@@ -32,6 +33,7 @@ smoke=(
     "tests/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
     "tests/test_pipeline_strategy.py::test_schedule_matches_single_process"
     "tests/test_context_parallel.py::test_attention_and_loss_over_two_shards_equal_the_whole_sequence"
+    "tests/test_hybrid3d.py::test_losses_and_gradient_norms_match_one_process[tp2_pp2_1f1b_selective_sgd]"
     "tests/test_hybrid3d.py::test_a_3d_checkpoint_resumes_with_the_same_losses"
     "tests/test_docs_commands.py::test_command_parses"
 )
