@@ -222,3 +222,13 @@ def checkpoint_worker_main(fit) -> None:
     sources = {name: Path(path) for name, path in (s.split("=", 1) for s in args.source)}
     for name in args.cases:
         fit(Path(args.root), args.cache, name, sources)
+
+
+def spawn_reports(worker, root: Path, nprocs: int = 2) -> list[dict]:
+    """Run ``worker(rank, world, store_path, out_dir)`` on ``nprocs`` spawned ranks (one thread each); return the
+    ``rank{r}.json`` report each wrote into ``root``."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(worker, args=(nprocs, str(root / "store"), str(root)), nprocs=nprocs, join=True)
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]

@@ -7,17 +7,16 @@ dropout, and CUDA graphs refused. A CUDA device is faked where the code only rea
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_par import LayoutError
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
+from tests.harness import spawn_reports
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -288,10 +287,7 @@ def _offload_worker(rank: int, world: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def offload_reports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("offload")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_offload_worker, args=(2, str(root / "store"), str(root)), nprocs=2, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_reports(_offload_worker, tmp_path_factory.mktemp("offload"))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_par.measure import CommCounter, state_bytes, traffic_formula, zero_formula
+from tests.harness import spawn_reports
 
 
 def _adam_after_one_step(module: nn.Module) -> torch.optim.Adam:
@@ -157,10 +156,7 @@ def _two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_reports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("comm")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_two_rank_worker, args=(2, str(root / "store"), str(root)), nprocs=2, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_reports(_two_rank_worker, tmp_path_factory.mktemp("comm"))
 
 
 def test_plain_collectives_counted(two_rank_reports):

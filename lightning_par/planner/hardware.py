@@ -111,39 +111,29 @@ class Hardware:
 #: peak: no H100 measurement is held here.
 GEMM_TABLE_TRAINING = ((64.0, 0.25), (128.0, 0.36), (256.0, 0.47), (512.0, 0.56), (1024.0, 0.63), (2048.0, 0.66))
 
+_H100_SXM = Hardware(
+    name="h100-sxm",
+    # dense bf16 989 TFLOP/s; fp32 without TF32 (PyTorch's default for float32 matmuls) 67 TFLOP/s
+    peak_flops={"bf16": 989e12, "fp32": 67e12},
+    matmul_efficiency=0.58,
+    matmul_table=GEMM_TABLE_TRAINING,
+    memory_bandwidth=3.35e12 * 0.8,
+    op_overhead_s=4e-6,
+    intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
+    inter_node_bandwidth=40e9,  # one 400 Gb/s NDR port per GPU
+    latency_s=1.5e-5,
+    devices_per_node=8,
+    memory_gib=79.6,
+    reserved_gib=3.0,
+    notes="H100 SXM5 80 GB, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
+)
+
 PRESETS: dict[str, Hardware] = {
-    "h100-sxm": Hardware(
-        name="h100-sxm",
-        # dense bf16 989 TFLOP/s; fp32 without TF32 (PyTorch's default for float32 matmuls) 67 TFLOP/s
-        peak_flops={"bf16": 989e12, "fp32": 67e12},
-        matmul_efficiency=0.58,
-        matmul_table=GEMM_TABLE_TRAINING,
-        memory_bandwidth=3.35e12 * 0.8,
-        op_overhead_s=4e-6,
-        intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
-        inter_node_bandwidth=40e9,  # one 400 Gb/s NDR port per GPU
-        latency_s=1.5e-5,
-        devices_per_node=8,
-        memory_gib=79.6,
-        reserved_gib=3.0,
-        notes="H100 SXM5 80 GB, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
-    ),
-    "h200": Hardware(
-        name="h200",
-        # the H100 SXM's GH100 with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet): the same compute and NVLink
-        peak_flops={"bf16": 989e12, "fp32": 67e12},
-        matmul_efficiency=0.58,
-        matmul_table=GEMM_TABLE_TRAINING,
-        memory_bandwidth=4.8e12 * 0.8,
-        op_overhead_s=4e-6,
-        intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways), as h100-sxm
-        inter_node_bandwidth=40e9,
-        latency_s=1.5e-5,
-        devices_per_node=8,
-        memory_gib=140.4,  # what CUDA reports for the "141 GB" (143,771 MiB), as 79.6 for the H100's "80 GB"
-        reserved_gib=3.0,
-        notes="H200 SXM 141 GB HBM3e, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
-    ),
+    "h100-sxm": _H100_SXM,
+    # the H100 SXM's GH100 with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet): the same compute and NVLink
+    "h200": replace(_H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8,
+                    memory_gib=140.4,  # what CUDA reports for the "141 GB" (143,771 MiB), as 79.6 for "80 GB"
+                    notes="H200 SXM 141 GB HBM3e, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU"),
     "a100": Hardware(
         name="a100",
         peak_flops={"bf16": 312e12, "fp32": 19.5e12},
