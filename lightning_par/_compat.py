@@ -174,6 +174,20 @@ sdpa_flash_cuda_backward = private("torch", "torch", "ops.aten._scaled_dot_produ
 sdpa_efficient_cuda = private("torch", "torch", "ops.aten._scaled_dot_product_efficient_attention.default")
 sdpa_efficient_cuda_backward = private("torch", "torch",
                                        "ops.aten._scaled_dot_product_efficient_attention_backward.default")
+# a module compiled with ``nn.Module.compile`` runs ``_compiled_call_impl`` (torch's attribute, read by
+# ``Module.__call__``; no public accessor), which traces its forward pre-hooks too: ZeRO-1/2's prefetch waits
+# (parallel/zero.py) wrap this call instead, so they run eagerly, outside the graph
+
+
+def compiled_call(module: Any) -> Any:
+    """The compiled call ``nn.Module.compile`` installed on ``module``, or None."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: Any, call: Any) -> None:
+    module._compiled_call_impl = call
+
+
 # the process group behind a group name as c10d ops receive it below the dispatcher (tp_accounting.py)
 resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "_resolve_process_group")
 # dispatch modes see every aten op: deferred init, the planner's trace and the TP accounting are built on them;

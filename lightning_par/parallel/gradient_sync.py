@@ -10,7 +10,8 @@ owner                  when
 :class:`FSDPSync`      ZeRO-3 (FSDP2 ``fully_shard``), or ZeRO-0 with DTensor parameters (FSDP2 ``replicate``)
 :class:`ZeroSync`      ZeRO-1/2: :class:`~lightning_par.parallel.zero.ZeroPartitioner` reduce-scatters buckets
                        (with pp > 1: once per step, after the schedule's last backward)
-:class:`PipelineSync`  ZeRO-0 with pp > 1: one flat all-reduce after the schedule's last backward
+:class:`PipelineSync`  ZeRO-0 with pp > 1: bucketed all-reduces, each stage's launched as the schedule ends
+                       that stage's last backward, waited for before the step
 :class:`PipelineFSDPSync`  ZeRO-3 with pp > 1: the stages are FSDP2 modules (sharded when the pipeline was
                        prepared); torch's schedule reduce-scatters once per step
 =====================  ===================================================================================
@@ -184,7 +185,9 @@ class ZeroSync(NoSync):
 
     def after_step(self) -> None:
         if self.partitioner is not None:
-            self.partitioner.gather_parameters()  # each rank stepped its chunk; everyone gets all of them
+            # each rank stepped its chunk; everyone gets all of them. Left running: each bucket's gather is waited
+            # for in a forward pre-hook of its modules; state_dict, checkpoints and unwrap wait for all of them
+            self.partitioner.gather_parameters()
 
     def after_load(self) -> None:
         if self.partitioner is not None:
@@ -193,7 +196,8 @@ class ZeroSync(NoSync):
     def unwrap(self, module: nn.Module) -> nn.Module:
         if self.partitioner is not None:
             # its hooks go, the partitioner stays: the optimizers still hold its bucket shards, and a save after fit
-            # (trainer.save_checkpoint) maps them to the parameters through it
+            # (trainer.save_checkpoint) maps them to the parameters through it. remove() first waits for the
+            # gathers of the last step, which no forward waits for now
             self.partitioner.remove()
         return module
 
@@ -205,21 +209,35 @@ class ZeroSync(NoSync):
 
 
 class PipelineSync(NoSync):
-    """ZeRO-0 under pipeline parallel: tied copies summed over the pipeline, then one flat all-reduce over dp.
+    """ZeRO-0 under pipeline parallel: gradients all-reduced over dp in buckets, tied copies summed over the pipeline.
 
     The schedule runs backward in pieces (per micro-batch, and split into input and weight gradients in the
-    zero-bubble schedules), so there is no single backward for DDP's reducer to overlap with.
+    zero-bubble schedules), so there is no single backward for DDP's reducer to overlap with. Instead each stage's
+    buckets are launched as the schedule ends that stage's last backward of the step
+    (:meth:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime.overlap_dp_reduction`), overlapping what the
+    schedule still runs on this rank; the tied copies are summed and reduced, and everything waited for, in
+    ``after_backward``.
     """
 
     name = "pipeline_allreduce"
 
-    def __init__(self, dp_mesh: DeviceMesh) -> None:
+    def __init__(self, dp_mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        self.dp_mesh = dp_mesh
+        self.dp_mesh, self.bucket_cap_mb = dp_mesh, bucket_cap_mb
+
+    def bind(self, pipeline: Any) -> None:
+        super().bind(pipeline)
+        if self.dp_mesh.size() > 1:
+            pipeline.overlap_dp_reduction(self.dp_mesh.get_group(), self.bucket_cap_mb)
+
+    def set_enabled(self, enabled: bool) -> None:
+        super().set_enabled(enabled)
+        if self.pipeline is not None:
+            self.pipeline.require_sync = enabled  # no reduction in the schedule while gradients accumulate
 
     def after_backward(self) -> None:
         if self.enabled:
-            self.pipeline.sync_gradients(self.dp_mesh.get_group())
+            self.pipeline.sync_gradients(self.dp_mesh.get_group(), self.bucket_cap_mb)
 
 
 class PipelineFSDPSync(NoSync):
@@ -271,7 +289,7 @@ def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
             return NoSync()
         if stage in (1, 2):
             return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, precision=precision)
-        return PipelineSync(dp_mesh)
+        return PipelineSync(dp_mesh, layout.bucket_cap_mb)
     if stage == 3:
         return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types, precision=precision)
     if not fitting:

@@ -19,7 +19,12 @@ then discards 1 - 1/N of them). :class:`ZeroPartitioner` does what the ZeRO pape
   stage 1 keeps the full gradient buffers until the step; stage 2 completes each bucket's reduce-scatter when the
   next bucket is launched and frees its full gradient then, keeping only its chunk (4 Psi / N + two buckets at the
   peak of backward, not 4 Psi);
-* after the step each bucket is all-gathered (``all_gather_single``) back into the parameters.
+* after the step each bucket is all-gathered (``all_gather_single``) back into the parameters, in the order the
+  forward first uses the buckets; with ``prefetch=True`` each is waited for in a forward pre-hook of the modules
+  holding its parameters, so bucket k's gather overlaps the forward of the modules before it
+  (:meth:`ZeroPartitioner.gather_parameters`; off by default: a read outside those modules would be stale).
+  Whatever reads the parameters outside a forward (``state_dict``, checkpoints, teardown) waits for all of them
+  first (:meth:`ZeroPartitioner.wait_all`).
 
 With tensor parallel (DTensor parameters on a tp mesh beside the dp mesh) each bucket packs the parameters' *local*
 tensors (a tp shard, or the whole value where a parameter is replicated over tp) and every collective stays on the
@@ -35,6 +40,7 @@ once, after the pipeline summed its tied copies' gradients.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Collection, Iterable
@@ -171,6 +177,8 @@ class _Bucket:
     send: Tensor | None = None  # flat_grad cast to the reduce dtype, alive while its reduce-scatter runs
     grad_chunk: Tensor | None = None  # mixed precision: the owned chunk's reduced gradient, in flat's dtype
     work: dist.Work | None = None
+    gather: dist.Work | None = None  # the all-gather after the step, until a forward pre-hook waits for it
+    gather_send: Tensor | None = None  # its input, alive while it runs
     reduced: bool = False  # this step's reduce-scatter completed; the shard holds the gradient
     ready_params: set[int] = field(default_factory=set)  # indices of params whose gradient is in flat_grad
 
@@ -225,6 +233,19 @@ class ZeroPartitioner:
         grad_dtype: the gradient buffers' dtype (default ``param_dtype``). fp32 with ``param_dtype=bf16`` is
             Megatron-style mixed precision: each parameter's bf16 gradient is upcast into an fp32 bucket, reduced
             and kept in fp32 (stage 1: 4 Psi, stage 2: 4 Psi / N) and is the master shard's step gradient as is.
+        prefetch: leave the all-gathers after the step running and wait for each bucket's in a forward pre-hook of
+            the modules holding its parameters; ``False`` (the default): wait for all of them in
+            :meth:`gather_parameters` (on NCCL that is a wait of the compute stream, not of the host: the gathers
+            still overlap Lightning's host work between the steps, but not the next forward's kernels).
+
+    The prefetch needs every parameter to be read inside the forward of a module that holds it (``module.weight``
+    in ``module.forward``: every torch layer, the project's and Hugging Face's models), and nothing to read the
+    parameters between the step and the next forward but through ``state_dict`` (which waits). A forward that reads
+    another module's parameter without calling that module may read it before its gather lands; the wait then marks
+    the parameter modified in place, so such a read that autograd saved fails in backward ("modified by an inplace
+    operation"), but a read it did not save (``F.embedding(ids, self.head.weight)``, a callback's
+    ``on_train_batch_end`` reading ``p.data``) would silently see stale values. That is why it is off unless asked
+    for.
 
     Mixed precision (``param_dtype=bf16, reduce_dtype=fp32``) keeps, per rank, the ZeRO paper's model states: 2 Psi
     parameters, gradients 2 Psi (stage 1) or 2 Psi / N (stage 2), and 12 Psi / N fp32 master weights and Adam
@@ -269,6 +290,7 @@ class ZeroPartitioner:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
+        prefetch: bool = False,
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
@@ -285,6 +307,7 @@ class ZeroPartitioner:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype
+        self.prefetch = prefetch
         self._in_flight: list[_Bucket] = []  # launched, not yet completed (overlap)
         self._host_copies = _HostCopies()  # offload: the gradients' device-to-host copies, awaited before the step
         self.require_sync = True
@@ -309,6 +332,102 @@ class ZeroPartitioner:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
         ]
+        self._wrapped: list[tuple[nn.Module, Any, Any]] = []  # (compiled module, its call, our wrapper)
+        self._warned = False
+        self._gather_order = self._install_waits(module)
+
+    # -- where the all-gathers after the step are waited for ------------------------------------------------------
+    def _install_waits(self, module: nn.Module) -> list[_Bucket]:
+        """Register the waits for the gathers; returns the buckets in the order the forward first needs them.
+
+        A bucket is waited for before the forward of every module holding one of its parameters directly (the
+        first one to run waits, the others find it done). A module inside a block compiled with
+        ``nn.Module.compile`` would have its pre-hook traced into the graph: the outermost compiled module holding
+        it waits instead, in a wrapper of its compiled call (eager). ``state_dict`` / ``load_state_dict`` of those
+        modules and of ``module`` wait for every gather, and so does the end of ``module``'s own forward (a
+        bucket whose modules did not run)."""
+        named = dict(module.named_modules(remove_duplicate=False))
+        bucket_ids = {id(b): b for b in self.buckets}
+        targets: dict[int, tuple[nn.Module, dict[int, _Bucket]]] = {}  # id(module) -> (module, buckets)
+        for name, sub in named.items():
+            held = {id(self._bucket_of[id(p)][0]) for p in sub.parameters(recurse=False) if id(p) in self._bucket_of}
+            if not held:
+                continue
+            target, parts = sub, name.split(".") if name else []
+            for depth in range(len(parts) + 1):  # the outermost compiled module on the way down, if any
+                outer = named.get(".".join(parts[:depth]))
+                if outer is not None and _compat.compiled_call(outer) is not None:
+                    target = outer
+                    break
+            entry = targets.setdefault(id(target), (target, {}))
+            entry[1].update({i: bucket_ids[i] for i in held})
+        first_use: dict[int, int] = {}
+        for position, (target, buckets) in enumerate(targets.values()):
+            for key in buckets:
+                first_use.setdefault(key, position)
+            chosen = list(buckets.values())
+            call = _compat.compiled_call(target)
+            if call is not None:
+                wrapper = functools.partial(self._waiting_call, chosen, call)
+                _compat.set_compiled_call(target, wrapper)
+                self._wrapped.append((target, call, wrapper))
+            else:
+                self._hooks.append(target.register_forward_pre_hook(functools.partial(self._waiting_hook, chosen)))
+        for sub in {id(m): m for m in (module, *(t for t, _ in targets.values()))}.values():
+            self._hooks.append(sub.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+            self._hooks.append(sub.register_load_state_dict_pre_hook(lambda *_: self.wait_all()))
+        self._hooks.append(module.register_forward_hook(self._after_forward))
+        # launched in the order of first use (on NCCL the gathers run one after another on one stream); a bucket no
+        # module holds (not expected) is gathered last and waited for at once
+        self._unhooked = [b for b in self.buckets if id(b) not in first_use]
+        used = sorted((b for b in self.buckets if id(b) in first_use), key=lambda b: first_use[id(b)])
+        return used + self._unhooked
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The end of the partitioned module's forward: a gather still outstanding belongs to a bucket none of whose
+        modules ran. Its parameters were unused -- or read without their module, before the gather landed."""
+        pending = [b for b in self.buckets if b.gather is not None]
+        if pending and not self._warned:
+            self._warned = True
+            names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            unused = [names.get(id(p), tuple(p.shape)) for b in pending for p in b.params][:4]
+            warnings.warn(f"ZeRO prefetch: {type(module).__name__}'s forward ran no module holding {unused}; if it "
+                          "read these parameters without calling their module, it read them before their all-gather "
+                          "landed. Use prefetch=False for such a model.", RuntimeWarning, stacklevel=2)
+        self.wait_all()
+
+    def _waiting_hook(self, buckets: list[_Bucket], module: nn.Module, args: Any) -> None:
+        for bucket in buckets:
+            self._wait_gather(bucket)
+
+    def _waiting_call(self, buckets: list[_Bucket], call: Any, *args: Any, **kwargs: Any) -> Any:
+        for bucket in buckets:
+            self._wait_gather(bucket)
+        return call(*args, **kwargs)
+
+    def _wait_gather(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s all-gather if it is still outstanding (on NCCL: the compute stream waits)."""
+        work = bucket.gather
+        if work is None:
+            return
+        bucket.gather = None
+        work.wait()
+        bucket.gather_send = None
+        # the parameters changed in place behind autograd's back: a value of one that autograd saved before this
+        # wait (read outside its module's forward, before the gather landed) now fails backward instead of
+        # giving a gradient of stale values
+        torch.autograd.graph.increment_version(list(bucket.params))
+
+    def wait_all(self) -> None:
+        """Wait for every all-gather still outstanding: before anything reads the parameters outside a forward
+        (``state_dict``, a checkpoint, the end of fit) or writes the shards (the next step, a load)."""
+        for bucket in self.buckets:
+            self._wait_gather(bucket)
+
+    @property
+    def gathers_outstanding(self) -> int:
+        """How many buckets' all-gathers were launched and not yet waited for."""
+        return sum(b.gather is not None for b in self.buckets)
 
     # -- building ------------------------------------------------------------------------------------------------
     def _slot(self, param: Tensor) -> int:
@@ -474,6 +593,7 @@ class ZeroPartitioner:
         """
         if not self.require_sync:
             return
+        self.wait_all()  # the step writes the shards: a gather of a bucket whose modules never ran must land first
         for bucket in self.buckets:
             if bucket.work is None and not bucket.reduced:
                 # parameters that got no gradient this step (unused) still take part, with zeros
@@ -538,24 +658,41 @@ class ZeroPartitioner:
 
     # -- parameters ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """After the optimizer stepped the owned chunks: all-gather every bucket back into the model."""
-        works = []
-        for bucket in self.buckets:
+    def gather_parameters(self, wait: bool = False) -> None:
+        """After the optimizer stepped the owned chunks: all-gather every bucket back into the model.
+
+        With ``prefetch`` the gathers are left running, launched in the order the forward needs them, and each is
+        waited for before the forward of the first module holding one of its parameters; ``wait=True`` (or
+        ``prefetch=False``) waits for all of them here."""
+        self.wait_all()  # a gather still outstanding must land before a new one writes the same bucket
+        in_place = "nccl" in str(dist.get_backend(self.group))
+        for bucket in self._gather_order:
             assert bucket.shard is not None
             local = bucket.shard.to_local()
-            # a separate send buffer: gloo does not promise that an input aliasing the output is safe (mixed
-            # precision: the fp32 master, rounded to the buckets' bf16)
-            send = local.to(bucket.flat.device, bucket.flat.dtype, copy=True)
+            if in_place and bucket.flat.is_cuda:
+                # NCCL gathers in place when the input is the output's own chunk: no send buffer. The shard is that
+                # chunk already, except under mixed precision (the fp32 master, rounded here) and offload (host)
+                own = bucket.own(bucket.flat)
+                if local.data_ptr() != own.data_ptr():
+                    own.copy_(local)
+                send = own
+            else:
+                # gloo does not promise that an input aliasing the output is safe: a separate send buffer (mixed
+                # precision: the fp32 master, rounded to the buckets' bf16)
+                send = local.to(bucket.flat.device, bucket.flat.dtype, copy=True)
             bucket.grad_chunk = None  # the step has used it
-            works.append(_compat.all_gather_single(bucket.flat, send, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
+            bucket.gather = _compat.all_gather_single(bucket.flat, send, group=self.group, async_op=True)
+            bucket.gather_send = send
+        for bucket in self._unhooked:
+            self._wait_gather(bucket)
+        if wait or not self.prefetch:
+            self.wait_all()
 
     @torch.no_grad()
     def refresh_shards(self) -> None:
         """Copy the owned chunks of the parameters into the shard parameters (after a checkpoint load). Under mixed
         precision the master takes the bf16 parameters' values: restore an fp32 master into the shard after this."""
+        self.wait_all()
         for bucket in self.buckets:
             assert bucket.shard is not None
             local = bucket.shard.to_local()
@@ -564,8 +701,16 @@ class ZeroPartitioner:
                 local.copy_(own)
 
     def remove(self) -> None:
+        """Wait for the outstanding gathers (nothing waits for them once the hooks are gone) and remove the
+        hooks."""
+        self.wait_all()
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
+        for module, call, wrapper in self._wrapped:
+            if _compat.compiled_call(module) is wrapper:  # still ours (compile's release sets it to None)
+                _compat.set_compiled_call(module, call)
+        self._wrapped = []
 
 
 def _local_grad(param: Tensor) -> Tensor:

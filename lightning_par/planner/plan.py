@@ -191,10 +191,13 @@ class Runtime:
             micro-batches); False: all of it after the backward.
         pp_dp_overlap: under a pipeline, each rank reduces its gradients in buckets from the start of its last
             gradient-producing backward, under the schedule's cooldown (Megatron's ``--overlap-grad-reduce`` with
-            pipelines); False: after the rank's schedule ends, as lightning-par's pipeline owners do.
+            pipelines); False: after the rank's schedule ends. lightning-par's ZeRO-0 owner launches a stage's
+            buckets when that stage's last backward *ends* (overlapping only the rank's later actions; ZeRO-1/2
+            and ZeRO-3 under pp reduce after the schedule), closer to False, which stays the default.
         param_gather_overlap: ZeRO-1/2's parameter all-gather after the step is hidden behind the next step's first
-            forward, bucket by bucket (Megatron's ``--overlap-param-gather``); False: the step waits for it, as
-            lightning-par's partitioner does.
+            forward, bucket by bucket (Megatron's ``--overlap-param-gather``; lightning-par's partitioner now does
+            this too, waiting for each bucket in a forward pre-hook); False: the step waits for it. The default stays
+            False (conservative) until the hidden share is measured on a GPU.
         tp_comm_overlap: tensor-parallel collectives are split into tp chunks and pipelined with the matrix
             products beside them (Megatron's ``--tp-comm-overlap``, torch's async TP): only what the products
             cannot cover, and the first chunk, is exposed; False: each collective waits, as DTensor TP does.

@@ -390,7 +390,7 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     set_model_state_dict(module, {name: states[name] for name in own}, options=_FULL)  # each rank keeps its shard
     if partitioner is not None:  # the optimizer's shards (fp32 masters under mixed precision) from the full values
         zero_checkpoint.copy_full(zero_checkpoint.model_state(module, partitioner), states)
-        partitioner.gather_parameters()
+        partitioner.gather_parameters(wait=True)
     for optimizer, state in zip(optimizers, by_name, strict=False):
         materialize_optimizer_state(optimizer)  # full tensors go into existing state (its device, its shards)
         if partitioner is None:

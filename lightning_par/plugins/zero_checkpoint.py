@@ -129,6 +129,7 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
                     partitioner: ZeroPartitioner) -> dict[str, Any]:
     """``optimizer``'s state (its state must exist: a step was taken or it was materialized) as this rank's part
     of the per-parameter flat format; the tensors are views of the optimizer's own, so DCP can load into them."""
+    partitioner.wait_all()  # no all-gather after the step still writing a bucket (the shard's chunk among them)
     names = {id(p): name for name, p in module.named_parameters()}
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     flat: dict[str, Any] = {}
@@ -197,6 +198,7 @@ def model_state(module: nn.Module, partitioner: ZeroPartitioner) -> dict[str, An
     buckets: under mixed precision the buckets hold bf16 copies and the shards the fp32 master weights, which are the
     ones to save (and to load into, before the all-gather writes them back into the buckets). A rank holding no
     element of a parameter writes nothing for it."""
+    partitioner.wait_all()  # the gathers after the step land before anything is read (also a state_dict hook)
     state = module.state_dict(keep_vars=True)
     held: dict[int, Piece] = {id(piece.param): piece for piece in pieces(partitioner)}
     partitioned = {id(p) for bucket in partitioner.buckets for p in bucket.params}
@@ -220,4 +222,4 @@ def finish_model_load(module: nn.Module, partitioner: ZeroPartitioner, loaded: d
     own = module.state_dict(keep_vars=True)
     rest = {name: value for name, value in rest.items() if id(own.get(name)) not in partitioned}
     module.load_state_dict(rest, strict=False)
-    partitioner.gather_parameters()
+    partitioner.gather_parameters(wait=True)  # outside a forward: nothing else would wait for it

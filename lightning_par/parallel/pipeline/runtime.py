@@ -22,9 +22,9 @@ Transforming the stages (tensor parallel, recompute, data parallel) happens in t
 ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`) torch's schedules
 reduce-scatter each FSDP group's gradient once per step, after the last micro-batch's backward, and the
 stages keep their parameters gathered from the first forward to that reduce-scatter (see :mod:`.fsdp` for the
-counts). The runtime does not synchronise data-parallel gradients itself, except in
-:meth:`PipelineRuntime.sync_gradients` (ZeRO-0: tied sum, then one flat all-reduce over data parallel), which only
-the ZeRO-0 owner calls.
+counts). The runtime does not synchronise data-parallel gradients itself, except for ZeRO-0, whose owner calls
+:meth:`PipelineRuntime.overlap_dp_reduction` (each stage's gradients all-reduced in buckets as the schedule ends
+that stage's last backward) and :meth:`PipelineRuntime.sync_gradients` (the rest, and the wait, before the step).
 
 Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
 checked once, when the :class:`~lightning_par.parallel.stage_plan.StagePlan` is built (by the layout, in the
@@ -33,6 +33,7 @@ launching process); the runtime takes the plan as it is.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,11 +47,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import flatten_dense_tensors, unflatten_dense_tensors, without_p2p_to_itself
+from lightning_par._compat import without_p2p_to_itself
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.chain import check_chain
+from lightning_par.parallel.pipeline.dp_reduce import BucketedAllReduce
 from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.split import (
     Costs,
@@ -239,6 +241,8 @@ class PipelineRuntime:
         self._micro_losses: list[Tensor] = []
         self.record_next = False  # record the next training step's executed schedule and activation memory
         self.recording: Recording | None = None
+        self.dp_reduce: BucketedAllReduce | None = None  # ZeRO-0: see overlap_dp_reduction
+        self._dp_launched: set[int] = set()  # stages whose buckets this step's schedule launched
 
         def scaled_loss(outputs: Any, targets: Any) -> Tensor:
             loss = self._step_loss(outputs, targets)
@@ -458,13 +462,66 @@ class PipelineRuntime:
     def _tied_copy(self, tied: _Tied) -> nn.Parameter | None:
         return self.module.get_parameter(tied.name) if tied.name is not None else None
 
-    def sync_gradients(self, dp_group: dist.ProcessGroup) -> None:
+    def overlap_dp_reduction(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
+        """ZeRO-0: from now on, while ``require_sync``, each stage's gradients start their all-reduce over
+        ``dp_group`` (in buckets, :class:`~.dp_reduce.BucketedAllReduce`) as the schedule returns from that stage's
+        last backward of the step (``last_backward``: its last B, or W in the zero-bubble schedules), overlapping
+        the schedule's remaining actions on this rank (the other stages' backwards, the cooldown's sends and
+        receives). :meth:`sync_gradients` completes them before the step. Parameters whose gradient is still to
+        change then -- tied copies summed over the pipeline, a parameter held by two stages of this rank -- are
+        reduced in :meth:`sync_gradients`."""
+        self.dp_reduce = BucketedAllReduce(dp_group, bucket_cap_mb)
+        for stage in self.stages:
+            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                # an instance attribute shadows the method (the schedule calls it by name, with last_backward=)
+                setattr(stage, name, functools.partial(self._backward_then_reduce, stage, getattr(stage, name)))
+
+    def _backward_then_reduce(self, stage: Any, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = backward(*args, **kwargs)
+        if kwargs.get("last_backward") and self.require_sync and self.dp_reduce is not None:
+            self._launch_stage(stage)
+        return out
+
+    def _reduced_last(self) -> set[int]:
+        """ids of the parameters reduced only in :meth:`sync_gradients`: tied copies (their gradients are summed
+        over the pipeline first) and parameters held by more than one stage of this rank."""
+        late = {id(p) for tied in self._tied if (p := self._tied_copy(tied)) is not None}
+        seen: set[int] = set()
+        for stage in self.stages:
+            for p in stage.submod.parameters():
+                (late if id(p) in seen else seen).add(id(p))
+        return late
+
+    def _launch_stage(self, stage: Any) -> None:
+        if stage.stage_index in self._dp_launched:
+            raise RuntimeError(f"pipeline stage {stage.stage_index} ended its last backward twice in one step; its "
+                               "gradients were already being all-reduced over data parallel.")
+        self._dp_launched.add(stage.stage_index)
+        late = self._reduced_last()
+        assert self.dp_reduce is not None
+        self.dp_reduce.launch([_local(p.grad) for p in stage.submod.parameters()
+                               if p.grad is not None and id(p) not in late])
+
+    def sync_gradients(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
         """ZeRO-0 (plain replicas) only: before the optimizer step, sum the tied copies' gradients over the pipeline
-        (:meth:`sum_tied_gradients`), then average every gradient over the replicas with one flat all-reduce.
+        (:meth:`sum_tied_gradients`) and average every gradient over the replicas, in buckets: the stages whose
+        buckets :meth:`overlap_dp_reduction` did not launch during the schedule are launched now, then the tied and
+        shared parameters, and every bucket is waited for.
 
         Other data-parallel owners synchronise the replicas themselves and call only :meth:`sum_tied_gradients`."""
-        self.sum_tied_gradients()
-        self._average_gradients(dp_group)
+        if self.dp_reduce is None or self.dp_reduce.group is not dp_group:
+            self.dp_reduce = BucketedAllReduce(dp_group, bucket_cap_mb)
+        try:
+            for stage in self.stages:
+                if stage.stage_index not in self._dp_launched:
+                    self._launch_stage(stage)
+            self.sum_tied_gradients()
+            late = self._reduced_last()
+            params = {id(p): p for stage in self.stages for p in stage.submod.parameters() if id(p) in late}
+            self.dp_reduce.launch([_local(p.grad) for p in params.values() if p.grad is not None])
+            self.dp_reduce.finish()
+        finally:
+            self._dp_launched = set()
 
     def _exchange_meta(self, tied: _Tied, local: Tensor | None) -> tuple[list[int], torch.dtype]:
         """The shape and dtype of this rank's part of ``tied``, broadcast from its source rank: ranks without a
@@ -537,24 +594,6 @@ class PipelineRuntime:
             if param is not None and not tied.counted_here:
                 out.add(id(param))
         return out
-
-    def _average_gradients(self, dp_group: dist.ProcessGroup) -> None:
-        """Average this rank's gradients over its data-parallel replicas (the same stages on other replicas).
-
-        One flat all-reduce after the schedule rather than DDP's buckets overlapped with backward: the schedule
-        runs backward in pieces (per micro-batch, and split into input and weight gradients for the zero-bubble
-        schedules), so there is no single backward to hook the overlap into.
-        """
-        n = dist.get_world_size(dp_group)
-        # tensor-parallel gradients: each rank averages its own shard with the replicas of the same tp coordinate
-        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
-        if n == 1 or not grads:
-            return
-        flat = flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=dp_group)
-        flat /= n
-        for grad, synced in zip(grads, unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(synced)
 
     # -- forward only ------------------------------------------------------------------------------------------
     @torch.no_grad()
