@@ -96,6 +96,26 @@ def test_recorder_records_each_call_and_restores_the_stage():
     assert stage.forward_one_chunk.__func__ is _FakeStage.forward_one_chunk
 
 
+def test_recorder_reads_the_microbatch_through_the_data_parallel_reducer():
+    """Under dp x pp at ZeRO-0 the runtime wraps the backward methods to launch the stage's gradient buckets after
+    its last backward; the recorder binds the schedule's arguments to the wrapped method and must still find the
+    micro-batch (a wrapper with a bare ``*args`` signature crashed every recorded dp2 x pp2 step)."""
+    from types import SimpleNamespace
+
+    from lightning_par.parallel.pipeline.runtime import PipelineRuntime
+
+    stage, launched = _FakeStage(), []
+    runtime = SimpleNamespace(_backward_then_reduce=lambda st, backward, *a, **k: (
+        launched.append(k.get("last_backward", False)), backward(*a, **k))[1])
+    for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+        setattr(stage, name, PipelineRuntime._reducing(runtime, stage, getattr(stage, name)))
+    with ScheduleRecorder([stage]) as recorder:
+        assert stage.backward_one_chunk(1, loss=None, full_backward=False) == ("backward", 1)
+        stage.backward_weight_one_chunk(1, last_backward=True)
+    assert [(r.kind, r.microbatch, r.full) for r in recorder.records] == [("B", 1, False), ("W", 1, True)]
+    assert launched == [False, True]
+
+
 def test_draw_timeline_writes_a_png_and_returns_the_figure(tmp_path):
     from matplotlib.figure import Figure
     from torch.utils.tensorboard import SummaryWriter

@@ -474,7 +474,18 @@ class PipelineRuntime:
         for stage in self.stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 # an instance attribute shadows the method (the schedule calls it by name, with last_backward=)
-                setattr(stage, name, functools.partial(self._backward_then_reduce, stage, getattr(stage, name)))
+                setattr(stage, name, self._reducing(stage, getattr(stage, name)))
+
+    def _reducing(self, stage: Any, backward: Callable[..., Any]) -> Callable[..., Any]:
+        """``backward`` that then launches the stage's buckets after its last backward of the step. It keeps
+        ``backward``'s signature (``functools.wraps``): the timeline recorder binds the schedule's arguments to it to
+        find the micro-batch."""
+
+        @functools.wraps(backward)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._backward_then_reduce(stage, backward, *args, **kwargs)
+
+        return call
 
     def _backward_then_reduce(self, stage: Any, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         out = backward(*args, **kwargs)
