@@ -4,12 +4,14 @@ back what they wrote (TensorBoard scalars, per-rank reports), so one launch can 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -232,3 +234,20 @@ def spawn_reports(worker, root: Path, nprocs: int = 2) -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(worker, args=(nprocs, str(root / "store"), str(root)), nprocs=nprocs, join=True)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, store: str, out: str) -> Iterator[dict]:
+    """A spawned worker's rank (see :func:`spawn_reports`): one thread, a gloo group over a file store, and a report
+    dict written to ``out/rank{rank}.json`` when the body ends without an error (the group closed either way)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    report: dict = {}
+    try:
+        yield report
+    finally:
+        close_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))

@@ -6,9 +6,6 @@ dropout, and CUDA graphs refused. A CUDA device is faked where the code only rea
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +13,7 @@ from torch import nn
 
 from lightning_par import LayoutError
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
-from tests.harness import spawn_reports
+from tests.harness import gloo_rank, spawn_reports
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -268,21 +265,13 @@ def _single_process() -> dict:
 def _offload_worker(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.harness import close_process_group
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    report = {}
-    try:
+    with gloo_rank(rank, world, store, out) as report:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))["dp"]
         for stage in (1, 2, 3):
             for offload in (False, True):
                 report[f"zero{stage}_offload={offload}"] = _fit(stage, offload, mesh, rank, world)
         if rank == 0:
             report["single"] = _single_process()
-    finally:
-        close_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 @pytest.fixture(scope="module")

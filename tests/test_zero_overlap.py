@@ -10,16 +10,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.harness import gloo_rank, spawn_reports
 
 STEPS = 3
 
@@ -141,12 +139,7 @@ def _peek(prefetch: bool, mesh, warned: list[str]) -> str:
 def _zero_worker(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.harness import close_process_group
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    report = {}
-    try:
+    with gloo_rank(rank, world, store, out) as report:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))["dp"]
         for stage in (1, 2):
             for prefetch in (False, True):
@@ -154,17 +147,11 @@ def _zero_worker(rank: int, world: int, store: str, out: str) -> None:
         report["peek_warnings=False"], report["peek_warnings=True"] = [], []
         report["peek_prefetch=False"] = _peek(False, mesh, report["peek_warnings=False"])
         report["peek_prefetch=True"] = _peek(True, mesh, report["peek_warnings=True"])
-    finally:
-        close_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
 def zero_reports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zero_overlap")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_zero_worker, args=(2, str(root / "store"), str(root)), nprocs=2, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_reports(_zero_worker, tmp_path_factory.mktemp("zero_overlap"), nprocs=2)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -270,27 +257,16 @@ def _fit_pipeline(schedule: str, bucketed: bool, mesh) -> dict:
 def _pipeline_worker(rank: int, world: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.harness import close_process_group
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    report = {}
-    try:
+    with gloo_rank(rank, world, store, out) as report:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         for schedule in ("1f1b", "zero_bubble"):
             for bucketed in (False, True):
                 report[f"{schedule}_bucketed={bucketed}"] = _fit_pipeline(schedule, bucketed, mesh)
-    finally:
-        close_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
 def pipeline_reports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp_dp_reduce")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_pipeline_worker, args=(4, str(root / "store"), str(root)), nprocs=4, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
+    return spawn_reports(_pipeline_worker, tmp_path_factory.mktemp("pp_dp_reduce"), nprocs=4)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
