@@ -46,6 +46,7 @@ def _fit_zero(stage: int, prefetch: bool, mesh, rank: int, world: int) -> dict:
     model = _small_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     part = ZeroPartitioner(model, [optimizer], mesh, stage, bucket_cap_mb=0.004, prefetch=prefetch)
+    partitioner_hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     index = {id(b): i for i, b in enumerate(part.buckets)}
     holders: dict[str, set[int]] = {}  # module name -> buckets of the parameters it holds
     events: list[tuple[str, object]] = []
@@ -93,7 +94,8 @@ def _fit_zero(stage: int, prefetch: bool, mesh, rank: int, world: int) -> dict:
         dist.all_reduce(reduced)
         losses.append(float(reduced) / world)
     part.remove()
-    return {"losses": losses, "outstanding": outstanding, "first_use_waits": first_uses_ok, "state": states,
+    return {"partitioner_hooks": partitioner_hooks, "losses": losses, "outstanding": outstanding,
+            "first_use_waits": first_uses_ok, "state": states,
             "changed": changed, "buckets": len(part.buckets), "params": len(list(model.parameters()))}
 
 
@@ -162,6 +164,7 @@ def test_gathers_are_waited_in_the_forward_and_losses_are_exact(zero_reports, st
         print(f"zero{stage} dp2: {n} buckets for {new['params']} parameters; outstanding after each step's "
               f"gather: {new['outstanding'][:STEPS]} (old path: {old['outstanding'][:STEPS]}); losses {new['losses']}")
         assert n >= 4
+        assert old["partitioner_hooks"] == 0 and new["partitioner_hooks"] > 0  # the default adds nothing per forward
         assert new["outstanding"] == [n] * STEPS + [0]  # all left running; state_dict waited for every one
         assert old["outstanding"] == [0] * (STEPS + 1)
         assert new["first_use_waits"] == [True] * (STEPS - 1)  # each bucket waited just before its first module

@@ -338,7 +338,8 @@ class ZeroPartitioner:
 
     # -- where the all-gathers after the step are waited for ------------------------------------------------------
     def _install_waits(self, module: nn.Module) -> list[_Bucket]:
-        """Register the waits for the gathers; returns the buckets in the order the forward first needs them.
+        """Register the waits for the gathers (with ``prefetch`` only); returns the buckets in the order the forward
+        first needs them.
 
         A bucket is waited for before the forward of every module holding one of its parameters directly (the
         first one to run waits, the others find it done). A module inside a block compiled with
@@ -365,6 +366,8 @@ class ZeroPartitioner:
         for position, (target, buckets) in enumerate(targets.values()):
             for key in buckets:
                 first_use.setdefault(key, position)
+            if not self.prefetch:  # every gather is waited for in gather_parameters: no hook in the step's path
+                continue
             chosen = list(buckets.values())
             call = _compat.compiled_call(target)
             if call is not None:
@@ -373,10 +376,11 @@ class ZeroPartitioner:
                 self._wrapped.append((target, call, wrapper))
             else:
                 self._hooks.append(target.register_forward_pre_hook(functools.partial(self._waiting_hook, chosen)))
-        for sub in {id(m): m for m in (module, *(t for t, _ in targets.values()))}.values():
+        for sub in {id(m): m for m in (module, *(t for t, _ in targets.values()))}.values() if self.prefetch else ():
             self._hooks.append(sub.register_state_dict_pre_hook(lambda *_: self.wait_all()))
             self._hooks.append(sub.register_load_state_dict_pre_hook(lambda *_: self.wait_all()))
-        self._hooks.append(module.register_forward_hook(self._after_forward))
+        if self.prefetch:
+            self._hooks.append(module.register_forward_hook(self._after_forward))
         # launched in the order of first use (on NCCL the gathers run one after another on one stream); a bucket no
         # module holds (not expected) is gathered last and waited for at once
         self._unhooked = [b for b in self.buckets if id(b) not in first_use]
