@@ -432,6 +432,10 @@ class _DeferredCheck:
     def setup(self, trainer, pl_module, stage) -> None:  # before configure_model and the strategy's setup
         _reset_peak(self.device)
         self.base = _current_bytes(self.device)
+        if self.device.type == "cuda":  # the allocator's events, to name what is alive at the peak
+            from lightning_par import _compat
+
+            _compat.cuda_record_memory_history(max_entries=200_000)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         import torch
@@ -445,6 +449,8 @@ class _DeferredCheck:
         self.out.update(setup_peak_bytes=peak_bytes - self.base, setup_peak=peak, model_bytes=sum(sizes),
                         largest_tensor_bytes=max(sizes), materialized=dict(trainer.strategy.materialized))
         self.out["setup_peak_within_bound"] = self.out["setup_peak_bytes"] <= sum(sizes) + max(sizes)
+        if self.device.type == "cuda":
+            self.out["alive_at_setup_peak"] = _alive_at_peak(state.values())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(SEED)
             with torch.device(self.device):
@@ -458,6 +464,38 @@ class _DeferredCheck:
         self.out.update(deferred_tensors=len(state), deferred_mismatched=len(mismatched),
                         deferred_first_mismatched=mismatched[:3], deferred_max_abs_diff=worst)
         del eager
+
+
+def _alive_at_peak(model_tensors) -> dict:
+    """Replay the CUDA allocator's events since recording began: the allocations alive at the largest total that
+    are not the model's own tensors, largest first, each with the innermost Python frames that made it."""
+    from lightning_par import _compat
+
+    snapshot = _compat.cuda_memory_snapshot()
+    _compat.cuda_record_memory_history(enabled=None)
+    own = {_whole_ptr(t) for t in model_tensors}
+    live, total, best, best_live = {}, 0, -1, {}
+    for event in (snapshot.get("device_traces") or [[]])[0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] in ("free_requested", "free_completed") and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]  # counted free at the request, as memory_allocated does
+        if total > best:
+            best, best_live = total, dict(live)
+    others = sorted((e for addr, e in best_live.items() if addr not in own), key=lambda e: -e["size"])
+
+    def where(event) -> list[str]:
+        frames = [f for f in event.get("frames", []) if f.get("filename", "").endswith(".py")]
+        return [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames[:4]]
+
+    return {"peak_bytes_since_setup": best, "others_bytes": sum(e["size"] for e in others),
+            "others": [{"bytes": e["size"], "frames": where(e)} for e in others[:8]]}
+
+
+def _whole_ptr(tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
 
 
 def _current_bytes(device) -> int:

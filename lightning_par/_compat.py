@@ -131,6 +131,10 @@ replicate = private("torch", "torch.distributed._composable.replicate_with_fsdp"
 Shard = private("torch", "torch.distributed._shard.sharded_tensor", "Shard")
 ShardedTensor = private("torch", "torch.distributed._shard.sharded_tensor", "ShardedTensor")
 ShardMetadata = private("torch", "torch.distributed._shard.sharded_tensor", "ShardMetadata")
+# the CUDA allocator's event history (benchmarks/gpu_check.py: which allocations are alive at a setup peak that
+# exceeds its bound); torch has no public spelling of it
+cuda_record_memory_history = private("torch", "torch.cuda.memory", "_record_memory_history")
+cuda_memory_snapshot = private("torch", "torch.cuda.memory", "_snapshot")
 ShardedTensorMetadata = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "ShardedTensorMetadata")
 TensorProperties = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")
 # a ShardedTensor built without a process group (zero_checkpoint.blocks_tensor): its public constructors need one

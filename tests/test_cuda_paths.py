@@ -358,3 +358,59 @@ def test_max_autotune_is_refused_on_cuda_only():
     CompileOptions.of({"mode": "max-autotune-no-cudagraphs"}).check_device(torch.device("cuda", 0))
     with pytest.raises(LayoutError, match=r"max-autotune.*records CUDA graphs on CUDA.*max-autotune-no-cudagraphs"):
         options.check_device(torch.device("cuda", 0))
+
+
+# -- deferred materialisation on a device: what the GPU check found on an H200 (docs/gpu.md) -------------------------
+class _Perplexity(nn.Module):
+    """A LightningModule-like holder: a deferred model beside a torchmetrics metric built eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        from lightning_par.parallel.deferred_init import deferred_init
+
+        torch.manual_seed(0)
+        with deferred_init(threshold=0) as self.record:
+            self.model = nn.Sequential(nn.Embedding(8, 4), nn.LayerNorm(4))
+            self.model.register_buffer("table", torch.arange(4.0))
+        self.record.capture(self)
+        self.metric = torchmetrics.MeanMetric()
+
+
+def test_deferred_materialisation_places_parameters_buffers_and_metric_states():
+    """Parameters go to ``parameter_device`` (the host, under FSDP2 offload, which refuses GPU-materialised
+    parameters), buffers and torchmetrics states (neither parameters nor buffers) to the device, as an eager build's
+    ``module.to(device)`` would. Only CPU and meta exist here, so the meta device stands in for the GPU: on an H200,
+    ZeRO-3 left the perplexity metric on the host (its first update with a GPU loss failed) and ZeRO-3 offload
+    materialised the root's parameters on the GPU (FSDP2 refused them at lazy init)."""
+    from lightning_par.parallel.materialize import materialize_share
+
+    holder = _Perplexity()
+    assert all(t.is_meta for t in holder.model.state_dict().values())
+    assert holder.metric.device == torch.device("cpu")
+    device, host = torch.device("meta"), torch.device("cpu")
+    materialize_share(holder, holder.record, device, parameter_device=host)
+    assert {p.device for p in holder.parameters()} == {host}
+    assert holder.model.table.device == device
+    assert holder.metric.device == device and holder.metric.mean_value.device == device
+    reference = _Perplexity()
+    reference.record.materialize(reference)  # every tensor on the host: the same values as one process builds
+    for (name, got), want in zip(holder.model.named_parameters(), reference.model.parameters()):
+        assert torch.equal(got, want), name
+
+
+def test_offloaded_zero3_owners_keep_parameters_on_host():
+    from lightning_par.parallel import gradient_sync
+    from lightning_par.parallel.host_memory import fsdp_offload_policy
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    mesh = type("Mesh", (), {"device_type": "cuda"})()
+    assert gradient_sync.FSDPSync(mesh, shard=True, offload=True).parameters_on_host
+    assert not gradient_sync.FSDPSync(mesh, shard=True).parameters_on_host
+    assert not gradient_sync.FSDPSync(mesh, shard=False, offload=True).parameters_on_host
+    assert gradient_sync.PipelineFSDPSync(mesh, offload=True).parameters_on_host
+    assert not gradient_sync.NoSync().parameters_on_host
+    # one policy for both FSDP paths: pinned where a device copies to the host, unpinned on a CPU mesh
+    assert fsdp_offload_policy(True, "cuda").pin_memory and not fsdp_offload_policy(True, "cpu").pin_memory
+    assert not isinstance(fsdp_offload_policy(False, "cuda"), CPUOffloadPolicy)

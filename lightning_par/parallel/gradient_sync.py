@@ -52,6 +52,9 @@ class NoSync:
     """Nothing to synchronise: a single data-parallel rank, or no gradients (evaluation)."""
 
     name = "none"
+    #: the owner keeps the resting parameter shards in host memory (FSDP2 CPU offload): a deferred model's
+    #: parameters are then materialised there, as FSDP2 requires, while buffers go to the device
+    parameters_on_host = False
 
     def __init__(self) -> None:
         self.enabled = True
@@ -124,6 +127,7 @@ class FSDPSync(NoSync):
         super().__init__()
         self.name = "fsdp2_shard" if shard else "fsdp2_replicate"
         self.dp_mesh, self.sharded, self.offload, self.block_types = dp_mesh, shard, offload, block_types
+        self.parameters_on_host = shard and offload
         self.precision = precision
         self.roots: list[nn.Module] = []
 
@@ -251,6 +255,7 @@ class PipelineFSDPSync(NoSync):
     def __init__(self, dp_mesh: DeviceMesh, offload: bool = False, precision: ShardPrecision = FULL_PRECISION) -> None:
         super().__init__()
         self.dp_mesh, self.offload, self.precision = dp_mesh, offload, precision
+        self.parameters_on_host = offload
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
         return fully_shard_stages(parts.stages, self.dp_mesh, parts.block_names, offload=self.offload,

@@ -27,3 +27,11 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def fsdp_offload_policy(offload: bool, device_type: str):
+    """FSDP2's offload policy for a mesh of ``device_type``: parameter shards in host memory when ``offload``,
+    pinned only where a device copies to them (pinning needs an accelerator: on a CPU mesh it fails)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu") if offload else OffloadPolicy()

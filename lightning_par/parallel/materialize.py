@@ -59,14 +59,17 @@ def named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 @torch.no_grad()
 def materialize_share(module: nn.Module, record: DeferredInit, device: torch.device,
-                      skip: Collection[str] = ()) -> dict[str, int]:
+                      skip: Collection[str] = (), parameter_device: torch.device | None = None) -> dict[str, int]:
     """Allocate this rank's piece of every meta tensor of ``module`` on ``device`` and fill it with its slice of the
     single-process value recorded by ``record`` (names relative to ``module``, as captured).
 
     ``skip``: names whose pieces are left allocated but unfilled, because a loader overwrites them next (their
     random initialisation is never computed). Tensors that are already real keep their values and move to
     ``device``. A parameter keeps its identity (its data is swapped in), so ties and every reference to it hold;
-    FSDP2 takes the new local shard at its lazy init. Returns ``kept_bytes`` (bytes of this rank's pieces) and
+    FSDP2 takes the new local shard at its lazy init. ``parameter_device``: where parameters go instead of
+    ``device`` (the host, when FSDP2 offloads them: it refuses parameters materialised on the GPU). States kept outside
+    parameters and buffers (torchmetrics' metric states) follow ``device`` too, as ``module.to(device)`` would take
+    them in an eager build. Returns ``kept_bytes`` (bytes of this rank's pieces) and
     ``transient_bytes`` (the largest full tensor computed on the way).
     """
     stats = {"kept_bytes": 0, "transient_bytes": 0}
@@ -81,7 +84,8 @@ def materialize_share(module: nn.Module, record: DeferredInit, device: torch.dev
     targets = []
     for name, tensor in named_tensors(module):
         was_meta = local_tensor(tensor).is_meta
-        target = _allocate(module, tensor, device)
+        home = parameter_device if parameter_device is not None and isinstance(tensor, nn.Parameter) else device
+        target = _allocate(module, tensor, home)
         if was_meta:
             stats["kept_bytes"] += local_tensor(target).numel() * target.element_size()
             targets.append((name, tensor, target))
@@ -94,7 +98,19 @@ def materialize_share(module: nn.Module, record: DeferredInit, device: torch.dev
         local_tensor(target).copy_(full if slices is None else full[slices])
         del full
     release_freed_memory()  # the full tensors' blocks
+    _move_metric_states(module, device)
     return stats
+
+
+def _move_metric_states(module: nn.Module, device: torch.device) -> None:
+    """Move the torchmetrics metrics inside ``module`` to ``device``: their states are neither parameters nor buffers,
+    so the allocation above does not reach them, and an eager build's ``module.to(device)`` (``Metric._apply``)
+    would have moved them; left on the host, the first ``update`` with a GPU loss fails."""
+    from torchmetrics import Metric
+
+    for sub in module.modules():
+        if isinstance(sub, Metric) and sub.device != device:
+            sub.to(device)
 
 
 def _allocate(module: nn.Module, tensor: Tensor, device: torch.device) -> Tensor:

@@ -76,6 +76,8 @@ class ParallelizeConfig:
     sequence_parallel: bool = False
     recompute: str = "none"
     compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (parallel/compile.py)
+    #: where a deferred model's parameters are materialised when not on ``device``: the host, under FSDP2 offload
+    parameter_device: torch.device | None = None
 
 
 @dataclass
@@ -118,7 +120,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     fills: Collection[str] = pretrained.check(parts.root) if pretrained is not None else ()
     stats: dict[str, int] = {}
     if deferred is not None:
-        stats = materialize_share(parts.root, deferred, config.device, skip=fills)
+        stats = materialize_share(parts.root, deferred, config.device, skip=fills,
+                                  parameter_device=config.parameter_device)
     if pretrained is not None:
         stats["pretrained_tensors"] = pretrained.load(parts.root)
     return Parallelized(stages=stages, tensor_parallel=plan, stats=stats)

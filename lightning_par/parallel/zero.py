@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_par import _compat
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
-from lightning_par.parallel.host_memory import release_freed_memory
+from lightning_par.parallel.host_memory import fsdp_offload_policy, release_freed_memory
 from lightning_par.topology import LayoutError
 
 #: Optimizers whose update of an element depends only on that element's own history, so a flat chunk of a
@@ -928,10 +928,9 @@ def fully_shard_units(
     ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
     Returns the FSDP2 roots.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    # pinned host memory only where a device copies to it (pinning needs an accelerator: on a CPU mesh it fails)
-    policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if offload else OffloadPolicy()
+    policy = fsdp_offload_policy(offload, dp_mesh.device_type)
     # mixed precision (bf16-mixed): fp32 shards are the master weights, gathered as bf16, gradients reduced in fp32
     mp = mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy()
     groups = data_parallel_groups(module, block_types)

@@ -420,7 +420,9 @@ class LayoutStrategy(ParallelStrategy):
                                           and self.layout.stage_plan.spec.split_backward)
         config = ParallelizeConfig(device=self.root_device, dp_mesh=self.grad_mesh,
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
-                                   recompute=self.layout.recompute, compile=self.compiler)
+                                   recompute=self.layout.recompute, compile=self.compiler,
+                                   parameter_device=torch.device("cpu") if self._gradient_sync.parameters_on_host
+                                   else None)
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._deferred,
                            pretrained=self.pretrained)
         self._deferred = None

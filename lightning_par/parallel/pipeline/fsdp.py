@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.parallel.host_memory import fsdp_offload_policy
 from lightning_par.topology import LayoutError
 
 
@@ -99,11 +100,11 @@ def fully_shard_stages(stage_modules: Sequence[nn.Module], dp_mesh: DeviceMesh, 
 
     Returns the stage modules, now ``FSDPModule`` roots.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     check_disjoint(stage_modules)
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+                  offload_policy=fsdp_offload_policy(offload, dp_mesh.device_type),
                   mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy())
     for module in stage_modules:
         for block in stage_blocks(module, blocks):
