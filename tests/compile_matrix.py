@@ -26,6 +26,7 @@ from torch import nn
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule
+from lightning_par.parallel.tensor_parallel import PLAN_STYLES
 from tests.conftest import GLOBAL_BATCH, SGD_LR
 from tests.harness import checkpoint_worker_main
 
@@ -56,22 +57,31 @@ CASES: dict[str, tuple[int, type, dict, int]] = {
     "user_gpt2_tp2": (2, MegatronTPStrategy, dict(tp=2), GLOBAL_BATCH),
     "user_gpt2_tp2_pp2": (4, Hybrid3DStrategy, dict(tp=2, pp=2, schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
 }
+if "packed_colwise" in PLAN_STYLES:  # the fused-qkv model, once tensor parallel has fused projections
+    CASES["user_gpt2_fused_tp2"] = (2, MegatronTPStrategy, dict(tp=2), GLOBAL_BATCH)
+    CASES["user_gpt2_fused_tp2_pp2"] = (4, Hybrid3DStrategy, dict(tp=2, pp=2, zero_stage=0, schedule="1f1b",
+                                                                  n_microbatches=2), GLOBAL_BATCH)
 
 
 class UserAttention(nn.Module):
-    """Causal self-attention with separate biased q/k/v projections; the head count comes from the projection's
-    output (``-1``), so a column-parallel split runs this rank's heads."""
+    """Causal self-attention with biased projections: separate q/k/v, or (``fused``) one ``qkv`` linear whose output
+    is chunked in three, nanoGPT's way. The head count comes from the projection's output (``-1``), so a
+    column-parallel split runs this rank's heads."""
 
-    def __init__(self, dim: int, n_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, fused: bool = False) -> None:
         super().__init__()
         self.head_dim = dim // n_heads
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        if fused:
+            self.qkv = nn.Linear(dim, 3 * dim)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        parts = self.qkv(x).chunk(3, dim=-1) if hasattr(self, "qkv") else (
+            self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in parts)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -79,9 +89,9 @@ class UserAttention(nn.Module):
 class UserBlock(nn.Module):
     """Pre-norm block whose GELU MLP linears sit in the block itself, next to its LayerNorms (GPT-2's layout)."""
 
-    def __init__(self, dim: int, n_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, fused: bool = False) -> None:
         super().__init__()
-        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(dim), UserAttention(dim, n_heads), nn.LayerNorm(dim)
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(dim), UserAttention(dim, n_heads, fused), nn.LayerNorm(dim)
         self.c_fc, self.c_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +100,8 @@ class UserBlock(nn.Module):
 
 
 class UserGPT2(nn.Module):
-    """Token and learned position embeddings -> ModuleList of blocks -> LayerNorm -> biased head."""
+    """Token and learned position embeddings -> ModuleList of blocks -> LayerNorm -> biased head; ``fused``: one
+    q|k|v projection per block, declared ``packed_colwise:3``."""
 
     tp_plan = {
         "blocks.*.attn.q_proj": "colwise", "blocks.*.attn.k_proj": "colwise", "blocks.*.attn.v_proj": "colwise",
@@ -98,10 +109,14 @@ class UserGPT2(nn.Module):
         "head": "colwise_gather_output",
     }
 
-    def __init__(self, vocab: int = 256, dim: int = 64, n_heads: int = 4, n_layers: int = 2, seq: int = 64) -> None:
+    def __init__(self, vocab: int = 256, dim: int = 64, n_heads: int = 4, n_layers: int = 2, seq: int = 64,
+                 fused: bool = False) -> None:
         super().__init__()
+        if fused:
+            self.tp_plan = {**{k: v for k, v in self.tp_plan.items() if not k.endswith(("q_proj", "k_proj", "v_proj"))},
+                            "blocks.*.attn.qkv": "packed_colwise:3"}
         self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(UserBlock(dim, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(UserBlock(dim, n_heads, fused) for _ in range(n_layers))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -114,9 +129,13 @@ class UserGPT2(nn.Module):
 class UserGPT2Module(pl.LightningModule):
     """The README's "Your own model" module around :class:`UserGPT2`, with plain SGD."""
 
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+
     def configure_model(self) -> None:
         if getattr(self, "model", None) is None:
-            self.model = UserGPT2()
+            self.model = UserGPT2(fused=self.fused)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -151,7 +170,7 @@ class CompileReport(pl.Callback):
 def fit_one(root: Path, cache: str, name: str, compiled: bool) -> None:
     devices, strategy_cls, strategy_args, batch = CASES[name]
     pl.seed_everything(1234)
-    model = (UserGPT2Module() if name.startswith("user_gpt2")
+    model = (UserGPT2Module(fused="fused" in name) if name.startswith("user_gpt2")
              else GPTLightningModule(preset="tiny", optimizer="sgd", lr=SGD_LR))
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=batch, cache_dir=cache)
     out = root / f"{name}_{'compiled' if compiled else 'eager'}"
