@@ -737,9 +737,9 @@ def _local_grad(param: Tensor) -> Tensor:
 
 def _retype_dtensor(param: nn.Parameter, local: Tensor) -> None:
     """Make DTensor ``param`` a wrapper of ``local`` (its bucket's view): its dtype and storage offset. ``param.data =
-    ...`` changes the wrapper's metadata but keeps the old local tensor and spec, so those are replaced too (the
-    caller sets ``_local_tensor``); the object stays the same,
-    so every reference to the parameter (optimizers, tied-weight tables) stays valid."""
+    ...`` changes the wrapper's metadata but keeps the old local tensor and spec, so the spec is replaced too (the
+    caller sets ``_local_tensor``); the object stays the same, so every reference to the parameter (optimizers,
+    tied-weight tables) stays valid."""
     retyped = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                                  stride=param.stride())
     param.data = retyped
