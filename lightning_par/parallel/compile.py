@@ -241,7 +241,7 @@ class BlockCompiler:
         """The block whose parameters the graph takes (looked up now: FSDP2 registers its gathered parameters only
         for the block's forward) and the key of the input: block class, each input's parameter name (relative to
         the block) or "input", its type (a plain tensor, a DTensor, an ``AsyncCollectiveTensor`` from a tensor-parallel
-        all-reduce still in flight: dynamo guards on it), shape and dtype, and the grad mode."""
+        all-reduce still in flight: dynamo guards on it), shape, dtype and DTensor placements, and the grad mode."""
         owner: dict[int, tuple[int, str]] = {}
         for i, block in enumerate(self.blocks):
             for name, param in block.named_parameters():
@@ -252,7 +252,10 @@ class BlockCompiler:
             if isinstance(value, Tensor):
                 i, name = owner.get(id(value), (-1, "input"))
                 index = i if index < 0 else index
-                described.append((name, type(value).__name__, tuple(value.shape), str(value.dtype)))
+                # a DTensor's placements too: a graph piece between dropout regions (graph breaks) is compiled
+                # once per layout of its input, which is no recompile
+                layout = str(getattr(value, "placements", ""))
+                described.append((name, type(value).__name__, tuple(value.shape), str(value.dtype), layout))
             else:
                 described.append(("value", type(value).__name__))
         kind = type(self.blocks[index]).__name__ if index >= 0 else "?"

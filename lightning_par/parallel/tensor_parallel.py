@@ -541,6 +541,12 @@ class BlockInput(ReplicateParameters):
             if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
                 return None
             x = args[0]
+            if torch.compiler.is_compiling():
+                # In a compiled block nothing may outlive the graph: the block's own hooks (`clear`) run outside
+                # it, so a DTensor kept in `shared` would become a graph output that gets no gradient, which
+                # AOTAutograd refuses in backward ("Expected a DTensor tangent but got a plain Tensor"). Each
+                # child converts its own input instead: the same gradients, one backward all-reduce per child.
+                return (replicated(x), *args[1:])
             dx = next((d for local, d in shared if local is x), None)
             if dx is None:
                 dx = replicated(x)

@@ -488,11 +488,12 @@ class ZeroPartitioner:
             local = _local_data(p)
             view = flat[offset : offset + local.numel()].view(local.shape)
             # the model's parameter now lives in the bucket: the all-gather after the step updates it in place. A
-            # DTensor keeps its wrapper (placements, global shape) and computes on the new local tensor, as FSDP2
-            # does with its sharded parameters.
+            # DTensor keeps its object (placements, global shape) and computes on the new local tensor, as FSDP2
+            # does with its sharded parameters; its wrapper's metadata is remade from the view (dtype, storage
+            # offset), since torch.compile rebuilds a DTensor input from its local tensor and refuses a wrapper
+            # whose storage offset differs ("set the storage of a tensor on device cpu to a storage on ... meta")
             if isinstance(p, DTensor):
-                if view.dtype != p.dtype:
-                    _retype_dtensor(p, view)
+                _retype_dtensor(p, view)
                 p._local_tensor = view  # type: ignore[attr-defined]
             else:
                 p.data = view
@@ -735,9 +736,10 @@ def _local_grad(param: Tensor) -> Tensor:
 
 
 def _retype_dtensor(param: nn.Parameter, local: Tensor) -> None:
-    """Make DTensor ``param`` a wrapper of ``local``'s dtype (its bucket's view). ``param.data = ...`` changes the
-    wrapper's dtype but keeps the old local tensor and spec, so those are replaced too; the object stays the same,
-    so every reference to the parameter (optimizers, tied-weight tables) stays valid."""
+    """Make DTensor ``param`` a wrapper of ``local`` (its bucket's view): its dtype and storage offset. ``param.data =
+    ...`` changes the wrapper's metadata but keeps the old local tensor and spec, so the spec is replaced too (the
+    caller sets ``_local_tensor``); the object stays the same, so every reference to the parameter (optimizers,
+    tied-weight tables) stays valid."""
     retyped = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                                  stride=param.stride())
     param.data = retyped
