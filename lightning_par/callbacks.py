@@ -42,9 +42,9 @@ class TokensPerSecond(pl.Callback):
     model's parameters + 12 x layers x hidden x sequence for attention (said once in the log). Peak: on a GPU, the
     datasheet's dense peak for the device name (:data:`lightning_par.planner.hardware.GPUS`: H100 SXM/PCIe/NVL,
     H200, A100, L40S, B200) in the precision's matmul dtype (fp32 at the TF32 peak when TF32 is on), times the world
-    size; on a CPU, measured once at the first log with a few square matmuls on rank 0's threads, per core, times the
-    cores the ranks of a node can use, times the nodes (measured anew at each launch: CPU figures of two launches
-    are not comparable). No ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one
+    size; on a CPU, one core's matmul rate, measured once per machine and kept
+    (:func:`lightning_par.utilization.cpu_core_peak`, so two launches divide by the same figure), times the cores
+    the ranks of a node can use, times the nodes; the log line says which figure and where it is kept. No ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one
     warning says how).
 
     The window is timed on the host clock after waiting for the device (``torch.cuda.synchronize`` at its two

@@ -96,11 +96,28 @@ def test_a_model_the_planner_cannot_describe_falls_back_to_6n_and_says_why():
     assert flops == 6 * _numel(plain) + 12 * 3 * 16 * SEQ
 
 
-def test_peak_flops():
+def test_peak_flops(tmp_path, monkeypatch):
+    """A CPU's peak is measured once per machine and kept: a later launch divides by the same figure (no new
+    measurement) and says where it comes from; another dtype is measured on its own."""
+    from lightning_par import utilization
+
     given = peak_flops(torch.device("cpu"), "32-true", world_size=4, local_ranks=4, num_nodes=1, per_device=1e12)
     assert given.flops == 4e12
+    assert 1e8 < utilization.measure_matmul_flops(torch.float32, budget_s=0.05) < 1e14  # the real one, briefly
+    kept = tmp_path / "cpu_peak.json"
+    monkeypatch.setenv(utilization.CPU_PEAK_FILE, str(kept))
+    measured = []
+    monkeypatch.setattr(utilization, "measure_matmul_flops",
+                        lambda dtype, budget_s: measured.append((dtype, torch.get_num_threads())) or 3e10)
     cpu = peak_flops(torch.device("cpu"), "32-true", world_size=2, local_ranks=2, num_nodes=1)
-    assert 1e8 < cpu.flops < 1e14 and "measured" in cpu.source
+    cores = min(utilization.usable_cores(), 2 * torch.get_num_threads())
+    assert measured == [(torch.float32, 1)] and cpu.flops == 3e10 * cores  # one core's rate x the cores in use
+    assert f"30.0 GFLOP/s per core (float32 matmul, one thread; measured now, kept in {kept})" in cpu.source
+    again = peak_flops(torch.device("cpu"), "32-true", world_size=2, local_ranks=2, num_nodes=1)
+    assert len(measured) == 1 and again.flops == cpu.flops and f"kept in {kept}" in again.source
+    assert "measured 20" in again.source and utilization.cpu_name() in again.source
+    peak_flops(torch.device("cpu"), "bf16-true", world_size=1, local_ranks=1, num_nodes=1)
+    assert [d for d, _ in measured] == [torch.float32, torch.bfloat16]
     assert gpu_preset("NVIDIA H100 80GB HBM3") == "h100-sxm" and gpu_preset("NVIDIA A100-SXM4-80GB") == "a100"
     assert gpu_preset("Tesla T4") is None
 
