@@ -288,10 +288,17 @@ class LightningParCLI(LightningCLI):
 
     @rank_zero_only
     def _print_log_dir(self) -> None:
+        """Where the run's logs and checkpoints are (the checkpoint that resumes it: ``--ckpt_path``)."""
         trainer = self.trainer
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+        for callback in trainer.checkpoint_callbacks:
+            newest = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+            if newest:
+                newest = os.path.abspath(newest)
+                print(f"Checkpoints: {os.path.dirname(newest)}\nResume with:  --ckpt_path={newest}  (or "
+                      "--ckpt_path=last: the newest complete one)")
 
 
 class _StrategyOption(ActionTypeHint):

@@ -162,13 +162,13 @@ def test_timeline_labels_name_pipeline_rank_and_stage():
 
 # -- a launch as a user runs it: no logging options ------------------------------------------------------------------
 STEPS = 20
-USER_SET = ("--trainer.log_every_n_steps", "--trainer.enable_model_summary")
+USER_SET = ("--trainer.log_every_n_steps", "--trainer.enable_model_summary", "--trainer.enable_checkpointing")
 
 
 @pytest.fixture(scope="module")
 def pp2_default_logging(tmp_path_factory, cache_dir) -> Run:
-    """2 pipeline ranks (ZBV: two stages per rank), 20 steps, the CLI's logging defaults and a TensorBoardLogger
-    without default_hp_metric."""
+    """2 pipeline ranks (ZBV: two stages per rank), 20 steps, the CLI's logging and checkpoint defaults and a
+    TensorBoardLogger without default_hp_metric."""
     root = tmp_path_factory.mktemp("pp2_default_logging")
     job = [a for a in TINY_JOB if not a.startswith(USER_SET)]
     argv = ["fit", *job, "--trainer.devices=2", "--trainer.strategy=pipeline2_zbv", f"--trainer.max_steps={STEPS}",
@@ -195,6 +195,20 @@ def test_a_short_run_logs_loss_and_mfu_and_no_hp_metric(pp2_default_logging):
     for step in mfu:
         assert mfu[step] == pytest.approx(tps[step] * mflop * 1e6 / (peak * 1e9), rel=2e-3)
     print(f"pp2 zbv: mfu {mfu}, tokens/s {tps}, {mflop} MFLOP/token, peak {peak} GFLOP/s")
+
+
+def test_the_run_ends_saying_where_its_logs_and_checkpoints_are(pp2_default_logging):
+    """The CLI's last lines: the TensorBoard directory and the checkpoints', with the --ckpt_path that resumes; the
+    checkpoint of the max_steps stop, 20 steps into the first epoch, is numbered with that epoch (Lightning alone
+    names it epoch=1)."""
+    run = pp2_default_logging
+    version = run.root / "tb" / "lightning_logs" / "version_0"
+    assert sorted(p.name for p in (version / "checkpoints").iterdir()) == ["epoch=0-step=20.ckpt", "last.ckpt"]
+    tail = run.log.strip().splitlines()[-4:]
+    assert tail == [f"TensorBoard logs: {version}", f"Open them with:  tensorboard --logdir {version}",
+                    f"Checkpoints: {version / 'checkpoints'}",
+                    f"Resume with:  --ckpt_path={version / 'checkpoints' / 'last.ckpt'}  (or --ckpt_path=last: the "
+                    "newest complete one)"], run.log[-2000:]
 
 
 def test_memory_over_ranks_from_a_two_rank_run(pp2_default_logging):
