@@ -273,3 +273,19 @@ def test_a_mid_epoch_checkpoint_resumes_with_the_uninterrupted_losses(resume_run
     diff = max_rel_diff(after, full[SAVE_EVERY:])
     print(f"{resumed}: steps {SAVE_EVERY}-{MAX_STEPS - 1} within {diff:.2e} of {source}")
     assert len(full) == MAX_STEPS and diff <= LOSS_RTOL
+
+
+def test_a_script_with_the_default_callbacks_logs_throughput_mfu_and_memory(resume_runs):
+    """``Trainer(callbacks=lightning_par.callbacks.defaults())`` in a plain script (the ZeRO-1 dp2 source run, no
+    CLI): tokens/s and MFU at the end of each 10-step window, memory over the 2 ranks every 10 steps."""
+    import re
+
+    run = resume_runs("zero1_user")
+    scalars = run.scalars()
+    tps, mfu = scalars["train/tokens_per_sec"], scalars["train/mfu"]
+    assert sorted(tps) == sorted(mfu) == [10] and sorted(scalars["memory/max_MiB"]) == [10]
+    assert 0 < scalars["memory/min_MiB"][10] <= scalars["memory/max_MiB"][10]
+    found = re.search(r"train/mfu: ([\d.]+) MFLOP per token .*; peak ([\d.]+) GFLOP/s", run.log)
+    assert found, run.log[-3000:]
+    mflop, peak = float(found.group(1)), float(found.group(2))
+    assert 0 < mfu[10] < 1 and mfu[10] == pytest.approx(tps[10] * mflop * 1e6 / (peak * 1e9), rel=2e-3)
