@@ -48,8 +48,8 @@ class TokensPerSecond(pl.Callback):
     H200, A100, L40S, B200) in the precision's matmul dtype (fp32 at the TF32 peak when TF32 is on), times the world
     size; on a CPU, one core's matmul rate, measured once per machine and kept
     (:func:`lightning_par.utilization.cpu_core_peak`, so two launches divide by the same figure), times the cores
-    the ranks of a node can use, times the nodes; the log line says which figure and where it is kept. No ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one
-    warning says how).
+    the ranks of a node can use, times the nodes; the log line says which figure and where it is kept. No
+    ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one warning says how).
 
     The window is timed on the host clock after waiting for the device (``torch.cuda.synchronize`` at its two
     edges, not in between), so queued kernels are counted in the window that launched them.

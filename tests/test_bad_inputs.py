@@ -237,4 +237,5 @@ def test_a_hugging_face_step_given_tuple_batches_gets_one_short_line(one_process
     assert message.startswith("the step calls the model with **batch, which needs a dict, but the batch is a list "
                               "of 2 (Tensor, Tensor)") and "--data.batch_format=dict" in message
     where = traceback.extract_tb(failure.value.__traceback__)[-1]
-    assert where.name == {"fit": "training_step", "validate": "validation_step"}[stage] and "self.model(**batch)" in where.line
+    assert where.name == {"fit": "training_step", "validate": "validation_step"}[stage]
+    assert "self.model(**batch)" in where.line

@@ -232,8 +232,9 @@ def test_the_configs_validate_on_a_corpus_of_fewer_batches_than_their_interval(c
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(21, 1)), batch_size=1)
     model = Linear()
+    given = {k: trainer_config[k] for k in keys if k in trainer_config}
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2 * every + 10, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, default_root_dir=tmp_path, **{k: trainer_config[k] for k in keys if k in trainer_config})
+                         num_sanity_val_steps=0, default_root_dir=tmp_path, **given)
     trainer.fit(model, data, data)
     assert model.validated_at == [every, 2 * every]

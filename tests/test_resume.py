@@ -168,8 +168,9 @@ def test_a_checkpoint_saved_after_fit_or_at_an_epoch_end_resumes_exactly(tmp_pat
     """Lightning resumes a fit that max_steps stopped mid-epoch (step 5), and one saved at an epoch's end (step 12)
     inside the ended epoch (where it would train one batch more): the samples trained after the resume are the
     uninterrupted run's, in the same epochs' orders, and so are the epoch number, the batch index and the progress
-    bar ("Epoch 0/-2": rich writes max_epochs - 1, -1 under max_steps; n of the epoch's total). The checkpoint that the max_steps stop leaves is named and numbered
-    with the epoch it stopped in (Lightning alone numbers it 1, and the resumed run's epochs 1 and 2)."""
+    bar ("Epoch 0/-2": rich writes max_epochs - 1, -1 under max_steps; n of the epoch's total). The checkpoint
+    that the max_steps stop leaves is named and numbered with the epoch it stopped in (Lightning alone numbers it 1,
+    and the resumed run's epochs 1 and 2)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     full, full_shown = _fit_ids(tmp_path / "full", max_steps=30, enable_checkpointing=True,
