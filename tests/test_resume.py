@@ -171,7 +171,7 @@ def test_a_checkpoint_saved_after_fit_or_at_an_epoch_end_resumes_exactly(tmp_pat
     bar ("Epoch 0/-2": rich writes max_epochs - 1, -1 under max_steps; n of the epoch's total). The checkpoint
     that the max_steps stop leaves is named and numbered with the epoch it stopped in (Lightning alone numbers it 1,
     and the resumed run's epochs 1 and 2)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
     full, full_shown = _fit_ids(tmp_path / "full", max_steps=30, enable_checkpointing=True,
                                 callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)])  # 12, 24
@@ -188,6 +188,9 @@ def test_a_checkpoint_saved_after_fit_or_at_an_epoch_end_resumes_exactly(tmp_pat
         # 5 steps left (Lightning alone shows "10/5")
         _, short_shown = _fit_ids(tmp_path / "short", ckpt=after, max_steps=10, enable_checkpointing=False)
         assert short_shown == [(0, i, "Epoch 0/-2", i + 1, 10) for i in range(5, 10)]
+        _, tqdm_shown = _fit_ids(tmp_path / "tqdm", ckpt=after, max_steps=10, enable_checkpointing=False,
+                                 callbacks=[TQDMProgressBar()])  # Lightning's bar where rich is not installed
+        assert tqdm_shown == [(0, i, "Epoch 0", i + 1, 10) for i in range(5, 10)]
     else:
         (after,) = (tmp_path / "ckpt").glob("*step=12.ckpt")
     resumed, resumed_shown = _fit_ids(tmp_path / "resumed", ckpt=after, max_steps=30, enable_checkpointing=False)
