@@ -1,4 +1,8 @@
-"""Callbacks that make a parallel run readable in TensorBoard, and the CLI's default checkpoints."""
+"""Callbacks that make a parallel run readable in TensorBoard, and the CLI's default checkpoints.
+
+A script of one's own gets what the CLI logs (tokens/s, MFU, memory over ranks, the pipeline timeline) with
+:func:`defaults`: ``Trainer(strategy=..., callbacks=lightning_par.callbacks.defaults())``.
+"""
 
 from __future__ import annotations
 
@@ -42,10 +46,10 @@ class TokensPerSecond(pl.Callback):
     model's parameters + 12 x layers x hidden x sequence for attention (said once in the log). Peak: on a GPU, the
     datasheet's dense peak for the device name (:data:`lightning_par.planner.hardware.GPUS`: H100 SXM/PCIe/NVL,
     H200, A100, L40S, B200) in the precision's matmul dtype (fp32 at the TF32 peak when TF32 is on), times the world
-    size; on a CPU, measured once at the first log with a few square matmuls on rank 0's threads, per core, times the
-    cores the ranks of a node can use, times the nodes (measured anew at each launch: CPU figures of two launches
-    are not comparable). No ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one
-    warning says how).
+    size; on a CPU, one core's matmul rate, measured once per machine and kept
+    (:func:`lightning_par.utilization.cpu_core_peak`, so two launches divide by the same figure), times the cores
+    the ranks of a node can use, times the nodes; the log line says which figure and where it is kept. No
+    ``train/mfu`` on a GPU the table does not hold, unless ``peak_flops`` is given (one warning says how).
 
     The window is timed on the host clock after waiting for the device (``torch.cuda.synchronize`` at its two
     edges, not in between), so queued kernels are counted in the window that launched them.
@@ -342,6 +346,25 @@ class MemoryPerRank(pl.Callback):
                 metrics = self.metrics([r[0] for r in ranks], self.per_rank)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+#: the throughput and memory callbacks the CLI adds to every run, by the config key that takes their options
+#: (``--tokens_per_sec.window=5``); :func:`defaults` gives the same to a script
+DEFAULTS: dict[str, type[pl.Callback]] = {
+    "tokens_per_sec": TokensPerSecond, "pipeline_timeline": PipelineTimeline, "memory_per_rank": MemoryPerRank}
+
+
+def defaults(**options: dict[str, Any]) -> list[pl.Callback]:
+    """What the ``lightning-par`` CLI logs, for a script's ``Trainer(callbacks=...)``: ``train/tokens_per_sec`` and
+    ``train/mfu`` (:class:`TokensPerSecond`), memory over ranks (:class:`MemoryPerRank`) and, under a pipeline, the
+    timeline (:class:`PipelineTimeline`). Each callback's options under its CLI key, e.g.
+    ``defaults(tokens_per_sec={"window": 5}, memory_per_rank={"every": 20})``. They log to the trainer's loggers
+    (nothing without one). The CLI also adds Lightning's ``LearningRateMonitor(logging_interval="step")``, which
+    needs a logger: add it yourself where you have one."""
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise TypeError(f"defaults() got options for {', '.join(unknown)}; it takes {', '.join(DEFAULTS)}")
+    return [cls(**options.get(key, {})) for key, cls in DEFAULTS.items()]
 
 
 def describe_counts(counts: Any, pp: int = 1, stages: Any = (), n_stages: int = 1, tp: int = 1,

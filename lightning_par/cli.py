@@ -40,13 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
-from lightning_par.callbacks import (
-    MemoryPerRank,
-    ParallelModelSummary,
-    PipelineTimeline,
-    RunCheckpoint,
-    TokensPerSecond,
-)
+from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
 from lightning_par.plugins.checkpoint_files import newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
@@ -105,10 +99,9 @@ class LightningParCLI(LightningCLI):
     """LightningCLI with throughput and learning-rate logging always on, and a demo report after ``fit``."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(TokensPerSecond, "tokens_per_sec")
+        for key, callback in DEFAULTS.items():  # what callbacks.defaults() gives a script
+            parser.add_lightning_class_args(callback, key)
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
-        parser.add_lightning_class_args(PipelineTimeline, "pipeline_timeline")  # no-op unless pipelined
-        parser.add_lightning_class_args(MemoryPerRank, "memory_per_rank")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_argument("--sample_tokens", type=int, default=240,
                             help="After fit: how many tokens to sample from a model with sample_text(); 0 skips it.")
@@ -288,10 +281,17 @@ class LightningParCLI(LightningCLI):
 
     @rank_zero_only
     def _print_log_dir(self) -> None:
+        """Where the run's logs and checkpoints are (the checkpoint that resumes it: ``--ckpt_path``)."""
         trainer = self.trainer
         if trainer.logger is not None and trainer.logger.log_dir:
             log_dir = os.path.abspath(trainer.logger.log_dir)
             print(f"\nTensorBoard logs: {log_dir}\nOpen them with:  tensorboard --logdir {log_dir}")
+        for callback in trainer.checkpoint_callbacks:
+            newest = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+            if newest:
+                newest = os.path.abspath(newest)
+                print(f"Checkpoints: {os.path.dirname(newest)}\nResume with:  --ckpt_path={newest}  (or "
+                      "--ckpt_path=last: the newest complete one)")
 
 
 class _StrategyOption(ActionTypeHint):

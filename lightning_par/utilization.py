@@ -6,16 +6,21 @@
   estimate: a multiply-add per parameter forward, two backward, plus the attention scores and their product with
   the values). "Model FLOPs": recompute is not counted, and attention counts the full score matrix.
 - :func:`peak_flops`: FLOP/s of all devices of the job: on a GPU the datasheet's dense peak for its name and dtype
-  (:data:`lightning_par.planner.hardware.GPUS`; fp32 at the TF32 peak when TF32 is on), measured on a CPU.
+  (:data:`lightning_par.planner.hardware.GPUS`; fp32 at the TF32 peak when TF32 is on); on a CPU one core's matmul
+  rate, measured once per machine and kept (:func:`cpu_core_peak`), times the cores in use.
 - :func:`parameter_counts`: the whole model's parameter count and this rank's share, on any layout.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,6 +132,67 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: environment variable naming the file that keeps the CPU peaks (default ``~/.cache/lightning_par/cpu_peak.json``)
+CPU_PEAK_FILE = "LIGHTNING_PAR_CPU_PEAK_FILE"
+
+
+def cpu_peak_file() -> Path:
+    """Where :func:`cpu_core_peak` keeps its measurements: ``$LIGHTNING_PAR_CPU_PEAK_FILE``, else
+    ``$XDG_CACHE_HOME/lightning_par/cpu_peak.json`` (``~/.cache`` without it)."""
+    if os.environ.get(CPU_PEAK_FILE):
+        return Path(os.environ[CPU_PEAK_FILE]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "lightning_par" / "cpu_peak.json"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_core_peak(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """``(FLOP/s, source)``: one core's matmul rate in ``dtype`` on this machine's CPU model.
+
+    Measured once (:func:`measure_matmul_flops` on one thread, a 1 s budget) and kept in :func:`cpu_peak_file`,
+    keyed by CPU model and dtype: every later launch divides by the same figure, so the MFU of two runs compares
+    (a rate measured at each launch varied 76-206 GFLOP/s on a shared 2-core machine). Delete the file to measure
+    again; ``TokensPerSecond(peak_flops=...)`` sets a figure of one's own.
+    """
+    path = cpu_peak_file()
+    key = f"{cpu_name()} / {str(dtype).removeprefix('torch.')}"
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    entry = kept.get(key) if isinstance(kept, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("flops_per_core"), int | float):
+        return float(entry["flops_per_core"]), f"measured {entry.get('measured', '')}, kept in {path}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rate = measure_matmul_flops(dtype, budget_s=1.0)
+    finally:
+        torch.set_num_threads(threads)
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    kept = kept if isinstance(kept, dict) else {}
+    kept[key] = {"flops_per_core": rate, "measured": f"{when} with torch {torch.__version__}"}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(kept, indent=1))
+        os.replace(scratch, path)  # whole or not at all: another launch may read it now
+    except OSError as error:
+        return rate, f"measured now (not kept: {error})"
+    return rate, f"measured now, kept in {path}"
+
+
 @dataclass(frozen=True)
 class Peak:
     """Peak FLOP/s of all devices of a job, and where the figure comes from."""
@@ -179,9 +245,9 @@ def peak_flops(device: torch.device, precision: str, world_size: int, local_rank
     ``per_device`` given: that times ``world_size``. A GPU: its dense peak from
     :data:`lightning_par.planner.hardware.GPUS`, looked up by ``torch.cuda.get_device_name``, for bf16 or fp16, and
     for fp32 the TF32 peak when TF32 is on (:func:`tf32_matmuls`, read now), else the plain fp32 one, times
-    ``world_size``; None for a GPU the table does not hold. A CPU: measured once here with
-    :func:`measure_matmul_flops` on this rank's threads, divided by the thread count (the rate of one core),
-    times the cores the job's ranks can use on a node (``min(cores, local_ranks x threads)``) times ``num_nodes``.
+    ``world_size``; None for a GPU the table does not hold. A CPU: one core's rate (:func:`cpu_core_peak`: measured
+    once per machine and kept), times the cores the job's ranks can use on a node (``min(cores, local_ranks x
+    threads)``) times ``num_nodes``.
     """
     if per_device is not None:
         return Peak(per_device * world_size, f"{per_device:.3g} FLOP/s per device given x {world_size}")
@@ -200,12 +266,11 @@ def peak_flops(device: torch.device, precision: str, world_size: int, local_rank
                                        f"NVIDIA's datasheet x {world_size}")
     if device.type != "cpu":
         return None
-    threads = torch.get_num_threads()
-    per_core = measure_matmul_flops(dtype) / threads
-    cores = min(usable_cores(), local_ranks * threads)
+    per_core, source = cpu_core_peak(dtype)
+    cores = min(usable_cores(), local_ranks * torch.get_num_threads())
     return Peak(per_core * cores * num_nodes,
-                f"CPU, measured: {per_core / 1e9:.1f} GFLOP/s per core ({str(dtype)[6:]} matmul) x {cores} cores"
-                f"{f' x {num_nodes} nodes' if num_nodes > 1 else ''}")
+                f"{cpu_name()}: {per_core / 1e9:.1f} GFLOP/s per core ({str(dtype)[6:]} matmul, one thread; {source})"
+                f" x {cores} cores{f' x {num_nodes} nodes' if num_nodes > 1 else ''}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

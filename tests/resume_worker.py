@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from lightning_par import Hybrid3DStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par.callbacks import defaults
 from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule
 from tests.harness import checkpoint_worker_main
@@ -41,10 +42,11 @@ class Case:
     dp: int
     data: str
     source: str | None = None
+    script_logs: bool = False  # lightning_par.callbacks.defaults(): what a script adds for tokens/s, MFU, memory
 
 
 CASES: dict[str, Case] = {
-    "zero1_user": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user"),
+    "zero1_user": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user", script_logs=True),
     "zero1_user_resumed": Case(lambda: ZeroStrategy(stage=1), 2, 2, "user", source="zero1_user"),
     # dp=1 (a 2-stage pipeline, batch 8) resumed at dp=2 (ZeRO-2, batch 4 per rank): the same global batches
     "pp2_text": Case(lambda: PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2), 2, 1, "text"),
@@ -80,7 +82,8 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
         accelerator="cpu", devices=case.devices, strategy=case.strategy(), max_steps=MAX_STEPS,
         limit_train_batches=EPOCH_STEPS, limit_val_batches=0, log_every_n_steps=1,
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name, callbacks=keep,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
+        callbacks=[*keep, *(defaults() if case.script_logs else [])],
     )
     ckpt = None
     if case.source is not None:

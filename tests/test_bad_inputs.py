@@ -203,3 +203,39 @@ def test_every_pipeline_rank_names_the_same_parameter(tmp_path, cache_dir, reque
     assert run.returncode != 0
     assert run.log.count(said) >= 2, run.log[-4000:]  # rank 0 and rank 1, the same line
     assert "Missing key" not in run.log
+
+
+# -- a Hugging Face step given (inputs, targets) batches -------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_hugging_face_step_given_tuple_batches_gets_one_short_line(one_process_group, stage):
+    """``self.model(**batch).loss`` on TextDataModule's default (inputs, targets) batches: Python's own TypeError
+    names the model by its whole repr (dozens of lines); under a lightning-par strategy it is one line naming the
+    dict the model takes and the data module's option, on the step's own traceback (in-process, one rank)."""
+    import traceback
+
+    import lightning.pytorch as pl
+
+    from lightning_par.examples import HFCausalLMLightningModule
+
+    class Mine(HFCausalLMLightningModule):
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def validation_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+    ids = torch.zeros(8, dtype=torch.long)
+    data = torch.utils.data.DataLoader([(ids, ids)] * 4, batch_size=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=0), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    model = Mine(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=32)
+    with pytest.raises(TypeError) as failure:
+        getattr(trainer, stage)(model, data)
+    message = str(failure.value)
+    assert "\n" not in message and len(message) < 400 and "LlamaForCausalLM" not in message, message
+    assert message.startswith("the step calls the model with **batch, which needs a dict, but the batch is a list "
+                              "of 2 (Tensor, Tensor)") and "--data.batch_format=dict" in message
+    where = traceback.extract_tb(failure.value.__traceback__)[-1]
+    assert where.name == {"fit": "training_step", "validate": "validation_step"}[stage]
+    assert "self.model(**batch)" in where.line

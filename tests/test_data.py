@@ -199,3 +199,42 @@ def test_offline_mode_set_only_if_unset(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
     _import_datasets(offline=True)
     assert os.environ["HF_DATASETS_OFFLINE"] == "0"
+
+
+@pytest.mark.parametrize("config", ["demo.yaml", "zero.yaml"])
+def test_the_configs_validate_on_a_corpus_of_fewer_batches_than_their_interval(config, tmp_path):
+    """The configs' validation settings on 21 training batches an epoch (Lightning alone refuses
+    val_check_interval=100 there): validation runs after every 100 training batches of the run, across epochs."""
+    import lightning.pytorch as pl
+    import yaml
+
+    trainer_config = yaml.safe_load((Path(__file__).parents[1] / "configs" / config).read_text())["trainer"]
+    keys = ("val_check_interval", "check_val_every_n_epoch", "limit_val_batches")
+    every = trainer_config["val_check_interval"]
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 1)
+            self.validated_at = []
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def on_validation_start(self):
+            self.validated_at.append(self.global_step)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(21, 1)), batch_size=1)
+    model = Linear()
+    given = {k: trainer_config[k] for k in keys if k in trainer_config}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2 * every + 10, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, default_root_dir=tmp_path, **given)
+    trainer.fit(model, data, data)
+    assert model.validated_at == [every, 2 * every]

@@ -96,11 +96,28 @@ def test_a_model_the_planner_cannot_describe_falls_back_to_6n_and_says_why():
     assert flops == 6 * _numel(plain) + 12 * 3 * 16 * SEQ
 
 
-def test_peak_flops():
+def test_peak_flops(tmp_path, monkeypatch):
+    """A CPU's peak is measured once per machine and kept: a later launch divides by the same figure (no new
+    measurement) and says where it comes from; another dtype is measured on its own."""
+    from lightning_par import utilization
+
     given = peak_flops(torch.device("cpu"), "32-true", world_size=4, local_ranks=4, num_nodes=1, per_device=1e12)
     assert given.flops == 4e12
+    assert 1e8 < utilization.measure_matmul_flops(torch.float32, budget_s=0.05) < 1e14  # the real one, briefly
+    kept = tmp_path / "cpu_peak.json"
+    monkeypatch.setenv(utilization.CPU_PEAK_FILE, str(kept))
+    measured = []
+    monkeypatch.setattr(utilization, "measure_matmul_flops",
+                        lambda dtype, budget_s: measured.append((dtype, torch.get_num_threads())) or 3e10)
     cpu = peak_flops(torch.device("cpu"), "32-true", world_size=2, local_ranks=2, num_nodes=1)
-    assert 1e8 < cpu.flops < 1e14 and "measured" in cpu.source
+    cores = min(utilization.usable_cores(), 2 * torch.get_num_threads())
+    assert measured == [(torch.float32, 1)] and cpu.flops == 3e10 * cores  # one core's rate x the cores in use
+    assert f"30.0 GFLOP/s per core (float32 matmul, one thread; measured now, kept in {kept})" in cpu.source
+    again = peak_flops(torch.device("cpu"), "32-true", world_size=2, local_ranks=2, num_nodes=1)
+    assert len(measured) == 1 and again.flops == cpu.flops and f"kept in {kept}" in again.source
+    assert "measured 20" in again.source and utilization.cpu_name() in again.source
+    peak_flops(torch.device("cpu"), "bf16-true", world_size=1, local_ranks=1, num_nodes=1)
+    assert [d for d, _ in measured] == [torch.float32, torch.bfloat16]
     assert gpu_preset("NVIDIA H100 80GB HBM3") == "h100-sxm" and gpu_preset("NVIDIA A100-SXM4-80GB") == "a100"
     assert gpu_preset("Tesla T4") is None
 
@@ -145,13 +162,13 @@ def test_timeline_labels_name_pipeline_rank_and_stage():
 
 # -- a launch as a user runs it: no logging options ------------------------------------------------------------------
 STEPS = 20
-USER_SET = ("--trainer.log_every_n_steps", "--trainer.enable_model_summary")
+USER_SET = ("--trainer.log_every_n_steps", "--trainer.enable_model_summary", "--trainer.enable_checkpointing")
 
 
 @pytest.fixture(scope="module")
 def pp2_default_logging(tmp_path_factory, cache_dir) -> Run:
-    """2 pipeline ranks (ZBV: two stages per rank), 20 steps, the CLI's logging defaults and a TensorBoardLogger
-    without default_hp_metric."""
+    """2 pipeline ranks (ZBV: two stages per rank), 20 steps, the CLI's logging and checkpoint defaults and a
+    TensorBoardLogger without default_hp_metric."""
     root = tmp_path_factory.mktemp("pp2_default_logging")
     job = [a for a in TINY_JOB if not a.startswith(USER_SET)]
     argv = ["fit", *job, "--trainer.devices=2", "--trainer.strategy=pipeline2_zbv", f"--trainer.max_steps={STEPS}",
@@ -178,6 +195,20 @@ def test_a_short_run_logs_loss_and_mfu_and_no_hp_metric(pp2_default_logging):
     for step in mfu:
         assert mfu[step] == pytest.approx(tps[step] * mflop * 1e6 / (peak * 1e9), rel=2e-3)
     print(f"pp2 zbv: mfu {mfu}, tokens/s {tps}, {mflop} MFLOP/token, peak {peak} GFLOP/s")
+
+
+def test_the_run_ends_saying_where_its_logs_and_checkpoints_are(pp2_default_logging):
+    """The CLI's last lines: the TensorBoard directory and the checkpoints', with the --ckpt_path that resumes; the
+    checkpoint of the max_steps stop, 20 steps into the first epoch, is numbered with that epoch (Lightning alone
+    names it epoch=1)."""
+    run = pp2_default_logging
+    version = run.root / "tb" / "lightning_logs" / "version_0"
+    assert sorted(p.name for p in (version / "checkpoints").iterdir()) == ["epoch=0-step=20.ckpt", "last.ckpt"]
+    tail = run.log.strip().splitlines()[-4:]
+    assert tail == [f"TensorBoard logs: {version}", f"Open them with:  tensorboard --logdir {version}",
+                    f"Checkpoints: {version / 'checkpoints'}",
+                    f"Resume with:  --ckpt_path={version / 'checkpoints' / 'last.ckpt'}  (or --ckpt_path=last: the "
+                    "newest complete one)"], run.log[-2000:]
 
 
 def test_memory_over_ranks_from_a_two_rank_run(pp2_default_logging):

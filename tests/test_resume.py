@@ -121,25 +121,37 @@ def test_plain_loaders_get_a_resumable_sampler_and_others_one_warning(monkeypatc
 
 
 # -- every place Lightning saves from: the samples trained after a resume are the uninterrupted run's ---------------
+def _bar_shows(bar):
+    """``(description, n, total)`` of Lightning's training bar: rich (the default where rich is installed) or tqdm."""
+    if hasattr(bar, "train_progress_bar_id"):
+        task = bar.progress.tasks[bar.train_progress_bar_id]
+        return task.description.split(":")[0], int(task.completed), int(task.total)
+    return bar.train_progress_bar.desc.split(":")[0], bar.train_progress_bar.n, bar.train_progress_bar.total
+
+
 def _fit_ids(tmp_path, ckpt=None, save_after=None, **trainer_args):
-    """A linear model over 48 numbered samples (12 batches of 4, shuffled); returns the sample numbers of each
-    trained batch."""
+    """A linear model over 48 numbered samples (12 batches of 4, shuffled); returns, for each trained batch, its
+    sample numbers and what the run shows there: ``(epoch, batch index, bar description, bar n, bar total)`` (the
+    bar as Lightning's tqdm bar stands after the batch)."""
     import lightning.pytorch as pl
 
     class Ids(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.lin = torch.nn.Linear(1, 1)
-            self.seen = []
+            self.seen, self.shown = [], []
 
         def training_step(self, batch, batch_idx):
             self.seen.append(batch[0].flatten().long().tolist())
             return (self.lin(batch[0]) ** 2).mean()
 
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # after the bar's own update (callbacks first)
+            self.shown.append((self.current_epoch, batch_idx, *_bar_shows(self.trainer.progress_bar_callback)))
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=True,
                          enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path, **trainer_args)
     dataset = torch.utils.data.TensorDataset(torch.arange(48.0).view(-1, 1))
     loader = resumable_train_loader(DataLoader(dataset, batch_size=4, sampler=DataParallelSampler(dataset, seed=7)),
@@ -148,26 +160,42 @@ def _fit_ids(tmp_path, ckpt=None, save_after=None, **trainer_args):
     trainer.fit(model, loader, ckpt_path=ckpt)
     if save_after:
         trainer.save_checkpoint(save_after)
-    return model.seen
+    return model.seen, model.shown
 
 
 @pytest.mark.parametrize("stop", [5, 12])
 def test_a_checkpoint_saved_after_fit_or_at_an_epoch_end_resumes_exactly(tmp_path, stop):
-    """Lightning resumes a fit that max_steps stopped mid-epoch (step 5) under the next epoch number, and one saved
-    at an epoch's end (step 12) inside the ended epoch (where it would train one batch more): the samples trained
-    after the resume are still the uninterrupted run's, in the same epochs' orders."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    """Lightning resumes a fit that max_steps stopped mid-epoch (step 5), and one saved at an epoch's end (step 12)
+    inside the ended epoch (where it would train one batch more): the samples trained after the resume are the
+    uninterrupted run's, in the same epochs' orders, and so are the epoch number, the batch index and the progress
+    bar ("Epoch 0/-2": rich writes max_epochs - 1, -1 under max_steps; n of the epoch's total). The checkpoint
+    that the max_steps stop leaves is named and numbered with the epoch it stopped in (Lightning alone numbers it 1,
+    and the resumed run's epochs 1 and 2)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    full = _fit_ids(tmp_path / "full", max_steps=30, enable_checkpointing=True,
-                    callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)])  # epoch ends: 12, 24
+    full, full_shown = _fit_ids(tmp_path / "full", max_steps=30, enable_checkpointing=True,
+                                callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)])  # 12, 24
+    assert [s[:2] for s in full_shown] == [(i // 12, i % 12) for i in range(30)]
+    assert full_shown[4] == (0, 4, "Epoch 0/-2", 5, 12) and full_shown[29] == (2, 5, "Epoch 2/-2", 6, 6)
     after = tmp_path / "after.ckpt"
     if stop == 5:
-        _fit_ids(tmp_path / "first", max_steps=5, enable_checkpointing=False, save_after=after)
+        first = tmp_path / "first"
+        _fit_ids(first, max_steps=5, save_after=after,
+                 callbacks=[ModelCheckpoint(dirpath=first / "ckpt", save_on_train_epoch_end=True)])
+        assert [p.name for p in (first / "ckpt").glob("*.ckpt")] == ["epoch=0-step=5.ckpt"]
+        assert torch.load(after, weights_only=False)["epoch"] == 0
+        # resumed to max_steps=10: the bar's total is the uninterrupted run's min(12 batches, 10 steps), not the
+        # 5 steps left (Lightning alone shows "10/5")
+        _, short_shown = _fit_ids(tmp_path / "short", ckpt=after, max_steps=10, enable_checkpointing=False)
+        assert short_shown == [(0, i, "Epoch 0/-2", i + 1, 10) for i in range(5, 10)]
+        _, tqdm_shown = _fit_ids(tmp_path / "tqdm", ckpt=after, max_steps=10, enable_checkpointing=False,
+                                 callbacks=[TQDMProgressBar()])  # Lightning's bar where rich is not installed
+        assert tqdm_shown == [(0, i, "Epoch 0", i + 1, 10) for i in range(5, 10)]
     else:
         (after,) = (tmp_path / "ckpt").glob("*step=12.ckpt")
-    resumed = _fit_ids(tmp_path / "resumed", ckpt=after, max_steps=30, enable_checkpointing=False)
+    resumed, resumed_shown = _fit_ids(tmp_path / "resumed", ckpt=after, max_steps=30, enable_checkpointing=False)
     assert resumed == full[stop:]
-
+    assert resumed_shown == full_shown[stop:]
 
 # -- one process, Lightning's own strategy: TextDataModule keeps its position ---------------------------------------
 def _fit_text(root, cache, ckpt=None, accumulate=1):
@@ -249,3 +277,19 @@ def test_a_mid_epoch_checkpoint_resumes_with_the_uninterrupted_losses(resume_run
     diff = max_rel_diff(after, full[SAVE_EVERY:])
     print(f"{resumed}: steps {SAVE_EVERY}-{MAX_STEPS - 1} within {diff:.2e} of {source}")
     assert len(full) == MAX_STEPS and diff <= LOSS_RTOL
+
+
+def test_a_script_with_the_default_callbacks_logs_throughput_mfu_and_memory(resume_runs):
+    """``Trainer(callbacks=lightning_par.callbacks.defaults())`` in a plain script (the ZeRO-1 dp2 source run, no
+    CLI): tokens/s and MFU at the end of each 10-step window, memory over the 2 ranks every 10 steps."""
+    import re
+
+    run = resume_runs("zero1_user")
+    scalars = run.scalars()
+    tps, mfu = scalars["train/tokens_per_sec"], scalars["train/mfu"]
+    assert sorted(tps) == sorted(mfu) == [10] and sorted(scalars["memory/max_MiB"]) == [10]
+    assert 0 < scalars["memory/min_MiB"][10] <= scalars["memory/max_MiB"][10]
+    found = re.search(r"train/mfu: ([\d.]+) MFLOP per token .*; peak ([\d.]+) GFLOP/s", run.log)
+    assert found, run.log[-3000:]
+    mflop, peak = float(found.group(1)), float(found.group(2))
+    assert 0 < mfu[10] < 1 and mfu[10] == pytest.approx(tps[10] * mflop * 1e6 / (peak * 1e9), rel=2e-3)

@@ -12,6 +12,11 @@ sharded one, which every rank reads.
 
 The strategies call it on the training loader (``LayoutStrategy.process_dataloader``); ``TextDataModule`` calls it
 on its own loader, so it resumes exactly under Lightning's own strategies too.
+
+Both also call :func:`keep_epoch_count`: Lightning closes an epoch that ``max_steps`` cut short as if it had ended, so
+a checkpoint saved when fit stops is numbered one epoch on and a resumed run trains the rest of that epoch under the
+next number (every stop and resume added one). With it, the numbers, the checkpoints' names and the progress bar are
+those of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
     user's with the same arguments). Any other sampler, batch sampler or iterable dataset cannot be positioned:
     one warning says that a mid-epoch resume replays that epoch, and the loader is left as it is.
     """
+    keep_epoch_count(trainer)
     if isinstance(loader, Stateful):
         return loader
     if not isinstance(loader, DataLoader):
@@ -57,6 +63,61 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
     loader.state_dict = position.state_dict
     loader.load_state_dict = position.load_state_dict
     return loader
+
+
+def keep_epoch_count(trainer: Any) -> None:
+    """Keep an epoch that a ``max_steps`` stop cuts short open in ``trainer``'s fit loop, and continue the progress
+    bar where a mid-epoch resume picks the epoch up. Once per trainer; nothing without a fit loop.
+
+    Lightning counts the cut epoch as processed and completed when fit stops: ``current_epoch`` then names the next
+    epoch in the checkpoint saved at the end and in the resumed run. Undoing those two counts leaves the state of a
+    checkpoint saved after the epoch's last trained batch, which Lightning resumes mid-epoch, in the same epoch.
+    Lightning's bar is not told about such a resume (``on_train_epoch_start`` is skipped): it is started here, with
+    the total of the uninterrupted epoch.
+    """
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if fit_loop is None or getattr(fit_loop, "_lightning_par_epoch_count", False):
+        return
+    fit_loop._lightning_par_epoch_count = True
+    advance_start, advance_end = fit_loop.on_advance_start, fit_loop.on_advance_end
+
+    def on_advance_start() -> None:
+        resumed_mid_epoch = fit_loop.restarted_mid_epoch
+        advance_start()
+        if resumed_mid_epoch:
+            _continue_progress_bar(trainer)
+
+    def on_advance_end() -> None:
+        batches = fit_loop.epoch_loop.batch_progress.current
+        cut = 0 <= fit_loop.max_steps <= trainer.global_step and batches.ready < trainer.num_training_batches
+        advance_end()
+        if cut:
+            for counts in (fit_loop.epoch_progress.current, fit_loop.epoch_progress.total):
+                counts.processed -= 1
+                counts.completed -= 1
+
+    fit_loop.on_advance_start, fit_loop.on_advance_end = on_advance_start, on_advance_end
+
+
+def _continue_progress_bar(trainer: Any) -> None:
+    """Start Lightning's bar (tqdm or rich) on a resumed epoch, its total the uninterrupted epoch's: Lightning's
+    ``total_train_batches`` under ``max_steps`` counts the steps left from now, not from the epoch's start."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    bar = trainer.progress_bar_callback
+    if bar is None:
+        return
+    bar.on_train_epoch_start(trainer, trainer.lightning_module)
+    total = bar.total_train_batches
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    if total < trainer.num_training_batches:  # counted from now: add the steps this epoch already made
+        total = min(trainer.num_training_batches, total + done // trainer.accumulate_grad_batches)
+    total = None if total == float("inf") else total
+    if isinstance(bar, TQDMProgressBar) and bar.train_progress_bar is not None:
+        bar.train_progress_bar.total = total
+        bar.train_progress_bar.n = done
+    elif isinstance(bar, RichProgressBar) and bar.progress is not None and bar.train_progress_bar_id is not None:
+        bar.progress.update(bar.train_progress_bar_id, total=total, completed=done)
 
 
 def _not_resumable(loader: Any, what: str) -> Any:

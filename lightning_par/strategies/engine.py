@@ -53,7 +53,7 @@ from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_ti
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
-from lightning_par.parallel.pipeline.batches import split_batch
+from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
 from lightning_par.parallel.pipeline.fsdp import stage_blocks
 from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
@@ -631,6 +631,10 @@ class LayoutStrategy(ParallelStrategy):
         return None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with unpacked_batch_errors(args[0] if args else None):
+            return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         args = self._shard_sequence(args)
         if not self._runner.takes_over_step:
             with self._loss_context():
@@ -697,16 +701,17 @@ class LayoutStrategy(ParallelStrategy):
         if self._context_parallel is not None:
             raise LayoutError(f"predict_step under context parallel (cp={self.dims.cp}) is not supported: predictions "
                               "(and generation) need the whole sequence on a rank. Predict with a layout without cp.")
-        return super().predict_step(*args, **kwargs)
+        with unpacked_batch_errors(args[0] if args else None):
+            return super().predict_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._shard_sequence(args)
-        with self._pipeline_eval_loss(), self._loss_context():
+        batch, args = args[0] if args else None, self._shard_sequence(args)
+        with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._shard_sequence(args)
-        with self._pipeline_eval_loss(), self._loss_context():
+        batch, args = args[0] if args else None, self._shard_sequence(args)
+        with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self._loss_context():
             return super().test_step(*args, **kwargs)
 
     @contextmanager

@@ -21,7 +21,8 @@ token mean over the whole batch (:mod:`.loss`): the model is called with the uns
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -82,3 +83,21 @@ def split_batch(batch: Any) -> tuple[Tensor | dict[str, Tensor], Tensor]:
     if mask is None or bool(mask.bool().all()):
         return ids, targets
     return {"input_ids": ids, "attention_mask": mask}, targets
+
+
+@contextmanager
+def unpacked_batch_errors(batch: Any) -> Generator[None, None, None]:
+    """Python's error for ``self.model(**batch)`` on a tuple or list batch names the model by its whole repr (a
+    module has no ``__qualname__``): replaced by one line naming the batch forms, on the step's own traceback."""
+    try:
+        yield
+    except TypeError as error:
+        if "argument after ** must be a mapping" not in str(error) or not isinstance(batch, (tuple, list)):
+            raise
+        kinds = ", ".join(type(t).__name__ for t in batch)
+        raise TypeError(
+            f"the step calls the model with **batch, which needs a dict, but the batch is a {type(batch).__name__} "
+            f"of {len(batch)} ({kinds}), e.g. TextDataModule's default (inputs, targets). A Hugging Face model takes "
+            "a dict of 'input_ids', 'labels' and optionally 'attention_mask': give --data.batch_format=dict "
+            "(TextDataModule(batch_format='dict')), or unpack the pair in the step: inputs, targets = batch."
+        ).with_traceback(error.__traceback__) from None
