@@ -97,6 +97,23 @@ class FreezeAt(pl.Callback):
             os.kill(os.getpid(), self.sig)
 
 
+class SignalAt(pl.Callback):
+    """Send ``sig`` to this process on ``rank`` at optimizer step ``step``, from inside the step (after backward,
+    before the optimizer: the peers are then in their own step or already in the next collective); only in the
+    job's attempt ``attempt`` (torchrun's restart count). Its time goes to ``path``."""
+
+    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGTERM", attempt: int | None = 0) -> None:
+        self.rank, self.step, self.path, self.sig, self.attempt = rank, step, path, getattr(signal, sig), attempt
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.attempt is not None and restarts != self.attempt:
+            return
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            Path(self.path).write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            os.kill(os.getpid(), self.sig)
+
+
 class GradNorms(pl.Callback):
     """Record the global gradient norm before clipping of the first optimizer steps into the rank report.
 
