@@ -97,6 +97,40 @@ class FreezeAt(pl.Callback):
             os.kill(os.getpid(), self.sig)
 
 
+class SignalAt(pl.Callback):
+    """Send ``sig`` to this process on ``rank`` at optimizer step ``step`` (``moment``: where), only in the job's
+    attempt ``attempt`` (torchrun's restart count). Its time goes to ``path``."""
+
+    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGTERM", attempt: int | None = 0) -> None:
+        self.rank, self.step, self.path, self.sig, self.attempt = rank, step, path, getattr(signal, sig), attempt
+
+    # moments: ``step`` (after backward, before the optimizer), ``save`` (inside a checkpoint save, before its files
+    # are written: they are then written, and the ranks meet at the save's barriers, with the signal pending),
+    # ``after_save`` (the start of the step after a save: an async save is then still being written)
+
+    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGTERM", attempt: int | None = 0,
+                 moment: str = "step") -> None:
+        self.rank, self.step, self.path, self.sig, self.attempt = rank, step, path, getattr(signal, sig), attempt
+        self.moment = moment
+
+    def _maybe(self, trainer, moment: str) -> None:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.attempt is not None and restarts != self.attempt or moment != self.moment:
+            return
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            Path(self.path).write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+            os.kill(os.getpid(), self.sig)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._maybe(trainer, "step")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._maybe(trainer, "save")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._maybe(trainer, "after_save")
+
+
 class GradNorms(pl.Callback):
     """Record the global gradient norm before clipping of the first optimizer steps into the rank report.
 

@@ -49,6 +49,7 @@ from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
+from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
@@ -375,6 +376,8 @@ class LayoutStrategy(ParallelStrategy):
         self.precision_plugin.device = self.precision_plugin.device or self.root_device.type  # autocast's
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM: agreed, saved, exit 75 (preemption.py)
         self._log_blocks()
         self._own_last_links(trainer)
         if self.dims.tp > 1:
@@ -909,6 +912,9 @@ class LayoutStrategy(ParallelStrategy):
                 sharded_checkpoint.remove(Path(filepath))
 
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, Preempted):  # every rank stopped at the same step, saved: not a failure
+            super().on_exception(exception)
+            return
         # a rank that fails says so, and the others stop at once naming it (a rank that died is already reported by
         # the launcher -- Lightning's, or torchrun's agent -- and its collectives fail here at once)
         shutdown.mark_failed()

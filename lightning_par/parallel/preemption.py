@@ -1,0 +1,162 @@
+"""Preemption: SIGTERM ends the run at the next optimizer step, on every rank at once, with a complete checkpoint and
+an exit code that makes the launcher start the next attempt.
+
+SLURM and cloud schedulers send SIGTERM before they take a node back. Lightning's own handler broadcasts over the
+process group from inside the signal handler; a peer that is then blocked in another collective (a checkpoint
+barrier, a ZeRO reduce) never matches it, and both ranks wait there until gloo's timeout (30 minutes) or the
+scheduler's SIGKILL -- while both keep beating, so the heartbeat cannot help. So the strategies replace it:
+
+- the handler records the signal and nothing else (no collective, no I/O);
+- after each optimizer step (the end of a batch that stepped: never inside gradient accumulation), every rank
+  all-reduces its flag over the process group, on its CPU backend where it has one (gloo: no device sync on a GPU);
+  all ranks therefore stop after the same step, whichever of them got the signal;
+- then the run saves a complete checkpoint of that step through the strategy (sharded, async or not: the async save
+  commits before the process ends), prints one line naming it, and, once Lightning has logged the step, raises
+  :class:`Preempted`, a ``SystemExit`` with
+  code :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``): never 0, so ``torchrun --max-restarts`` restarts the job and the next
+  attempt resumes from the newest complete checkpoint (lightning_par/cli.py); SLURM requeues a preempted job itself
+  (``--requeue``).
+
+A rank that never reaches the step boundary (frozen, or killed) is named by the heartbeat within its bound. The
+checkpoint a preemption saved is removed once the resumed run has saved a newer one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+log = logging.getLogger(__name__)
+
+#: the exit code of a preempted rank (BSD ``EX_TEMPFAIL``: try again); the heartbeat's peers use the same
+EXIT_CODE = 75
+#: the signals that preempt a run
+SIGNALS = (signal.SIGTERM,)
+#: the name of a checkpoint saved at a preemption
+PREFIX = "preempted"
+
+
+class Preempted(SystemExit):
+    """The run stopped at a preemption after saving ``path`` (exit code :data:`EXIT_CODE`)."""
+
+    def __init__(self, message: str, path: Path | None) -> None:
+        super().__init__(EXIT_CODE)
+        self.message, self.path = message, path
+
+
+class PreemptionCheckpoint(Callback):
+    """Installs the flag-only handler when training starts and acts on an agreed signal at the end of each batch
+    that stepped (see the module docstring). The strategies add it to every ``fit``."""
+
+    def __init__(self) -> None:
+        self.received: tuple[int, float] | None = None  # (signal, time) on this rank
+        self._previous: dict[int, Any] = {}
+        self._checked_step = -1
+        self._stale: list[Path] = []  # checkpoints of earlier preemptions, removed after a newer save commits
+        self._newest_at_start = ""
+        self._pending: Preempted | None = None
+
+    # -- the handler ----------------------------------------------------------------------------------------------
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = (signum, time.time())
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after Lightning registered its handlers (in Trainer._run, before the loops start); only the main thread
+        # may install one
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in SIGNALS:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handler)
+        directory = _checkpoint_dir(trainer)
+        if directory is not None and directory.is_dir():
+            self._stale = sorted(directory.glob(f"{PREFIX}-*.ckpt"))
+        self._newest_at_start = _newest_saved(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore()
+        self._stop()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    # -- the step boundary ------------------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._checked_step:  # inside gradient accumulation: no optimizer step yet
+            return
+        self._checked_step = step
+        if 0 <= trainer.max_steps <= step:
+            return  # the run ends here anyway, with its own last checkpoint and exit 0
+        newest = _newest_saved(trainer)
+        if self._stale and newest != self._newest_at_start and Path(newest).exists():
+            for path in self._stale:  # a newer checkpoint exists: the preemption's is no longer the last good one
+                trainer.strategy.remove_checkpoint(path)
+            self._stale = []
+        agreed = self._agree(trainer)
+        if agreed is None:
+            return
+        who, signum = agreed
+        directory = _checkpoint_dir(trainer) or Path(trainer.default_root_dir) / "checkpoints"
+        path = directory / f"{PREFIX}-epoch={trainer.current_epoch}-step={step}.ckpt"
+        trainer.save_checkpoint(path)
+        message = (f"lightning-par: {signal.Signals(signum).name} (received by rank {who}): stopped after step {step} "
+                   f"on every rank; saved {path}; exit code {EXIT_CODE}, so torchrun --max-restarts or a SLURM requeue starts "
+                   "the next attempt, which resumes from it")
+        if trainer.is_global_zero:
+            print(message, flush=True)
+        # raised at the next hook, not here: Lightning logs this step's metrics right after this hook
+        self._pending = Preempted(message, path)
+
+    def _stop(self, *args: Any) -> None:
+        """The next hook after the save (the next batch, a validation due, the epoch's or the fit's end)."""
+        if self._pending is not None:
+            raise self._pending
+
+    on_train_batch_start = on_validation_start = on_train_epoch_end = _stop
+
+    def _agree(self, trainer: Trainer) -> tuple[int, int] | None:
+        """``(rank, signal)`` of a rank that received a signal (the highest such rank), agreed by every rank;
+        ``None`` if none did. One int64 all-reduced (MAX): ``(rank + 1) * 256 + signal``, or 0."""
+        mine = (trainer.global_rank + 1) * 256 + self.received[0] if self.received is not None else 0
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            flag = torch.tensor([mine], dtype=torch.int64, device=_flag_device(trainer))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            mine = int(flag.item())
+        return (mine // 256 - 1, mine % 256) if mine else None
+
+
+def _flag_device(trainer: Trainer) -> torch.device:
+    """The CPU where the process group has a CPU backend (gloo; ``cpu:gloo,cuda:nccl`` on CUDA): the flag then
+    never touches the GPU stream; else the strategy's device."""
+    backend = str(dist.get_backend())
+    return torch.device("cpu") if "gloo" in backend else trainer.strategy.root_device
+
+
+def _checkpoint_dir(trainer: Trainer) -> Path | None:
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None)
+    return Path(dirpath) if dirpath else None
+
+
+def _newest_saved(trainer: Trainer) -> str:
+    """The newest checkpoint the run's ModelCheckpoint saved (restored with its state on a resume), or ``""``."""
+    callback = trainer.checkpoint_callback
+    newest = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") or ""
+    return os.path.realpath(newest) if newest else ""  # last.ckpt is a link: what it names changes
