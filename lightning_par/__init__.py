@@ -6,6 +6,8 @@ against the tested versions (:mod:`lightning_par._compat`) and keeps the example
 working (:mod:`lightning_par._aliases`).
 """
 
+import warnings
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par import _aliases, _compat  # noqa: F401  (_compat checks the versions on import)
@@ -33,6 +35,10 @@ def _register_strategies() -> None:
 
 
 _register_strategies()
+# Lightning 2.6 builds torch's LeafSpec, deprecated since torch 2.13: every rank printed this at the first step, about
+# Lightning's code, with nothing for the user to change (docs/cli.md lists the warnings that remain)
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")
 _aliases.install()
 
 __all__ = [

@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.parallel.stage_plan import SCHEDULES
@@ -103,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="print every layout")
     p.add_argument("--runnable", action="store_true", help="only layouts this version of lightning-par runs")
     p.add_argument("--json", dest="json_out", help="write every estimate to this JSON file")
+    p.add_argument("--write-config", metavar="PATH",
+                   help="write a fit config (YAML) that trains the fastest layout that fits and runs: the --config "
+                        "given with its strategy, precision, devices and batch replaced, or a new one for --model "
+                        "(add your data: section); run it with lightning-par fit --config PATH")
     p.add_argument("--block-types", help="comma-separated class names of the repeated blocks, where they cannot be "
                                          "found from the model")
     return p
@@ -240,6 +247,7 @@ def _main(argv: list[str]) -> int:
     if layout and estimates:
         print()
         print(rank_breakdown(estimates[0]))
+    _print_fit_command(args, model_args, estimates, work)
     if args.json_out:
         write_json(args.json_out, estimates, {
             "model": info.description, "hardware": hw.to_dict(), "runtime": asdict(runtime), "world": world,
@@ -249,6 +257,32 @@ def _main(argv: list[str]) -> int:
         })
         print(f"\nwrote {len(estimates)} layouts to {args.json_out}")
     return 0
+
+
+def _print_fit_command(args: argparse.Namespace, model_args: dict[str, str], estimates: list, work: Workload) -> None:
+    """The fit command of the fastest layout that fits and runs (and with --write-config, its YAML)."""
+    from lightning_par.planner.command import batch_settings, fit_command, fit_config, write_fit_config
+
+    winner = next((e for e in estimates if e.fits and e.runs_today), None)
+    if winner is None or not args.model:  # an --hf-config alone is no LightningModule to fit
+        if args.write_config:
+            raise LayoutError(f"--write-config {args.write_config}: no layout to write "
+                              + ("(nothing fits and runs today)." if args.model else
+                                 "for --hf-config (it names no LightningModule: plan --model=CLASS instead)."))
+        return
+    c = winner.candidate
+    print(f"\nto train the fastest that fits and runs ({c.label()}):")
+    if args.write_config:
+        base = yaml.safe_load(Path(args.config).read_text()) if args.config else None
+        config = fit_config(c, work, base, args.model, model_args)
+        write_fit_config(args.write_config, config, c.label())
+        print(f"  lightning-par fit --config {args.write_config}    (written now)")
+    else:
+        print("  " + fit_command(c, work, args.config, args.model, model_args))
+    if not args.config:
+        batch, _ = batch_settings(c, work)
+        print(f"  with your data module (--data=CLASS, or a data: section) giving {batch} sequence(s) of "
+              f"{work.seq_len} tokens per batch")
 
 
 __all__ = ["Candidate", "main", "parse_layout"]

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -434,11 +435,14 @@ class ExportReport:
     tied: list[list[str]] = field(default_factory=list)
     files: int = 1  # weight files (shards of an --hf export)
     tokenizer: list[str] = field(default_factory=list)  # the tokenizer files an --hf export wrote
+    tokenizer_note: str | None = None  # how AutoTokenizer differs from the tokenizer written (auto_tokenizer_differs)
 
     def describe(self) -> str:
         tied = "".join(f"\n  {' = '.join(g)}: shared storage, each name written with its own copy" for g in self.tied)
         files = f" in {self.files} shard files + {HF_INDEX}" if self.files > 1 else ""
         tokenizer = f"\n  the data module's tokenizer: {', '.join(self.tokenizer)}" if self.tokenizer else ""
+        if self.tokenizer_note:
+            tokenizer += f"\n  note: {self.tokenizer_note}"
         return (f"wrote {self.out}: {self.tensors} tensors, {self.bytes / 2**20:.2f} MiB{files}, names without "
                 f"{self.prefix + '.' if self.prefix else 'a prefix'!r}{tied}{tokenizer}")
 
@@ -485,18 +489,30 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
     its files are written beside the model, so ``AutoTokenizer.from_pretrained(out_dir)`` loads it.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
-    from transformers import PreTrainedModel
 
     max_shard_size = parse_size(max_shard_size)
     hparams = read_hyperparameters(ckpt)
     class_path = model_class or _checkpoint_class(ckpt, hparams, trust_checkpoint_class)
-    lm = _build_on_meta(_import_class(class_path), hparams)
-    children = [(name, child) for name, child in lm.named_children() if isinstance(child, PreTrainedModel)]
-    if len(children) != 1:
-        raise ValueError(f"{class_path} holds {len(children)} Hugging Face models after configure_model() "
-                         f"({[n for n, _ in children]}); --hf needs exactly one (e.g. self.model = LlamaForCausalLM).")
-    prefix, hf_model = children[0]
+    cls = _import_class(class_path)
     source = CheckpointTensors(ckpt)
+    try:
+        lm = _build_on_meta(cls, hparams)
+    except Exception as err:  # noqa: BLE001 -- e.g. a configure_model that reads trainer.datamodule.vocab_size
+        try:  # a data module's vocabulary for now: the checkpoint's is known once the embedding's name is
+            lm = _build_on_meta(cls, hparams, vocab=256)
+        except Exception:  # noqa: BLE001
+            raise err from None
+    prefix, hf_model = _hf_child(lm, class_path)
+    vocab = _checkpoint_vocab(source, prefix, hf_model)
+    if vocab is not None and vocab != hf_model.get_input_embeddings().num_embeddings:
+        # the model took its vocabulary from the data module in the run (a hyper-parameter need not record it): build
+        # it again as it was trained, seeing a data module of the checkpoint's vocabulary, and failing that, the
+        # Hugging Face model from its own config with that vocabulary
+        prefix, hf_model = _hf_child(_build_on_meta(cls, hparams, vocab), class_path)
+        if hf_model.get_input_embeddings().num_embeddings != vocab:
+            hf_model.config.vocab_size = vocab
+            with torch.device("meta"):
+                hf_model = type(hf_model)(hf_model.config)
     entries, _ = strip_prefix(source.entries, prefix)
     expected = hf_model.state_dict()
     missing = sorted(set(expected) - set(entries))
@@ -528,8 +544,8 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         state = _cast({name[len(lead):]: t for name, t in source.read(lead + n for n in expected).items()}, dtype)
         unshare(state)
         hf_model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
-        return ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected), prefix,
-                            tokenizer=_write_tokenizer(ckpt, out_dir))
+        return _with_tokenizer(ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected),
+                                            prefix), ckpt)
     split = split_state_dict_into_shards_factory(
         {name: _nbytes(*planned[name]) for name in names}, get_storage_size=lambda size: size,
         filename_pattern=HF_WEIGHTS.replace(".safetensors", "{suffix}.safetensors"), max_shard_size=max_shard_size)
@@ -541,8 +557,35 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         index = {"metadata": {"total_parameters": hf_model.num_parameters(), **split.metadata},
                  "weight_map": split.tensor_to_filename}
         (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return ExportReport(out_dir, len(names), written, prefix, files=len(split.filename_to_tensors),
-                        tokenizer=_write_tokenizer(ckpt, out_dir))
+    return _with_tokenizer(ExportReport(out_dir, len(names), written, prefix,
+                                        files=len(split.filename_to_tensors)), ckpt)
+
+
+def _hf_child(lm: LightningModule, class_path: str) -> tuple[str, nn.Module]:
+    """The one child of ``lm`` that is a ``transformers.PreTrainedModel``, and its attribute name."""
+    from transformers import PreTrainedModel
+
+    children = [(name, child) for name, child in lm.named_children() if isinstance(child, PreTrainedModel)]
+    if len(children) != 1:
+        raise ValueError(f"{class_path} holds {len(children)} Hugging Face models after configure_model() "
+                         f"({[n for n, _ in children]}); --hf needs exactly one (e.g. self.model = LlamaForCausalLM).")
+    return children[0]
+
+
+def _checkpoint_vocab(source: CheckpointTensors, prefix: str, hf_model: nn.Module) -> int | None:
+    """The vocabulary the checkpoint was trained with: the rows of its input embedding (``None`` if it has none)."""
+    embedding = hf_model.get_input_embeddings()
+    name = next((n for n, m in hf_model.named_modules() if m is embedding), None)
+    entry = source.entries.get(f"{prefix}.{name}.weight") if name is not None else None
+    return int(entry[0][0]) if entry is not None and len(entry[0]) == 2 else None
+
+
+def _with_tokenizer(report: ExportReport, ckpt: str | Path) -> ExportReport:
+    """``report`` once the checkpoint's tokenizer (if any) is written beside the model and checked as loaded back."""
+    report.tokenizer = _write_tokenizer(ckpt, report.out)
+    if report.tokenizer:
+        report.tokenizer_note = auto_tokenizer_differs(report.out)
+    return report
 
 
 def _write_tokenizer(ckpt: str | Path, out_dir: Path) -> list[str]:
@@ -551,6 +594,25 @@ def _write_tokenizer(ckpt: str | Path, out_dir: Path) -> list[str]:
 
     files = read_tokenizer_files(ckpt)
     return write_tokenizer_files(files, out_dir) if files else []
+
+
+def auto_tokenizer_differs(out_dir: str | Path) -> str | None:
+    """What is wrong with ``AutoTokenizer.from_pretrained(out_dir)`` where it is not the tokenizer ``out_dir``'s files
+    describe (:func:`lightning_par.data.as_written`: another vocabulary size, or other ids on any line of
+    ``TOKENIZER_PROBE``); ``None`` when it is the same."""
+    from transformers import AutoTokenizer
+
+    from lightning_par.data import TOKENIZER_PROBE, load_tokenizer
+
+    auto, written = AutoTokenizer.from_pretrained(out_dir), load_tokenizer(out_dir)
+    differ = sum(auto(line)["input_ids"] != written(line)["input_ids"] for line in TOKENIZER_PROBE)
+    if not differ and len(auto) == len(written):
+        return None
+    return (f"AutoTokenizer.from_pretrained({str(out_dir)!r}) builds {type(auto).__name__}, transformers' own class "
+            f"for this model family, which re-derives the splitting rules instead of reading tokenizer.json: "
+            f"{len(auto)} tokens (trained: {len(written)}), other ids on {differ} of {len(TOKENIZER_PROBE)} probe "
+            f"lines. Load it as trained with transformers.PreTrainedTokenizerFast.from_pretrained(dir) "
+            f"(lightning-par's --data.tokenizer=DIR does).")
 
 
 def _checkpoint_class(ckpt: str | Path, hparams: dict[str, Any], trusted: bool) -> str:
@@ -606,14 +668,21 @@ def _import_class(class_path: str) -> type:
     return cls
 
 
-def _build_on_meta(cls: type, hparams: dict[str, Any]) -> LightningModule:
-    """``cls`` from its saved hyper-parameters, its model built by ``configure_model`` on the meta device."""
+def _build_on_meta(cls: type, hparams: dict[str, Any], vocab: int | None = None) -> LightningModule:
+    """``cls`` from its saved hyper-parameters, its model built by ``configure_model`` on the meta device. With
+    ``vocab``, ``configure_model`` sees a trainer whose data module has that vocabulary (``trainer.datamodule
+    .vocab_size``), as a model that takes its vocabulary from the data did in the run."""
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and (takes_any or k in accepted)}
     with torch.device("meta"):
         lm = cls(**kwargs)
-        lm.configure_model()
+        if vocab is not None:
+            lm.trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=vocab, token_vocab_size=vocab))
+        try:
+            lm.configure_model()
+        finally:
+            lm.trainer = None
     return lm
 
 

@@ -1,0 +1,93 @@
+"""``lightning-par plan`` for the README's LightningModule (no ``forward``): the same estimates as the module with
+one, the winner's fit command and ``--write-config`` YAML that the CLI turns into exactly that layout, and the rows
+without fp32 master weights marked. In this process, no launch."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import lightning as L
+import torch
+import yaml
+from torch import nn
+
+from lightning_par.cli import LightningParCLI, main
+from lightning_par.examples.plain_lm import PlainLM
+from lightning_par.planner.report import NO_MASTERS_NOTE
+
+
+class ReadmeModule(L.LightningModule):
+    """The README's "Your own model", as written there: no forward; the steps call ``self.model``."""
+
+    def configure_model(self):
+        if getattr(self, "model", None) is None:
+            self.model = PlainLM()
+
+    def loss_fn(self, logits, targets):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def compute_loss(self, batch):
+        inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
+    def training_step(self, batch, batch_idx):
+        return self.compute_loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+PLAN = ["--world", "4", "--hardware", "cpu", "--seq", "32", "--precision", "fp32,bf16-true", "--recompute", "none",
+        "--schedules", "1f1b", "--zero", "0,1"]
+
+
+def _plan(capsys, tmp_path, model: str, *extra: str) -> tuple[str, dict]:
+    out = tmp_path / "plan.json"
+    main(["plan", f"--model={model}", *PLAN, "--json", str(out), *extra])
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
+def _cli(args: list[str]) -> LightningParCLI:
+    return LightningParCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
+                           subclass_mode_data=True, run=False, args=args)
+
+
+def test_plan_of_a_module_without_forward_gives_the_command_and_yaml_of_its_winner(tmp_path, capsys):
+    text, plan = _plan(capsys, tmp_path, f"{__name__}.ReadmeModule")
+    # planned from its network (self.model): the very estimates of the example module that has a forward (in fp32:
+    # in bf16 the example's loss saves fp32 logits, the README's bf16 ones)
+    _, with_forward = _plan(capsys, tmp_path, "lightning_par.examples.PlainLMLightningModule")
+    assert len(plan["layouts"]) == len(with_forward["layouts"]) > 4
+    fp32 = [[(e["label"], e["step_time_s"], e["bytes_per_rank"]) for e in p["layouts"] if e["label"].endswith("fp32")]
+            for p in (plan, with_forward)]
+    assert fp32[0] == fp32[1] and len(fp32[0]) > 2
+
+    winner = next(e for e in plan["layouts"] if e["fits"] and e["runs_today"])
+    assert f"to train the fastest that fits and runs ({winner['label']}):" in text
+    command = next(line for line in text.splitlines() if line.strip().startswith("lightning-par fit"))
+    # every row without fp32 masters is marked, and the note says what that costs
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit() and "yes" in line]
+    assert {r[8] for r in rows if r[8].startswith("bf16")} == {"bf16-true*"} and NO_MASTERS_NOTE in text
+    if winner["layout"]["precision"] == "bf16-true":
+        assert "[no fp32 master weights*]" in text and "fastest with fp32 master weights that runs today:" in text
+
+    config = tmp_path / "won.yaml"
+    text, _ = _plan(capsys, tmp_path, f"{__name__}.ReadmeModule", "--write-config", str(config))
+    assert f"lightning-par fit --config {config}" in text
+    written = yaml.safe_load(config.read_text())
+    assert written["model"]["class_path"] == f"{__name__}.ReadmeModule"
+    c = winner["layout"]
+    batch = plan["workload"]["micro_batch"] * (c["n_microbatches"] if c["pp"] > 1 else 1)
+    assert f"with your data module (--data=CLASS, or a data: section) giving {batch} sequence(s) of 32 tokens" in text
+    data = ["--data=lightning_par.data.TextDataModule", "--data.seq_len=32", f"--data.batch_size={batch}"]
+    # the YAML and the printed command, through the CLI's own parser, build the winner's layout and precision
+    for cli in (_cli(["--config", str(config), *data]), _cli([*shlex.split(command)[2:], *data])):
+        layout = cli.trainer.strategy.layout
+        assert (layout.dp, layout.tp, layout.pp, layout.zero_stage, layout.recompute) == \
+            (c["dp"], c["tp"], c["pp"], c["zero_stage"], c["recompute"])
+        accumulate = c["n_microbatches"] if c["pp"] == 1 else 1  # a pipeline's are its micro-batches
+        assert cli.trainer.num_devices == 4 and cli.trainer.accumulate_grad_batches == accumulate
+        assert cli.trainer.precision == {"fp32": "32-true", "bf16-true": "bf16-true"}[c["precision"]]
+        if c["pp"] > 1:
+            assert layout.stage_plan.n_microbatches == c["n_microbatches"]
