@@ -16,19 +16,20 @@ import argparse
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from lightning_par.parallel.recompute import RECOMPUTE_KINDS
+# what the parser needs imports no torch (``lightning-par plan --help`` answers at once); the planner itself is
+# imported in _main
 from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.planner.fit_config import FitPlan, read_fit_config
 from lightning_par.planner.hardware import PRESETS, load_hardware
-from lightning_par.planner.model import build_model, inspect_model
-from lightning_par.planner.plan import RUNTIMES, Candidate, Planner, Workload, rank_table
-from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
-from lightning_par.planner.trace import PRECISIONS
-from lightning_par.topology import LayoutError, check_number, is_number
+from lightning_par.planner.runtime import PRECISIONS, RUNTIMES
+from lightning_par.topology import RECOMPUTE_KINDS, LayoutError, check_number, is_number
+
+if TYPE_CHECKING:
+    from lightning_par.planner.plan import Workload
 
 _LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "schedule", "v", "sp", "recompute", "precision", "m")
 
@@ -174,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     rest, model_args = _split_model_args(argv)
     args = parser().parse_args(rest)
+    from lightning_par.planner.model import build_model, inspect_model
+    from lightning_par.planner.plan import Planner, Workload, rank_table
+    from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
+
     fit = read_fit_config(args.config) if args.config else FitPlan()
     if fit.model and not args.hf_config:
         args.model = args.model or fit.model
@@ -285,7 +290,7 @@ def _print_fit_command(args: argparse.Namespace, model_args: dict[str, str], est
               f"{work.seq_len} tokens per batch")
 
 
-__all__ = ["Candidate", "main", "parse_layout"]
+__all__ = ["main", "parse_layout"]
 
 if __name__ == "__main__":
     sys.exit(main())

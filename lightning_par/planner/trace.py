@@ -41,14 +41,8 @@ from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_plan
 from lightning_par.planner.model import ModelInfo, short_model
+from lightning_par.planner.runtime import NO_FP32_MASTERS, PRECISIONS  # noqa: F401
 from lightning_par.topology import LayoutError
-
-#: ``bf16-mixed``: autocast over fp32 parameters; ``bf16-true``: everything bf16; ``bf16-mixed-master``: bf16
-#: parameters and activations as in ``bf16-true`` (the same trace), fp32 master weights, gradients and optimizer
-#: states beside them (Megatron-LM's mixed precision; the bytes are the planner's, see :mod:`.plan`)
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16-true", "bf16-mixed-master")
-#: precisions that keep no fp32 copy of the weights: each update is rounded to bf16 (plan marks them)
-NO_FP32_MASTERS: tuple[str, ...] = ("bf16-true",)
 
 
 def compute_dtype(precision: str) -> str:

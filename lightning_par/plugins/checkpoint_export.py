@@ -15,7 +15,6 @@ applied its layout, tensor by tensor, each rank keeping only its share (:func:`l
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib
 import inspect
@@ -46,14 +45,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_par.plugins import checkpoint_files, checkpoint_meta
 from lightning_par.plugins.checkpoint_files import CheckpointError
+from lightning_par.plugins.export_args import HF_INDEX, HF_MAX_SHARD_SIZE, build_parser, parse_size  # noqa: F401
 from lightning_par.plugins.sharded_checkpoint import _SafeLoadPlanner, _SafeReader
 
 _MODEL_KEY = "state_dict"  # the model's entries in a checkpoint (DCP flattens them to "state_dict.<fqn>")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-#: the default largest shard file of an --hf export: huggingface_hub's split_torch_state_dict_into_shards default,
-#: which transformers 4's save_pretrained used (transformers 5's defaults to 50GB)
-HF_MAX_SHARD_SIZE = "5GB"
+HF_WEIGHTS = "model.safetensors"
 _HF_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -355,23 +352,6 @@ _SAFETENSORS_DTYPES = {getattr(torch, name): code for code, name in (
     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("C64", "complex64"),
 ) if hasattr(torch, name)}
 _CAST_PIECE = 16 << 20  # bytes of a tensor cast at a time while it is written
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: str | int) -> int:
-    """Bytes of ``size``: an int, or a string of bytes (``"1000000"``) or with a unit: ``"500MB"``, ``"5GB"``
-    (powers of 10, as Hugging Face counts), ``"2GiB"`` (powers of 2)."""
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, re.IGNORECASE)
-        if match is None:
-            raise ValueError(f"{size!r} is not a size: bytes (1000000) or a number with a unit (500MB, 5GB, 2GiB)")
-        value = int(float(match[1]) * _SIZE_UNITS[(match[2] or "").upper()])
-    if value <= 0:
-        raise ValueError(f"{size!r}: a size must be positive")
-    return value
 
 
 def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
@@ -693,50 +673,6 @@ from lightning_par.plugins.pretrained import FromPretrained, load_pretrained  # 
 
 
 # -- the command ----------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-par export",
-        description="Export a lightning-par checkpoint (a sharded directory of any layout, or a single-file "
-                    "checkpoint) to the plain model's weights: one .safetensors file, or with --hf a Hugging Face "
-                    "save_pretrained directory (weights in shard files with an index). Runs in one process, one tensor "
-                    "at a time: the memory is about the largest tensor, not the model.",
-        epilog="Start a run from the result under any layout: lightning-par fit ... "
-               "--trainer.callbacks+=lightning_par.plugins.checkpoint_export.FromPretrained "
-               "--trainer.callbacks.path=OUT",
-    )
-    parser.add_argument("checkpoint", help="the checkpoint: a directory (sharded layouts) or a .ckpt file")
-    parser.add_argument("out", help="OUT.safetensors, or with --hf the directory to write")
-    parser.add_argument("--hf", action="store_true",
-                        help="write a Hugging Face save_pretrained directory (config.json + model.safetensors) that "
-                             "AutoModelForCausalLM.from_pretrained loads, and the tokenizer of the checkpoint's "
-                             "TextDataModule(tokenizer=...) beside it; for a LightningModule holding one "
-                             "transformers model")
-    parser.add_argument("--prefix", default=None,
-                        help="the LightningModule attribute to strip from the names (default: the one first name "
-                             "component all entries share, e.g. 'model'); '' keeps the names. Without --hf only.")
-    parser.add_argument("--model-class", default=None,
-                        help="with --hf: the LightningModule class "
-                             "(e.g. lightning_par.examples.HFLlamaLightningModule)")
-    parser.add_argument("--trust-checkpoint-class", action="store_true",
-                        help="with --hf and no --model-class: import the class the checkpoint names (the Lightning "
-                             "CLI saves it with the hyper-parameters); importing a module runs its code, so only for "
-                             "a checkpoint from a trusted source")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cast floating-point weights to this dtype (default: as saved)")
-    parser.add_argument("--max-shard-size", type=_size_argument, default=None,
-                        help=f"with --hf: the largest weight file, e.g. 5GB, 500MB, 2GiB or bytes (default: "
-                             f"{HF_MAX_SHARD_SIZE}, as Hugging Face splits them); more than one file gets "
-                             f"model-00001-of-0000N.safetensors and {HF_INDEX}")
-    return parser
-
-
-def _size_argument(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-
-
 def main(argv: list[str] | None = None) -> int:
     """``lightning-par export``: returns the exit status."""
     parser = build_parser()
