@@ -93,6 +93,24 @@ def test_plan_of_a_module_without_forward_gives_the_command_and_yaml_of_its_winn
             assert layout.stage_plan.n_microbatches == c["n_microbatches"]
 
 
+class FromTrainer(ReadmeModule):
+    """A module whose network reads the trainer's data module in configure_model: the planner has no Trainer."""
+
+    def configure_model(self):
+        self.model = PlainLM(self.trainer.datamodule.vocab_size)
+
+
+def test_a_module_the_planner_cannot_build_is_one_line_naming_it(capsys):
+    from lightning_par.planner.cli import main as plan
+
+    assert plan([f"--model={__name__}.FromTrainer", "--world", "2", "--hardware", "cpu"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("lightning-par plan: FromTrainer.configure_model() failed on the meta device, where the planner "
+                    "builds it without a Trainer: RuntimeError: FromTrainer is not attached to a `Trainer`. Build the "
+                    "model from init arguments alone (e.g. a vocab_size argument, given as --model.vocab_size=N) "
+                    "rather than from self.trainer."), last
+
+
 def test_help_of_plan_and_export_imports_neither_torch_nor_lightning(tmp_path):
     """``lightning-par plan --help`` and ``export --help`` through the console script pyproject.toml declares (written
     here as pip writes it): the help, exit 0, and not one of torch, Lightning, transformers or numpy imported -- a
