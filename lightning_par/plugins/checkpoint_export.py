@@ -478,21 +478,18 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
     try:
         lm = _build_on_meta(cls, hparams)
     except Exception as err:  # noqa: BLE001 -- e.g. a configure_model that reads trainer.datamodule.vocab_size
-        try:  # a data module's vocabulary for now: the checkpoint's is known once the embedding's name is
-            lm = _build_on_meta(cls, hparams, vocab=256)
+        from lightning_par.data import VOCAB_SIZE
+
+        try:  # the byte-level data module's vocabulary for now: the checkpoint's is known once the embedding's name is
+            lm = _build_on_meta(cls, hparams, vocab=VOCAB_SIZE)
         except Exception:  # noqa: BLE001
             raise err from None
     prefix, hf_model = _hf_child(lm, class_path)
     vocab = _checkpoint_vocab(source, prefix, hf_model)
     if vocab is not None and vocab != hf_model.get_input_embeddings().num_embeddings:
         # the model took its vocabulary from the data module in the run (a hyper-parameter need not record it): build
-        # it again as it was trained, seeing a data module of the checkpoint's vocabulary, and failing that, the
-        # Hugging Face model from its own config with that vocabulary
+        # it again as it was trained, seeing a data module of the checkpoint's vocabulary
         prefix, hf_model = _hf_child(_build_on_meta(cls, hparams, vocab), class_path)
-        if hf_model.get_input_embeddings().num_embeddings != vocab:
-            hf_model.config.vocab_size = vocab
-            with torch.device("meta"):
-                hf_model = type(hf_model)(hf_model.config)
     entries, _ = strip_prefix(source.entries, prefix)
     expected = hf_model.state_dict()
     missing = sorted(set(expected) - set(entries))
