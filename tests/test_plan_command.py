@@ -100,7 +100,7 @@ class FromTrainer(ReadmeModule):
         self.model = PlainLM(self.trainer.datamodule.vocab_size)
 
 
-def test_a_module_the_planner_cannot_build_is_one_line_naming_it(capsys):
+def test_a_module_the_planner_cannot_build_or_fit_is_one_line_naming_it(capsys):
     from lightning_par.planner.cli import main as plan
 
     assert plan([f"--model={__name__}.FromTrainer", "--world", "2", "--hardware", "cpu"]) == 2
@@ -109,6 +109,17 @@ def test_a_module_the_planner_cannot_build_is_one_line_naming_it(capsys):
                     "builds it without a Trainer: RuntimeError: FromTrainer is not attached to a `Trainer`. Build the "
                     "model from init arguments alone (e.g. a vocab_size argument, given as --model.vocab_size=N) "
                     "rather than from self.trainer."), last
+    # a plain nn.Module: no fit config to write (said before planning), and the Trainer arguments instead of a command
+    plain = ["--model=lightning_par.examples.plain_lm.PlainLM", "--world", "2", "--hardware", "cpu", "--seq", "32",
+             "--precision", "fp32", "--recompute", "none", "--zero", "0"]
+    assert plan([*plain, "--write-config", "x.yaml"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "lightning-par plan: --write-config x.yaml: PlainLM is not a LightningModule, which a fit config needs; plan "
+        "--model=YOUR_LIGHTNING_MODULE.")
+    assert plan(plain) == 0
+    assert ("from a LightningModule holding PlainLM:\n  Trainer(devices=2, strategy=lightning_par.LayoutStrategy(dp=2, "
+            "tp=1, pp=1, zero_stage=0), precision='32-true', accumulate_grad_batches=8), with batches of 1 sequence(s) "
+            "of 32 tokens") in capsys.readouterr().out
 
 
 def test_help_of_plan_and_export_imports_neither_torch_nor_lightning(tmp_path):

@@ -207,6 +207,11 @@ def _main(argv: list[str]) -> int:
         hw = replace(hw, memory_gib=args.gpu_memory)
     print(f"building {args.model or args.hf_config} on the meta device ...", file=sys.stderr)
     obj = build_model(args.model, model_args, hf_config=args.hf_config)
+    from lightning.pytorch import LightningModule
+
+    if args.write_config and not isinstance(obj, LightningModule):  # said before the planning, not after
+        raise LayoutError(f"--write-config {args.write_config}: {type(obj).__name__} is not a LightningModule, which "
+                          "a fit config needs; plan --model=YOUR_LIGHTNING_MODULE.")
     info = inspect_model(obj, args.block_types.split(",") if args.block_types else None)
     seq = args.seq or _default_seq(info)
     global_batch = args.global_batch or 8 * world * args.micro_batch
@@ -252,7 +257,7 @@ def _main(argv: list[str]) -> int:
     if layout and estimates:
         print()
         print(rank_breakdown(estimates[0]))
-    _print_fit_command(args, model_args, estimates, work)
+    _print_fit_command(args, model_args, estimates, work, obj)
     if args.json_out:
         write_json(args.json_out, estimates, {
             "model": info.description, "hardware": hw.to_dict(), "runtime": asdict(runtime), "world": world,
@@ -264,16 +269,35 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-def _print_fit_command(args: argparse.Namespace, model_args: dict[str, str], estimates: list, work: Workload) -> None:
-    """The fit command of the fastest layout that fits and runs (and with --write-config, its YAML)."""
-    from lightning_par.planner.command import batch_settings, fit_command, fit_config, write_fit_config
+def _print_fit_command(args: argparse.Namespace, model_args: dict[str, str], estimates: list, work: Workload,
+                       model: Any) -> None:
+    """The fit command of the fastest layout that fits and runs (and with --write-config, its YAML); for a plain
+    ``nn.Module`` or an --hf-config, which ``lightning-par fit`` cannot take, what a script gives the Trainer."""
+    from lightning.pytorch import LightningModule
+
+    from lightning_par.planner.command import (
+        batch_settings,
+        fit_command,
+        fit_config,
+        strategy_args,
+        trainer_precision,
+        write_fit_config,
+    )
 
     winner = next((e for e in estimates if e.fits and e.runs_today), None)
-    if winner is None or not args.model:  # an --hf-config alone is no LightningModule to fit
+    if winner is None or not isinstance(model, LightningModule):
         if args.write_config:
-            raise LayoutError(f"--write-config {args.write_config}: no layout to write "
-                              + ("(nothing fits and runs today)." if args.model else
-                                 "for --hf-config (it names no LightningModule: plan --model=CLASS instead)."))
+            raise LayoutError(f"--write-config {args.write_config}: no fit config to write: no layout fits and runs "
+                              "today.")
+        if winner is not None:
+            c = winner.candidate
+            batch, accumulate = batch_settings(c, work)
+            options = ", ".join(f"{k}={v!r}" for k, v in strategy_args(c).items())
+            print(f"\nto train the fastest that fits and runs ({c.label()}) from a LightningModule holding "
+                  f"{type(model).__name__}:\n  Trainer(devices={c.world}, strategy=lightning_par.LayoutStrategy("
+                  f"{options}), precision={trainer_precision(c)!r}"
+                  + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
+                  + f"), with batches of {batch} sequence(s) of {work.seq_len} tokens")
         return
     c = winner.candidate
     print(f"\nto train the fastest that fits and runs ({c.label()}):")

@@ -38,6 +38,12 @@ def strategy_args(c: Candidate) -> dict[str, Any]:
     return out
 
 
+def trainer_precision(c: Candidate) -> str:
+    """``Trainer(precision=...)`` of a candidate (bf16-mixed-master: lightning-par's CLI takes it there; a script
+    passes ``plugins=[LayoutPrecision("bf16-mixed-master")]``)."""
+    return TRAINER_PRECISION[c.precision]
+
+
 def batch_settings(c: Candidate, work: Workload) -> tuple[int, int]:
     """``(data.batch_size, trainer.accumulate_grad_batches)`` that give the planned step: a pipeline splits one
     replica's batch into its micro-batches; without one, the micro-batches are accumulated."""
