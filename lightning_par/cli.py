@@ -150,7 +150,8 @@ class LightningParCLI(LightningCLI):
         texts = [str(getattr(self, "_raw_args", ""))]
         for path in self._get(self.config, "config", default=None) or []:
             try:
-                texts.append(path.get_content() if hasattr(path, "get_content") else Path(str(path)).read_text())
+                # jsonargparse's Path (read_text; its get_content warns) or a plain one
+                texts.append(path.read_text() if hasattr(path, "read_text") else Path(str(path)).read_text())
             except OSError:
                 continue
         return any(key in text for text in texts)
