@@ -34,6 +34,7 @@ from lightning_par import LayoutStrategy
 from lightning_par.examples import GPTLightningModule
 from lightning_par.plugins.checkpoint_export import export_lightning
 from lightning_par.plugins.zero_checkpoint import pieces
+from lightning_par.topology import LayoutError
 
 SEED = 1234
 LR = 0.2
@@ -83,6 +84,16 @@ class SeededGPT(GPTLightningModule):
         self.initial_sums = {n: float(full(p).detach().double().sum()) for n, p in self.named_parameters()}
         self.modes: dict[str, bool] = {}
 
+    def training_step(self, batch, batch_idx):
+        # test_train_loop_logging.py::test_logging_sync_dist_true_ddp / ::test_metric_are_properly_reduced: a value
+        # per data-parallel replica (its dp coordinate + 1), reduced over the replicas, each counted once
+        strategy = self.trainer.strategy
+        dp_rank = strategy.coordinates["dp"] if isinstance(strategy, LayoutStrategy) else strategy.global_rank
+        value = torch.tensor(float(dp_rank + 1))
+        for fx in ("sum", "mean", "max"):
+            self.log(f"probe/{fx}", value, sync_dist=True, reduce_fx=fx, on_step=True, on_epoch=False, batch_size=1)
+        return super().training_step(batch, batch_idx)
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.modes["train"] = self.training
         # the replica's loss averaged over data parallel: the whole global batch's, as one process computes it
@@ -110,7 +121,8 @@ def full(value):
 
 
 def reference() -> dict:
-    """One process, by hand: the same initial weights, plain SGD on the global batches, then the eval losses."""
+    """One process, by hand: the same initial weights, plain SGD on the global batches (two steps, the weights and
+    eval loss then; a third, the eval loss after it)."""
     torch.manual_seed(SEED)
     lm = new_model()
     lm.configure_model()
@@ -126,6 +138,7 @@ def reference() -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    trained = sums(lm.state_dict())
     # a later fit's third step: epoch 1's first global batch
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1))
     batch = next(iter(loader(torch.utils.data.Subset(data, order.tolist()), GLOBAL_BATCH)))
@@ -133,8 +146,13 @@ def reference() -> dict:
         val = [float(lm.compute_loss(b)) for b in loader(tokens(GLOBAL_BATCH * EVAL_BATCHES, 2), GLOBAL_BATCH)]
     loss = lm.compute_loss(batch)
     losses.append(float(loss))
-    return {"train": losses, "initial_sums": initial, "eval": sum(val) / len(val), "keys": list(lm.state_dict().keys()),
-            "sums": sums(lm.state_dict())}
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():  # after the third step
+        val3 = [float(lm.compute_loss(b)) for b in loader(tokens(GLOBAL_BATCH * EVAL_BATCHES, 2), GLOBAL_BATCH)]
+    return {"train": losses, "eval_after_3": sum(val3) / len(val3), "initial_sums": initial, "eval": sum(val) / len(val), "keys": list(lm.state_dict().keys()),
+            "sums": trained}
 
 
 def trainer(root: Path, strategy_args: dict, **kwargs) -> pl.Trainer:
@@ -191,6 +209,8 @@ def run(root: Path, name: str) -> None:
         t.fit(model, loader(train, batch))
         report["fit_losses"] = list(model.train_losses)
         report["initial_sums"] = model.initial_sums
+        report["logged"] = {fx: float(t.callback_metrics[f"probe/{fx}"]) for fx in ("sum", "mean", "max")}
+        report["dp"] = t.strategy.dims.dp
     check("fit", fit)
     check("save_after_fit", lambda: t.save_checkpoint(out / "after_fit.ckpt"))
 
@@ -226,6 +246,16 @@ def run(root: Path, name: str) -> None:
         t.fit(model, loader(train, batch))
         report["fit_again_losses"] = list(model.train_losses)
     check("fit_again", fit_again)
+
+    # -- test_trainer.py::test_fit_test_synchronization with a second Trainer: a model another Trainer split or
+    # sharded is refused at setup, saying what to do; one it left whole is tested as is
+    def other_trainer():
+        try:
+            report["other_trainer_test_loss"] = float(
+                trainer(out / "other", strategy_args).test(model, loader(evaluate, batch))[0]["test/loss"])
+        except LayoutError as error:
+            report["other_trainer_refused"] = str(error)
+    check("other_trainer", other_trainer)
 
     # -- test_model_parallel_integration.py::test_load_full_state_checkpoint_into_regular_model and
     # test_fsdp.py::test_save_sharded_and_consolidate_and_load: the sharded checkpoint, exported to one file (the

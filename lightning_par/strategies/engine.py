@@ -429,8 +429,8 @@ class LayoutStrategy(ParallelStrategy):
         previous = getattr(lm, "_lightning_par_strategy", lambda: None)()
         if previous is not None and previous is not self and previous.layout.shards_parameters:
             raise LayoutError(
-                f"{type(lm).__name__} was laid out by another Trainer's strategy ({previous!r}: its parameters are "
-                "split or sharded across the ranks). Run validate/test/predict (or fit again) on the same Trainer, "
+                f"{type(lm).__name__} was laid out by another Trainer's strategy ({type(previous).__name__}, "
+                f"{previous.dims.describe()}: its parameters are split or sharded across the ranks). Run validate/test/predict (or fit again) on the same Trainer, "
                 "or give a new Trainer a new model and the checkpoint (`ckpt_path=`, or `lightning-par export "
                 "CKPT OUT.ckpt` and `load_from_checkpoint`).")
         lm._lightning_par_strategy = weakref.ref(self)
@@ -516,6 +516,7 @@ class LayoutStrategy(ParallelStrategy):
         if self._applied():  # a later stage: configure_model finds its model built and laid out
             yield None
             return
+        self._refuse_laid_out_elsewhere()
         if not self.layout.shards_parameters and self._pending_init is None:
             yield None
             return
