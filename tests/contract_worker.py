@@ -151,7 +151,8 @@ def reference() -> dict:
     opt.step()
     with torch.no_grad():  # after the third step
         val3 = [float(lm.compute_loss(b)) for b in loader(tokens(GLOBAL_BATCH * EVAL_BATCHES, 2), GLOBAL_BATCH)]
-    return {"train": losses, "eval_after_3": sum(val3) / len(val3), "initial_sums": initial, "eval": sum(val) / len(val), "keys": list(lm.state_dict().keys()),
+    return {"train": losses, "eval_after_3": sum(val3) / len(val3), "initial_sums": initial,
+            "eval": sum(val) / len(val), "keys": list(lm.state_dict().keys()),
             "sums": trained}
 
 
@@ -316,7 +317,8 @@ def run(root: Path, name: str) -> None:
             name_of = {id(p): n for n, p in resumed.named_parameters()}
             for piece in pieces(partitioner):
                 held = optimizer.state[piece.shard]["momentum_buffer"]
-                held = (held.to_local() if isinstance(held, DTensor) else held)[piece.at:piece.at + piece.stop - piece.start]
+                held = held.to_local() if isinstance(held, DTensor) else held
+                held = held[piece.at:piece.at + piece.stop - piece.start]
                 want = saved_buffers[name_of[id(piece.param)]].reshape(-1)[piece.start:piece.stop]
                 diffs.append(float((held - want).abs().max()))
         else:

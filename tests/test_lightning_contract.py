@@ -134,7 +134,7 @@ def test_sharded_checkpoint_to_load_from_checkpoint(contract, layout, tmp_path):
     no_errors(reports, "export_load_from_checkpoint")
     for report in reports:
         assert report["loaded_sums"].keys() == reference["sums"].keys()
-        for key, (total, magnitude) in report["loaded_sums"].items():
+        for key, (total, _) in report["loaded_sums"].items():
             assert abs(total - reference["sums"][key][0]) <= RTOL * reference["sums"][key][1], key
         assert close(report["ddp_test_loss"], reference["eval"])
     # the command line writes the same file
@@ -201,3 +201,40 @@ def test_a_second_trainer(contract, layout):
             assert "ckpt_path=" in report["other_trainer_refused"]
         else:
             assert close(report["other_trainer_test_loss"], reference["eval_after_3"])
+
+
+def test_a_plain_checkpoint_maps_to_a_pipeline_stage_by_the_models_parameter_order(tmp_path):
+    """In one process, no launch: a one-file optimizer state without parameter names (Lightning's own) loads into a
+    stage holding some of the model's parameters when it is one group over the whole model in the model's order;
+    two groups cannot be mapped and are refused, saying so."""
+    from torch import nn
+
+    from lightning_par.plugins import sharded_checkpoint
+    from lightning_par.plugins.checkpoint_files import CheckpointError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    file = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, file)
+    order = [name for name, _ in model.named_parameters()]
+    stage = nn.Sequential()
+    stage.add_module("1", nn.Linear(4, 3))  # the last stage: the model's names "1.weight", "1.bias"
+    stage_optimizer = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(CheckpointError, match=r"keys optimizer state by position \(groups of \[4\] parameters\)"):
+        sharded_checkpoint.load(file, stage, [stage_optimizer])  # the stage's order alone says nothing
+    sharded_checkpoint.load(file, stage, [stage_optimizer], model_params=order)
+    for name, param in stage.named_parameters():
+        want = optimizer.state[dict(model.named_parameters())[name]]["momentum_buffer"]
+        assert torch.equal(stage_optimizer.state[param]["momentum_buffer"], want), name
+        assert torch.equal(param.detach(), dict(model.named_parameters())[name].detach())
+    grouped = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1,
+                              momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    grouped.step()
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [grouped.state_dict()]}, file)
+    with pytest.raises(CheckpointError, match=r"under pipeline stages only one group over all the model's "
+                                              r"parameters \(4\) in the model's order maps to names"):
+        sharded_checkpoint.load(file, stage, [torch.optim.SGD(stage.parameters(), lr=0.1)], model_params=order)

@@ -365,7 +365,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 # -- a plain single-file Lightning checkpoint into a sharded layout -------------------------------------------------
 def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                      partitioner: ZeroPartitioner | None, safe: bool, model_params: Sequence[str] = ()) -> dict[str, Any]:
+                      partitioner: ZeroPartitioner | None, safe: bool,
+                      model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Every rank reads the file (full tensors, as one process saved them) and keeps its own share."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=safe)

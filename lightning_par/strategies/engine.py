@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -35,7 +34,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
 from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
@@ -200,6 +198,7 @@ class LayoutStrategy(ParallelStrategy):
         # the LightningModule this layout was applied to: a later stage of the same Trainer and model (fit, then
         # validate / test / predict, or fit again) keeps it as it is -- split, sliced and sharded once
         self._laid_out: nn.Module | None = None
+        self._token = object()  # marks the models this strategy laid out (see _refuse_laid_out_elsewhere)
         self._sync_fits = False  # the data-parallel owner was chosen for fitting (it holds the ZeRO-1/2 shards)
         self._pending_init: DeferredInit | None = None  # the record of Trainer.init_module(empty_init=True)
         self._model_entries: dict[str, tuple[torch.Size, torch.dtype]] = {}  # pp > 1: the unsplit model's
@@ -426,14 +425,17 @@ class LayoutStrategy(ParallelStrategy):
         """A model another Trainer's strategy split or sharded (its DTensors live on that strategy's mesh, a pipeline
         rank holds only its stages) cannot be laid out again; alike on every rank, before any collective."""
         lm = self.lightning_module
-        previous = getattr(lm, "_lightning_par_strategy", lambda: None)()
-        if previous is not None and previous is not self and previous.layout.shards_parameters:
+        # (what the strategy that laid it out left on the model: a token of that strategy, not the strategy itself,
+        # which the model would keep alive)
+        token, sharded, described = getattr(lm, "_lightning_par_laid_out", (None, False, ""))
+        if token is not None and token is not self._token and sharded:
             raise LayoutError(
-                f"{type(lm).__name__} was laid out by another Trainer's strategy ({type(previous).__name__}, "
-                f"{previous.dims.describe()}: its parameters are split or sharded across the ranks). Run validate/test/predict (or fit again) on the same Trainer, "
+                f"{type(lm).__name__} was laid out by another Trainer's strategy ({described}: its parameters are "
+                "split or sharded across the ranks). Run validate/test/predict (or fit again) on the same Trainer, "
                 "or give a new Trainer a new model and the checkpoint (`ckpt_path=`, or `lightning-par export "
                 "CKPT OUT.ckpt` and `load_from_checkpoint`).")
-        lm._lightning_par_strategy = weakref.ref(self)
+        lm._lightning_par_laid_out = (self._token, self.layout.shards_parameters,
+                                      f"{type(self).__name__}, {self.dims.describe()}")
 
     def _setup_again(self, trainer: Trainer, fitting: bool) -> None:
         """A later stage of the model laid out already (``trainer.fit(model); trainer.test(model)``): the split,
