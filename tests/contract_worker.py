@@ -10,6 +10,8 @@ trainer/logging_/test_train_loop_logging.py): their intent and assertions, writt
   instead of Lightning's ``BoringModel`` / ``TemplateModel`` / ``FSDP2Model``; batches are fixed random tokens.
 * plain SGD (no momentum): numbers are compared with a one-process reference computed on rank 0 by hand (the same
   initial weights, the same global batches), to 1e-5, where Lightning's tests only check that a stage runs.
+* context parallel layouts (not in Lightning) are run too; their predict is refused by design (generation needs whole
+  sequences on a rank), which the test asserts instead of predictions.
 * ``lightning_module_state_dict()`` is compared with the sharded form of Lightning's ``ModelParallelStrategy``
   (``save_distributed_checkpoint=True``: every rank, the unsplit model's keys in order); its values are gathered
   here to compare them with the reference.
@@ -53,6 +55,9 @@ LAYOUTS: dict[str, dict] = {
     "tp2": dict(tp=2),
     "pp2": dict(pp=2, schedule="1f1b", n_microbatches=2),
     "tp2_pp2": dict(tp=2, pp=2, schedule="1f1b", n_microbatches=2),
+    # context parallel (predict is refused there: generation needs whole sequences)
+    "cp2": dict(cp=2),
+    "cp2_pp2": dict(cp=2, pp=2, schedule="1f1b", n_microbatches=2),
 }
 
 

@@ -1,7 +1,8 @@
 """Lightning's own strategy contract under lightning-par's layouts (tests/contract_worker.py, whose docstring names
-the Lightning tests ported and every adaptation). One launch of 2 ranks runs ZeRO-1, ZeRO-3, tp2 and pp2 (ZeRO-0
-and ZeRO-2 too in the full run); tp2 x pp2 is one launch of 4 ranks, in the full run. Each number is compared with
-the one-process reference the worker computes on rank 0 (plain SGD, the same weights and global batches)."""
+the Lightning tests ported and every adaptation). One launch of 2 ranks runs ZeRO-1, ZeRO-3, tp2 and pp2 (ZeRO-0,
+ZeRO-2 and cp2 too in the full run); tp2 x pp2 and cp2 x pp2 are one launch of 4 ranks, in the full run. Each number
+is compared with the one-process reference the worker computes on rank 0 (plain SGD, the same weights and global
+batches)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from tests.contract_worker import FIT_STEPS, GLOBAL_BATCH, LAYOUTS
 from tests.harness import launch_matrix
 
 TWO_RANKS = ("zero1", "zero3", "tp2", "pp2")
-TWO_RANKS_FULL = ("zero0", "zero2")
-FOUR_RANKS = ("tp2_pp2",)
+TWO_RANKS_FULL = ("zero0", "zero2", "cp2")
+FOUR_RANKS = ("tp2_pp2", "cp2_pp2")
 RTOL = 1e-5
 
 
@@ -64,12 +65,17 @@ def test_fit_then_validate_test_predict_on_the_same_trainer(contract, layout):
     and ::test_model_in_correct_mode_during_stages: each stage runs after fit on the same Trainer and model, with the
     one process's losses; train mode while fitting, eval mode in the others; predictions of each rank's batch."""
     reference, reports = contract(layout)
-    no_errors(reports, "fit", "validate", "test", "predict")
+    context_parallel = "cp" in LAYOUTS[layout]
+    no_errors(reports, "fit", "validate", "test", *(() if context_parallel else ("predict",)))
     dp = reports[0]["dp"]
     for report in reports:
         assert [close(a, b) for a, b in zip(report["fit_losses"], reference["train"][:FIT_STEPS], strict=True)] == \
             [True] * FIT_STEPS, (report["fit_losses"], reference["train"])
         assert close(report["validate_loss"], reference["eval"]) and close(report["test_loss"], reference["eval"])
+        if context_parallel:  # refused by design: generation needs whole sequences on a rank
+            assert "predict_step under context parallel (cp=2) is not supported" in report["errors"]["predict"]
+            assert report["modes"] == {"train": True, "validate": False, "test": False}
+            continue
         assert report["modes"] == {"train": True, "validate": False, "test": False, "predict": False}
         assert report["predictions"] == [[GLOBAL_BATCH // dp, 32]] * 2  # (32 new tokens per prompt)
 

@@ -444,7 +444,7 @@ class LayoutStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)  # Lightning's teardown moved it to the CPU
         if self.dims.cp > 1:  # teardown undid context parallel's hooks and loss
-            self._setup_context_parallel()
+            self._setup_context_parallel(again=True)
             self._install_context_parallel()
         if fitting:
             if not self._sync_fits and self.layout.zero_stage != 3:  # (ZeRO-3's owner shards for evaluation too)
@@ -587,13 +587,15 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     # Context parallel (cp > 1): each step's batch cut along the sequence (lightning_par.parallel.context_parallel)
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_context_parallel(self) -> None:
+    def _setup_context_parallel(self, again: bool = False) -> None:
         """Check the model can take global positions, make its loss the whole sequence's, and set the context the
-        attention reads. Refused alike on every rank, before any collective of the step."""
+        attention reads. Refused alike on every rank, before any collective of the step. ``again``: a later stage of
+        the model laid out already (checked then; under pp its blocks are now spread over the stages)."""
         lm = self.lightning_module
         assert lm is not None
-        blocks = self._find_blocks()
-        context_parallel.check_takes_positions(blocks.root)
+        blocks = None if again else self._find_blocks()
+        if blocks is not None:
+            context_parallel.check_takes_positions(blocks.root)
         mesh = self.device_mesh["cp"]
         cp = ContextParallel(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
         if callable(getattr(lm, "loss_fn", None)):
@@ -610,9 +612,11 @@ class LayoutStrategy(ParallelStrategy):
             previous = own.loss_function
             self._cp_undo.callback(setattr, own, "loss_function", previous)
             own.loss_function = cp.model_loss(previous)
+        self._context_parallel = cp
+        if blocks is None:
+            return
         self._block_types = tuple({type(m) for m in blocks.block_modules()})
         self._position_root = type(blocks.root)
-        self._context_parallel = cp
         rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, ring attention "
                        f"over the cp group, global position_ids into {type(blocks.root).__name__}")
 
