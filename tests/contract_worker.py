@@ -283,11 +283,13 @@ def run(root: Path, name: str) -> None:
     # -- test_model_parallel_integration.py::test_module_init_context, test_fsdp.py::test_module_init_context:
     # Trainer.init_module(empty_init=True) leaves the large tensors on the meta device; the strategy materialises
     # them (here with the values one process draws, so the fit is at parity); empty_init=False builds them for real
-    for empty in (True, False):
+    # (and a module that builds its network in configure_model: that hook builds it, deferred where the layout splits
+    # parameters, as without init_module)
+    for empty in (True, False, "configure_model"):
         def init_module(empty=empty):
             t2 = trainer(out / f"init_{empty}", strategy_args)
-            with t2.init_module(empty_init=empty):
-                built = new_model(build_now=True)
+            with t2.init_module(empty_init=bool(empty)):
+                built = new_model(build_now=empty != "configure_model")
             params = dict(built.named_parameters())
             report[f"init_{empty}_meta"] = sorted(n for n, p in params.items() if p.is_meta)
             report[f"init_{empty}_n_params"] = len(params)

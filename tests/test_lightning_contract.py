@@ -156,13 +156,15 @@ def test_init_module_empty_init(contract, layout):
     """test_model_parallel_integration.py::test_module_init_context, test_fsdp.py::test_module_init_context:
     under ``Trainer.init_module(empty_init=True)`` the large tensors are on the meta device until setup, and the
     strategy materialises them with the values one process draws (the fit is at parity: no uninitialised memory);
-    ``empty_init=False`` builds them for real (and that model is validated before it is fitted)."""
+    ``empty_init=False`` builds them for real (and that model is validated before it is fitted); a module that
+    builds its network in ``configure_model`` gets it built there, as without ``init_module``."""
     reference, reports = contract(layout)
-    no_errors(reports, "init_module_empty_True", "init_module_empty_False")
+    no_errors(reports, "init_module_empty_True", "init_module_empty_False", "init_module_empty_configure_model")
     for report in reports:
         assert report["init_True_meta"] == ["model.embed.weight", "model.head.weight"]  # the tensors of 2**14+
         assert report["init_False_meta"] == []
-        for empty in (True, False):
+        assert report["init_configure_model_n_params"] == 0  # built by configure_model, at setup
+        for empty in (True, False, "configure_model"):
             assert all(close(a, b) for a, b in zip(report[f"init_{empty}_losses"], reference["train"], strict=False))
             assert len(report[f"init_{empty}_losses"]) == FIT_STEPS
             sums = report[f"init_{empty}_initial_sums"]

@@ -519,6 +519,8 @@ class LayoutStrategy(ParallelStrategy):
             yield None
             return
         self._refuse_laid_out_elsewhere()
+        if self._pending_init is not None and not self._pending_init.stats["deferred_bytes"]:
+            self._pending_init = None  # init_module built no large tensor: the model is configure_model's to build
         if not self.layout.shards_parameters and self._pending_init is None:
             yield None
             return
