@@ -923,7 +923,7 @@ class LayoutStrategy(ParallelStrategy):
         return not self._restored_here
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state on every rank (a collective), as Lightning's sharded strategies give it
+        """The whole model's state on every rank, as Lightning's sharded strategies give it
         (``ModelParallelStrategy(save_distributed_checkpoint=True)``): the unsplit model's keys in its order, each
         value as this layout holds it -- a DTensor where parameters are sharded (ZeRO-3, tp), the full replicated
         tensor under ZeRO-0-2 (waited for after ZeRO-1/2's gathers). Under pipeline parallel another stage's entry
