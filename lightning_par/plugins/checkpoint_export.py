@@ -448,6 +448,35 @@ def export_safetensors(ckpt: str | Path, out: str | Path, prefix: str | None = N
     return ExportReport(out, len(entries), written, prefix, tied)
 
 
+#: what a one-file export keeps besides the weights: enough for ``LightningModule.load_from_checkpoint`` and for
+#: evaluation with ``ckpt_path=`` under any strategy (no optimizer, loop or data state: not a resume point)
+LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",
+                  "datamodule_hyper_parameters", "datamodule_hparams_name")
+
+
+def export_lightning(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> ExportReport:
+    """Write checkpoint ``ckpt`` (of any layout) as one Lightning ``.ckpt`` file of its weights, which
+    ``MyModule.load_from_checkpoint(out)``, a stock Lightning strategy and ``trainer.validate/test/predict(
+    ckpt_path=out)`` read: the whole ``state_dict`` under the LightningModule's names, the hyper-parameters and the
+    epoch and step (``LIGHTNING_KEYS``); optimizer states are left out, as with ``save_weights_only=True``. The
+    file is written whole in memory (the model, once), atomically, with its checksum sidecar."""
+    out = Path(out)
+    if out.suffix != ".ckpt":
+        raise ValueError(f"{out}: a Lightning checkpoint file must end in .ckpt.")
+    entries = _read_entries(ckpt)
+    checkpoint = {key: entries[key] for key in LIGHTNING_KEYS if key in entries}
+    checkpoint[_MODEL_KEY] = _cast(read_model_state(ckpt), dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = checkpoint_files.partial_path(out)
+    with partial.open("wb") as file:
+        torch.save(checkpoint, file)
+        file.flush()
+        os.fsync(file.fileno())
+    checkpoint_files.commit_file(partial, out)
+    state = checkpoint[_MODEL_KEY]
+    return ExportReport(out, len(state), out.stat().st_size, "", [])
+
+
 def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = None,
               dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE,
               trust_checkpoint_class: bool = False) -> ExportReport:
@@ -685,6 +714,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.hf:
             report = export_hf(args.checkpoint, args.out, args.model_class, dtype,
                                args.max_shard_size or HF_MAX_SHARD_SIZE, args.trust_checkpoint_class)
+        elif args.out.endswith(".ckpt"):
+            if args.prefix is not None:
+                parser.error("--prefix applies to .safetensors; a .ckpt keeps the LightningModule's names.")
+            report = export_lightning(args.checkpoint, args.out, dtype)
         else:
             report = export_safetensors(args.checkpoint, args.out, args.prefix, dtype)
     except (CheckpointError, ValueError, FileNotFoundError) as err:

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--trainer.callbacks.path=OUT",
     )
     parser.add_argument("checkpoint", help="the checkpoint: a directory (sharded layouts) or a .ckpt file")
-    parser.add_argument("out", help="OUT.safetensors, or with --hf the directory to write")
+    parser.add_argument("out", help="OUT.safetensors; OUT.ckpt: one Lightning checkpoint file of the weights (for "
+                        "load_from_checkpoint and any strategy's validate/test/predict); or with --hf the directory")
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face save_pretrained directory (config.json + model.safetensors) that "
                              "AutoModelForCausalLM.from_pretrained loads, and the tokenizer of the checkpoint's "
