@@ -45,6 +45,10 @@ RUNS: dict[str, tuple[int, list[str]]] = {
                              "--trainer.enable_checkpointing=true",  # (the launch runs in its own directory)
                              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                              "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.dirpath=ckpt"]),
+    "plain_lm_dp2_tp2_sgd": (4, [*job(GLOBAL_BATCH // 2), PLAIN_LM, *PLAIN_SGD, "--trainer.strategy=megatron_tp2"]),
+    # (hybrid3d's default ZeRO-1 refuses packed_colwise: see test_packed_colwise_under_zero_is_refused)
+    "plain_lm_tp2_pp2_sgd": (4, [*job(GLOBAL_BATCH), PLAIN_LM, *PLAIN_SGD, "--trainer.strategy=hybrid3d_tp2_pp2",
+                                 "--trainer.strategy.zero_stage=0"]),
 }
 PARITY = {"tp2_tied_sgd": "single_tied_sgd", "tp2_untied_adamw": "single_untied_adamw"}
 
@@ -336,6 +340,27 @@ def test_the_example_plain_lm_declares_its_fused_projection():
     assert plan["blocks.0.qkv"] == plan["blocks.1.qkv"] == "packed_colwise:3"
     assert plan["blocks.0.fc1"] == "colwise" and plan["blocks.0.proj"] == plan["blocks.0.fc2"] == "rowwise"
     assert plan["blocks.0"] == "block_input" and plan["tok_emb"] == plan["head"] == "replicate"
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_packed_colwise_under_zero_is_refused(zero_stage):
+    from lightning_par.examples.plain_lm import PlainLM
+    from lightning_par.parallel.tensor_parallel import check_packed_layout
+
+    plan = resolve_tp_plan(PlainLM(n_layers=2), 2)
+    check_packed_layout(plan, zero_stage=0)  # replicas across data parallel: trained at parity (below, --full)
+    with pytest.raises(LayoutError, match=rf"blocks.0.qkv is planned 'packed_colwise:3', which zero_stage="
+                                          rf"{zero_stage} cannot shard yet.*Use zero_stage=0"):
+        check_packed_layout(plan, zero_stage=zero_stage)
+
+
+@pytest.mark.parametrize("name", ["plain_lm_dp2_tp2_sgd", "plain_lm_tp2_pp2_sgd"])
+def test_plain_lm_with_data_or_pipeline_parallel_matches_one_process(gpt2_runs, name):
+    # packed_colwise under FSDP2's replicate (dp2 x tp2) and on pipeline stages (tp2 x pp2)
+    reference, run = gpt2_runs("plain_lm_single_sgd"), gpt2_runs(name)
+    diff = max_rel_diff(run.losses(), reference.losses())
+    print(f"PlainLM {name} vs one process, SGD: max relative loss difference {diff:.2e} over {PARITY_STEPS} steps")
+    assert len(run.losses()) == PARITY_STEPS and diff <= PARITY_RTOL
 
 
 def test_plain_lm_under_tp2_matches_one_process_and_its_checkpoint_loads_in_one(gpt2_runs, tmp_path, cache_dir):
