@@ -253,12 +253,13 @@ def test_fused_qkv_model_under_tp2_matches_one_process_with_plain_sgd(two_ranks)
         assert len(set(fused["ref_losses"])) == 5  # the steps changed the model
 
 
-def test_packed_parameters_checkpoint_and_materialise_as_the_one_process_tensors(two_ranks):
+def test_packed_parameters_checkpoint_load_and_materialise_as_the_one_process_tensors(two_ranks):
     for rank in two_ranks:
         fused = rank["fused"]
         assert fused["saved_equal_one_process"] and fused["saved_names"]  # DCP file = one process's state dict
         assert fused["reloaded_equal"]  # read back into another tp2 model: the same shards
         assert fused["materialized_equal"]  # built on meta, split, then filled: the one-process values
+        assert fused["pretrained_equal"]  # a one-process .safetensors read into the shards, each part's slice
 
 
 def test_the_setup_self_check_refuses_colwise_on_a_fused_projection_and_global_heads(two_ranks):

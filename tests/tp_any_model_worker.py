@@ -412,6 +412,20 @@ def fused(mesh: DeviceMesh, out_dir: Path) -> dict:
     eager = FusedLM()
     result["materialized_equal"] = all(torch.equal(_full(p), q) for p, q in
                                        zip(deferred.parameters(), eager.parameters(), strict=True))
+    # (3b) pretrained weights (a .safetensors file of one process) read into the packed shards, part by part
+    from safetensors.torch import save_file
+
+    from lightning_par.plugins.pretrained import load_pretrained
+
+    source = _fused_model(seed=7)
+    if dist.get_rank() == 0:
+        save_file({n: t.contiguous() for n, t in source.state_dict().items()}, str(out_dir / "fused.safetensors"))
+    dist.barrier()
+    loaded = _fused_model(seed=5)
+    apply_tensor_parallel(loaded, mesh)
+    load_pretrained(loaded, out_dir / "fused.safetensors", prefix="")
+    result["pretrained_equal"] = all(torch.equal(_full(p), q) for p, q in
+                                     zip(loaded.parameters(), source.parameters(), strict=True))
     # (4) refusals by the setup self-check, and its cost on a passing model of ~100M parameters
     colwise = _fused_model()
     colwise.tp_plan = {**FusedLM.tp_plan, "blocks.*.attn.qkv": "colwise"}

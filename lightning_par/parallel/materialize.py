@@ -68,8 +68,9 @@ def local_piece(tensor: Tensor, read: Callable[[tuple[slice, ...] | None], Tenso
     parts, ranks, rank = placement.split_factor, tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
     part = tensor.shape[dim] // parts
     step = part // ranks  # (resolve_tp_plan checked that parts x tp divides the dimension)
-    lead = (slice(None),) * dim
-    pieces = [read((*lead, slice(i * part + rank * step, i * part + (rank + 1) * step))) for i in range(parts)]
+    lead, trail = (slice(None),) * dim, (slice(None),) * (tensor.dim() - dim - 1)
+    pieces = [read((*lead, slice(i * part + rank * step, i * part + (rank + 1) * step), *trail))
+              for i in range(parts)]
     return torch.cat(pieces, dim=dim)
 
 
