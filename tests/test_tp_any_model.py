@@ -251,6 +251,8 @@ def test_fused_qkv_model_under_tp2_matches_one_process_with_plain_sgd(two_ranks)
         assert fused["qkv_placement"] == "(_StridedShard(dim=0, sf=3),)"  # each rank: its slice of q, k and v
         assert diff <= PARITY_RTOL and fused["weights_rel"] <= PARITY_RTOL
         assert len(set(fused["ref_losses"])) == 5  # the steps changed the model
+        print(f"with sequence parallelism: loss {fused['sp_loss_rel']:.1e}, worst gradient {fused['sp_grad_rel']:.1e}")
+        assert fused["sp_loss_rel"] <= PARITY_RTOL and fused["sp_grad_rel"] <= PARITY_RTOL
 
 
 def test_packed_parameters_checkpoint_load_and_materialise_as_the_one_process_tensors(two_ranks):

@@ -380,6 +380,19 @@ def fused(mesh: DeviceMesh, out_dir: Path) -> dict:
     result["losses"], result["ref_losses"] = losses, ref_losses
     result["weights_rel"] = max(float((_full(p) - r).detach().abs().max() / r.abs().max()) for p, r in
                                 zip(model.parameters(), reference.parameters(), strict=True))
+    # (1b) with sequence parallelism: one step's loss and every gradient against one process
+    reference, split = _fused_model(), _fused_model()
+    sp_plan = apply_tensor_parallel(split, mesh, sequence_parallel=True)
+    tokens = torch.randint(0, 128, (4, 17))
+    ref_loss = causal_lm_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
+    with sp_plan.loss_context():
+        loss = causal_lm_loss(split(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    scale = max(float(p.grad.abs().max()) for p in reference.parameters())
+    result["sp_loss_rel"] = abs(float(_full(loss).detach()) - float(ref_loss)) / float(ref_loss)
+    result["sp_grad_rel"] = max(float((_full(p.grad) - r.grad).abs().max()) / scale for p, r in
+                                zip(split.parameters(), reference.parameters(), strict=True))
     # (2) a DCP save: the packed tensors go to disk as the one-process tensors, and load back into another model
     ckpt = out_dir / "fused_dcp"
     state = {"model": model.state_dict()}
