@@ -1055,7 +1055,9 @@ def apply_tensor_parallel(
     equal masks outside (:class:`~lightning_par.parallel.rng.TensorParallelRNG`; it first makes the default
     generator equal on the tp ranks); ``rng_where`` limits the per-rank regions to the column-parallel modules it
     accepts (see :meth:`~lightning_par.parallel.rng.TensorParallelRNG.install`). The plan is checked completely
-    before the first collective, so a bad plan raises the same :class:`LayoutError` on every rank. Returns the
+    before the first collective, so a bad plan raises the same :class:`LayoutError` on every rank; then
+    :func:`self_check` runs each kind of block split and whole on the tp group (once per process) and refuses a
+    plan under which the model would compute another function. Returns the
     :class:`TensorParallelPlan`; run the loss inside its ``loss_context()``.
 
     ``stage=True``: ``module`` is one pipeline stage (see :func:`resolve_tp_plan`); plan patterns naming units
