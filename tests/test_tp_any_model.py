@@ -253,6 +253,7 @@ def test_fused_qkv_model_under_tp2_matches_one_process_with_plain_sgd(two_ranks)
         assert len(set(fused["ref_losses"])) == 5  # the steps changed the model
         print(f"with sequence parallelism: loss {fused['sp_loss_rel']:.1e}, worst gradient {fused['sp_grad_rel']:.1e}")
         assert fused["sp_loss_rel"] <= PARITY_RTOL and fused["sp_grad_rel"] <= PARITY_RTOL
+        assert fused["grad_norm_rel"] <= PARITY_RTOL  # the packed shards counted once each in the global norm
 
 
 def test_packed_parameters_checkpoint_load_and_materialise_as_the_one_process_tensors(two_ranks):
@@ -291,7 +292,8 @@ def test_the_self_check_is_cheap_and_runs_once(two_ranks):
           f"again {fused['self_check_seconds_big_again'] * 1e3:.2f} ms")
     assert fused["big_params"] > 100e6
     assert fused["self_check_seconds_big"] < 10 and fused["self_check_seconds_tiny"] < 2
-    assert fused["self_check_seconds_big_again"] < 0.01  # (class, tp, plan) checked already: nothing runs
+    # (class, tp, plan) checked already: no block runs (one forward of a block takes longer than this)
+    assert fused["self_check_seconds_big_again"] < min(0.05, fused["self_check_seconds_big"] / 10)
 
 
 class FusedHeads(nn.Module):

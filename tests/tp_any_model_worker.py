@@ -391,6 +391,11 @@ def fused(mesh: DeviceMesh, out_dir: Path) -> dict:
         loss.backward()
     scale = max(float(p.grad.abs().max()) for p in reference.parameters())
     result["sp_loss_rel"] = abs(float(_full(loss).detach()) - float(ref_loss)) / float(ref_loss)
+    from lightning_par.parallel.grad_norm import global_grad_norm
+
+    norm = float(global_grad_norm([p.grad for p in split.parameters()]))  # what clipping uses
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([r.grad.norm() for r in reference.parameters()])))
+    result["grad_norm_rel"] = abs(norm - ref_norm) / ref_norm
     result["sp_grad_rel"] = max(float((_full(p.grad) - r.grad).abs().max()) / scale for p, r in
                                 zip(split.parameters(), reference.parameters(), strict=True))
     # (2) a DCP save: the packed tensors go to disk as the one-process tensors, and load back into another model

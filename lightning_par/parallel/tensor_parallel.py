@@ -933,12 +933,14 @@ def self_check(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, mod
     seen: set[type] = set()
     for unit_name in _check_units(plan):
         unit = module.get_submodule(unit_name)
+        if type(unit) in seen:
+            continue
+        seen.add(type(unit))
         rel = {n[len(unit_name) + 1:] if n != unit_name else "": s for n, s in plan.items()
                if n == unit_name or n.startswith(unit_name + ".")}
         key = (type(unit), tp, tuple(sorted(rel.items())))
-        if type(unit) in seen or key in _SELF_CHECKED:
+        if key in _SELF_CHECKED:
             continue
-        seen.add(type(unit))
         width = _unit_input_width(unit)
         if width is None or not _takes_one_tensor(unit):
             continue
