@@ -138,6 +138,7 @@ FULL_ONLY_TESTS = (
     "tests/test_pipeline_strategy.py::test_a_batch_that_does_not_split",
     "tests/test_pipeline_strategy.py::test_resume_from_pipeline_checkpoint",
     "tests/test_tensor_parallel.py::test_a_layout_the_model_cannot_take",
+    "tests/test_tp_any_model.py::test_lightning_par_fit_refuses_the_users_model_at_setup",
     "tests/test_tensor_parallel.py::test_validate_from_a_tensor_parallel_checkpoint",
     "tests/test_zero.py::test_resume_from_sharded_checkpoint",
     "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit",

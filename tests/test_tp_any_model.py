@@ -382,3 +382,23 @@ def test_plain_lm_under_tp2_matches_one_process_and_its_checkpoint_loads_in_one(
     (loss,) = launch_cli(tmp_path, cache_dir, args, devices=1, command="validate").check().losses("val/loss")
     print(f"val/loss after the tp2 fit {run.losses('val/loss')[-1]:.6f}, validated in one process {loss:.6f}")
     assert abs(loss - run.losses("val/loss")[-1]) <= 1e-5 * loss
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model.qkv_style=colwise"],
+         "LayoutError: FusedLM.blocks.0.attn (FusedAttention) computes another function when its plan splits it over "
+         "tp=2: its forward splits the output of qkv (192 features) into 3 parts"),
+        (["--model.global_heads=view"],
+         "LayoutError: FusedLM.blocks.0.attn (FusedAttention) fails when its plan splits it over tp=2: RuntimeError: "
+         "shape '[2, 4, 4, 16]' is invalid"),
+    ],
+    ids=["colwise_on_fused_qkv", "global_head_count"],
+)
+def test_lightning_par_fit_refuses_the_users_model_at_setup_by_name(tmp_path, cache_dir, args, message):
+    # the README's path: a user's LightningModule under megatron_tp2 from the command line, refused before step 1
+    argv = ["--model=tests.tp_any_model_worker.FusedLMModule", *args, "--trainer.strategy=megatron_tp2",
+            "--trainer.max_steps=2", "--sample_tokens=0"]
+    failed = launch_cli(tmp_path, cache_dir, argv, devices=2, timeout=180)
+    assert failed.returncode != 0 and message in failed.log, failed.log[-3000:]

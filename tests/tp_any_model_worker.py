@@ -28,6 +28,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -319,6 +320,28 @@ class FusedLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class FusedLMModule(L.LightningModule):
+    """:class:`FusedLM` as a user's LightningModule (the README's recipe), for ``lightning-par fit``: ``qkv_style``
+    replaces the q|k|v plan entry, ``global_heads`` makes attention reshape with the global head count."""
+
+    def __init__(self, qkv_style: str = "packed_colwise:3", global_heads: str = ""):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: FusedLM | None = None
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = FusedLM(vocab=256, global_heads=self.hparams.global_heads)
+            self.model.tp_plan = {**FusedLM.tp_plan, "blocks.*.attn.qkv": self.hparams.qkv_style}
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return causal_lm_loss(self.model(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def _fused_model(seed: int = 0, **kwargs) -> FusedLM:
