@@ -327,11 +327,12 @@ class Planner:
                 elif style in ("vocab_parallel", "embedding_rowwise") and isinstance(module, nn.Embedding):
                     fwd.append(("all_reduce", tokens * module.embedding_dim))
                 elif style == "block_input":
-                    child = next((c for c in names if c.startswith(name + ".") and styles[c].startswith("colwise")),
-                                 None)
+                    child = next((c for c in names if c.startswith(name + ".")
+                                  and styles[c].startswith(("colwise", "packed_colwise"))), None)
                     if child is not None:
                         bwd.append(("all_reduce", tokens * root.get_submodule(child).in_features))
-                elif (style.startswith("colwise") or style == "vocab_parallel") and isinstance(module, nn.Linear):
+                elif (style.startswith(("colwise", "packed_colwise")) or style == "vocab_parallel") and isinstance(
+                        module, nn.Linear):
                     if styles.get(name.rpartition(".")[0]) != "block_input":
                         bwd.append(("all_reduce", tokens * module.in_features))
                     if style in ("colwise_gather_output", "colwise_rep"):

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par._compat import ShardedTensor, set_element
+from lightning_par.parallel.tensor_parallel import packed_as_slices, restore_packed
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, checkpoint_meta, zero_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
@@ -130,6 +131,7 @@ def begin(checkpoint: dict[str, Any], path: Path, is_writer: bool,
     sharded = {"state_dict": checkpoint.pop("state_dict")}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
         sharded[f"optimizer_{index}"] = state
+    packed_as_slices(sharded)  # packed_colwise parameters (and their states) as one-process tensors
     if is_writer:
         checkpoint_files.prepare(path)
         partial.mkdir(parents=True)
@@ -179,7 +181,9 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         else:
             state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
     _check_fits(resolved, state, _saved_shapes(resolved, safe))  # before DCP, whose error names no parameter
+    packed = packed_as_slices(state)  # saved as one-process tensors: read as slices, then repacked
     _dcp_load(state, resolved, safe)
+    restore_packed(packed)
     if partitioner is not None:
         zero_checkpoint.finish_model_load(module, partitioner, state["state_dict"])
     else:

@@ -59,7 +59,7 @@ from lightning_par.parallel.pipeline.fsdp import stage_blocks
 from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.runners import Runner, SingleRunner
-from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_tp_plan
+from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_packed_layout, check_tp_plan
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
@@ -403,7 +403,8 @@ class LayoutStrategy(ParallelStrategy):
         if self.dims.tp > 1:
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
             # size tp does not divide is refused on every rank alike, before any collective
-            check_tp_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel)
+            plan = check_tp_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel)
+            check_packed_layout(plan, self.layout.zero_stage)
         # the one owner of data-parallel gradients, chosen first: its `shard` is the last transform of `parallelize`
         # (FSDP2 at ZeRO-3, with the precision's dtypes: bf16 buckets with fp32 master shards at ZeRO-1/2,
         # MixedPrecisionPolicy at ZeRO-3)
