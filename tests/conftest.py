@@ -125,6 +125,7 @@ FULL_ONLY_RUNS = {
     "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw",
     *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
     "compile_matrix",  # compiled vs eager: ZeRO 0-3, tp2 (and SP), pp2 under each schedule, tp2 x pp2 (4 ranks)
+    "readme_model_4_ranks",  # the README's recipe under tp2 x pp2 (tests/test_readme_model.py), ~35 s
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
