@@ -137,3 +137,14 @@ def test_the_root_is_the_module_that_holds_the_blocks():
     two = find_blocks(_Holder(_TwoLists()), [nn.Linear])
     assert (two.path, two.units) == ("net", None)  # the lowest common ancestor; no one order of units
     assert two.blocks == ("encoder.0", "encoder.1", "decoder.0", "decoder.1")
+
+
+def test_the_readme_shows_the_plan_the_tests_train():
+    """The README's tp_plan snippet is the plan of docs/models.md's MyLM, which the launches above train."""
+    import ast
+
+    from tests.readme_model import REPO, _python_blocks, readme_namespace
+
+    (snippet,) = [b for b in _python_blocks(REPO / "README.md") if b.lstrip().startswith("tp_plan = ")]
+    shown = ast.literal_eval(snippet.strip().removeprefix("tp_plan = "))
+    assert shown == readme_namespace().MyLM.tp_plan
