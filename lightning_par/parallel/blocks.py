@@ -227,7 +227,7 @@ def _with_units(module: nn.Module, blocks: tuple[str, ...], source: str) -> Mode
         return ModelBlocks(parent, parent_path, local_blocks, tuple(units), source)
     split = [b.split(".")[:-1] for b in blocks]
     common: list[str] = []
-    for parts in zip(*split):
+    for parts in zip(*split, strict=False):  # the shortest path bounds the common prefix
         if len(set(parts)) != 1:
             break
         common.append(parts[0])
