@@ -76,16 +76,33 @@ class SequentialLM(nn.Module):
         return self.head(self.norm(self.blocks(self.emb(tokens))))
 
 
-class SequentialModule(pl.LightningModule):
-    """The model as ``self.net`` (not ``self.model``), plain SGD."""
+class AttributesLM(SequentialLM):
+    """The same blocks held directly, as ``block0`` ... ``block3``, and called one after another."""
 
     def __init__(self, dim: int = 64) -> None:
+        super().__init__(dim)
+        del self.blocks
+        for i in range(4):
+            setattr(self, f"block{i}", Block(dim))
+        self.norm, self.head = self._modules.pop("norm"), self._modules.pop("head")  # registered after the blocks
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for i in range(4):
+            x = getattr(self, f"block{i}")(x)
+        return self.head(self.norm(x))
+
+
+class SequentialModule(pl.LightningModule):
+    """The model as ``self.net`` (not ``self.model``), plain SGD; ``held="attributes"`` for :class:`AttributesLM`."""
+
+    def __init__(self, dim: int = 64, held: str = "sequential") -> None:
         super().__init__()
-        self.dim = dim
+        self.dim, self.held = dim, held
 
     def configure_model(self) -> None:
         if getattr(self, "net", None) is None:
-            self.net = SequentialLM(self.dim)
+            self.net = (AttributesLM if self.held == "attributes" else SequentialLM)(self.dim)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -115,6 +132,10 @@ CASES = {
     "sequential_zero3": ("sequential", lambda: ZeroStrategy(stage=3, block_types=[Block]), 2, 2),
     "sequential_pp2_1f1b": ("sequential", lambda: PipelineStrategy(pp=2, schedule="1f1b", block_types=["Block"]), 2,
                             1),
+    "attributes_single": ("attributes", None, 1, 1),
+    "attributes_zero3": ("attributes", lambda: ZeroStrategy(stage=3, block_types=[Block]), 2, 2),
+    "attributes_pp2_1f1b": ("attributes", lambda: PipelineStrategy(pp=2, schedule="1f1b", block_types=["Block"]), 2,
+                            1),
 }
 
 
@@ -132,7 +153,7 @@ class _Record(Callback):
 def fit(name: str, root: Path, cache: str) -> dict:
     kind, strategy, devices, dp = CASES[name]
     pl.seed_everything(1234)
-    model = readme_namespace().MyModule() if kind == "readme" else SequentialModule()
+    model = readme_namespace().MyModule() if kind == "readme" else SequentialModule(held=kind)
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // dp,
                           cache_dir=cache)
     record = _Record()

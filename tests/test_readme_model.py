@@ -1,12 +1,12 @@
 """The README's "Your own model" recipe, as written, under every strategy family at parity with one process; and
 ``block_types=`` for a model whose blocks are not in an ``nn.ModuleList`` (issue 27).
 
-One 2-rank launch of :mod:`tests.readme_model` (default set, about 25 s on 2 cores) fits, in the same ranks: the
-README's module under ``zero3``, ``megatron_tp2`` and ``pipeline2_1f1b``, and a model keeping its blocks in an
-``nn.Sequential`` as ``self.net`` under ZeRO-3 and pp2 with ``block_types=``. A 4-rank launch (full set, about
-35 s) fits the README's module under tp2 x pp2 (``Hybrid3DStrategy``). The single-process references run in this
-process through the same function. 10 fp32 steps each, global batch 8: the README's AdamW, plain SGD for the
-``nn.Sequential`` model.
+One 2-rank launch of :mod:`tests.readme_model` (default set, about 25-30 s on 2 cores) fits, in the same ranks: the
+README's module under ``zero3``, ``megatron_tp2`` and ``pipeline2_1f1b``; and a model keeping its blocks in an
+``nn.Sequential`` as ``self.net``, and one holding them as attributes, each under ZeRO-3 and pp2 with
+``block_types=``. A 4-rank launch (full set, about 35 s) fits the README's module under tp2 x pp2
+(``Hybrid3DStrategy``). The single-process references run in this process through the same function. 10 fp32 steps
+each, global batch 8: the README's AdamW; plain SGD for the models without an nn.ModuleList.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from tests.harness import launch_matrix, max_rel_diff
 from tests.readme_model import STEPS, SequentialLM, fit
 
 TOLERANCE = 1e-5  # max relative per-step loss difference against one process (fp32)
-LAUNCHES = {2: ["readme_zero3", "readme_tp2", "readme_pp2_1f1b", "sequential_zero3", "sequential_pp2_1f1b"],
+LAUNCHES = {2: ["readme_zero3", "readme_tp2", "readme_pp2_1f1b", "sequential_zero3", "sequential_pp2_1f1b",
+                "attributes_zero3", "attributes_pp2_1f1b"],
             4: ["readme_tp2_pp2"]}
 
 
@@ -91,12 +92,14 @@ def test_the_readme_recipe_trains_at_parity(name, matrix, reference):
         assert not rank["dtensor_seen"]
 
 
-@pytest.mark.parametrize("name", ["sequential_zero3", "sequential_pp2_1f1b"])
-def test_block_types_for_blocks_in_an_nn_sequential(name, matrix, reference):
+@pytest.mark.parametrize("name", ["sequential_zero3", "sequential_pp2_1f1b", "attributes_zero3",
+                                  "attributes_pp2_1f1b"])
+def test_block_types_for_blocks_outside_a_module_list(name, matrix, reference):
     """``block_types=[Block]`` (a class under ZeRO-3, a class name under pp) on a model with no nn.ModuleList, held as
-    ``self.net``: ZeRO-3 gathers the root (embedding, norm, head) and pp splits ``net``; plain SGD at parity."""
-    ranks, single = matrix(name), reference("sequential_single")
-    losses = _step_losses(ranks, data_parallel=name == "sequential_zero3")
+    ``self.net``, its blocks in an nn.Sequential or held as attributes ``block0`` ... ``block3``: ZeRO-3 gathers the
+    root (embedding, norm, head) and pp splits ``net``; plain SGD at parity."""
+    ranks, single = matrix(name), reference(name.split("_")[0] + "_single")
+    losses = _step_losses(ranks, data_parallel=name.endswith("zero3"))
     assert max_rel_diff(losses, single["losses"]) < TOLERANCE, (losses, single["losses"])
     for rank in ranks:
         assert abs(rank["logged"] - single["logged"]) <= TOLERANCE * abs(single["logged"]), (rank, single)
