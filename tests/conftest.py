@@ -126,6 +126,7 @@ FULL_ONLY_RUNS = {
     *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
     "compile_matrix",  # compiled vs eager: ZeRO 0-3, tp2 (and SP), pp2 under each schedule, tp2 x pp2 (4 ranks)
     "lightning_contract_full",  # Lightning's contract under tp2 x pp2 (4 ranks), ZeRO-0 and ZeRO-2
+    "readme_model_4_ranks",  # the README's recipe under tp2 x pp2 (tests/test_readme_model.py), ~35 s
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (

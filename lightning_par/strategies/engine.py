@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
 from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
@@ -666,12 +667,18 @@ class LayoutStrategy(ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         blocks = self._find_blocks()
-        if blocks.units is None or not blocks.path:
+        if not blocks.path:
             raise LayoutError(
                 f"pipeline parallel needs the model inside {type(lm).__name__} as a submodule (build it in "
-                "`configure_model()` as e.g. `self.model`) whose units run in a known order: declare "
-                "`pipeline_units()` / a `pp_plan`, or keep the blocks in one nn.ModuleList next to the modules that "
-                f"run before and after them. Found: {blocks.describe()}."
+                "`configure_model()` as e.g. `self.model`), but the blocks are held by the LightningModule itself. "
+                f"Found: {blocks.describe()}."
+            )
+        if blocks.units is None:
+            raise LayoutError(
+                f"pipeline parallel needs the units of `{blocks.path}` ({type(blocks.root).__name__}) in a known "
+                "order, but its blocks do not share one parent: declare `pipeline_units()` / a `pp_plan`, or keep the "
+                "blocks in one nn.ModuleList (or nn.Sequential) next to the modules that run before and after them. "
+                f"Found: {blocks.describe()}."
             )
         loss_fn = self._pipeline_loss_fn(blocks.root)
         # the unsplit model's entries, in order (lightning_module_state_dict)
@@ -857,11 +864,14 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     @contextmanager
     def _loss_context(self) -> Generator[None, None, None]:
-        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here."""
+        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here, and the
+        step sees that loss as a plain tensor, as under any other layout (:func:`_plain_losses`)."""
         if self._tensor_parallel is None:
             yield None
             return
-        with self._tensor_parallel.loss_context():
+        with self._tensor_parallel.loss_context(), ExitStack() as stack:
+            if self._tensor_parallel.vocab_parallel_head and self.lightning_module is not None:
+                stack.enter_context(_plain_losses(self.lightning_module))
             yield None
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -1087,7 +1097,16 @@ class LayoutStrategy(ParallelStrategy):
             if self.compiler is not None:
                 # before Lightning moves the model to the CPU (see BlockCompiler.release)
                 self.compiler.release(self.lightning_module)
-            super().teardown()
+            lm = self.lightning_module
+            if lm is not None and any(t.is_meta for t in (*lm.parameters(), *lm.buffers())):
+                # setup stopped (a LayoutError) before this rank materialised its share: there is nothing to move
+                # to the CPU, and copying a meta tensor would raise over the error the user must see
+                lm.cpu = lambda: lm
+            try:
+                super().teardown()
+            finally:
+                if lm is not None:
+                    lm.__dict__.pop("cpu", None)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -1124,6 +1143,30 @@ def _attempt_store(environment: Any, timeout: timedelta) -> dict[str, Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(environment.main_address, environment.main_port, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"lightning_par/attempt_{attempt}/", store)}
+
+
+@contextmanager
+def _plain_losses(lm: Any) -> Generator[None, None, None]:
+    """Under a vocab-parallel head ``F.cross_entropy`` returns a replicated DTensor, which Lightning's
+    ``self.log(..., sync_dist=True)`` cannot all-reduce (c10d has no DTensor rule). While the step runs, the
+    LightningModule's ``loss_fn`` returns its plain value (``full_tensor()``: no communication for a replicated
+    value, and differentiable) and ``self.log`` takes any DTensor value as its full tensor, so a step written for
+    one device logs as written."""
+    own = {name: lm.__dict__[name] for name in ("loss_fn", "log") if name in lm.__dict__}
+    loss_fn, log = getattr(lm, "loss_fn", None), lm.log
+    if callable(loss_fn):
+        lm.loss_fn = lambda *args, **kwargs: _plain_value(loss_fn(*args, **kwargs))
+    lm.log = lambda name, value, *args, **kwargs: log(name, _plain_value(value), *args, **kwargs)
+    try:
+        yield None
+    finally:
+        for name in ("loss_fn", "log"):
+            lm.__dict__.pop(name, None)
+        lm.__dict__.update(own)
+
+
+def _plain_value(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 @contextmanager
