@@ -6,14 +6,18 @@ Most tests save and load in this process (DCP without a process group: one rank)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -480,3 +484,61 @@ def test_paths_read_from_a_checkpoint_stay_in_its_directory(tmp_path):
         model, optimizer = tiny(seed=1)
         with pytest.raises(CheckpointError, match=r"names the file '\.\./__0_0\.distcp', outside its directory"):
             sharded_checkpoint.load(path, model, [optimizer], weights_only=weights_only)
+
+
+@contextlib.contextmanager
+def disk_full_after(limit: int):
+    """Writes that would take any file past ``limit`` bytes fail in the kernel, as on a full disk (EFBIG: this
+    process's RLIMIT_FSIZE, with SIGXFSZ ignored) -- torch's and DCP's own writers, unpatched."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def _one_line_naming(error: BaseException, path: Path) -> str:
+    """The error as Python prints it last: one line, naming the checkpoint, with no chained traceback above it."""
+    printed = traceback.format_exception(error)
+    assert not any("During handling" in part or "direct cause" in part for part in printed)
+    line = printed[-1]
+    assert line.count("\n") == 1 and f"saving the checkpoint {path} failed" in line, line
+    assert "The previous checkpoint is still the latest" in line and "MiB free on its disk" in line
+    return line
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint(tmp_path, monkeypatch):
+    """Sharded (DCP) and one-file saves that run out of space: one line that names the checkpoint, the interrupted
+    save removed, the previous checkpoint intact and loadable."""
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    first = save(path, step=3)
+    with disk_full_after(2000), pytest.raises(CheckpointError) as failure:
+        save(path, step=6, seed=2)
+    assert "File too large" in _one_line_naming(failure.value, path)  # DCP's 250-line CheckpointException before
+    assert not checkpoint_files.partial_path(path).exists()
+    meta, *loaded = load(path)
+    assert meta["global_step"] == 3
+    assert_same_state(first, loaded)
+
+    def no_space(root, files):  # the last write of a save: its manifest
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_files, "write_manifest", no_space)
+    with pytest.raises(CheckpointError) as failure:
+        save(path, step=6, seed=2)
+    monkeypatch.undo()
+    assert "(OSError: [Errno 28] No space left on device)" in _one_line_naming(failure.value, path)
+    assert load(path)[0]["global_step"] == 3 and not checkpoint_files.partial_path(path).exists()
+
+    io, one = AtomicCheckpointIO(), tmp_path / "one.ckpt"
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, one)
+    with disk_full_after(2000), pytest.raises(CheckpointError) as failure:
+        io.save_checkpoint({"global_step": 6, "w": torch.ones(4096)}, one)
+    _one_line_naming(failure.value, one)  # torch.save alone: "inline_container.cc: unexpected pos"
+    assert not checkpoint_files.partial_path(one).exists()
+    assert torch.equal(io.load_checkpoint(one)["w"], torch.ones(4))
