@@ -247,3 +247,25 @@ def test_a_hugging_face_step_given_tuple_batches_gets_one_short_line(one_process
     where = traceback.extract_tb(failure.value.__traceback__)[-1]
     assert where.name == {"fit": "training_step", "validate": "validation_step"}[stage]
     assert "self.model(**batch)" in where.line
+
+
+def test_a_data_position_outside_the_epoch_is_refused_naming_the_checkpoint():
+    """A checkpoint whose manifest is consistent but whose data position is past the epoch (consumed_samples=1e9)
+    would give the sampler nothing: the epoch silently skipped. Refused, naming the checkpoint."""
+    from types import SimpleNamespace
+
+    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.strategies.data_position import DataPosition
+
+    sampler = DataParallelSampler(range(100), num_replicas=2, rank=0, shuffle=False)
+    position = DataPosition(SimpleNamespace(ckpt_path="/runs/version_0/checkpoints/last.ckpt"), sampler, batch_size=4)
+    state = {"epoch": 0, "consumed_samples": 24, "epoch_ended": False, "global_batch": 8, "seed": 0,
+             "shuffle": False, "dataset_length": 100}
+    position.load_state_dict(state)
+    assert list(sampler)[:2] == [24, 26]  # a position inside the epoch: resumed there
+    for consumed in (10**9, 100, -8):
+        with pytest.raises(ValueError, match=rf"^/runs/version_0/checkpoints/last\.ckpt: its data position, "
+                                             rf"{consumed} samples into epoch 0, is not inside an epoch of this data "
+                                             r"\(100 samples\): the checkpoint is damaged or from other data\. "
+                                             r"Resume from another checkpoint\.$"):
+            position.load_state_dict({**state, "consumed_samples": consumed})

@@ -195,6 +195,12 @@ class DataPosition:
                 f"{self.global_batch // self.sampler.num_replicas} x data-parallel size {self.sampler.num_replicas}). "
                 "Lightning counts the batches of the resumed epoch, so a mid-epoch resume needs the same global "
                 "batch: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
+        if not 0 <= consumed < self.sampler.total_size:  # the sampler would yield nothing: a silent skip of the epoch
+            checkpoint = getattr(self.trainer, "ckpt_path", None) or "The checkpoint"
+            raise ValueError(
+                f"{checkpoint}: its data position, {consumed} samples into epoch {epoch}, is not inside an epoch of "
+                f"this data ({self.sampler.total_size} samples): the checkpoint is damaged or from other data. "
+                "Resume from another checkpoint.")
         if consumed and (state["dataset_length"], state["shuffle"]) != (self.sampler.dataset_length,
                                                                          self.sampler.shuffle):
             _warnings.warn(
