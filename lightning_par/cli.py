@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
+from lightning_par import run_dir
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
@@ -186,6 +187,19 @@ class LightningParCLI(LightningCLI):
     # -- which checkpoint to start from ----------------------------------------------------------------------------
     def before_fit(self) -> None:
         self.resume()
+        self._hold_run_dir()
+
+    def _hold_run_dir(self) -> None:
+        """Global rank 0: claim and lock this run's version directory, and remove the interrupted saves that dead runs
+        left in theirs (:mod:`lightning_par.run_dir`)."""
+        root = self._logger_root()
+        if root is None or rank_zero_only.rank != 0:
+            return
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        if isinstance(self.trainer.loggers[0], TensorBoardLogger | CSVLogger):  # they number their versions
+            run_dir.claim(self.trainer.loggers[0], root)
+        run_dir.sweep_interrupted(root)
 
     def before_validate(self) -> None:
         self.resume()

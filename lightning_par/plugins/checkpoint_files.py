@@ -37,7 +37,7 @@ MANIFEST = "manifest.json"
 SIDECAR = ".crc32.json"  # a one-file checkpoint's checksum: NAME + SIDECAR
 FORMAT = "lightning-par-checkpoint/1"
 _CHUNK = 16 << 20  # bytes read at a time for checksums
-_STARTED = time.time()  # partial checkpoints older than this process were left by a crash
+STARTED = time.time()  # partial checkpoints older than this process were left by a crash
 _UNCHECKED: set[Path] = set()  # one-file checkpoints without a checksum, warned about once each
 
 
@@ -105,7 +105,7 @@ def prepare(path: Path) -> None:
     remove(partial_path(path))
     if path.parent.is_dir():
         for stale in path.parent.glob("*.partial"):
-            if stale.lstat().st_mtime < _STARTED:
+            if stale.lstat().st_mtime < STARTED:
                 remove(stale)
 
 
