@@ -269,3 +269,23 @@ def test_a_data_position_outside_the_epoch_is_refused_naming_the_checkpoint():
                                              r"\(100 samples\): the checkpoint is damaged or from other data\. "
                                              r"Resume from another checkpoint\.$"):
             position.load_state_dict({**state, "consumed_samples": consumed})
+
+
+def test_a_training_loader_without_a_batch_is_refused():
+    """A per-rank batch larger than the rank's share of the data, with drop_last: Lightning alone ends with "No
+    training batches" and exit code 0; every lightning-par strategy's training loader is refused in one line."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.strategies.data_position import resumable_train_loader
+
+    data = TensorDataset(torch.ones(10, 1))
+    trainer = SimpleNamespace(fit_loop=None)
+    sampler = DataParallelSampler(data, num_replicas=4, rank=0, shuffle=False)  # 3 samples a rank
+    with pytest.raises(ValueError, match=r"^the training DataLoader gives no batch: 3 samples on each of 4 "
+                                         r"data-parallel ranks, fewer than its batch_size=4 \(drop_last=True\)\."):
+        resumable_train_loader(DataLoader(data, batch_size=4, sampler=sampler, drop_last=True), trainer)
+    assert len(resumable_train_loader(DataLoader(data, batch_size=3, sampler=sampler, drop_last=True), trainer)) == 1
+    assert len(resumable_train_loader(DataLoader(data, batch_size=4, sampler=sampler), trainer)) == 1  # kept short

@@ -58,6 +58,10 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
         loader = update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     elif not isinstance(sampler, DataParallelSampler):
         return _not_resumable(loader, f"has its own sampler ({_sampler_name(sampler)})")
+    if loader.drop_last and len(sampler) < loader.batch_size:  # Lightning: "No training batches", and exit 0
+        raise ValueError(f"the training DataLoader gives no batch: {len(sampler)} samples on each of "
+                         f"{sampler.num_replicas} data-parallel ranks, fewer than its batch_size={loader.batch_size} "
+                         "(drop_last=True). Use a smaller batch size, or more data.")
     position = DataPosition(trainer, sampler, loader.batch_size)
     # instance attributes: Lightning's `_Stateful` check (a Protocol) accepts them, and the loader keeps its class
     loader.state_dict = position.state_dict
