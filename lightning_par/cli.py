@@ -193,8 +193,8 @@ class LightningParCLI(LightningCLI):
         """Global rank 0: claim and lock this run's version directory, and remove the interrupted saves that dead runs
         left in theirs (:mod:`lightning_par.run_dir`)."""
         root = self._logger_root()
-        if root is None or rank_zero_only.rank != 0:
-            return
+        if root is None or rank_zero_only.rank != 0 or "://" in str(self.trainer.loggers[0].save_dir):
+            return  # a remote save_dir (s3://...) is left to the logger
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
         if isinstance(self.trainer.loggers[0], TensorBoardLogger | CSVLogger):  # they number their versions
