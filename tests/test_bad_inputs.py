@@ -289,3 +289,18 @@ def test_a_training_loader_without_a_batch_is_refused():
         resumable_train_loader(DataLoader(data, batch_size=4, sampler=sampler, drop_last=True), trainer)
     assert len(resumable_train_loader(DataLoader(data, batch_size=3, sampler=sampler, drop_last=True), trainer)) == 1
     assert len(resumable_train_loader(DataLoader(data, batch_size=4, sampler=sampler), trainer)) == 1  # kept short
+
+
+def test_the_cli_raises_the_data_modules_own_error_last(tmp_path):
+    """An error of the data module's constructor is the CLI's last line, not jsonargparse's "Does not validate
+    against any of the Union subtypes" followed by a dump of the config."""
+    custom = tmp_path / "custom_tokenizer"
+    custom.mkdir()
+    (custom / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": [null, "code.Tok"]}}')
+    for tokenizer, error, match in (
+            (custom, ValueError, rf"^tokenizer='{custom}': {custom}/tokenizer_config\.json names custom code "
+                                 r"\(code\.Tok\) that loading it would run: refused\. Pass --data\.trust_remote_code"),
+            (tmp_path / "none", FileNotFoundError, r"^tokenizer='.*none' is not a directory")):
+        with pytest.raises(error, match=match) as raised:
+            main(["fit", *CPU_JOB, f"--data.tokenizer={tokenizer}"])
+        assert raised.value.__suppress_context__  # printed alone, no chained jsonargparse error
