@@ -41,8 +41,8 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
-from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par import run_dir
+from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy

@@ -12,7 +12,6 @@ directory's saves are in progress, not interrupted.
 from __future__ import annotations
 
 import fcntl
-import os
 from pathlib import Path
 from typing import IO, Any
 

@@ -271,7 +271,7 @@ def test_a_batch_larger_than_the_training_split_is_refused(tmp_path):
     blocks = len(module.train_dataset)
     assert 0 < blocks < 64
     with pytest.raises(ValueError, match=rf"^the training split has {blocks} blocks of 9 tokens, fewer than "
-                                         r"batch_size=64: no full batch to train on\. Use a smaller --data\.batch_size"):
+                                         r"batch_size=64: no full batch to train on\. Use a smaller --data\.batch"):
         module.train_dataloader()
     module.batch_size = blocks
     assert len(module.train_dataloader()) == 1
