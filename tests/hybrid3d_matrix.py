@@ -12,7 +12,6 @@ the collectives of optimizer step 3.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule, HFCausalLMLightningModule, HFLlamaLightningModule
 from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
 from tests.conftest import CLIP, EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, SGD_LR
+from tests.harness import checkpoint_worker_main
 from tests.probes import GradNorms, StateReport
 
 
@@ -146,13 +146,7 @@ def fit(root: Path, cache: str, name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--cache", required=True)
-    parser.add_argument("--cases", nargs="+", required=True)
-    args = parser.parse_args()
-    for name in args.cases:
-        fit(Path(args.root), args.cache, name)
+    checkpoint_worker_main(lambda root, cache, name, sources: fit(root, cache, name))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the test's own process by the same :func:`fit`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import types
@@ -27,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
+from tests.harness import checkpoint_worker_main
 
 REPO = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
@@ -166,17 +166,15 @@ def fit(name: str, root: Path, cache: str) -> dict:
             "dtensor_seen": record.dtensor_seen}
 
 
+def fit_and_report(root: Path, cache: str, name: str, sources: dict) -> None:
+    out = root / name
+    result = fit(name, out, cache)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--cache", required=True)
-    parser.add_argument("--cases", nargs="+", required=True)
-    args = parser.parse_args()
-    for name in args.cases:
-        out = Path(args.root) / name
-        result = fit(name, out, args.cache)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    checkpoint_worker_main(fit_and_report)
 
 
 if __name__ == "__main__":
