@@ -9,7 +9,9 @@ same ranks, each writing ``ROOT/NAME/tb`` (per-step losses) and ``ROOT/NAME/resu
   the step-9 save be refused and the step-6 checkpoint survive;
 - ``resume``: from that surviving checkpoint, clean, to step 12;
 - ``skip``: ``nonfinite="skip"``, the activations of step 4 made NaN: that step's gradients are discarded;
-- ``lr0``: the reference for ``skip``: the learning rate 0 at step 4 (no update that step).
+- ``lr0``: the reference for ``skip``: the learning rate 0 at step 4 (no update that step);
+- ``between``: a NaN written into a weight after the update of step 5, before the step-6 save: no step was
+  non-finite, yet the save must be refused and the run stop there.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from lightning_par.examples import GPTLightningModule
 from lightning_par.parallel.bad_steps import NonFiniteStop
 
 STEPS, SAVE_EVERY, GLOBAL_BATCH, SEQ = 12, 3, 8, 32
-POISON_STEP, SKIP_STEP = 8, 4
-CASES = ("clean", "nan_stop", "resume", "skip", "lr0")
+POISON_STEP, SKIP_STEP, BETWEEN_STEP = 8, 4, 6
+CASES = ("clean", "nan_stop", "resume", "skip", "lr0", "between")
 
 
 def loader(batch: int) -> DataLoader:
@@ -50,7 +52,7 @@ def fit(root: Path, layout: str, name: str) -> None:
         strategy = PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, nonfinite=policy, heartbeat_timeout=30)
         batch = GLOBAL_BATCH
     probe = {"nan_stop": [PoisonAt(POISON_STEP, "weight")], "skip": [PoisonAt(SKIP_STEP, "activation")],
-             "lr0": [PoisonAt(SKIP_STEP, "lr0")]}.get(name, [])
+             "lr0": [PoisonAt(SKIP_STEP, "lr0")], "between": [PoisonAt(BETWEEN_STEP, "weight_between")]}.get(name, [])
     anomaly = layout == "pp2" and name == "clean"
     if anomaly:  # the stages' first-step metadata inference computes on NaN: anomaly mode must not see it
         probe.append(UninitialisedIsNaN())

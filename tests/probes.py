@@ -297,7 +297,9 @@ class PoisonAt(pl.Callback):
 
     - ``weight``: NaN written into one element of the first parameter this rank holds (it stays in the weights);
     - ``activation``: the first ``nn.Linear``'s output made NaN for that batch only (that step's loss and gradients);
-    - ``lr0``: the learning rate 0 for that step -- with plain SGD, a run without that step's update (a reference).
+    - ``lr0``: the learning rate 0 for that step -- with plain SGD, a run without that step's update (a reference);
+    - ``weight_between``: NaN written into that weight at the end of the batch that made ``global_step == step``,
+      after its update and before the checkpoint callbacks run (a weight poisoned outside any step).
     """
 
     def __init__(self, step: int, what: str = "weight") -> None:
@@ -309,10 +311,7 @@ class PoisonAt(pl.Callback):
         if trainer.global_step != self.step or self._hook is not None or self._lrs:
             return
         if self.what == "weight":
-            param = next(p for p in pl_module.parameters() if p.is_floating_point())
-            local = param.to_local() if hasattr(param, "to_local") else param
-            with torch.no_grad():
-                local.view(-1)[0] = float("nan")
+            self._poison_weight(pl_module)
         elif self.what == "activation":
             linear = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Linear))
             self._hook = linear.register_forward_hook(lambda module, args, out: out * float("nan"))
@@ -321,7 +320,16 @@ class PoisonAt(pl.Callback):
                 self._lrs.append(group["lr"])
                 group["lr"] = 0.0
 
+    @staticmethod
+    def _poison_weight(pl_module) -> None:
+        param = next(p for p in pl_module.parameters() if p.is_floating_point())
+        local = param.to_local() if hasattr(param, "to_local") else param
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.what == "weight_between" and trainer.global_step == self.step:
+            self._poison_weight(pl_module)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

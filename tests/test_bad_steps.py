@@ -3,7 +3,7 @@ with ``nonfinite="skip"``), and never costs the last finite checkpoint; ``export
 ``detect_anomaly`` works under a pipeline.
 
 One launch of ``tests/bad_steps_worker.py`` per layout (2 ranks, plain SGD, 12 steps, the default checkpointing:
-keep the newest, every 3 steps): ZeRO-2 in the default run (about 40 s), a 2-stage pipeline (1F1B) with ``--full``
+keep the newest, every 3 steps): ZeRO-2 in the default run (about 45 s), a 2-stage pipeline (1F1B) with ``--full``
 (about 55 s, its clean fit under ``detect_anomaly=True``)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from lightning_par.cli import main as cli_main
 from lightning_par.examples import GPTLightningModule
 from lightning_par.plugins.checkpoint_export import CheckpointTensors
-from tests.bad_steps_worker import POISON_STEP, SAVE_EVERY, SKIP_STEP, STEPS
+from tests.bad_steps_worker import BETWEEN_STEP, POISON_STEP, SAVE_EVERY, SKIP_STEP, STEPS
 from tests.conftest import full_run
 from tests.harness import Run, launch_matrix, max_rel_diff
 
@@ -36,7 +36,7 @@ def launched(tmp_path_factory, cache_dir, request):
             root = tmp_path_factory.mktemp(f"bad_steps_{layout}")
             done[layout] = launch_matrix(root, cache_dir, "tests.bad_steps_worker",
                                          ["--root", str(root), "--layout", layout], nproc=2, timeout=420).check()
-            print(f"bad steps under {layout}: 5 fits in one launch, {done[layout].seconds:.0f} s")
+            print(f"bad steps under {layout}: 6 fits in one launch, {done[layout].seconds:.0f} s")
         return done[layout]
 
     return get
@@ -69,7 +69,8 @@ def test_a_poisoned_weight_stops_every_rank_at_that_step_and_the_last_finite_che
         r"Find the cause .*nonfinite=skip discards such steps instead", result["stopped"]), result["stopped"]
     assert run.log.count(f"lightning-par: step {POISON_STEP} was not finite") == 1  # printed once, by rank 0
     assert re.search(rf"lightning-par: warning: refused to save epoch=0-step={POISON_STEP + 1}\.ckpt after step "
-                     rf"{POISON_STEP}: its weights are not finite \(\S+ on rank \d\); kept {re.escape(str(last))}",
+                     rf"{POISON_STEP}: its weights are not finite \(\S+ on rank \d\); the last finite checkpoint: "
+                     rf"{re.escape(str(last))}",
                      run.log), run.log[-3000:]
     assert sorted(p.name for p in last.parent.iterdir()) == [last.name]  # the only one, and it was not replaced
     tensors = CheckpointTensors(last)
@@ -84,6 +85,21 @@ def test_a_poisoned_weight_stops_every_rank_at_that_step_and_the_last_finite_che
     diff = max_rel_diff([after[s] for s in sorted(after)], [reference[s] for s in sorted(after)])
     print(f"{layout}: stopped at step {POISON_STEP}; resumed from step {saved}: within {diff:.1e} of the clean run")
     assert diff <= 1e-6
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_weight_poisoned_between_steps_stops_the_run_at_the_save(launched, layout):
+    """No step was non-finite, but a weight became NaN after step 5's update (outside any step): the step-6 save
+    finds it, refuses to save, and every rank stops there naming the tensor; the step-3 checkpoint stays."""
+    run = launched(layout)
+    _, result = _case(run, "between")
+    last = run.root / "between" / "ckpt" / f"epoch=0-step={BETWEEN_STEP - SAVE_EVERY}.ckpt"
+    assert result["code"] == 1 and result["step"] == BETWEEN_STEP, result
+    assert re.fullmatch(
+        rf"lightning-par: the weights are not finite after step {BETWEEN_STEP - 1} \(\S+ on rank \d\), though no "
+        rf"step's loss or gradient norm was: every rank stopped; refused to save epoch=0-step={BETWEEN_STEP}\.ckpt; "
+        rf"the last finite checkpoint: {re.escape(str(last))}", result["stopped"]), result["stopped"]
+    assert sorted(p.name for p in last.parent.iterdir()) == [last.name]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -22,7 +22,8 @@ Under ``precision="16-mixed"`` the gradient scaler skips overflowing steps itsel
 
 A checkpoint save first checks that the weights this rank holds are finite (and that this step's loss was), agreed by
 one all-reduce per save; if not, the save is refused with a warning naming the step and a tensor, and no older
-checkpoint is removed until a finite one is saved again (:class:`CheckpointGuard`).
+checkpoint is removed until a finite one is saved again (:class:`CheckpointGuard`). Weights that are not finite
+although no step was (a NaN in a row no batch used, or written from outside a step) stop the run at that save.
 """
 
 from __future__ import annotations
@@ -203,9 +204,19 @@ class CheckpointGuard:
         else:
             parts = [word for bit, word in ((LOSS, "loss"), (GRAD, "gradient norm")) if step_bits & bit]
             why = f"the step's {' and '.join(parts)} {'were' if len(parts) > 1 else 'was'} not finite"
-        if strategy.global_rank == max(weight_rank - 1, 0):  # the rank that can name the tensor says it, once
-            kept = self.last_finite or "the older checkpoints on disk"
+        speaks = strategy.global_rank == max(weight_rank - 1, 0)  # the rank that can name the tensor, once
+        kept = self.last_finite or "none in this run yet"
+        if weight_rank and not step_bits:
+            # no step of this run was non-finite, yet a weight is (never used in a forward, or written from outside
+            # a step): nothing can repair it, so every rank stops here instead of training on
+            message = (f"lightning-par: the weights are not finite after step {step - 1} ({name or '?'} on rank "
+                       f"{weight_rank - 1}), though no step's loss or gradient norm was: every rank stopped; refused "
+                       f"to save {Path(str(filepath)).name}; the last finite checkpoint: {kept}")
+            if speaks:
+                print(message, file=sys.stderr, flush=True)
+            raise NonFiniteStop(message)
+        if speaks:
             print(f"lightning-par: warning: refused to save {Path(str(filepath)).name} after step {step - 1}: {why}; "
-                  f"kept {kept}, and no older checkpoint is removed until a finite one is saved", file=sys.stderr,
-                  flush=True)
+                  f"the last finite checkpoint: {kept}; no older checkpoint is removed until a finite one is saved",
+                  file=sys.stderr, flush=True)
         return False
