@@ -171,6 +171,13 @@ def first_nonfinite_parameter(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _global_step(module: Any) -> int:
+    try:
+        return module.trainer.global_step
+    except RuntimeError:  # a module saved outside a Trainer
+        return 0
+
+
 class CheckpointGuard:
     """Refuses a save whose weights (or whose step) are not finite, and the removal of older checkpoints until a
     finite one was saved again."""
@@ -181,7 +188,6 @@ class CheckpointGuard:
 
     def allow(self, strategy: Any, filepath: Any) -> bool:
         """One all-reduce (MAX) on every rank: ``[rank + 1 holding a non-finite weight, a non-finite step]``."""
-        trainer = strategy.lightning_module.trainer
         flags = strategy.nonfinite_flags
         params = list(strategy.lightning_module.parameters())
         bad = not_finite(params)  # one host sync per save, not one per parameter
@@ -197,7 +203,7 @@ class CheckpointGuard:
             self.refused, self.last_finite = None, str(filepath)
             return True
         self.refused = str(filepath)
-        step = trainer.global_step  # the weights after `step` updates; the last one's step is logged as step - 1
+        step = _global_step(strategy.lightning_module)  # the weights after `step` updates (logged as step - 1)
         if weight_rank:
             why = (f"its weights are not finite ({name} on rank {weight_rank - 1})" if name
                    else f"its weights are not finite (on rank {weight_rank - 1})")
