@@ -6,34 +6,41 @@ against the tested versions (:mod:`lightning_par._compat`) and keeps the example
 working (:mod:`lightning_par._aliases`).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import warnings
 
-from lightning_par import _aliases, _compat  # noqa: F401  (_compat checks the versions on import)
-from lightning_par.parallel.layout import Layout
-from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
-from lightning_par.plugins.precision import LayoutPrecision
-from lightning_par.plugins.pretrained import FromPretrained
-from lightning_par.strategies import (
-    ALL_STRATEGIES,
-    Hybrid3DStrategy,
-    LayoutStrategy,
-    MegatronTPStrategy,
-    PipelineStrategy,
-    PlannedStrategy,
-    ZeroStrategy,
-)
-from lightning_par.topology import LayoutError, ParallelDims
+from lightning_par._help import light_help
 
 __version__ = "0.1.0"
 
+if not light_help():  # `lightning-par plan --help` / `export --help` print their help without torch and Lightning
+    from lightning.pytorch.strategies import StrategyRegistry
 
-def _register_strategies() -> None:
-    for strategy in ALL_STRATEGIES:
-        strategy.register_strategies(StrategyRegistry)
+    from lightning_par import _aliases, _compat  # noqa: F401  (_compat checks the versions on import)
+    from lightning_par.parallel.layout import Layout
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+    from lightning_par.plugins.precision import LayoutPrecision
+    from lightning_par.plugins.pretrained import FromPretrained
+    from lightning_par.strategies import (
+        ALL_STRATEGIES,
+        Hybrid3DStrategy,
+        LayoutStrategy,
+        MegatronTPStrategy,
+        PipelineStrategy,
+        PlannedStrategy,
+        ZeroStrategy,
+    )
+    from lightning_par.topology import LayoutError, ParallelDims
 
+    def _register_strategies() -> None:
+        for strategy in ALL_STRATEGIES:
+            strategy.register_strategies(StrategyRegistry)
 
-_register_strategies()
-_aliases.install()
+    _register_strategies()
+    # Lightning 2.6 builds torch's LeafSpec, deprecated since torch 2.13: every rank printed this at the first step,
+    # about Lightning's code, with nothing for the user to change (docs/cli.md lists the warnings that remain)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    _aliases.install()
 
 __all__ = [
     "AtomicCheckpointIO",

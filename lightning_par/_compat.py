@@ -144,6 +144,9 @@ set_element = private("torch", "torch.distributed.checkpoint._traverse", "set_el
 # where a DTensor's local shard lies in the global tensor; DTensor has no public method for it
 compute_local_shape_and_global_offset = private("torch", "torch.distributed.tensor._utils",
                                                 "compute_local_shape_and_global_offset")
+# a packed_colwise parameter (tensor_parallel.py): this rank's slice of each of the N parts of a fused projection
+# (q, k, v); DTensor's placement for "split into N parts first, then each part over the mesh" (transformers uses it)
+StridedShard = private("torch", "torch.distributed.tensor.placement_types", "_StridedShard")
 # the tensor a row-parallel layer returns while its all-reduce runs (measure.py counts the memory inside it)
 AsyncCollectiveTensor = private("torch", "torch.distributed._functional_collectives", "AsyncCollectiveTensor")
 

@@ -22,6 +22,7 @@ user sets them; the model summary followed by a line saying what its counts cove
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import os
 import re
@@ -41,9 +42,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
-from lightning_par.plugins.checkpoint_files import newest_complete
+from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
+from lightning_par.topology import LayoutError
 
 
 def strategies_help() -> str:
@@ -150,7 +152,8 @@ class LightningParCLI(LightningCLI):
         texts = [str(getattr(self, "_raw_args", ""))]
         for path in self._get(self.config, "config", default=None) or []:
             try:
-                texts.append(path.get_content() if hasattr(path, "get_content") else Path(str(path)).read_text())
+                # jsonargparse's Path (read_text; its get_content warns) or a plain one
+                texts.append(path.read_text() if hasattr(path, "read_text") else Path(str(path)).read_text())
             except OSError:
                 continue
         return any(key in text for text in texts)
@@ -264,7 +267,9 @@ class LightningParCLI(LightningCLI):
         return [d for d in dict.fromkeys(dirs) if not existing or d.is_dir()]
 
     def before_instantiate_classes(self) -> None:
-        _refuse_unknown_strategy(self._get(self.config, "trainer", {}).get("strategy"))
+        strategy = self._get(self.config, "trainer", {}).get("strategy")
+        _refuse_unknown_strategy(strategy)
+        _check_strategy_options(strategy)
 
     def after_fit(self) -> None:
         trainer, model = self.trainer, self.model
@@ -426,6 +431,24 @@ def _refuse_unknown_strategy(strategy: object) -> None:
 _PLUGIN_PRECISIONS = ("bf16-mixed-master",)
 
 
+def _check_strategy_options(strategy: object) -> None:
+    """Build a lightning-par strategy from its options once before jsonargparse does, so that an option it refuses
+    raises its own LayoutError (one line, see :func:`main`) instead of jsonargparse's many-line Union message that
+    quotes it. Options that are classes themselves (``checkpoint_io``) are left to jsonargparse."""
+    if not isinstance(strategy, Namespace) or not isinstance(strategy.get("class_path"), str):
+        return
+    module, _, name = strategy["class_path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return  # jsonargparse names it
+    init_args = strategy.get("init_args") or Namespace()
+    options = init_args.as_dict() if isinstance(init_args, Namespace) else dict(init_args)
+    if isinstance(cls, type) and issubclass(cls, LayoutStrategy) and not any(
+            isinstance(v, dict) and "class_path" in v for v in options.values()):
+        cls(**options)
+
+
 def _precision_as_plugin(argv: list[str]) -> list[str]:
     """``--trainer.precision=bf16-mixed-master`` (or ``--trainer.precision bf16-mixed-master``) -> the
     LayoutPrecision plugin with that mode, since Lightning's Trainer refuses flags not its own."""
@@ -441,6 +464,10 @@ def _precision_as_plugin(argv: list[str]) -> list[str]:
         out.append(arg)
         i += 1
     return out
+
+
+#: set to 1 for the traceback of an error that ``lightning-par`` otherwise prints as one ``error:`` line
+TRACEBACK_ENV = "LIGHTNING_PAR_TRACEBACK"
 
 
 def main(args: list[str] | None = None) -> None:
@@ -466,15 +493,23 @@ def main(args: list[str] | None = None) -> None:
         if code:
             raise SystemExit(code)
         return
-    LightningParCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": strategies_help(), "formatter_class": _HelpFormatter},
-        args=args,
-    )
+    try:
+        LightningParCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"description": strategies_help(), "formatter_class": _HelpFormatter},
+            args=args,
+        )
+    except (LayoutError, CheckpointError) as error:
+        if os.environ.get(TRACEBACK_ENV, "0") not in ("", "0"):
+            raise
+        # a layout, model or checkpoint the run cannot take, before launch or at setup on each rank: the message
+        # names the cause and the fix; the traceback only says where it was found (TRACEBACK_ENV=1 shows it)
+        print(f"lightning-par: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -79,13 +79,45 @@ def load_tokenizer(tokenizer: Any) -> Any:
             raise ImportError(f"tokenizer={path!r} is loaded with transformers' AutoTokenizer, which is not installed: "
                               "pip install 'lightning-par[hf]' (or transformers)") from err
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = as_written(AutoTokenizer.from_pretrained(path), path)
     if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
         raise TypeError(f"tokenizer must be a Hugging Face tokenizer or a directory path, got {type(tokenizer)!r}")
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no eos_token, which is written after every "
                          "document; set one (tokenizer.eos_token = '...') and save it again")
     return tokenizer
+
+
+def as_written(tokenizer: Any, path: str | os.PathLike) -> Any:
+    """``tokenizer`` (what ``AutoTokenizer.from_pretrained(path)`` gave), or the tokenizer ``path/tokenizer.json``
+    describes where they differ.
+
+    transformers 5 gives some families their own class whatever the directory's tokenizer_config.json names (a
+    directory whose config.json is a Qwen2 model gets Qwen2Tokenizer), and such a class rebuilds its normalizer and
+    pre-tokenizer from the family's rules, keeping only the vocabulary and merges: a tokenizer trained with other
+    rules then splits the same text into other tokens. A directory that ``lightning-par export --hf`` wrote is such a
+    case; its files are loaded as written (``PreTrainedTokenizerFast``), so a run from it tokenizes as the run that
+    trained it."""
+    file = os.path.join(os.fspath(path), "tokenizer.json")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not os.path.isfile(file):
+        return tokenizer
+    with open(file, encoding="utf-8") as handle:
+        written = json.load(handle)
+    loaded = json.loads(backend.to_str())
+    if all(loaded.get(key) == written.get(key) for key in ("normalizer", "pre_tokenizer", "added_tokens")):
+        return tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(os.fspath(path))
+
+
+#: lines a tokenizer is checked on (export --hf): words, digits, punctuation, contractions, spaces, newlines, Unicode
+TOKENIZER_PROBE = (
+    "def f(x): return x**2 + 10.5  # it's 2024, isn't it?",
+    "Hello, World! THE quick brown fox -- jumps over 123 lazy dogs.\n\n\tIndented line;  two  spaces",
+    "Ünïcödé café naïve 東京 😀 ... \"quoted\" [brackets] {braces} <angle> I'M YOU'LL WE'VE",
+)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -28,6 +28,9 @@ GRAD_MESH = "dp_cp"
 
 Size = int | Literal["auto"]
 
+#: activation recompute kinds (:mod:`lightning_par.parallel.recompute`; here, without torch, for the parsers)
+RECOMPUTE_KINDS: tuple[str, ...] = ("none", "selective", "full")
+
 
 class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message says what is wrong and how to fix it."""

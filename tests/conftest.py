@@ -122,9 +122,11 @@ FULL_ONLY_RUNS = {
     *(f"pp4_{s}" for s in PIPELINE_SCHEDULES), "pp4_tied_1f1b", "dp2_pp2_accum_clip", "single_kv4", "tp4", "tp4_sp",
     "dp2_tp2_sp", "tp2_sp_tied", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "zero1_dp4_accum_clip",
     "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "zero2_offload_dp2", "hf_zero3_dict", "hf_tp2_dict", "multinode",
-    "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw",
+    "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw", "plain_lm_tp2_sgd",
     *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
     "compile_matrix",  # compiled vs eager: ZeRO 0-3, tp2 (and SP), pp2 under each schedule, tp2 x pp2 (4 ranks)
+    "lightning_contract_full",  # Lightning's contract under tp2 x pp2 (4 ranks), ZeRO-0 and ZeRO-2
+    "readme_model_4_ranks",  # the README's recipe under tp2 x pp2 (tests/test_readme_model.py), ~35 s
 }
 #: tests (node id prefixes) that launch ranks themselves, run only in the full run
 FULL_ONLY_TESTS = (
@@ -138,6 +140,7 @@ FULL_ONLY_TESTS = (
     "tests/test_pipeline_strategy.py::test_a_batch_that_does_not_split",
     "tests/test_pipeline_strategy.py::test_resume_from_pipeline_checkpoint",
     "tests/test_tensor_parallel.py::test_a_layout_the_model_cannot_take",
+    "tests/test_tp_any_model.py::test_lightning_par_fit_refuses_the_users_model_at_setup",
     "tests/test_tensor_parallel.py::test_validate_from_a_tensor_parallel_checkpoint",
     "tests/test_zero.py::test_resume_from_sharded_checkpoint",
     "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit",

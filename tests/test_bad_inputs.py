@@ -72,15 +72,23 @@ def test_the_good_values_still_pass():
     assert check_timeout(0) is None and check_timeout(None) is None and check_timeout(2) == 2.0
 
 
-def test_the_cli_refuses_them_too(capsys):
+def test_the_cli_refuses_them_too(capsys, monkeypatch):
     """What jsonargparse lets through (YAML's .inf, 0) reaches the strategy and is refused there, when the CLI
-    instantiates it (an error naming the option, before any Trainer); a bool or a float for an int option
-    jsonargparse refuses itself while parsing (exit 2, naming the option)."""
+    builds it: one ``error:`` line naming the option, the last printed, before any Trainer (exit 1; not jsonargparse's
+    Union message quoting it); a bool or a float for an int option jsonargparse refuses itself while parsing (exit
+    2, naming the option)."""
+    from lightning_par.cli import TRACEBACK_ENV
+
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
     zero = [*CPU_JOB, "--trainer.strategy=lightning_par.ZeroStrategy"]
     for option, said in [("--trainer.strategy.bucket_cap_mb=.inf", "bucket_cap_mb=inf is not valid: use a positive"),
                          ("--trainer.strategy.bucket_cap_mb=0", "bucket_cap_mb=0.0 is not valid: use a positive")]:
-        with pytest.raises(ValueError, match=said):
+        with pytest.raises(SystemExit) as exit_:
             main(["fit", *zero, option])
+        assert exit_.value.code == 1, option
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines()[-1].startswith(f"lightning-par: error: {said}"), err[-2000:]
+        assert "Traceback" not in err and "Union" not in err, err[-2000:]
     for option, said in [("--trainer.strategy.stage=true", "Expected a <class 'int'>. Got value: True"),
                          ("--trainer.strategy.stage=1.0", "Expected a <class 'int'>. Got value: 1.0")]:
         with pytest.raises(SystemExit) as exit_:

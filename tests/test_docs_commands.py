@@ -117,6 +117,10 @@ COMMANDS: dict[str, str] = {
     "lightning-par plan --hf-config path/to/config.json --world 8":
         f"{PARSE}: placeholder config; tests/test_planner.py plans Hugging Face configs",
     "lightning-par plan --model=lightning_par.examples.plain_lm.PlainLM --world 4 --hardware cpu": RUN,
+    "lightning-par plan --config configs/demo.yaml --write-config planned.yaml": RUN,
+    # README
+    "lightning-par plan --model=my_pkg.MyModule --world 4 --write-config planned.yaml":
+        f"{PARSE}: a placeholder module; tests/test_plan_command.py plans the README's module and writes its config",
     "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 64 --runtime "
     "megatron-overlap --precision bf16-mixed-master --exposed": RUN,
     # docs/precision.md

@@ -253,11 +253,21 @@ def test_a_removed_unit_after_the_stage_called_on_integers_fails_clearly():
         RemovedUnit("head")(torch.zeros(2, 5, dtype=torch.long))
 
 
-def test_explicit_units_may_not_sit_in_a_sequential():
+def test_explicit_units_in_a_sequential_keep_their_indices():
+    """Units found in an nn.Sequential (``block_types=``): a removed item is replaced in its slot, so the kept ones
+    keep their names and the Sequential still runs them in order; a ``pipeline_units()`` declaration still needs an
+    nn.ModuleDict."""
     model = nn.Module()
     model.blocks = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(LayoutError, match=r"'blocks.0' sits in an Sequential.*nn.ModuleDict or nn.ModuleList"):
-        split_model(model, 2, 0, units=["blocks.0", "blocks.1"])
+    first, second = (split_model(model, 2, i, units=["blocks.0", "blocks.1"]) for i in (0, 1))
+    assert [n for n, _ in first.named_parameters()] == ["blocks.0.weight", "blocks.0.bias"]
+    assert [n for n, _ in second.named_parameters()] == ["blocks.1.weight", "blocks.1.bias"]
+    x = torch.randn(3, 2)
+    assert torch.equal(first.blocks(x), model.blocks[0](x))  # the removed item after it passes its input through
+    assert torch.equal(second.blocks[1](first.blocks(x)), model.blocks(x))  # (stage 1 is fed at its first unit)
+    model.pipeline_units = lambda: ["blocks.0", "blocks.1"]
+    with pytest.raises(LayoutError, match=r"'blocks.0' sits in an Sequential.*nn.ModuleDict"):
+        split_model(model, 2, 0)
 
 
 # -- batches -------------------------------------------------------------------------------------------------------

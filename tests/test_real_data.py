@@ -295,6 +295,82 @@ def test_export_hf_writes_the_tokenizer_beside_the_model(corpus, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bytes").config.vocab_size == 256
 
 
+class OwnQwen2(__import__("lightning").pytorch.LightningModule):
+    """A module of one's own, as a user writes it: a Qwen2 whose vocabulary is the data's, read in configure_model
+    and stored in no hyper-parameter; plain SGD."""
+
+    def __init__(self, hidden_size: int = 32):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = None
+
+    def configure_model(self):
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        if self.model is None:
+            config = Qwen2Config(vocab_size=self.trainer.datamodule.vocab_size, hidden_size=self.hparams.hidden_size,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=64, max_position_embeddings=64)
+            self.model = Qwen2ForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self.model(inputs).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_export_round_trip_keeps_the_vocabulary_and_the_tokenizer(corpus, tmp_path, capsys):
+    """export --hf of a user's Qwen2 trained one step on the tokenized corpus: the vocabulary comes from the
+    checkpoint (no hyper-parameter holds it), the exported model gives the trained logits, and the tokenizer loaded
+    back -- by lightning-par's --data.tokenizer and by PreTrainedTokenizerFast -- gives the trained ids on the corpus;
+    where AutoTokenizer builds the Qwen2 family's own tokenizer, which does not, the export says so."""
+    import lightning.pytorch as pl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    from lightning_par.data import TOKENIZER_PROBE
+    from lightning_par.plugins.checkpoint_export import main as export
+
+    pl.seed_everything(0)
+    # a BPE that has also seen numbers and contractions: GPT-2's pre-tokenizer keeps " 2024" whole, Qwen2's splits
+    # every digit off, so the two tokenizers differ on such lines
+    numbers = [f"in {y} it's {y % 97}.{y % 10} x**{y % 5} -- costs ${y * 3}, isn't it?" for y in range(1900, 2100)]
+    tokenizer = make_tokenizer(tmp_path / "tokenizer", [*corpus.texts, *numbers], vocab=1000)
+    dm = TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(tokenizer), seq_len=SEQ, batch_size=2,
+                        cache_dir=str(tmp_path / "cache"))
+    model = OwnQwen2()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "own.ckpt")
+    assert "vocab_size" not in model.hparams and dm.vocab_size == 1024
+    out = tmp_path / "export"
+    capsys.readouterr()
+    assert export([str(tmp_path / "own.ckpt"), str(out), "--hf", "--model-class", f"{__name__}.OwnQwen2"]) == 0
+    printed = capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert exported.config.vocab_size == 1024
+    ids = torch.tensor([dm.tokenizer(corpus.texts[0])["input_ids"][:SEQ]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, model.model.eval()(ids).logits, rtol=0, atol=1e-5)
+    lines = [*corpus.texts[:100], *numbers[::10], *TOKENIZER_PROBE]
+    trained = [dm.tokenizer(line)["input_ids"] for line in lines]
+    again = TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(out), seq_len=SEQ, batch_size=2,
+                           cache_dir=str(tmp_path / "cache2"))
+    for tok in (again.tokenizer, PreTrainedTokenizerFast.from_pretrained(out)):
+        assert [tok(line)["input_ids"] for line in lines] == trained and len(tok) == len(dm.tokenizer)
+    auto = AutoTokenizer.from_pretrained(out)  # transformers 5's rule for a qwen2 directory: what the export notes
+    differ = sum(auto(line)["input_ids"] != ids for line, ids in zip(lines, trained, strict=True))
+    assert type(auto).__name__ == "Qwen2Tokenizer" and len(auto) == len(dm.tokenizer) + 1 and differ > 0
+    probe = sum(auto(line)["input_ids"] != dm.tokenizer(line)["input_ids"] for line in TOKENIZER_PROBE)
+    assert (f"builds Qwen2Tokenizer, transformers' own class for this model family, which re-derives the splitting "
+            f"rules instead of reading tokenizer.json: {len(auto)} tokens (trained: {len(dm.tokenizer)}), other ids "
+            f"on {probe} of {len(TOKENIZER_PROBE)} probe lines") in " ".join(printed.split()), printed
+    print(f"AutoTokenizer differs on {differ} of {len(lines)} lines, {probe} of the probe lines")
+
+
 # -- launched: a 2-rank ZeRO-3 CLI run of the example GPT on the JSON-lines corpus with the tokenizer directory, and
 #    the same run resumed from its mid-epoch checkpoint (about 60 s on 2 cores) -----------------------------------
 STEPS, EPOCH, SAVE = 8, 6, 3  # a checkpoint at step 3 of a 6-step epoch: mid-epoch

@@ -11,7 +11,11 @@ Each rank writes ``OUT_DIR/rank{N}.json`` with what it measured:
 * ``gpt2_dropout``: the GPT-2-style model with dropout: embedding-dropout masks and residual stream across ranks;
 * ``block_traffic``: the collectives of one GPT-2 block's forward and backward (kind, elements);
 * ``bad_plans``: rank 0 applies bad plans while rank 1 issues no collective at all, so a plan that got as far as
-  a collective would block rank 0 (until the process-group timeout) instead of raising at once.
+  a collective would block rank 0 (until the process-group timeout) instead of raising at once;
+* ``fused``: a nanoGPT-style model with one fused q|k|v ``nn.Linear`` (:class:`FusedLM`): plain-SGD steps under
+  ``packed_colwise:3`` against one process, its deferred materialisation and a DCP save read back as the
+  one-process tensors and into another tp2 model; ``colwise`` and a global-head-count attention refused by the
+  setup self-check, whose cost is timed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -264,6 +269,224 @@ def bad_plans(mesh: DeviceMesh) -> dict:
     return out
 
 
+class FusedAttention(nn.Module):
+    """Causal attention with q, k and v in one projection, written as nanoGPT does; ``global_heads``: reshape with
+    the global head count (wrong under tensor parallelism): ``"view"`` as ``view(b, t, n_heads, head_dim)`` (fails),
+    ``"size"`` as ``view(b, t, n_heads, -1)`` (runs, with half the head size)."""
+
+    def __init__(self, dim: int, n_heads: int, global_heads: str = ""):
+        super().__init__()
+        self.n_heads, self.head_dim, self.global_heads = n_heads, dim // n_heads, global_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        shape = {"": (-1, self.head_dim), "view": (self.n_heads, self.head_dim), "size": (self.n_heads, -1)}
+        q, k, v = (y.view(b, t, *shape[self.global_heads]).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, global_heads: str = ""):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = FusedAttention(dim, n_heads, global_heads)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class FusedLM(nn.Module):
+    """A user's model as the README says to write one, with a fused q|k|v projection and a plan for it."""
+
+    tp_plan = {"blocks.*.attn.qkv": "packed_colwise:3", "blocks.*.attn.proj": "rowwise",
+               "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise",
+               "embed": "vocab_parallel", "head": "vocab_parallel"}
+
+    def __init__(self, vocab: int = 128, dim: int = 64, n_heads: int = 4, n_layers: int = 2,
+                 global_heads: str = ""):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([FusedBlock(dim, n_heads, global_heads) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class FusedLMModule(L.LightningModule):
+    """:class:`FusedLM` as a user's LightningModule (the README's recipe), for ``lightning-par fit``: ``qkv_style``
+    replaces the q|k|v plan entry, ``global_heads`` makes attention reshape with the global head count."""
+
+    def __init__(self, qkv_style: str = "packed_colwise:3", global_heads: str = ""):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: FusedLM | None = None
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = FusedLM(vocab=256, global_heads=self.hparams.global_heads)
+            self.model.tp_plan = {**FusedLM.tp_plan, "blocks.*.attn.qkv": self.hparams.qkv_style}
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return causal_lm_loss(self.model(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fused_model(seed: int = 0, **kwargs) -> FusedLM:
+    torch.manual_seed(seed)
+    model = FusedLM(**kwargs)
+    with torch.no_grad():  # biases that count: a q|k|v bias split like plain colwise would show
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
+    return model
+
+
+def _refusal(mesh: DeviceMesh, model: nn.Module) -> dict:
+    from lightning_par.parallel import tensor_parallel
+
+    tensor_parallel._SELF_CHECKED.clear()
+    start = time.perf_counter()
+    try:
+        apply_tensor_parallel(model, mesh)
+        return {"error": None}
+    except LayoutError as error:
+        return {"error": str(error), "seconds": time.perf_counter() - start}
+
+
+def fused(mesh: DeviceMesh, out_dir: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_par.parallel import tensor_parallel
+    from lightning_par.parallel.deferred_init import deferred_init
+    from lightning_par.parallel.materialize import materialize_share
+    from lightning_par.parallel.tensor_parallel import packed_as_slices, restore_packed
+
+    result: dict = {}
+    # (1) plain SGD, 5 steps: the split model against the same model in one piece
+    reference, model = _fused_model(), _fused_model()
+    tensor_parallel._SELF_CHECKED.clear()
+    start = time.perf_counter()
+    plan = apply_tensor_parallel(model, mesh)
+    result["apply_seconds"] = time.perf_counter() - start
+    result["qkv_placement"] = str(model.blocks[0].attn.qkv.weight.placements)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(5):
+        tokens = torch.randint(0, 128, (4, 17))
+        ref_loss = causal_lm_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with plan.loss_context():
+            loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(_full(loss).detach()))
+        ref_losses.append(float(ref_loss.detach()))
+    result["losses"], result["ref_losses"] = losses, ref_losses
+    result["weights_rel"] = max(float((_full(p) - r).detach().abs().max() / r.abs().max()) for p, r in
+                                zip(model.parameters(), reference.parameters(), strict=True))
+    # (1b) with sequence parallelism: one step's loss and every gradient against one process
+    reference, split = _fused_model(), _fused_model()
+    sp_plan = apply_tensor_parallel(split, mesh, sequence_parallel=True)
+    tokens = torch.randint(0, 128, (4, 17))
+    ref_loss = causal_lm_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
+    with sp_plan.loss_context():
+        loss = causal_lm_loss(split(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    scale = max(float(p.grad.abs().max()) for p in reference.parameters())
+    result["sp_loss_rel"] = abs(float(_full(loss).detach()) - float(ref_loss)) / float(ref_loss)
+    from lightning_par.parallel.grad_norm import global_grad_norm
+
+    norm = float(global_grad_norm([p.grad for p in split.parameters()]))  # what clipping uses
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([r.grad.norm() for r in reference.parameters()])))
+    result["grad_norm_rel"] = abs(norm - ref_norm) / ref_norm
+    result["sp_grad_rel"] = max(float((_full(p.grad) - r.grad).abs().max()) / scale for p, r in
+                                zip(split.parameters(), reference.parameters(), strict=True))
+    # (2) a DCP save: the packed tensors go to disk as the one-process tensors, and load back into another model
+    ckpt = out_dir / "fused_dcp"
+    state = {"model": model.state_dict()}
+    packed_as_slices(state)
+    dcp.save(state, checkpoint_id=str(ckpt))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        dcp_to_torch_save(str(ckpt), str(out_dir / "fused.pt"))
+    dist.barrier()
+    saved = torch.load(out_dir / "fused.pt", weights_only=True)["model"]
+    result["saved_equal_one_process"] = all(torch.equal(saved[n], _full(t).detach())
+                                            for n, t in model.state_dict().items())
+    result["saved_names"] = sorted(saved) == sorted(reference.state_dict())
+    other = _fused_model(seed=5)
+    apply_tensor_parallel(other, mesh)
+    target = {"model": other.state_dict()}
+    replaced = packed_as_slices(target)
+    dcp.load(target, checkpoint_id=str(ckpt))
+    restore_packed(replaced)
+    result["reloaded_equal"] = all(torch.equal(p.to_local(), q.to_local()) for p, q in
+                                   zip(other.parameters(), model.parameters(), strict=True))
+    # (3) built deferred (on meta), split, materialised: each rank's share is the one-process values
+    with deferred_init(threshold=0) as record:
+        torch.manual_seed(0)
+        deferred = FusedLM()
+    record.capture(deferred)
+    apply_tensor_parallel(deferred, mesh)
+    materialize_share(deferred, record, torch.device("cpu"))
+    torch.manual_seed(0)
+    eager = FusedLM()
+    result["materialized_equal"] = all(torch.equal(_full(p), q) for p, q in
+                                       zip(deferred.parameters(), eager.parameters(), strict=True))
+    # (3b) pretrained weights (a .safetensors file of one process) read into the packed shards, part by part
+    from safetensors.torch import save_file
+
+    from lightning_par.plugins.pretrained import load_pretrained
+
+    source = _fused_model(seed=7)
+    if dist.get_rank() == 0:
+        save_file({n: t.contiguous() for n, t in source.state_dict().items()}, str(out_dir / "fused.safetensors"))
+    dist.barrier()
+    loaded = _fused_model(seed=5)
+    apply_tensor_parallel(loaded, mesh)
+    load_pretrained(loaded, out_dir / "fused.safetensors", prefix="")
+    result["pretrained_equal"] = all(torch.equal(_full(p), q) for p, q in
+                                     zip(loaded.parameters(), source.parameters(), strict=True))
+    # (4) refusals by the setup self-check, and its cost on a passing model of ~100M parameters
+    colwise = _fused_model()
+    colwise.tp_plan = {**FusedLM.tp_plan, "blocks.*.attn.qkv": "colwise"}
+    result["colwise"] = _refusal(mesh, colwise)
+    result["global_heads"] = _refusal(mesh, _fused_model(global_heads="view"))
+    result["global_heads_view"] = _refusal(mesh, _fused_model(global_heads="size"))
+    with deferred_init(threshold=0):
+        big = FusedLM(vocab=32768, dim=768, n_heads=12, n_layers=12)
+    tensor_parallel._SELF_CHECKED.clear()
+    from lightning_par.parallel.tensor_parallel import resolve_tp_plan, self_check
+    big_plan = resolve_tp_plan(big, 2)
+    result["big_params"] = sum(p.numel() for p in big.parameters())
+    result["self_check_seconds_big"] = self_check(big, big_plan, mesh, "FusedLM", FusedLM.tp_plan)
+    result["self_check_seconds_big_again"] = self_check(big, big_plan, mesh, "FusedLM", FusedLM.tp_plan)
+    tensor_parallel._SELF_CHECKED.clear()
+    result["self_check_seconds_tiny"] = self_check(_fused_model(), resolve_tp_plan(_fused_model(), 2), mesh,
+                                                   "FusedLM", FusedLM.tp_plan)
+    return result
+
+
 def main(out_dir: str) -> None:
     # a collective that rank 1 never joins fails after this long instead of hanging the test
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -279,6 +502,7 @@ def main(out_dir: str) -> None:
         "bad_plans": bad_plans(mesh),
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    result["fused"] = fused(mesh, Path(out_dir))
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
     close_process_group()
 

@@ -1,6 +1,7 @@
 """A plain PyTorch causal language model, written the way a tutorial writes one -- and nothing else.
 
-It declares nothing: no ``tp_plan``, no ``pp_plan``, no ``pipeline_units()``. The strategies find its repeated
+It declares nothing but a ``tp_plan`` (which tensor parallelism cannot guess): no ``pp_plan``, no
+``pipeline_units()``. The strategies find its repeated
 blocks themselves (:func:`lightning_par.parallel.blocks.find_blocks`: the ``nn.ModuleList`` of ``Block``), so
 ``ZeroStrategy(stage=3)`` shards it block by block and ``PipelineStrategy`` can cut it into stages. This is the
 "bring your own model" check: if this trains under a strategy, so does a user's model of the same shape.
@@ -29,15 +30,26 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (y.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
+        # chunk and -1, not split(d) and n_heads: under tensor parallelism this rank holds 1/tp of q, k and v
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (y.view(b, t, -1, d // self.n_heads).transpose(1, 2) for y in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, -1))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 class PlainLM(nn.Module):
-    """Token and position embeddings, ``n_layers`` blocks in an ``nn.ModuleList``, a final norm and a head."""
+    """Token and position embeddings, ``n_layers`` blocks in an ``nn.ModuleList``, a final norm and a head.
+
+    ``tp_plan``: the fused q|k|v projection is ``packed_colwise:3`` (each rank gets its slice of q, of k and of v;
+    plain ``colwise`` would give rank 0 all of q and half of k, and is refused at setup), the MLP is column- then
+    row-parallel. The embeddings and the head stay replicated, so the loss is an ordinary tensor.
+    """
+
+    tp_plan = {
+        "blocks.*.qkv": "packed_colwise:3", "blocks.*.proj": "rowwise",
+        "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise",
+    }
 
     def __init__(self, vocab_size: int = 256, dim: int = 64, n_layers: int = 4, n_heads: int = 4,
                  max_seq_len: int = 256):

@@ -12,6 +12,9 @@ recompute wraps each block, and the pipeline split cuts the ordered units into s
    most parameters; the container's parent is the root, and its other children (in registration order) are the
    units before and after the blocks.
 
+Blocks given by ``block_types`` may also sit in an ``nn.Sequential`` or be held directly by the model
+(``self.block0``, ``self.block1``, ...): the module that holds them is then the root (see :func:`_with_units`).
+
 Explicit ``block_types`` win over inference (step 4) but not over a model's own declaration: a model that says how
 it splits is believed. Nothing here imports Lightning or allocates memory; it only reads the module tree, so it
 also works on a model built on the meta device.
@@ -192,23 +195,46 @@ def _inferred(module: nn.Module) -> ModelBlocks | None:
 
 
 def _with_units(module: nn.Module, blocks: tuple[str, ...], source: str) -> ModelBlocks:
-    """Blocks named inside ``module``, re-rooted at the blocks' container's parent, with its ordered units there
-    when all blocks sit in one container (its siblings with parameters come before or after it by registration)."""
-    containers = {b.rpartition(".")[0] for b in blocks}
-    container_path = next(iter(containers))
-    if len(containers) != 1 or not container_path or not isinstance(module.get_submodule(container_path),
-                                                                    _CONTAINERS):
-        return ModelBlocks(module, "", blocks, None, source)
-    root_path, _, container_name = container_path.rpartition(".")
+    """Blocks named inside ``module``, re-rooted at the module that runs them, with its ordered units when all
+    blocks have one parent:
+
+    * in an ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``: the root is the container's parent, and its
+      other children with parameters come before or after the blocks by registration order;
+    * held directly by a module (``self.block0 = Block()``, ...): that module is the root and its children with
+      parameters, blocks included, are the units in registration order.
+
+    Blocks with different parents get their lowest common ancestor as the root (order unknown: no units). The root
+    is never left at the searched module when the blocks lie inside a submodule of it, so ZeRO-3's root group is a
+    module whose forward runs (a LightningModule's is never called by its own step).
+    """
+    parents = {b.rpartition(".")[0] for b in blocks}
+    if len(parents) == 1:
+        parent_path = next(iter(parents))
+        parent = module.get_submodule(parent_path) if parent_path else module
+        if parent_path and isinstance(parent, (*_CONTAINERS, nn.Sequential)):
+            root_path, _, container_name = parent_path.rpartition(".")
+            root = module.get_submodule(root_path) if root_path else module
+            local_blocks = tuple(f"{container_name}.{b.rpartition('.')[2]}" for b in blocks)
+            units: list[str] = []
+            for child_name, child in root.named_children():
+                if child_name == container_name:
+                    units += local_blocks
+                elif _has_params(child):
+                    units.append(child_name)
+            return ModelBlocks(root, root_path, local_blocks, tuple(units), source)
+        local_blocks = tuple(b.rpartition(".")[2] for b in blocks)
+        units = [name for name, child in parent.named_children() if name in local_blocks or _has_params(child)]
+        return ModelBlocks(parent, parent_path, local_blocks, tuple(units), source)
+    split = [b.split(".")[:-1] for b in blocks]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):  # the shortest path bounds the common prefix
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    root_path = ".".join(common)
     root = module.get_submodule(root_path) if root_path else module
-    local_blocks = tuple(f"{container_name}.{b.rpartition('.')[2]}" for b in blocks)
-    units: list[str] = []
-    for child_name, child in root.named_children():
-        if child_name == container_name:
-            units += local_blocks
-        elif _has_params(child):
-            units.append(child_name)
-    return ModelBlocks(root, root_path, local_blocks, tuple(units), source)
+    local = tuple(b[len(root_path) + 1:] if root_path else b for b in blocks)
+    return ModelBlocks(root, root_path, local, None, source)
 
 
 def find_blocks(module: nn.Module, block_types: BlockTypes = None) -> ModelBlocks:

@@ -28,9 +28,9 @@ def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_m
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=dp_mesh.get_group(),
         bucket_cap_mb=bucket_cap_mb,
-        # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical even if
-        # a user's initialisation was not seeded the same on every rank.
-        broadcast_buffers=True,
+        # DDP broadcasts rank 0's parameters and buffers at construction (its default in every torch release: the
+        # flag for it, broadcast_buffers, is deprecated since 2.13), so replicas start identical even if a user's
+        # initialisation was not seeded the same on every rank.
         # gradients live in the all-reduce buckets instead of beside them: one gradient copy, as the ZeRO
         # formula for stage 0 counts (4 bytes per parameter), not two
         gradient_as_bucket_view=True,

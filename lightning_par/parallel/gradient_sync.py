@@ -89,6 +89,10 @@ class NoSync:
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module
 
+    def wrap_again(self, module: nn.Module) -> nn.Module:
+        """``wrap`` for a later fit of the same model, after ``unwrap``."""
+        return self.wrap(module)
+
     def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:
         """The gradients of ``params`` (an optimizer's) that this rank counts in the global norm, leaving out the
         parameters whose ids are in ``exclude`` (tied pipeline copies another rank counts)."""
@@ -141,6 +145,9 @@ class FSDPSync(NoSync):
         if not self.sharded:  # FSDP2 replicate needs the real tensors
             self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types)
         return module
+
+    def wrap_again(self, module: nn.Module) -> nn.Module:
+        return module  # replicate's hooks outlive unwrap
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if self.sharded:

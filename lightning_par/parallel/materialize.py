@@ -19,17 +19,17 @@ rank anyway; cutting it locally needs no communication.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import compute_local_shape_and_global_offset
+from lightning_par._compat import StridedShard, compute_local_shape_and_global_offset
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.host_memory import release_freed_memory
 
-__all__ = ["local_slices", "local_tensor", "materialize_share", "named_tensors"]
+__all__ = ["local_piece", "local_slices", "local_tensor", "materialize_share", "named_tensors"]
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -43,8 +43,35 @@ def local_slices(tensor: Tensor) -> tuple[slice, ...] | None:
     (``_StridedShard``), replicas."""
     if not isinstance(tensor, DTensor):
         return None
+    if _packed_dim(tensor) is not None:
+        raise ValueError("a packed_colwise parameter is not one slice of the full tensor: use local_piece()")
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+
+def _packed_dim(tensor: DTensor) -> int | None:
+    """The dimension of a tensor-parallel ``packed_colwise`` split (one ``_StridedShard`` on a 1-D mesh), else None.
+    (FSDP2's ``_StridedShard`` on a 2-D mesh is one slice, which ``compute_local_shape_and_global_offset`` finds.)"""
+    placements = tensor.placements
+    if len(placements) == 1 and isinstance(placements[0], StridedShard):
+        return placements[0].dim % tensor.dim()
+    return None
+
+
+def local_piece(tensor: Tensor, read: Callable[[tuple[slice, ...] | None], Tensor]) -> Tensor:
+    """This rank's piece of ``tensor``'s full value, from ``read(slices)`` (a part of the full value; ``None``: all of
+    it). A ``packed_colwise`` parameter's piece is its slice of each of the N parts, read one part at a time and
+    concatenated (it is not one slice of the full tensor); any other piece is one slice (:func:`local_slices`)."""
+    if not isinstance(tensor, DTensor) or _packed_dim(tensor) is None:
+        return read(local_slices(tensor))
+    dim, placement = _packed_dim(tensor), tensor.placements[0]
+    parts, ranks, rank = placement.split_factor, tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
+    part = tensor.shape[dim] // parts
+    step = part // ranks  # (resolve_tp_plan checked that parts x tp divides the dimension)
+    lead, trail = (slice(None),) * dim, (slice(None),) * (tensor.dim() - dim - 1)
+    pieces = [read((*lead, slice(i * part + rank * step, i * part + (rank + 1) * step), *trail))
+              for i in range(parts)]
+    return torch.cat(pieces, dim=dim)
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -94,8 +121,9 @@ def materialize_share(module: nn.Module, record: DeferredInit, device: torch.dev
             continue
         full = record.value(name)
         stats["transient_bytes"] = max(stats["transient_bytes"], full.numel() * full.element_size())
-        slices = local_slices(tensor)
-        local_tensor(target).copy_(full if slices is None else full[slices])
+        piece = local_piece(tensor, lambda slices, full=full: full if slices is None else full[slices])
+        local_tensor(target).copy_(piece)
+        del piece
         del full
     release_freed_memory()  # the full tensors' blocks
     _move_metric_states(module, device)

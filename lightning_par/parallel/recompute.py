@@ -25,9 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_par.topology import LayoutError
-
-RECOMPUTE_KINDS: tuple[str, ...] = ("none", "selective", "full")
+from lightning_par.topology import RECOMPUTE_KINDS, LayoutError
 
 
 def check_recompute(kind: str) -> None:

@@ -174,7 +174,8 @@ class TensorParallelRNG:
         handles = [model.register_forward_pre_hook(start)]
         if not sequence_parallel:
             for name, style in plan.items():
-                if style == "colwise" and (where is None or where(model.get_submodule(name))):
+                column = style.partition(":")[0] in ("colwise", "packed_colwise")
+                if column and (where is None or where(model.get_submodule(name))):
                     handles.append(model.get_submodule(name).register_forward_hook(
                         lambda *_, name=name: self.enter(name)))
                 elif style == "rowwise":

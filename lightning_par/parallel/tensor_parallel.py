@@ -38,6 +38,11 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
 
 ==================================== ============================================================================
 ``colwise``                          Linear split on out_features; input replicated, output sharded (local)
+``packed_colwise``, ``packed_colwise:N``  a fused Linear whose output is N equal parts concatenated (q|k|v: N=3;
+                                     gate|up: N=2, transformers' meaning of ``packed_colwise``); each rank holds its
+                                     slice of every part, so ``chunk(N, -1)`` of the local output gives this rank's
+                                     q, k, v. The parameter is a ``_StridedShard`` DTensor (``full_tensor()`` is the
+                                     one-process tensor); checkpoints store it as the one-process tensor
 ``rowwise``                          Linear split on in_features; output all-reduced (SP: reduce-scattered)
 ``colwise_rep``, ``colwise_gather_output``  column-parallel, output all-gathered to the full tensor
 ``rowwise_rep``, ``rowwise_split_input``    row-parallel taking a replicated input
@@ -56,6 +61,8 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
 
 from __future__ import annotations
 
+import copy
+import itertools
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,6 +81,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_par._compat import StridedShard
 from lightning_par.parallel.rng import TensorParallelRNG
 from lightning_par.topology import LayoutError
 
@@ -81,6 +89,7 @@ from lightning_par.topology import LayoutError
 #: only the engine adds.
 PLAN_STYLES: tuple[str, ...] = (
     "colwise",
+    "packed_colwise",
     "rowwise",
     "colwise_rep",
     "colwise_gather_output",
@@ -93,7 +102,11 @@ PLAN_STYLES: tuple[str, ...] = (
     "replicated_with_grad_allreduce",
     "block_input",
 )
-_COLUMN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output")
+_COLUMN_STYLES = ("colwise", "packed_colwise", "colwise_rep", "colwise_gather_output")
+#: the column-parallel styles whose output stays sharded (local) and whose input a block shares
+_LOCAL_COLUMN_STYLES = ("colwise", "packed_colwise")
+#: ``packed_colwise`` without a count: transformers' meaning, a fused gate|up projection
+PACKED_DEFAULT_PARTS = 2
 _ROW_STYLES = ("rowwise", "rowwise_rep", "rowwise_split_input")
 #: Config fields that tp must divide, with their meaning: ours (GPTConfig, GPT2Config) and Hugging Face's.
 _CONFIG_SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -106,6 +119,24 @@ _CONFIG_SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
 
 # How many loss_context() regions are open; the vocab-parallel head returns full logits when none is.
 _LOSS_PARALLEL_DEPTH = 0
+
+
+def style_name(style: str) -> str:
+    """The style without its argument: ``"packed_colwise:3"`` -> ``"packed_colwise"``."""
+    return style.partition(":")[0]
+
+
+def packed_parts(style: str) -> int:
+    """How many equal parts a ``packed_colwise[:N]`` output holds (``N``; 2 without it, as in transformers)."""
+    _, _, count = style.partition(":")
+    return int(count) if count else PACKED_DEFAULT_PARTS
+
+
+def _valid_style(style: str) -> bool:
+    name, colon, count = style.partition(":")
+    if name not in PLAN_STYLES or name == "block_input":
+        return False
+    return not colon or (name == "packed_colwise" and count.isdigit() and int(count) >= 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -213,11 +244,11 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     candidates = [name for name in names if name not in removed]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in PLAN_STYLES or style == "block_input":
+        if not isinstance(style, str) or not _valid_style(style):
             allowed = ", ".join(s for s in PLAN_STYLES if s != "block_input")
             raise LayoutError(
                 f"{model_name}.tp_plan[{pattern!r}] = {style!r} is not a style lightning-par applies; "
-                f"use one of: {allowed}."
+                f"use one of: {allowed} ('packed_colwise:N' for a fused projection of N equal parts, N >= 2)."
             )
         regex = _pattern_regex(pattern)
         matched = [name for name in candidates if regex.fullmatch(name)]
@@ -243,7 +274,8 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
         )
 
     # Engine additions: one input collective per block, and every remaining parameter owner as a DTensor.
-    column = [n for n, s in resolved.items() if s == "colwise"]
+    column = [n for n, s in resolved.items() if style_name(s) in _LOCAL_COLUMN_STYLES]
+    _check_head_counts(model_name, model, column, tp)
     parents = sorted({n.rpartition(".")[0] for n in column if "." in n}, key=names.index)
     additions: dict[str, str] = {}
     for parent in parents:
@@ -263,6 +295,48 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     ordered = {**additions, **resolved}
     _check_tied(model_name, model, ordered)
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
+
+
+def check_packed_layout(plan: dict[str, str], zero_stage: int) -> None:
+    """``packed_colwise`` with ZeRO: refused (before any collective) until the ZeRO shards and their checkpoints
+    handle a tensor-parallel shard that is not one slice of the parameter (this rank's slice of each part)."""
+    packed = [name for name, style in plan.items() if style_name(style) == "packed_colwise"]
+    if packed and zero_stage > 0:
+        raise LayoutError(
+            f"{packed[0]} is planned {plan[packed[0]]!r}, which zero_stage={zero_stage} cannot shard yet: its "
+            "tensor-parallel shard (this rank's slice of each part) is not one slice of the parameter, and the ZeRO "
+            "shards and their checkpoints need one. Use zero_stage=0 (data-parallel replicas), or separate "
+            "q/k/v (gate/up) projections planned 'colwise'."
+        )
+
+
+def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
+    """A module's own integer attributes that count heads, whatever they are called (``n_heads``, ``num_heads``,
+    ``n_kv_heads``, ``heads``...): a name with "head" in it, but not a size (``head_dim``, ``head_size``)."""
+    return [(attr, value) for attr, value in vars(module).items()
+            if "head" in attr.lower() and not any(w in attr.lower() for w in ("dim", "size", "scale"))
+            and isinstance(value, int) and not isinstance(value, bool) and value > 0]
+
+
+def _check_head_counts(model_name: str, model: nn.Module, column: list[str], tp: int) -> None:
+    """Each rank holds whole heads: tp must divide the head counts of every module holding a split projection."""
+    holders = sorted({p for n in column for p in _ancestors(n)}, key=len)
+    for name in holders:
+        sub = model.get_submodule(name)
+        for attr, value in _head_counts(sub):
+            if value % tp:
+                where = f"{model_name}.{name}" if name else model_name
+                raise LayoutError(
+                    f"{where} ({type(sub).__name__}): {attr} is {value}, which tp={tp} does not divide: each "
+                    f"tensor-parallel rank holds whole heads. Use a tp that divides {value} (choices: "
+                    f"{_tp_choices([value])}), or change {attr}."
+                )
+
+
+def _ancestors(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["", "a", "a.b"]``: the modules holding module ``name``."""
+    parts = name.split(".")
+    return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
 
 
 def check_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
@@ -285,6 +359,8 @@ def _removed_units(model: nn.Module) -> set[str]:
 
 def _planned_split(style: str, module: nn.Module, param: str) -> str:
     """How ``style`` will place ``module``'s parameter ``param``: "Shard(d)" or "Replicate()"."""
+    if style_name(style) == "packed_colwise":
+        return f"_StridedShard(0, {packed_parts(style)})"  # each part split over the output features
     if style in _COLUMN_STYLES or (style == "vocab_parallel" and isinstance(module, nn.Linear)):
         return "Shard(0)"  # weight [out, in] and bias [out] split over the output features
     if style in _ROW_STYLES:
@@ -324,6 +400,18 @@ def _not_splittable(where: str, style: str, module: nn.Module, what: str) -> Lay
 
 def _check_module(model_name: str, name: str, module: nn.Module, style: str, tp: int) -> None:
     where = f"{model_name}.{name} ({type(module).__name__})"
+    if style_name(style) == "packed_colwise":
+        parts = packed_parts(style)
+        if not isinstance(module, nn.Linear):
+            raise _not_splittable(where, style, module, "an nn.Linear over its output features")
+        if module.out_features % (parts * tp):
+            raise LayoutError(
+                f"{where}: out_features is {module.out_features}, which {parts} equal parts of tp={tp} slices each "
+                f"do not divide: {style!r} splits each of its {parts} parts over the tp ranks. Use a tp that "
+                f"divides {module.out_features // parts if module.out_features % parts == 0 else 'each part'}, or "
+                "fix the number of parts in the plan."
+            )
+        return
     if style in _COLUMN_STYLES or (style == "vocab_parallel" and isinstance(module, nn.Linear)):
         if not isinstance(module, nn.Linear):
             raise _not_splittable(where, style, module, "an nn.Linear over its output features")
@@ -580,6 +668,34 @@ class ColumnParallel(ColwiseParallel):
         return tensor
 
 
+class PackedColumnParallel(ColumnParallel):
+    """``packed_colwise``: a fused projection whose output is ``parts`` equal parts concatenated (q|k|v, gate|up).
+
+    Each part is split over the tp ranks on its own, so rank r holds rows ``[part_0 slice r, part_1 slice r, ...]``
+    of the weight (and bias) and its local output chunks into its own q, k and v. A plain ``colwise`` split would
+    give rank 0 all of q and half of k instead. The parameters are DTensors with ``_StridedShard(0, parts)`` -- the
+    placement DTensor has for this layout (transformers uses it too) -- so ``full_tensor()``, the gradient norm and
+    resharding see the one-process tensor. The output is returned as the local tensor as it is: redistributing it
+    to torch's ``Shard(-1)`` (what ``ColwiseParallel`` would do) would reorder the features.
+    """
+
+    def __init__(self, parts: int, input_layouts: Placement | None = None) -> None:
+        super().__init__(input_layouts=input_layouts or Replicate())
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):  # same signature as torch
+        for param_name, param in module.named_parameters():
+            placement = StridedShard(0, split_factor=self.parts)
+            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [placement],
+                                                        src_data_rank=self.src_data_rank),
+                                      requires_grad=param.requires_grad)
+            module.register_parameter(param_name, dist_param)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # same signature
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
 class VocabParallelHead(ColumnParallel):
     """Output head split over the vocabulary: logits stay ``Shard(-1)`` for the vocab-parallel cross-entropy.
 
@@ -612,6 +728,8 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, child
     parallelism, where the current sequence length is kept (for position embeddings).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    if style_name(style) == "packed_colwise":
+        return PackedColumnParallel(packed_parts(style), input_layouts=seq)
     if style == "colwise":
         # a plain input is a sequence shard with sequence parallelism (a shared block input is a DTensor already)
         return ColumnParallel(input_layouts=seq)
@@ -728,9 +846,209 @@ def _is_region(module: nn.Module, name: str, plan: dict[str, str]) -> bool:
     heads): the block is one tensor-parallel region, e.g. attention, not a block that also holds its norms."""
     for sub_name, sub in module.get_submodule(name).named_modules(prefix=name):
         if any(True for _ in sub.parameters(recurse=False)):
-            if plan.get(sub_name) not in (*_COLUMN_STYLES, *_ROW_STYLES, "replicated_with_grad_allreduce"):
+            if style_name(plan.get(sub_name, "")) not in (*_COLUMN_STYLES, *_ROW_STYLES,
+                                                          "replicated_with_grad_allreduce"):
                 return False
     return True
+
+
+#: blocks already self-checked in this process: (class, tp, plan of the block); a second setup (fit, then test) or
+#: another stage with the same kind of block does not run the check again
+_SELF_CHECKED: set[tuple] = set()
+#: the self-check's tolerance: relative to the largest output entry, fp32 (a wrong split is off by O(1))
+SELF_CHECK_RTOL = 1e-4
+
+
+def _check_units(plan: dict[str, str]) -> list[str]:
+    """The modules that consume a column-parallel output (the parents of the ``colwise``/``packed_colwise``
+    entries), innermost first, so that an error names the smallest module (the attention, not its block); the
+    model's root is left out (its forward takes token ids, not a hidden state)."""
+    parents = {n.rpartition(".")[0] for n, s in plan.items() if style_name(s) in _LOCAL_COLUMN_STYLES}
+    parents.discard("")
+    return sorted(parents, key=lambda p: (-p.count("."), p))
+
+
+def _unit_input_width(unit: nn.Module) -> int | None:
+    first = next((m for m in unit.modules() if isinstance(m, nn.Linear)), None)
+    return first.in_features if first is not None else None
+
+
+def _takes_one_tensor(unit: nn.Module) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(unit.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return len(required) == 1
+
+
+@torch.no_grad()
+def _seeded_copy(unit: nn.Module, device: torch.device, generator: torch.Generator) -> nn.Module:
+    """``unit`` copied, in fp32 on ``device``, with values drawn from ``generator``: the same on every rank, whatever
+    the model's own initialisation (which may not have run yet: deferred, on the meta device)."""
+    whole = copy.deepcopy(unit)
+    meta = any(t.is_meta for t in itertools.chain(whole.parameters(), whole.buffers()))
+    whole = whole.to_empty(device=device) if meta else whole.to(device)
+    whole.float().eval()
+    for tensor in itertools.chain(whole.parameters(), whole.buffers()):
+        if not tensor.is_floating_point():
+            continue
+        if tensor.dim() >= 2:
+            values = torch.randn(tensor.shape, generator=generator) / tensor.shape[-1] ** 0.5
+        else:
+            values = 1 + 0.1 * torch.randn(tensor.shape, generator=generator)
+        tensor.copy_(values)
+    return whole
+
+
+def _run_split(whole: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+    """``whole`` split by ``plan`` (names relative to it) on ``tp_mesh``, run on ``x``; its output as a full tensor."""
+    split = copy.deepcopy(whole)
+    styles = _styles(split, plan, sequence_parallel=False)
+    own = styles.pop("", None)
+    if own is not None:
+        parallelize_module(split, tp_mesh, own)
+    parallelize_module(split, tp_mesh, styles)
+    with torch.no_grad():
+        out = split(x)
+    out = out[0] if isinstance(out, tuple | list) else out
+    return out.full_tensor() if isinstance(out, DTensor) else out
+
+
+def self_check(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, model_name: str,
+               declared: dict[str, str], prefix: str = "") -> float:
+    """Run each distinct kind of block once split by ``plan`` and once whole, on a small seeded input, and refuse
+    a plan under which it computes another function (a collective on the tp group; every tp rank calls it).
+
+    What no static check can see is how the forward uses a column-parallel output: ``chunk(3)`` of a fused q|k|v
+    planned ``colwise`` mixes q, k and v across the ranks, and ``view(b, t, self.n_heads, hd)`` assumes all the
+    heads. Both give a :class:`LayoutError` that names the block and the fix (for a fused projection, the
+    ``packed_colwise:N`` entry that makes it match). Blocks whose forward takes more than one required argument
+    are not checked. Returns the seconds it took; each (class, tp, plan) is checked once per process. ``plan``:
+    the resolved plan (names relative to ``module``); ``declared``: the model's own patterns (relative to the
+    declaring model, which ``prefix`` names), quoted in the errors.
+    """
+    import time
+
+    start = time.perf_counter()
+    tp = tp_mesh.size()
+    device = _mesh_device(tp_mesh)
+    seen: set[type] = set()
+    for unit_name in _check_units(plan):
+        unit = module.get_submodule(unit_name)
+        if type(unit) in seen:
+            continue
+        seen.add(type(unit))
+        rel = {n[len(unit_name) + 1:] if n != unit_name else "": s for n, s in plan.items()
+               if n == unit_name or n.startswith(unit_name + ".")}
+        key = (type(unit), tp, tuple(sorted(rel.items())))
+        if key in _SELF_CHECKED:
+            continue
+        width = _unit_input_width(unit)
+        if width is None or not _takes_one_tensor(unit):
+            continue
+        generator = torch.Generator().manual_seed(0)
+        whole = _seeded_copy(unit, device, generator)
+        x = torch.randn(2, 4, width, generator=generator).to(device)
+        try:
+            with torch.no_grad():
+                expected = whole(x)
+        except Exception:  # noqa: BLE001 -- not a block of hidden states [b, t, width]: nothing to compare with
+            continue
+        expected = expected[0] if isinstance(expected, tuple | list) else expected
+        error, diff = _compare(whole, rel, tp_mesh, x, expected)
+        if error is not None or diff > SELF_CHECK_RTOL:
+            raise _self_check_error(model_name, unit_name[len(prefix):], unit, rel, tp_mesh, x, expected, error,
+                                    diff, declared)
+        _SELF_CHECKED.add(key)
+    return time.perf_counter() - start
+
+
+def _compare(whole: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, x: torch.Tensor,
+             expected: torch.Tensor) -> tuple[BaseException | None, float]:
+    """The split block's failure, or its largest difference from ``expected`` relative to ``expected``'s largest
+    entry; the worst over the tp ranks, so that every rank decides alike."""
+    error: BaseException | None = None
+    diff = 0.0
+    try:
+        got = _run_split(whole, plan, tp_mesh, x)
+        diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+    except Exception as caught:  # noqa: BLE001 -- reported by name below, on every rank
+        error = caught
+    verdict = torch.tensor([float(error is not None), diff], device=x.device)
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX, group=tp_mesh.get_group())
+    if error is None and verdict[0] > 0:
+        error = RuntimeError("it failed on another tp rank")
+    return error, float(verdict[1])
+
+
+def _declared_pattern(declared: dict[str, str], name: str) -> str:
+    return next((p for p in declared if _pattern_regex(p).fullmatch(name)), name)
+
+
+def _self_check_error(model_name: str, unit_name: str, unit: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
+                      x: torch.Tensor, expected: torch.Tensor, error: BaseException | None, diff: float,
+                      declared: dict[str, str]) -> LayoutError:
+    tp = tp_mesh.size()
+    where = f"{model_name}.{unit_name} ({type(unit).__name__})"
+    # a fused projection planned 'colwise': find the entry and the number of parts that make the block match
+    whole = _seeded_copy(unit, x.device, torch.Generator().manual_seed(0))
+    for name, style in plan.items():
+        if style != "colwise":
+            continue
+        out = unit.get_submodule(name).out_features
+        for parts in (3, 2, 4):
+            if out % (parts * tp):
+                continue
+            retry_error, retry_diff = _compare(whole, {**plan, name: f"packed_colwise:{parts}"}, tp_mesh, x, expected)
+            if retry_error is None and retry_diff <= SELF_CHECK_RTOL:
+                pattern = _declared_pattern(declared, f"{unit_name}.{name}")
+                return LayoutError(
+                    f"{where} computes another function when its plan splits it over tp={tp}: its forward splits "
+                    f"the output of {name} ({out} features) into {parts} parts, and 'colwise' gives each rank a "
+                    f"contiguous 1/{tp} of it, which mixes those parts. Declare the fused projection: "
+                    f"tp_plan[{pattern!r}] = 'packed_colwise:{parts}' (each rank then holds its slice of each part)."
+                )
+    heads = [f"{type(sub).__name__}.{attr}={value}" for _, sub in unit.named_modules()
+             for attr, value in _head_counts(sub)]
+    head_hint = (f" (each rank holds 1/{tp} of {', '.join(heads)})" if heads else "")
+    local = ("reshape with this rank's head count, e.g. `q.view(b, t, -1, self.head_dim)` or "
+             f"`self.n_heads // {tp}` -- not the global one{head_hint}")
+    if error is not None:
+        return LayoutError(
+            f"{where} fails when its plan splits it over tp={tp}: {type(error).__name__}: {error}. Under tensor "
+            f"parallelism its forward sees 1/{tp} of the features of each column-parallel output: {local}; declare "
+            "a fused projection (q|k|v in one nn.Linear) 'packed_colwise:N'."
+        )
+    return LayoutError(
+        f"{where} computes another function when its plan splits it over tp={tp} (largest difference from the "
+        f"unsplit block {diff:.1e} of its output, on a test input). Its forward must work on 1/{tp} of the "
+        f"features of each column-parallel output: {local}; declare a fused projection (q|k|v in one nn.Linear) "
+        "'packed_colwise:N'; split only layers whose outputs the forward treats per head or per feature."
+    )
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _styles(module: nn.Module, plan: dict[str, str], sequence_parallel: bool,
+            sequence: _SequenceLength | None = None) -> dict[str, ParallelStyle]:
+    """The torch style of each resolved plan entry (names relative to ``module``)."""
+    styles = {}
+    for name, style in plan.items():
+        children, whole = (), True
+        if style == "block_input":
+            children = tuple(n[len(name) + 1:] if name else n for n, s in plan.items()
+                             if style_name(s) in _LOCAL_COLUMN_STYLES and n.rpartition(".")[0] == name)
+            whole = _is_region(module, name, plan)
+        styles[name] = parallel_style(style, module.get_submodule(name), sequence_parallel, children, whole, sequence)
+    return styles
 
 
 def apply_tensor_parallel(
@@ -745,7 +1063,9 @@ def apply_tensor_parallel(
     equal masks outside (:class:`~lightning_par.parallel.rng.TensorParallelRNG`; it first makes the default
     generator equal on the tp ranks); ``rng_where`` limits the per-rank regions to the column-parallel modules it
     accepts (see :meth:`~lightning_par.parallel.rng.TensorParallelRNG.install`). The plan is checked completely
-    before the first collective, so a bad plan raises the same :class:`LayoutError` on every rank. Returns the
+    before the first collective, so a bad plan raises the same :class:`LayoutError` on every rank; then
+    :func:`self_check` runs each kind of block split and whole on the tp group (once per process) and refuses a
+    plan under which the model would compute another function. Returns the
     :class:`TensorParallelPlan`; run the loss inside its ``loss_context()``.
 
     ``stage=True``: ``module`` is one pipeline stage (see :func:`resolve_tp_plan`); plan patterns naming units
@@ -755,18 +1075,13 @@ def apply_tensor_parallel(
     """
     tp = tp_mesh.size()
     plan = resolve_tp_plan(module, tp, sequence_parallel, stage=stage)
-    root_name, model, _ = find_tp_plan(module)  # type: ignore[misc]
+    root_name, model, declared = find_tp_plan(module)  # type: ignore[misc]
     prefix = f"{root_name}." if root_name else ""
     tied = _tied_parameters(module)
     sequence = _SequenceLength()
-    styles = {}
-    for name, style in plan.items():
-        children, whole = (), True
-        if style == "block_input":
-            children = tuple(n[len(name) + 1:] for n, s in plan.items()
-                             if s == "colwise" and n.rpartition(".")[0] == name)
-            whole = _is_region(module, name, plan)
-        styles[name] = parallel_style(style, module.get_submodule(name), sequence_parallel, children, whole, sequence)
+    if not _is_hf_model(model):  # (a transformers model's published plan and forward are written for each other)
+        self_check(module, plan, tp_mesh, type(model).__name__, declared, prefix)
+    styles = _styles(module, plan, sequence_parallel, sequence)
     parallelize_module(module, tp_mesh, styles)
     for names in tied:  # (differing planned splits were refused by resolve_tp_plan; this checks the actual ones)
         first = module.get_parameter(names[0])
@@ -788,3 +1103,52 @@ def apply_tensor_parallel(
     vocab_head = any(isinstance(s, VocabParallelHead) for s in styles.values())
     return TensorParallelPlan(plan=plan, styles=styles, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel,
                               vocab_parallel_head=vocab_head, tied=tied, rng=tracker)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints of packed_colwise parameters
+# ---------------------------------------------------------------------------------------------------------------------
+def _is_packed(value: Any) -> bool:
+    return (isinstance(value, DTensor) and len(value.placements) == 1
+            and isinstance(value.placements[0], StridedShard))
+
+
+def _walk_packed(state: Any) -> Iterator[tuple[Any, Any]]:
+    """``(container, key)`` of every packed_colwise DTensor in a nested state dict (model or optimizer state)."""
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        if _is_packed(value):
+            yield state, key
+        elif isinstance(value, dict | list):
+            yield from _walk_packed(value)
+
+
+def _as_slices(value: DTensor) -> DTensor:
+    return value.redistribute(value.device_mesh, [Shard(value.placements[0].dim)])
+
+
+def packed_as_slices(state: Any) -> list[tuple[Any, Any, DTensor]]:
+    """Replace, in place, every packed_colwise DTensor of ``state`` by the same tensor split in contiguous slices.
+
+    DCP describes a rank's shard as one box of the full tensor, which this rank's slices of q, k and v are not (DCP
+    refuses them as overlapping chunks); as ``Shard`` slices they are saved as the one-process tensor, so any layout
+    -- one process, another tp, an export -- reads them back. Returns ``(container, key, original)`` for
+    :func:`restore_packed`. A collective on the tp group per packed tensor (every tp rank calls it).
+    """
+    replaced = []
+    for container, key in list(_walk_packed(state)):
+        original = container[key]
+        container[key] = _as_slices(original)
+        replaced.append((container, key, original))
+    return replaced
+
+
+@torch.no_grad()
+def restore_packed(replaced: list[tuple[Any, Any, DTensor]]) -> None:
+    """After a load into the slices of :func:`packed_as_slices`: copy their values back into the packed tensors
+    (this rank's slice of each part) and put those back in the state dict."""
+    for container, key, original in replaced:
+        loaded = container[key].redistribute(original.device_mesh, original.placements)
+        original.to_local().copy_(loaded.to_local())
+        container[key] = original
+

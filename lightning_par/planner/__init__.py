@@ -8,20 +8,24 @@ saved for backward, FLOPs and bytes moved per op), orders each pipeline schedule
 :mod:`lightning_par.parallel`, it is plain PyTorch and arithmetic.
 """
 
-from lightning_par.planner.hardware import PRESETS, Hardware, load_hardware
-from lightning_par.planner.model import ModelInfo, build_model, inspect_model
-from lightning_par.planner.plan import (
-                                        MEGATRON_2021,
-                                        MEGATRON_OVERLAP,
-                                        RUNTIMES,
-                                        Candidate,
-                                        Estimate,
-                                        Planner,
-                                        Runtime,
-                                        Workload,
-                                        element_bytes,
-                                        rank_table,
-)
+import importlib
+from typing import Any
+
+#: each name this package exports -> its module, imported on first use (``lightning-par plan --help`` needs no torch)
+_WHERE = {
+    "PRESETS": "hardware", "Hardware": "hardware", "load_hardware": "hardware",
+    "ModelInfo": "model", "build_model": "model", "inspect_model": "model",
+    "MEGATRON_2021": "runtime", "MEGATRON_OVERLAP": "runtime", "RUNTIMES": "runtime", "Runtime": "runtime",
+    "Candidate": "plan", "Estimate": "plan", "Planner": "plan", "Workload": "plan", "element_bytes": "plan",
+    "rank_table": "plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "MEGATRON_2021",

@@ -15,17 +15,21 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from lightning_par.parallel.recompute import RECOMPUTE_KINDS
+import yaml
+
+# what the parser needs imports no torch (``lightning-par plan --help`` answers at once); the planner itself is
+# imported in _main
 from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.planner.fit_config import FitPlan, read_fit_config
 from lightning_par.planner.hardware import PRESETS, load_hardware
-from lightning_par.planner.model import build_model, inspect_model
-from lightning_par.planner.plan import RUNTIMES, Candidate, Planner, Workload, rank_table
-from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
-from lightning_par.planner.trace import PRECISIONS
-from lightning_par.topology import LayoutError, check_number, is_number
+from lightning_par.planner.runtime import PRECISIONS, RUNTIMES
+from lightning_par.topology import RECOMPUTE_KINDS, LayoutError, check_number, is_number
+
+if TYPE_CHECKING:
+    from lightning_par.planner.plan import Workload
 
 _LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "schedule", "v", "sp", "recompute", "precision", "m")
 
@@ -103,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="print every layout")
     p.add_argument("--runnable", action="store_true", help="only layouts this version of lightning-par runs")
     p.add_argument("--json", dest="json_out", help="write every estimate to this JSON file")
+    p.add_argument("--write-config", metavar="PATH",
+                   help="write a fit config (YAML) that trains the fastest layout that fits and runs: the --config "
+                        "given with its strategy, precision, devices and batch replaced, or a new one for --model "
+                        "(add your data: section); run it with lightning-par fit --config PATH")
     p.add_argument("--block-types", help="comma-separated class names of the repeated blocks, where they cannot be "
                                          "found from the model")
     return p
@@ -167,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     rest, model_args = _split_model_args(argv)
     args = parser().parse_args(rest)
+    from lightning_par.planner.model import build_model, inspect_model
+    from lightning_par.planner.plan import Planner, Workload, rank_table
+    from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
+
     fit = read_fit_config(args.config) if args.config else FitPlan()
     if fit.model and not args.hf_config:
         args.model = args.model or fit.model
@@ -195,6 +207,11 @@ def _main(argv: list[str]) -> int:
         hw = replace(hw, memory_gib=args.gpu_memory)
     print(f"building {args.model or args.hf_config} on the meta device ...", file=sys.stderr)
     obj = build_model(args.model, model_args, hf_config=args.hf_config)
+    from lightning.pytorch import LightningModule
+
+    if args.write_config and not isinstance(obj, LightningModule):  # said before the planning, not after
+        raise LayoutError(f"--write-config {args.write_config}: {type(obj).__name__} is not a LightningModule, which "
+                          "a fit config needs; plan --model=YOUR_LIGHTNING_MODULE.")
     info = inspect_model(obj, args.block_types.split(",") if args.block_types else None)
     seq = args.seq or _default_seq(info)
     global_batch = args.global_batch or 8 * world * args.micro_batch
@@ -240,6 +257,7 @@ def _main(argv: list[str]) -> int:
     if layout and estimates:
         print()
         print(rank_breakdown(estimates[0]))
+    _print_fit_command(args, model_args, estimates, work, obj)
     if args.json_out:
         write_json(args.json_out, estimates, {
             "model": info.description, "hardware": hw.to_dict(), "runtime": asdict(runtime), "world": world,
@@ -251,7 +269,52 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["Candidate", "main", "parse_layout"]
+def _print_fit_command(args: argparse.Namespace, model_args: dict[str, str], estimates: list, work: Workload,
+                       model: Any) -> None:
+    """The fit command of the fastest layout that fits and runs (and with --write-config, its YAML); for a plain
+    ``nn.Module`` or an --hf-config, which ``lightning-par fit`` cannot take, what a script gives the Trainer."""
+    from lightning.pytorch import LightningModule
+
+    from lightning_par.planner.command import (
+        batch_settings,
+        fit_command,
+        fit_config,
+        strategy_args,
+        trainer_precision,
+        write_fit_config,
+    )
+
+    winner = next((e for e in estimates if e.fits and e.runs_today), None)
+    if winner is None or not isinstance(model, LightningModule):
+        if args.write_config:
+            raise LayoutError(f"--write-config {args.write_config}: no fit config to write: no layout fits and runs "
+                              "today.")
+        if winner is not None:
+            c = winner.candidate
+            batch, accumulate = batch_settings(c, work)
+            options = ", ".join(f"{k}={v!r}" for k, v in strategy_args(c).items())
+            print(f"\nto train the fastest that fits and runs ({c.label()}) from a LightningModule holding "
+                  f"{type(model).__name__}:\n  Trainer(devices={c.world}, strategy=lightning_par.LayoutStrategy("
+                  f"{options}), precision={trainer_precision(c)!r}"
+                  + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
+                  + f"), with batches of {batch} sequence(s) of {work.seq_len} tokens")
+        return
+    c = winner.candidate
+    print(f"\nto train the fastest that fits and runs ({c.label()}):")
+    if args.write_config:
+        base = yaml.safe_load(Path(args.config).read_text()) if args.config else None
+        config = fit_config(c, work, base, args.model, model_args)
+        write_fit_config(args.write_config, config, c.label())
+        print(f"  lightning-par fit --config {args.write_config}    (written now)")
+    else:
+        print("  " + fit_command(c, work, args.config, args.model, model_args))
+    if not args.config:
+        batch, _ = batch_settings(c, work)
+        print(f"  with your data module (--data=CLASS, or a data: section) giving {batch} sequence(s) of "
+              f"{work.seq_len} tokens per batch")
+
+
+__all__ = ["main", "parse_layout"]
 
 if __name__ == "__main__":
     sys.exit(main())

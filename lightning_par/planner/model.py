@@ -120,7 +120,16 @@ def build_model(model: str | type | nn.Module | None = None, init_args: Mapping[
                                   "PyTorch model).")
             obj = cls(**parse_init_args(cls, dict(init_args or {})))
         if callable(getattr(obj, "configure_model", None)):
-            obj.configure_model()
+            try:
+                obj.configure_model()
+            except (LayoutError, TypeError):
+                raise
+            except Exception as err:  # noqa: BLE001 -- one line naming the module, not a traceback
+                cause = f"{type(err).__name__}: {str(err).rstrip('.')}"
+                raise LayoutError(f"{type(obj).__name__}.configure_model() failed on the meta device, where the "
+                                  f"planner builds it without a Trainer: {cause}. Build the model from init "
+                                  "arguments alone (e.g. a vocab_size argument, given as --model.vocab_size=N) rather "
+                                  "than from self.trainer.") from err
     return obj
 
 

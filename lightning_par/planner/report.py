@@ -9,6 +9,17 @@ from typing import Any
 
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.plan import Estimate, Workload
+from lightning_par.planner.trace import NO_FP32_MASTERS
+
+#: after the table, when a precision without fp32 master weights is in it (those rows' precision ends in "*")
+NO_MASTERS_NOTE = ("* no fp32 master weights: parameters, gradients and optimizer states are bf16, so an update "
+                   "smaller than a weight's bf16 resolution (about 1/256 of it) is lost -- the speed and memory "
+                   "of these rows come at that cost. bf16-mixed and bf16-mixed-master keep fp32 weights "
+                   "(docs/precision.md); --precision fp32,bf16-mixed,bf16-mixed-master leaves bf16-true out.")
+
+
+def _precision(precision: str) -> str:
+    return precision + "*" if precision in NO_FP32_MASTERS else precision
 
 
 def _unit(estimates: Sequence[Estimate]) -> tuple[str, float]:
@@ -55,7 +66,7 @@ def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -
         c, w = e.candidate, e.worst
         out.append((
             str(i), str(c.dp), str(c.tp), str(c.pp), str(c.zero_stage), _schedule(e), "yes" if c.sequence_parallel
-            else "-", c.recompute, c.precision, str(c.n_microbatches),
+            else "-", c.recompute, _precision(c.precision), str(c.n_microbatches),
             _size(w.parameters, unit), _size(w.gradients, unit), _size(w.optimizer_states, unit),
             _size(w.activations + w.transient, unit), _size(w.total, unit), "yes" if e.fits else "NO",
             _traffic(e.comm_bytes["dp"], unit), _traffic(e.comm_bytes["tp"], unit), _traffic(e.comm_bytes["pp"], unit),
@@ -105,7 +116,12 @@ def summary(estimates: Sequence[Estimate], skipped: dict[str, int], hw: Hardware
         best = fit[0]
         lines.append(f"fastest that fits: {best.candidate.label()} -- {best.step_time:.3g} s per step, "
                      f"{best.tokens_per_s:,.0f} tokens/s, {best.model_tflops_per_device:.3g} TFLOP/s per device "
-                     f"(MFU {best.mfu:.0%})" + ("" if best.runs_today else " [not runnable yet]"))
+                     f"(MFU {best.mfu:.0%})" + ("" if best.runs_today else " [not runnable yet]")
+                     + (" [no fp32 master weights*]" if best.candidate.precision in NO_FP32_MASTERS else ""))
+        masters = next((e for e in fit if e.candidate.precision not in NO_FP32_MASTERS and e.runs_today), None)
+        if best.candidate.precision in NO_FP32_MASTERS and masters is not None:
+            lines.append(f"fastest with fp32 master weights that runs today: {masters.candidate.label()} -- "
+                         f"{masters.step_time:.3g} s per step, {masters.tokens_per_s:,.0f} tokens/s")
     if runnable and (not fit or runnable[0] is not fit[0]):
         r = runnable[0]
         lines.append(f"fastest that runs today: {r.candidate.label()} -- {r.step_time:.3g} s per step, "
@@ -114,6 +130,8 @@ def summary(estimates: Sequence[Estimate], skipped: dict[str, int], hw: Hardware
         small = min(estimates, key=lambda e: e.worst.total)
         lines.append(f"nothing fits: the smallest is {small.candidate.label()} at {small.worst.total / GiB:.1f} GiB "
                      "per rank. Add ranks, recompute, shard more (ZeRO-3, tp, pp), or a smaller micro-batch.")
+    if any(e.candidate.precision in NO_FP32_MASTERS for e in estimates):
+        lines.append(NO_MASTERS_NOTE)
     if skipped:
         shown = sorted(skipped.items(), key=lambda kv: -kv[1])[:4]
         lines.append("left out: " + "; ".join(f"{reason} ({n})" for reason, n in shown)

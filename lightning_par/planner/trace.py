@@ -41,12 +41,8 @@ from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_plan
 from lightning_par.planner.model import ModelInfo, short_model
+from lightning_par.planner.runtime import NO_FP32_MASTERS, PRECISIONS  # noqa: F401
 from lightning_par.topology import LayoutError
-
-#: ``bf16-mixed``: autocast over fp32 parameters; ``bf16-true``: everything bf16; ``bf16-mixed-master``: bf16
-#: parameters and activations as in ``bf16-true`` (the same trace), fp32 master weights, gradients and optimizer
-#: states beside them (Megatron-LM's mixed precision; the bytes are the planner's, see :mod:`.plan`)
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16-true", "bf16-mixed-master")
 
 
 def compute_dtype(precision: str) -> str:
@@ -447,7 +443,19 @@ def _as_in_a_real_run() -> Iterator[None]:
             masking.find_packed_sequence_indices = packed
 
 
-def _forward(model: nn.Module, tokens: Tensor) -> Any:
+def _forward(model: nn.Module, tokens: Tensor, root_path: str = "") -> Any:
+    """The model's output (logits, or an output holding them) for ``tokens``. A LightningModule without a
+    ``forward`` of its own (the README's: its steps call ``self.model``) runs its network: the child holding the
+    blocks at ``root_path``, whose forward the strategies run."""
+    from lightning.pytorch import LightningModule
+
+    if isinstance(model, LightningModule) and type(model).forward is LightningModule.forward:
+        child = root_path.split(".", 1)[0]
+        if not child:
+            raise LayoutError(f"{type(model).__name__} has no forward and holds its blocks itself: plan needs a "
+                              "forward (tokens -> logits), or the network in a child module (self.model = ...) "
+                              "whose forward it runs.")
+        return _forward(model.get_submodule(child), tokens)
     try:
         return model(tokens)
     except TypeError:
@@ -485,7 +493,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         try:
             with torch.no_grad(), autocast(), _as_in_a_real_run():
-                logits = _logits(_forward(model, tokens))
+                logits = _logits(_forward(model, tokens, short.root_path))
         finally:
             for h in handles:
                 h.remove()

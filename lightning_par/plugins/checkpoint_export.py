@@ -15,7 +15,6 @@ applied its layout, tensor by tensor, each rank keeping only its share (:func:`l
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib
 import inspect
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,14 +45,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_par.plugins import checkpoint_files, checkpoint_meta
 from lightning_par.plugins.checkpoint_files import CheckpointError
+from lightning_par.plugins.export_args import HF_INDEX, HF_MAX_SHARD_SIZE, build_parser, parse_size  # noqa: F401
 from lightning_par.plugins.sharded_checkpoint import _SafeLoadPlanner, _SafeReader
 
 _MODEL_KEY = "state_dict"  # the model's entries in a checkpoint (DCP flattens them to "state_dict.<fqn>")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
-#: the default largest shard file of an --hf export: huggingface_hub's split_torch_state_dict_into_shards default,
-#: which transformers 4's save_pretrained used (transformers 5's defaults to 50GB)
-HF_MAX_SHARD_SIZE = "5GB"
+HF_WEIGHTS = "model.safetensors"
 _HF_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -354,23 +352,6 @@ _SAFETENSORS_DTYPES = {getattr(torch, name): code for code, name in (
     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("C64", "complex64"),
 ) if hasattr(torch, name)}
 _CAST_PIECE = 16 << 20  # bytes of a tensor cast at a time while it is written
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: str | int) -> int:
-    """Bytes of ``size``: an int, or a string of bytes (``"1000000"``) or with a unit: ``"500MB"``, ``"5GB"``
-    (powers of 10, as Hugging Face counts), ``"2GiB"`` (powers of 2)."""
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, re.IGNORECASE)
-        if match is None:
-            raise ValueError(f"{size!r} is not a size: bytes (1000000) or a number with a unit (500MB, 5GB, 2GiB)")
-        value = int(float(match[1]) * _SIZE_UNITS[(match[2] or "").upper()])
-    if value <= 0:
-        raise ValueError(f"{size!r}: a size must be positive")
-    return value
 
 
 def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
@@ -450,11 +431,14 @@ class ExportReport:
     tied: list[list[str]] = field(default_factory=list)
     files: int = 1  # weight files (shards of an --hf export)
     tokenizer: list[str] = field(default_factory=list)  # the tokenizer files an --hf export wrote
+    tokenizer_note: str | None = None  # how AutoTokenizer differs from the tokenizer written (auto_tokenizer_differs)
 
     def describe(self) -> str:
         tied = "".join(f"\n  {' = '.join(g)}: shared storage, each name written with its own copy" for g in self.tied)
         files = f" in {self.files} shard files + {HF_INDEX}" if self.files > 1 else ""
         tokenizer = f"\n  the data module's tokenizer: {', '.join(self.tokenizer)}" if self.tokenizer else ""
+        if self.tokenizer_note:
+            tokenizer += f"\n  note: {self.tokenizer_note}"
         return (f"wrote {self.out}: {self.tensors} tensors, {self.bytes / 2**20:.2f} MiB{files}, names without "
                 f"{self.prefix + '.' if self.prefix else 'a prefix'!r}{tied}{tokenizer}")
 
@@ -480,6 +464,35 @@ def export_safetensors(ckpt: str | Path, out: str | Path, prefix: str | None = N
     return ExportReport(out, len(entries), written, prefix, tied)
 
 
+#: what a one-file export keeps besides the weights: enough for ``LightningModule.load_from_checkpoint`` and for
+#: evaluation with ``ckpt_path=`` under any strategy (no optimizer, loop or data state: not a resume point)
+LIGHTNING_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",
+                  "datamodule_hyper_parameters", "datamodule_hparams_name")
+
+
+def export_lightning(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> ExportReport:
+    """Write checkpoint ``ckpt`` (of any layout) as one Lightning ``.ckpt`` file of its weights, which
+    ``MyModule.load_from_checkpoint(out)``, a stock Lightning strategy and ``trainer.validate/test/predict(
+    ckpt_path=out)`` read: the whole ``state_dict`` under the LightningModule's names, the hyper-parameters and the
+    epoch and step (``LIGHTNING_KEYS``); optimizer states are left out, as with ``save_weights_only=True``. The
+    file is written whole in memory (the model, once), atomically, with its checksum sidecar."""
+    out = Path(out)
+    if out.suffix != ".ckpt":
+        raise ValueError(f"{out}: a Lightning checkpoint file must end in .ckpt.")
+    entries = _read_entries(ckpt)
+    checkpoint = {key: entries[key] for key in LIGHTNING_KEYS if key in entries}
+    checkpoint[_MODEL_KEY] = _cast(read_model_state(ckpt), dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = checkpoint_files.partial_path(out)
+    with partial.open("wb") as file:
+        torch.save(checkpoint, file)
+        file.flush()
+        os.fsync(file.fileno())
+    checkpoint_files.commit_file(partial, out)
+    state = checkpoint[_MODEL_KEY]
+    return ExportReport(out, len(state), out.stat().st_size, "", [])
+
+
 def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = None,
               dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE,
               trust_checkpoint_class: bool = False) -> ExportReport:
@@ -501,18 +514,27 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
     its files are written beside the model, so ``AutoTokenizer.from_pretrained(out_dir)`` loads it.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
-    from transformers import PreTrainedModel
 
     max_shard_size = parse_size(max_shard_size)
     hparams = read_hyperparameters(ckpt)
     class_path = model_class or _checkpoint_class(ckpt, hparams, trust_checkpoint_class)
-    lm = _build_on_meta(_import_class(class_path), hparams)
-    children = [(name, child) for name, child in lm.named_children() if isinstance(child, PreTrainedModel)]
-    if len(children) != 1:
-        raise ValueError(f"{class_path} holds {len(children)} Hugging Face models after configure_model() "
-                         f"({[n for n, _ in children]}); --hf needs exactly one (e.g. self.model = LlamaForCausalLM).")
-    prefix, hf_model = children[0]
+    cls = _import_class(class_path)
     source = CheckpointTensors(ckpt)
+    try:
+        lm = _build_on_meta(cls, hparams)
+    except Exception as err:  # noqa: BLE001 -- e.g. a configure_model that reads trainer.datamodule.vocab_size
+        from lightning_par.data import VOCAB_SIZE
+
+        try:  # the byte-level data module's vocabulary for now: the checkpoint's is known once the embedding's name is
+            lm = _build_on_meta(cls, hparams, vocab=VOCAB_SIZE)
+        except Exception:  # noqa: BLE001
+            raise err from None
+    prefix, hf_model = _hf_child(lm, class_path)
+    vocab = _checkpoint_vocab(source, prefix, hf_model)
+    if vocab is not None and vocab != hf_model.get_input_embeddings().num_embeddings:
+        # the model took its vocabulary from the data module in the run (a hyper-parameter need not record it): build
+        # it again as it was trained, seeing a data module of the checkpoint's vocabulary
+        prefix, hf_model = _hf_child(_build_on_meta(cls, hparams, vocab), class_path)
     entries, _ = strip_prefix(source.entries, prefix)
     expected = hf_model.state_dict()
     missing = sorted(set(expected) - set(entries))
@@ -544,8 +566,8 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         state = _cast({name[len(lead):]: t for name, t in source.read(lead + n for n in expected).items()}, dtype)
         unshare(state)
         hf_model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_size)
-        return ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected), prefix,
-                            tokenizer=_write_tokenizer(ckpt, out_dir))
+        return _with_tokenizer(ExportReport(out_dir, len(expected), sum(_nbytes(*planned[n]) for n in expected),
+                                            prefix), ckpt)
     split = split_state_dict_into_shards_factory(
         {name: _nbytes(*planned[name]) for name in names}, get_storage_size=lambda size: size,
         filename_pattern=HF_WEIGHTS.replace(".safetensors", "{suffix}.safetensors"), max_shard_size=max_shard_size)
@@ -557,8 +579,35 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
         index = {"metadata": {"total_parameters": hf_model.num_parameters(), **split.metadata},
                  "weight_map": split.tensor_to_filename}
         (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return ExportReport(out_dir, len(names), written, prefix, files=len(split.filename_to_tensors),
-                        tokenizer=_write_tokenizer(ckpt, out_dir))
+    return _with_tokenizer(ExportReport(out_dir, len(names), written, prefix,
+                                        files=len(split.filename_to_tensors)), ckpt)
+
+
+def _hf_child(lm: LightningModule, class_path: str) -> tuple[str, nn.Module]:
+    """The one child of ``lm`` that is a ``transformers.PreTrainedModel``, and its attribute name."""
+    from transformers import PreTrainedModel
+
+    children = [(name, child) for name, child in lm.named_children() if isinstance(child, PreTrainedModel)]
+    if len(children) != 1:
+        raise ValueError(f"{class_path} holds {len(children)} Hugging Face models after configure_model() "
+                         f"({[n for n, _ in children]}); --hf needs exactly one (e.g. self.model = LlamaForCausalLM).")
+    return children[0]
+
+
+def _checkpoint_vocab(source: CheckpointTensors, prefix: str, hf_model: nn.Module) -> int | None:
+    """The vocabulary the checkpoint was trained with: the rows of its input embedding (``None`` if it has none)."""
+    embedding = hf_model.get_input_embeddings()
+    name = next((n for n, m in hf_model.named_modules() if m is embedding), None)
+    entry = source.entries.get(f"{prefix}.{name}.weight") if name is not None else None
+    return int(entry[0][0]) if entry is not None and len(entry[0]) == 2 else None
+
+
+def _with_tokenizer(report: ExportReport, ckpt: str | Path) -> ExportReport:
+    """``report`` once the checkpoint's tokenizer (if any) is written beside the model and checked as loaded back."""
+    report.tokenizer = _write_tokenizer(ckpt, report.out)
+    if report.tokenizer:
+        report.tokenizer_note = auto_tokenizer_differs(report.out)
+    return report
 
 
 def _write_tokenizer(ckpt: str | Path, out_dir: Path) -> list[str]:
@@ -567,6 +616,25 @@ def _write_tokenizer(ckpt: str | Path, out_dir: Path) -> list[str]:
 
     files = read_tokenizer_files(ckpt)
     return write_tokenizer_files(files, out_dir) if files else []
+
+
+def auto_tokenizer_differs(out_dir: str | Path) -> str | None:
+    """What is wrong with ``AutoTokenizer.from_pretrained(out_dir)`` where it is not the tokenizer ``out_dir``'s files
+    describe (:func:`lightning_par.data.as_written`: another vocabulary size, or other ids on any line of
+    ``TOKENIZER_PROBE``); ``None`` when it is the same."""
+    from transformers import AutoTokenizer
+
+    from lightning_par.data import TOKENIZER_PROBE, load_tokenizer
+
+    auto, written = AutoTokenizer.from_pretrained(out_dir), load_tokenizer(out_dir)
+    differ = sum(auto(line)["input_ids"] != written(line)["input_ids"] for line in TOKENIZER_PROBE)
+    if not differ and len(auto) == len(written):
+        return None
+    return (f"AutoTokenizer.from_pretrained({str(out_dir)!r}) builds {type(auto).__name__}, transformers' own class "
+            f"for this model family, which re-derives the splitting rules instead of reading tokenizer.json: "
+            f"{len(auto)} tokens (trained: {len(written)}), other ids on {differ} of {len(TOKENIZER_PROBE)} probe "
+            f"lines. Load it as trained with transformers.PreTrainedTokenizerFast.from_pretrained(dir) "
+            f"(lightning-par's --data.tokenizer=DIR does).")
 
 
 def _checkpoint_class(ckpt: str | Path, hparams: dict[str, Any], trusted: bool) -> str:
@@ -622,14 +690,21 @@ def _import_class(class_path: str) -> type:
     return cls
 
 
-def _build_on_meta(cls: type, hparams: dict[str, Any]) -> LightningModule:
-    """``cls`` from its saved hyper-parameters, its model built by ``configure_model`` on the meta device."""
+def _build_on_meta(cls: type, hparams: dict[str, Any], vocab: int | None = None) -> LightningModule:
+    """``cls`` from its saved hyper-parameters, its model built by ``configure_model`` on the meta device. With
+    ``vocab``, ``configure_model`` sees a trainer whose data module has that vocabulary (``trainer.datamodule
+    .vocab_size``), as a model that takes its vocabulary from the data did in the run."""
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs = {k: v for k, v in hparams.items() if not k.startswith("_") and (takes_any or k in accepted)}
     with torch.device("meta"):
         lm = cls(**kwargs)
-        lm.configure_model()
+        if vocab is not None:
+            lm.trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=vocab, token_vocab_size=vocab))
+        try:
+            lm.configure_model()
+        finally:
+            lm.trainer = None
     return lm
 
 
@@ -640,50 +715,6 @@ from lightning_par.plugins.pretrained import FromPretrained, load_pretrained  # 
 
 
 # -- the command ----------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-par export",
-        description="Export a lightning-par checkpoint (a sharded directory of any layout, or a single-file "
-                    "checkpoint) to the plain model's weights: one .safetensors file, or with --hf a Hugging Face "
-                    "save_pretrained directory (weights in shard files with an index). Runs in one process, one tensor "
-                    "at a time: the memory is about the largest tensor, not the model.",
-        epilog="Start a run from the result under any layout: lightning-par fit ... "
-               "--trainer.callbacks+=lightning_par.plugins.checkpoint_export.FromPretrained "
-               "--trainer.callbacks.path=OUT",
-    )
-    parser.add_argument("checkpoint", help="the checkpoint: a directory (sharded layouts) or a .ckpt file")
-    parser.add_argument("out", help="OUT.safetensors, or with --hf the directory to write")
-    parser.add_argument("--hf", action="store_true",
-                        help="write a Hugging Face save_pretrained directory (config.json + model.safetensors) that "
-                             "AutoModelForCausalLM.from_pretrained loads, and the tokenizer of the checkpoint's "
-                             "TextDataModule(tokenizer=...) beside it; for a LightningModule holding one "
-                             "transformers model")
-    parser.add_argument("--prefix", default=None,
-                        help="the LightningModule attribute to strip from the names (default: the one first name "
-                             "component all entries share, e.g. 'model'); '' keeps the names. Without --hf only.")
-    parser.add_argument("--model-class", default=None,
-                        help="with --hf: the LightningModule class "
-                             "(e.g. lightning_par.examples.HFLlamaLightningModule)")
-    parser.add_argument("--trust-checkpoint-class", action="store_true",
-                        help="with --hf and no --model-class: import the class the checkpoint names (the Lightning "
-                             "CLI saves it with the hyper-parameters); importing a module runs its code, so only for "
-                             "a checkpoint from a trusted source")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cast floating-point weights to this dtype (default: as saved)")
-    parser.add_argument("--max-shard-size", type=_size_argument, default=None,
-                        help=f"with --hf: the largest weight file, e.g. 5GB, 500MB, 2GiB or bytes (default: "
-                             f"{HF_MAX_SHARD_SIZE}, as Hugging Face splits them); more than one file gets "
-                             f"model-00001-of-0000N.safetensors and {HF_INDEX}")
-    return parser
-
-
-def _size_argument(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-
-
 def main(argv: list[str] | None = None) -> int:
     """``lightning-par export``: returns the exit status."""
     parser = build_parser()
@@ -699,6 +730,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.hf:
             report = export_hf(args.checkpoint, args.out, args.model_class, dtype,
                                args.max_shard_size or HF_MAX_SHARD_SIZE, args.trust_checkpoint_class)
+        elif args.out.endswith(".ckpt"):
+            if args.prefix is not None:
+                parser.error("--prefix applies to .safetensors; a .ckpt keeps the LightningModule's names.")
+            report = export_lightning(args.checkpoint, args.out, dtype)
         else:
             report = export_safetensors(args.checkpoint, args.out, args.prefix, dtype)
     except (CheckpointError, ValueError, FileNotFoundError) as err:

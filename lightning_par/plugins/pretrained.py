@@ -27,7 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_par.parallel.materialize import local_slices, local_tensor
+from lightning_par.parallel.materialize import local_piece, local_tensor
 from lightning_par.plugins import checkpoint_files
 from lightning_par.plugins.checkpoint_files import CheckpointError
 from lightning_par.plugins.sharded_checkpoint import _all_gather
@@ -260,7 +260,7 @@ class PretrainedWeights:
             weights = _Weights(self.path, stack)
             for name, found in self._sources.items():
                 target = state[name]
-                piece = weights.piece(found, local_slices(target))
+                piece = local_piece(target, lambda slices, found=found: weights.piece(found, slices))
                 local_tensor(target).copy_(piece)
                 del piece
         return len(self._sources)

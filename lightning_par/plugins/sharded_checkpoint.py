@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_par._compat import ShardedTensor, set_element
+from lightning_par.parallel.tensor_parallel import packed_as_slices, restore_packed
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, checkpoint_meta, zero_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
@@ -130,6 +131,7 @@ def begin(checkpoint: dict[str, Any], path: Path, is_writer: bool,
     sharded = {"state_dict": checkpoint.pop("state_dict")}
     for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
         sharded[f"optimizer_{index}"] = state
+    packed_as_slices(sharded)  # packed_colwise parameters (and their states) as one-process tensors
     if is_writer:
         checkpoint_files.prepare(path)
         partial.mkdir(parents=True)
@@ -149,14 +151,16 @@ def finish(partial: Path, path: Path, files: dict[str, dict[str, int]] | None = 
 
 # -- load ----------------------------------------------------------------------------------------------------------
 def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-         partitioner: ZeroPartitioner | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+         partitioner: ZeroPartitioner | None = None, weights_only: bool | None = None,
+         model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Load the shards into ``module`` and ``optimizers`` in place; return the rest of Lightning's checkpoint.
 
     Every rank calls it, under any layout: states are keyed by parameter name (FQN) with their full shapes, so DCP
     gives each rank the part it holds however the checkpoint was split. ``partitioner``: the optimizers hold ZeRO-1/2
     bucket shards (:mod:`~lightning_par.plugins.zero_checkpoint` maps them to parameters). ``weights_only`` (``None``
     means ``True``, as in ``torch.load``): unpickle only tensors and plain values; ``False`` trusts the checkpoint
-    with arbitrary objects.
+    with arbitrary objects. ``model_params``: the unsplit model's parameter names in order, where ``module`` holds
+    only some (pipeline stages): a single file without parameter names maps its one group's positions to them.
     """
     safe = weights_only is not False
     resolved = checkpoint_files.resolve(path)
@@ -165,7 +169,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
                        f"during the save: loading {resolved}.")
     if resolved.is_file():
         checkpoint_files.verify_file(path, resolved)  # every rank reads the file, and gets the same verdict
-        return _load_single_file(resolved, module, optimizers, partitioner, safe)
+        return _load_single_file(resolved, module, optimizers, partitioner, safe, model_params)
     _verify(resolved)
     # under ZeRO-1/2 the weights load into the optimizer's shards (the fp32 masters under mixed precision)
     weights = zero_checkpoint.model_state(module, partitioner) if partitioner is not None else model_state(module)
@@ -177,7 +181,9 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         else:
             state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
     _check_fits(resolved, state, _saved_shapes(resolved, safe))  # before DCP, whose error names no parameter
+    packed = packed_as_slices(state)  # saved as one-process tensors: read as slices, then repacked
     _dcp_load(state, resolved, safe)
+    restore_packed(packed)
     if partitioner is not None:
         zero_checkpoint.finish_model_load(module, partitioner, state["state_dict"])
     else:
@@ -363,7 +369,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 # -- a plain single-file Lightning checkpoint into a sharded layout -------------------------------------------------
 def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                      partitioner: ZeroPartitioner | None, safe: bool) -> dict[str, Any]:
+                      partitioner: ZeroPartitioner | None, safe: bool,
+                      model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Every rank reads the file (full tensors, as one process saved them) and keeps its own share."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=safe)
@@ -385,7 +392,7 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     if saved and len(saved) != len(optimizers):
         raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
     # checked before anything is loaded, so a refused checkpoint leaves the model as it was
-    by_name = [_keyed_by_name(module, optimizers[i], state, partitioner, f"{path}: optimizer {i}")
+    by_name = [_keyed_by_name(module, optimizers[i], state, partitioner, f"{path}: optimizer {i}", model_params)
                for i, state in enumerate(saved)]
     set_model_state_dict(module, {name: states[name] for name in own}, options=_FULL)  # each rank keeps its shard
     if partitioner is not None:  # the optimizer's shards (fp32 masters under mixed precision) from the full values
@@ -405,12 +412,14 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
 
 
 def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
-                   partitioner: ZeroPartitioner | None, what: str) -> dict[str, Any]:
+                   partitioner: ZeroPartitioner | None, what: str, model_params: Sequence[str] = ()) -> dict[str, Any]:
     """A plain optimizer state (parameters keyed by position) keyed by parameter name instead, for the parameters
     this optimizer holds (a pipeline stage holds some). Positions map to names through the ``param_names`` torch
     saves with each group (lightning-par's one-file saves always add them); without them, only an optimizer holding
     the same parameters in the same groups and order can take it (under ZeRO-1/2, the order its groups had before
-    the partitioner replaced them): checked by group sizes and by every state tensor's shape."""
+    the partitioner replaced them), or -- a pipeline stage, given ``model_params`` -- one group over the whole model's
+    parameters in the model's order (``configure_optimizers`` over ``self.parameters()``, as one process saved it):
+    checked by group sizes and by every state tensor's shape."""
     names = {id(p): name for name, p in module.named_parameters()}
     groups = [partitioner.group_params[id(g)] if partitioner is not None else g["params"]
               for g in optimizer.param_groups]
@@ -425,6 +434,9 @@ def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: d
         if absent:
             raise CheckpointError(f"{what}: holds no optimizer state for {len(absent)} of this optimizer's "
                                   f"parameters, e.g. {absent[:3]}.")
+    elif len(saved_groups) == 1 and len(saved_groups[0]["params"]) == len(model_params) != len(held):
+        positions = list(zip([saved_groups[0]] * len(model_params), saved_groups[0]["params"], model_params,
+                             strict=True))
     else:
         sizes = [len(g) for g in groups]
         saved_sizes = [len(g["params"]) for g in saved_groups]
@@ -432,8 +444,10 @@ def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: d
             raise CheckpointError(
                 f"{what}: a single-file checkpoint without parameter names keys optimizer state by position (groups "
                 f"of {saved_sizes} parameters), and this optimizer holds groups of {sizes} (one pipeline stage's, or "
-                "another configure_optimizers). Resume it under one process, data parallel, ZeRO or tensor parallel "
-                "(not split into pipeline stages); checkpoints lightning-par writes name their parameters.")
+                "another configure_optimizers); under pipeline stages only one group over all the model's "
+                f"parameters ({len(model_params)}) in the model's order maps to names. Resume it under one process, "
+                "data parallel, ZeRO or tensor parallel, or save it again there (lightning-par's checkpoints name "
+                "their parameters).")
         positions = [(sg, pos, names[id(p)]) for g, sg in zip(groups, saved_groups, strict=True)
                      for pos, p in zip(sg["params"], g, strict=True)]
     state: dict[str, Any] = {}

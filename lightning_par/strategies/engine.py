@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
 from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
@@ -60,7 +61,7 @@ from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
-from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_tp_plan
+from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_packed_layout, check_tp_plan
 from lightning_par.parallel.zero import ZeroPartitioner
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
@@ -208,6 +209,14 @@ class LayoutStrategy(ParallelStrategy):
         self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
         self._context_parallel: ContextParallel | None = None  # cp > 1 (from setup)
         self._cp_undo = ExitStack()  # what cp set on the model and on torch, undone at teardown
+        # the LightningModule this layout was applied to: a later stage of the same Trainer and model (fit, then
+        # validate / test / predict, or fit again) keeps it as it is -- split, sliced and sharded once
+        self._laid_out: nn.Module | None = None
+        self._token = object()  # marks the models this strategy laid out (see _refuse_laid_out_elsewhere)
+        self._sync_fits = False  # the data-parallel owner was chosen for fitting (it holds the ZeRO-1/2 shards)
+        self._pending_init: DeferredInit | None = None  # the record of Trainer.init_module(empty_init=True)
+        self._model_entries: dict[str, tuple[torch.Size, torch.dtype]] = {}  # pp > 1: the unsplit model's
+        self._model_params: list[str] = []  # pp > 1: the unsplit model's parameter names, in order
 
     @property
     def precision_plugin(self) -> LayoutPrecision:
@@ -350,9 +359,10 @@ class LayoutStrategy(ParallelStrategy):
         if self._async_save and self._async is None:
             self._async = AsyncSaver(self.is_global_zero, self.barrier)  # a process group: every rank, now
         self._agree_on_rng_state()
-        self._choose_layout()
-        self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
-        self._grad_mesh = None
+        if not self._applied():  # a model laid out already keeps its mesh (its DTensors live on it)
+            self._choose_layout()
+            self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
+            self._grad_mesh = None
         assert self.lightning_module is not None
         # LightningModule.device_mesh reads this, as under Lightning's ModelParallelStrategy.
         set_device_mesh(self.lightning_module, self._device_mesh)
@@ -382,23 +392,35 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     # Applying the layout: pipeline split, identical replicas, tensor parallel, then the data-parallel owner
     # ----------------------------------------------------------------------------------------------------------------
+    def _applied(self) -> bool:
+        """Whether the LightningModule is the one this layout was applied to (a later stage of the same model)."""
+        return self._laid_out is not None and self._laid_out is self.lightning_module
+
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.device = self.precision_plugin.device or self.root_device.type  # autocast's
-        self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM: agreed, saved, exit 75 (preemption.py)
         self._run_guard = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
         # under 16-mixed the gradient scaler skips overflowing steps itself: only the loss is checked
         self.nonfinite_flags.check_grads = self.precision_plugin.precision != "16-mixed"
+        if self._applied():
+            self._setup_again(trainer, fitting)
+            return
+        self._refuse_laid_out_elsewhere()
+        if self._pending_init is not None:  # init_module(empty_init=True) without a configure_model hook
+            record, self._pending_init = self._pending_init, None
+            self._adopt(record)
+        self.precision_plugin.convert_module(self.model)
         self._log_blocks()
         self._own_last_links(trainer)
         if self.dims.tp > 1:
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
             # size tp does not divide is refused on every rank alike, before any collective
-            check_tp_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel)
+            plan = check_tp_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel)
+            check_packed_layout(plan, self.layout.zero_stage)
         # the one owner of data-parallel gradients, chosen first: its `shard` is the last transform of `parallelize`
         # (FSDP2 at ZeRO-3, with the precision's dtypes: bf16 buckets with fp32 master shards at ZeRO-1/2,
         # MixedPrecisionPolicy at ZeRO-3)
@@ -415,7 +437,53 @@ class LayoutStrategy(ParallelStrategy):
         if self._context_parallel is not None:
             self._install_context_parallel()
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
+        self._laid_out, self._sync_fits = self.lightning_module, fitting
         self.model = self._gradient_sync.wrap(self.model)
+        self._finish_setup(trainer, fitting)
+
+    def _refuse_laid_out_elsewhere(self) -> None:
+        """A model another Trainer's strategy split or sharded (its DTensors live on that strategy's mesh, a pipeline
+        rank holds only its stages) cannot be laid out again; alike on every rank, before any collective."""
+        lm = self.lightning_module
+        # (what the strategy that laid it out left on the model: a token of that strategy, not the strategy itself,
+        # which the model would keep alive)
+        token, sharded, described = getattr(lm, "_lightning_par_laid_out", (None, False, ""))
+        if token is not None and token is not self._token and sharded:
+            raise LayoutError(
+                f"{type(lm).__name__} was laid out by another Trainer's strategy ({described}: its parameters are "
+                "split or sharded across the ranks). Run validate/test/predict (or fit again) on the same Trainer, "
+                "or give a new Trainer a new model and the checkpoint (`ckpt_path=`, or `lightning-par export "
+                "CKPT OUT.ckpt` and `load_from_checkpoint`).")
+        lm._lightning_par_laid_out = (self._token, self.layout.shards_parameters,
+                                      f"{type(self).__name__}, {self.dims.describe()}")
+
+    def _setup_again(self, trainer: Trainer, fitting: bool) -> None:
+        """A later stage of the model laid out already (``trainer.fit(model); trainer.test(model)``): the split,
+        slices and shards stay. Evaluation keeps the data-parallel owner as fit left it (ZeRO-1/2's partitioner maps
+        the optimizer's bucket shards to parameters for a save); a fit after evaluation gets its owner now."""
+        assert self.lightning_module is not None
+        self.lightning_module.to(self.root_device)  # Lightning's teardown moved it to the CPU
+        if self.dims.cp > 1:  # teardown undid context parallel's hooks and loss
+            self._setup_context_parallel(again=True)
+            self._install_context_parallel()
+        if fitting:
+            if not self._sync_fits and self.layout.zero_stage != 3:  # (ZeRO-3's owner shards for evaluation too)
+                self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
+                                                           self.precision_plugin.shard_precision(
+                                                               self.layout.zero_stage))
+                if self.pipeline is not None:
+                    self._gradient_sync.bind(self.pipeline)
+            self._sync_fits = True
+            self.model = self._gradient_sync.wrap_again(self.model)
+        if self.pipeline is not None:
+            accumulate = trainer.accumulate_grad_batches if fitting else 1
+            self.pipeline.loss_scale = 1.0 / (self.layout.stage_plan.n_microbatches * accumulate)
+            if fitting:
+                set_skip_backward(trainer, True)
+        self._finish_setup(trainer, fitting)
+
+    def _finish_setup(self, trainer: Trainer, fitting: bool) -> None:
+        assert self.lightning_module is not None
         if fitting:
             self.setup_optimizers(trainer)
             self._gradient_sync.attach(self.lightning_module, self.optimizers)
@@ -469,11 +537,39 @@ class LayoutStrategy(ParallelStrategy):
         on meta and each rank then materialises only its share -- its stages, its tensor-parallel slices, its
         ZeRO-3 shards -- with the values a single process would have drawn. The full model never exists on any
         rank."""
-        if not self.layout.shards_parameters:
+        if self._applied():  # a later stage: configure_model finds its model built and laid out
             yield None
             return
-        with deferred_init() as record:
+        self._refuse_laid_out_elsewhere()
+        if self._pending_init is not None and not self._pending_init.stats["deferred_bytes"]:
+            self._pending_init = None  # init_module built no large tensor: the model is configure_model's to build
+        if not self.layout.shards_parameters and self._pending_init is None:
             yield None
+            return
+        if self._pending_init is not None:  # built under Trainer.init_module(empty_init=True) already
+            record, self._pending_init = self._pending_init, None
+            yield None  # (what configure_model adds now is built eagerly; its small tensors are broadcast below)
+        else:
+            with deferred_init() as record:
+                yield None
+        self._adopt(record)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)``: the model is built deferred, as in ``configure_model`` under a
+        layout that splits parameters -- its large tensors on the meta device, their initialisation recorded -- and
+        the strategy materialises each rank's share at setup with the values one process would have drawn (rather
+        than leaving uninitialised memory, which only a checkpoint load would overwrite)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield None
+            return
+        with self.root_device, self.precision_plugin.tensor_init_context(), deferred_init() as record:
+            yield None
+        self._pending_init = record
+
+    def _adopt(self, record: DeferredInit) -> None:
+        """Take a deferred construction as the model's: global rank 0's random draws and small tensors on every rank."""
         lm = self.lightning_module
         assert lm is not None
         if _distributed_is_initialized() and dist.get_world_size() > 1:
@@ -515,13 +611,15 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     # Context parallel (cp > 1): each step's batch cut along the sequence (lightning_par.parallel.context_parallel)
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_context_parallel(self) -> None:
+    def _setup_context_parallel(self, again: bool = False) -> None:
         """Check the model can take global positions, make its loss the whole sequence's, and set the context the
-        attention reads. Refused alike on every rank, before any collective of the step."""
+        attention reads. Refused alike on every rank, before any collective of the step. ``again``: a later stage of
+        the model laid out already (checked then; under pp its blocks are now spread over the stages)."""
         lm = self.lightning_module
         assert lm is not None
-        blocks = self._find_blocks()
-        context_parallel.check_takes_positions(blocks.root)
+        blocks = None if again else self._find_blocks()
+        if blocks is not None:
+            context_parallel.check_takes_positions(blocks.root)
         mesh = self.device_mesh["cp"]
         cp = ContextParallel(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
         if callable(getattr(lm, "loss_fn", None)):
@@ -538,9 +636,11 @@ class LayoutStrategy(ParallelStrategy):
             previous = own.loss_function
             self._cp_undo.callback(setattr, own, "loss_function", previous)
             own.loss_function = cp.model_loss(previous)
+        self._context_parallel = cp
+        if blocks is None:
+            return
         self._block_types = tuple({type(m) for m in blocks.block_modules()})
         self._position_root = type(blocks.root)
-        self._context_parallel = cp
         rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, ring attention "
                        f"over the cp group, global position_ids into {type(blocks.root).__name__}")
 
@@ -582,14 +682,23 @@ class LayoutStrategy(ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         blocks = self._find_blocks()
-        if blocks.units is None or not blocks.path:
+        if not blocks.path:
             raise LayoutError(
                 f"pipeline parallel needs the model inside {type(lm).__name__} as a submodule (build it in "
-                "`configure_model()` as e.g. `self.model`) whose units run in a known order: declare "
-                "`pipeline_units()` / a `pp_plan`, or keep the blocks in one nn.ModuleList next to the modules that "
-                f"run before and after them. Found: {blocks.describe()}."
+                "`configure_model()` as e.g. `self.model`), but the blocks are held by the LightningModule itself. "
+                f"Found: {blocks.describe()}."
+            )
+        if blocks.units is None:
+            raise LayoutError(
+                f"pipeline parallel needs the units of `{blocks.path}` ({type(blocks.root).__name__}) in a known "
+                "order, but its blocks do not share one parent: declare `pipeline_units()` / a `pp_plan`, or keep the "
+                "blocks in one nn.ModuleList (or nn.Sequential) next to the modules that run before and after them. "
+                f"Found: {blocks.describe()}."
             )
         loss_fn = self._pipeline_loss_fn(blocks.root)
+        # the unsplit model's entries, in order (lightning_module_state_dict)
+        self._model_entries = {k: (v.shape, v.dtype) for k, v in lm.state_dict().items() if isinstance(v, Tensor)}
+        self._model_params = [name for name, _ in lm.named_parameters()]  # (a plain one-file optimizer state's order)
         parent_name, _, attr = blocks.path.rpartition(".")
         parent = lm.get_submodule(parent_name) if parent_name else lm
         self._block_names = list(blocks.blocks)
@@ -770,11 +879,14 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     @contextmanager
     def _loss_context(self) -> Generator[None, None, None]:
-        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here."""
+        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here, and the
+        step sees that loss as a plain tensor, as under any other layout (:func:`_plain_losses`)."""
         if self._tensor_parallel is None:
             yield None
             return
-        with self._tensor_parallel.loss_context():
+        with self._tensor_parallel.loss_context(), ExitStack() as stack:
+            if self._tensor_parallel.vocab_parallel_head and self.lightning_module is not None:
+                stack.enter_context(_plain_losses(self.lightning_module))
             yield None
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -876,11 +988,27 @@ class LayoutStrategy(ParallelStrategy):
         return not self._restored_here
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state on every rank, as Lightning's sharded strategies give it
+        (``ModelParallelStrategy(save_distributed_checkpoint=True)``): the unsplit model's keys in its order, each
+        value as this layout holds it -- a DTensor where parameters are sharded (ZeRO-3, tp), the full replicated
+        tensor under ZeRO-0-2 (waited for after ZeRO-1/2's gathers). Under pipeline parallel another stage's entry
+        is a meta tensor of its full shape and dtype (held by that stage's ranks; no memory, no communication).
+        Sharded checkpoints save their own form (:meth:`_checkpoint_model_state`)."""
+        assert self.lightning_module is not None
+        if self._partitioner is not None:
+            self._partitioner.wait_all()
+        state = super().lightning_module_state_dict() if not self.layout.shards_parameters else \
+            sharded_checkpoint.model_state(self.lightning_module)
+        if self.pipeline is None:
+            return state
+        return {key: state[key] if key in state else torch.empty(shape, dtype=dtype, device="meta")
+                for key, (shape, dtype) in self._model_entries.items()}
+
+    def _checkpoint_model_state(self) -> dict[str, Any]:
+        """The model's entries a sharded checkpoint saves: each rank's own (DCP writes every entry once)."""
         if self._partitioner is not None:  # weights from the optimizer's shards: the fp32 masters under bf16-mixed
             return zero_checkpoint.model_state(self.lightning_module, self._partitioner)
-        if self.layout.shards_parameters:
-            return sharded_checkpoint.model_state(self.lightning_module)
-        return super().lightning_module_state_dict()
+        return sharded_checkpoint.model_state(self.lightning_module)
 
     @property
     def _partitioner(self) -> ZeroPartitioner | None:
@@ -916,6 +1044,7 @@ class LayoutStrategy(ParallelStrategy):
         if not self.layout.sharded_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
+        checkpoint["state_dict"] = self._checkpoint_model_state()
         if self._async is not None:
             self._async.save(checkpoint, path)
         else:
@@ -930,7 +1059,7 @@ class LayoutStrategy(ParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert self.lightning_module is not None
         meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, partitioner=self._partitioner,
-                                       weights_only=weights_only)
+                                       weights_only=weights_only, model_params=self._model_params)
         if self._partitioner is None:  # ZeRO-1/2: the load filled the shards and gathered them into the buckets
             self._gradient_sync.after_load()
         return meta
@@ -1023,7 +1152,16 @@ class LayoutStrategy(ParallelStrategy):
             if self.compiler is not None:
                 # before Lightning moves the model to the CPU (see BlockCompiler.release)
                 self.compiler.release(self.lightning_module)
-            super().teardown()
+            lm = self.lightning_module
+            if lm is not None and any(t.is_meta for t in (*lm.parameters(), *lm.buffers())):
+                # setup stopped (a LayoutError) before this rank materialised its share: there is nothing to move
+                # to the CPU, and copying a meta tensor would raise over the error the user must see
+                lm.cpu = lambda: lm
+            try:
+                super().teardown()
+            finally:
+                if lm is not None:
+                    lm.__dict__.pop("cpu", None)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -1060,6 +1198,30 @@ def _attempt_store(environment: Any, timeout: timedelta) -> dict[str, Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(environment.main_address, environment.main_port, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"lightning_par/attempt_{attempt}/", store)}
+
+
+@contextmanager
+def _plain_losses(lm: Any) -> Generator[None, None, None]:
+    """Under a vocab-parallel head ``F.cross_entropy`` returns a replicated DTensor, which Lightning's
+    ``self.log(..., sync_dist=True)`` cannot all-reduce (c10d has no DTensor rule). While the step runs, the
+    LightningModule's ``loss_fn`` returns its plain value (``full_tensor()``: no communication for a replicated
+    value, and differentiable) and ``self.log`` takes any DTensor value as its full tensor, so a step written for
+    one device logs as written."""
+    own = {name: lm.__dict__[name] for name in ("loss_fn", "log") if name in lm.__dict__}
+    loss_fn, log = getattr(lm, "loss_fn", None), lm.log
+    if callable(loss_fn):
+        lm.loss_fn = lambda *args, **kwargs: _plain_value(loss_fn(*args, **kwargs))
+    lm.log = lambda name, value, *args, **kwargs: log(name, _plain_value(value), *args, **kwargs)
+    try:
+        yield None
+    finally:
+        for name in ("loss_fn", "log"):
+            lm.__dict__.pop(name, None)
+        lm.__dict__.update(own)
+
+
+def _plain_value(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 @contextmanager

@@ -244,10 +244,12 @@ class PipelineRuntime:
         self.dp_reduce: BucketedAllReduce | None = None  # ZeRO-0: see overlap_dp_reduction
         self._dp_launched: set[int] = set()  # stages whose buckets this step's schedule launched
 
+        self.loss_scale = loss_scale  # (set again when a later fit of the same model accumulates otherwise)
+
         def scaled_loss(outputs: Any, targets: Any) -> Tensor:
             loss = self._step_loss(outputs, targets)
             self._micro_losses.append(_plain(loss.detach()))
-            return loss * loss_scale
+            return loss * self.loss_scale
 
         if prepare is not None:
             self.stage_modules = self._prepare(prepare)

@@ -275,10 +275,11 @@ def declared_units(model: nn.Module) -> list[str]:
 def model_units(model: nn.Module, units: Sequence[str] | None = None) -> list[str]:
     """The ordered pipeline units of ``model``: ``units`` when given (e.g. ``find_blocks(...).units``), checked
     against the model, else its own :func:`declared_units`. Explicit units may be items of an ``nn.ModuleList``
-    (removed without re-indexing, see :class:`KeptModuleList`) or an ``nn.ModuleDict``."""
+    (removed without re-indexing, see :class:`KeptModuleList`), an ``nn.ModuleDict``, or an ``nn.Sequential`` (a
+    removed item is replaced by a :class:`RemovedUnit` in its slot, so the others keep their indices)."""
     if units is None:
         return declared_units(model)
-    return _check_units(model, list(units), "the pipeline units", (nn.ModuleDict, nn.ModuleList))
+    return _check_units(model, list(units), "the pipeline units", (nn.ModuleDict, nn.ModuleList, nn.Sequential))
 
 
 def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
@@ -286,7 +287,7 @@ def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
     out = []
     for unit in units:
         parent = unit.rpartition(".")[0]
-        if parent and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict)):
+        if parent and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             out.append(unit)
     return out
 
