@@ -8,8 +8,9 @@ same ranks, each writing ``ROOT/NAME/tb`` (per-step losses) and ``ROOT/NAME/resu
 - ``nan_stop``: a NaN written into a weight at step 8 (the update of step 9 is non-finite): the run must stop there,
   the step-9 save be refused and the step-6 checkpoint survive;
 - ``resume``: from that surviving checkpoint, clean, to step 12;
-- ``skip``: ``nonfinite="skip"``, the activations of step 4 made NaN: that step's gradients are discarded;
-- ``lr0``: the reference for ``skip``: the learning rate 0 at step 4 (no update that step);
+- ``skip``: ``nonfinite="skip"``, gradient accumulation over 2 micro-batches, the activations of step 4's first
+  micro-batch made NaN: that step's gradients are discarded;
+- ``lr0``: the reference for ``skip``: the same accumulation, the learning rate 0 at step 4 (no update that step);
 - ``between``: a NaN written into a weight after the update of step 5, before the step-6 save: no step was
   non-finite, yet the save must be refused and the run stop there.
 """
@@ -51,6 +52,8 @@ def fit(root: Path, layout: str, name: str) -> None:
     else:
         strategy = PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, nonfinite=policy, heartbeat_timeout=30)
         batch = GLOBAL_BATCH
+    accumulate = 2 if name in ("skip", "lr0") else 1  # the same global batch in two micro-batches
+    batch //= accumulate
     probe = {"nan_stop": [PoisonAt(POISON_STEP, "weight")], "skip": [PoisonAt(SKIP_STEP, "activation")],
              "lr0": [PoisonAt(SKIP_STEP, "lr0")], "between": [PoisonAt(BETWEEN_STEP, "weight_between")]}.get(name, [])
     anomaly = layout == "pp2" and name == "clean"
@@ -59,6 +62,7 @@ def fit(root: Path, layout: str, name: str) -> None:
     keep = ModelCheckpoint(dirpath=root / name / "ckpt", every_n_train_steps=SAVE_EVERY)  # keep the newest
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, limit_val_batches=0, log_every_n_steps=1,
+        accumulate_grad_batches=accumulate,
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root / name, callbacks=[keep, *probe],
         detect_anomaly=anomaly,

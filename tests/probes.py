@@ -296,7 +296,8 @@ class PoisonAt(pl.Callback):
     """A bad step at optimizer step ``step`` (the batch that starts with ``global_step == step``), on every rank:
 
     - ``weight``: NaN written into one element of the first parameter this rank holds (it stays in the weights);
-    - ``activation``: the first ``nn.Linear``'s output made NaN for that batch only (that step's loss and gradients);
+    - ``activation``: the first ``nn.Linear``'s output made NaN for that batch only (that step's loss and gradients;
+      under gradient accumulation its first micro-batch);
     - ``lr0``: the learning rate 0 for that step -- with plain SGD, a run without that step's update (a reference);
     - ``weight_between``: NaN written into that weight at the end of the batch that made ``global_step == step``,
       after its update and before the checkpoint callbacks run (a weight poisoned outside any step).
@@ -306,10 +307,12 @@ class PoisonAt(pl.Callback):
         self.step, self.what = step, what
         self._hook = None
         self._lrs: list[float] = []
+        self._done = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step != self.step or self._hook is not None or self._lrs:
+        if trainer.global_step != self.step or self._done:
             return
+        self._done = True  # once: under gradient accumulation, the step's first micro-batch only
         if self.what == "weight":
             self._poison_weight(pl_module)
         elif self.what == "activation":

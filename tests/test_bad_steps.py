@@ -104,15 +104,15 @@ def test_a_weight_poisoned_between_steps_stops_the_run_at_the_save(launched, lay
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_skip_discards_a_non_finite_step_on_every_rank(launched, layout):
-    """``nonfinite="skip"``, the activations of step 4 made NaN (its loss and gradients): the step's gradients are
-    discarded on every rank, ``train/skipped_steps`` is logged, and every other step's loss equals a run whose
-    step 4 made no update (learning rate 0 there) -- which differs from the clean run, so the check can fail."""
+    """``nonfinite="skip"``, 2 micro-batches per step, the activations of step 4's first micro-batch made NaN (its
+    loss and the step's gradients): the step's gradients are discarded on every rank, ``train/skipped_steps`` is
+    logged, and every other step's loss equals a run (the same accumulation) whose step 4 made no update (learning
+    rate 0 there) -- which differs from the clean run, so the check can fail."""
     run = launched(layout)
     skipped, result = _case(run, "skip")
     assert result["stopped"] is None and result["finite_weights"], result
     losses, reference, clean = _losses(skipped), _losses(_case(run, "lr0")[0]), _losses(_case(run, "clean")[0])
     assert sorted(losses) == sorted(reference) == list(range(STEPS))
-    assert math.isnan(losses[SKIP_STEP])
     others = [s for s in range(STEPS) if s != SKIP_STEP]
     diff = max_rel_diff([losses[s] for s in others], [reference[s] for s in others])
     moved = max_rel_diff([clean[s] for s in others], [reference[s] for s in others])
