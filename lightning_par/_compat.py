@@ -344,3 +344,17 @@ def set_device_mesh(module: Any, mesh: Any) -> None:
 ActionHelpClassPath = private("jsonargparse", "jsonargparse._actions", "_ActionHelpClassPath")
 ActionTypeHint = private("jsonargparse", "jsonargparse._typehints", "ActionTypeHint")
 NestedArg = private("jsonargparse", "jsonargparse._util", "NestedArg")
+
+
+def logger_version(logger: Any) -> Any:
+    """The version a Lightning logger was given, or has chosen already; ``None`` while it has not picked one (it
+    takes the next free number when first asked). The loggers keep it in ``_version``, set by their ``version``
+    argument."""
+    _require_attribute(logger, "_version", type(logger).__name__)
+    return logger._version
+
+
+def set_logger_version(logger: Any, version: Any) -> None:
+    """Give a Lightning logger its version after construction (what its ``version`` argument sets)."""
+    _require_attribute(logger, "_version", type(logger).__name__)
+    logger._version = version

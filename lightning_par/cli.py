@@ -27,6 +27,7 @@ import inspect
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par import run_dir
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
@@ -125,6 +127,18 @@ class LightningParCLI(LightningCLI):
                 action.help = CKPT_PATH_HELP
         return parser
 
+    def instantiate_classes(self) -> None:
+        """Lightning's, with the model's or data module's own error raised as it is: jsonargparse wraps an error of
+        their constructor (a tokenizer refused, a file not found) in "Does not validate against any of the Union
+        subtypes", its last line a dump of the whole config."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as err:
+            own = _constructor_error(err)
+            if own is None:
+                raise
+            raise own.with_traceback(own.__traceback__) from None
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with :class:`~lightning_par.callbacks.RunCheckpoint` unless the user has a ModelCheckpoint or
         turned checkpointing off (outside fit it saves nothing, but Lightning expects it when a checkpoint loads), and
@@ -186,6 +200,19 @@ class LightningParCLI(LightningCLI):
     # -- which checkpoint to start from ----------------------------------------------------------------------------
     def before_fit(self) -> None:
         self.resume()
+        self._hold_run_dir()
+
+    def _hold_run_dir(self) -> None:
+        """Global rank 0: claim and lock this run's version directory, and remove the interrupted saves that dead runs
+        left in theirs (:mod:`lightning_par.run_dir`)."""
+        root = self._logger_root()
+        if root is None or rank_zero_only.rank != 0 or "://" in str(self.trainer.loggers[0].save_dir):
+            return  # a remote save_dir (s3://...) is left to the logger
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        if isinstance(self.trainer.loggers[0], TensorBoardLogger | CSVLogger):  # they number their versions
+            run_dir.claim(self.trainer.loggers[0], root)
+        run_dir.sweep_interrupted(root)
 
     def before_validate(self) -> None:
         self.resume()
@@ -408,6 +435,21 @@ def _option_after_name_problem(value: Any, cfg: Any, dest: str) -> str | None:
             f"{name!r} is a name of Lightning's, not lightning-par's: options after it need a class "
             f"(--trainer.strategy=CLASS_PATH {option}=...)")
     return f"{option} after --trainer.strategy={name}: {problem}"
+
+
+def _constructor_error(error: BaseException) -> BaseException | None:
+    """The first error in ``error``'s chain raised outside jsonargparse and Lightning's CLI (by the class being
+    instantiated), or ``None`` when jsonargparse's own validation raised it."""
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    for found in reversed(seen):  # the innermost first
+        frames = traceback.extract_tb(found.__traceback__)
+        if frames and "jsonargparse" not in frames[-1].filename and not frames[-1].filename.endswith(
+                os.path.join("pytorch", "cli.py")):
+            return found
+    return None
 
 
 def log_every_n_steps_for(max_steps: int | None) -> int:

@@ -62,11 +62,12 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(tokenizer: Any) -> Any:
+def load_tokenizer(tokenizer: Any, trust_remote_code: bool = False) -> Any:
     """A Hugging Face tokenizer: ``tokenizer`` itself, or ``AutoTokenizer.from_pretrained`` of a local directory.
 
     It must have an end-of-sequence token (written after every document) and a length (its vocabulary, added
-    tokens included).
+    tokens included). A directory whose configuration names its own Python classes (``auto_map``) is refused unless
+    ``trust_remote_code``: transformers would run that code (left to itself, it asks "[y/N]" on every rank).
     """
     if isinstance(tokenizer, str | os.PathLike):
         path = os.path.expanduser(os.fspath(tokenizer))
@@ -79,7 +80,16 @@ def load_tokenizer(tokenizer: Any) -> Any:
             raise ImportError(f"tokenizer={path!r} is loaded with transformers' AutoTokenizer, which is not installed: "
                               "pip install 'lightning-par[hf]' (or transformers)") from err
 
-        tokenizer = as_written(AutoTokenizer.from_pretrained(path), path)
+        if not trust_remote_code:
+            refuse_remote_code(path, "tokenizer", "--data.trust_remote_code=true")
+        try:
+            tokenizer = as_written(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code), path)
+        except ValueError as err:  # custom code found where refuse_remote_code did not look: one line, not three
+            if "trust_remote_code" not in str(err):
+                raise
+            raise ValueError(f"tokenizer={path!r} needs custom code to load, which is not run unless asked for: pass "
+                             "--data.trust_remote_code=true (TextDataModule(trust_remote_code=True)) if you trust "
+                             "that directory.") from None
     if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
         raise TypeError(f"tokenizer must be a Hugging Face tokenizer or a directory path, got {type(tokenizer)!r}")
     if getattr(tokenizer, "eos_token_id", None) is None:
@@ -118,6 +128,23 @@ TOKENIZER_PROBE = (
     "Hello, World! THE quick brown fox -- jumps over 123 lazy dogs.\n\n\tIndented line;  two  spaces",
     "Ünïcödé café naïve 東京 😀 ... \"quoted\" [brackets] {braces} <angle> I'M YOU'LL WE'VE",
 )
+
+
+def refuse_remote_code(path: str | os.PathLike, what: str, option: str) -> None:
+    """Refuse the local Hugging Face directory ``path`` when its configuration names Python code of its own
+    (``auto_map`` in ``tokenizer_config.json`` or ``config.json``), which loading it would run; ``option`` is how the
+    user allows it."""
+    for name in ("tokenizer_config.json", "config.json"):
+        file = os.path.join(path, name)
+        try:
+            with open(file, encoding="utf-8") as stream:
+                code = json.load(stream).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue  # absent or unreadable: transformers' own loading says what is wrong with it
+        if code:
+            classes = sorted({c for v in code.values() for c in (v if isinstance(v, list) else [v]) if c})
+            raise ValueError(f"{what}={os.fspath(path)!r}: {file} names custom code ({', '.join(classes)}) that "
+                             f"loading it would run: refused. Pass {option} if you trust that directory.")
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -317,6 +344,32 @@ def _builder(files: list[str]) -> str:
     return next(iter(kinds))
 
 
+def _bad_file(files: list[str], builder: str) -> str | None:
+    """What makes one of ``files`` unreadable by ``builder``, naming it: empty (no record), or, for the record
+    formats read as UTF-8 (JSON, CSV), a byte that is not UTF-8 (its line and column). ``None``: none of that."""
+    for file in files:
+        compressed = file.lower().endswith(_COMPRESSION)  # not looked into: datasets decompresses them itself
+        if os.path.getsize(file) == 0 or (not compressed and builder in ("json", "csv") and _blank(file)):
+            return (f"{file} is empty: it holds no {'record' if builder != 'text' else 'text'}; remove it from "
+                    "data_files or fill it")
+        if compressed or builder not in ("json", "csv"):
+            continue
+        with open(file, "rb") as stream:
+            for number, line in enumerate(stream, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    return (f"{file}, line {number}, column {err.start + 1}: byte 0x{line[err.start]:02x} is not "
+                            "UTF-8, which JSON and CSV files must be; convert the file (e.g. iconv -f latin1 -t "
+                            "utf-8) or fix that line")
+    return None
+
+
+def _blank(file: str) -> bool:
+    with open(file, "rb") as stream:
+        return all(not chunk.strip() for chunk in iter(lambda: stream.read(1 << 20), b""))
+
+
 class NextTokenDataset(Dataset):
     """Map-style dataset of ``(inputs, targets)`` pairs, targets being inputs shifted left by one token.
 
@@ -440,6 +493,8 @@ class TextDataModule(L.LightningDataModule):
         streaming: Read the corpus as a stream (see above) instead of caching it.
         shuffle_buffer: Blocks in the streaming shuffle buffer.
         num_proc: Processes that tokenize the corpus in ``prepare_data`` (``None``: this one).
+        trust_remote_code: Load a tokenizer directory that ships its own Python code (``auto_map``), running that
+            code on every rank; refused by default.
     """
 
     def __init__(
@@ -460,6 +515,7 @@ class TextDataModule(L.LightningDataModule):
         streaming: bool = False,
         shuffle_buffer: int = 10_000,
         num_proc: int | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
         if batch_format not in BATCH_FORMATS:
@@ -503,7 +559,7 @@ class TextDataModule(L.LightningDataModule):
         self.shuffle_buffer = shuffle_buffer
         self.num_proc = num_proc
         # loaded now, so a wrong path or a tokenizer without EOS fails at construction
-        self.tokenizer = ByteTokenizer() if tokenizer is None else load_tokenizer(tokenizer)
+        self.tokenizer = ByteTokenizer() if tokenizer is None else load_tokenizer(tokenizer, trust_remote_code)
         self._tokenizer_key = None if tokenizer is None else tokenizer_fingerprint(self.tokenizer)
         self._saved_tokenizer: dict[str, str | bytes] | None = None  # its files, made on the first checkpoint
         # Resolve local files now so a typo fails at construction, not after the trainer has started.
@@ -602,6 +658,17 @@ class TextDataModule(L.LightningDataModule):
 
     def _build(self) -> tuple[Any, Any]:
         """Load, split and pack the corpus; returns ``(train_blocks, val_blocks)`` (cached by ``datasets``)."""
+        try:
+            return self._build_splits()
+        except Exception:
+            # datasets' own errors name no file (an empty one ends in a bare StopIteration): look for the file
+            # only once something failed, so a good corpus is never read twice
+            problem = _bad_file(self.files, self._builder_and_column()[0]) if self.files is not None else None
+            if problem is None:
+                raise
+            raise ValueError(problem) from None
+
+    def _build_splits(self) -> tuple[Any, Any]:
         datasets = _import_datasets(offline=self.files is not None)
         with _quiet(datasets):
             docs = self._load_documents(datasets)
@@ -728,6 +795,13 @@ class TextDataModule(L.LightningDataModule):
         if self.streaming:  # sharded and shuffled by the stream itself; no position to save (see the class doc)
             return self._loader(self.train_dataset, shuffle=False, drop_last=True)
         sampler = self._data_parallel_sampler(self.train_dataset)
+        per_rank = len(sampler) if sampler is not None else len(self.train_dataset)
+        if per_rank < self.batch_size:  # drop_last: Lightning would end with "No training batches" and exit 0
+            ranks = sampler.num_replicas if sampler is not None else 1
+            replicas = f" ({per_rank} on each of {ranks} data-parallel ranks)" if ranks > 1 else ""
+            raise ValueError(f"the training split has {len(self.train_dataset)} blocks of {self.seq_len + 1} tokens"
+                             f"{replicas}, fewer than batch_size={self.batch_size}: no full batch to train on. Use "
+                             "a smaller --data.batch_size or --data.seq_len, or more data.")
         loader = self._loader(self.train_dataset, shuffle=self.shuffle, drop_last=True, sampler=sampler)
         if sampler is not None and self.trainer is not None:
             loader = resumable_train_loader(loader, self.trainer)

@@ -247,3 +247,60 @@ def test_a_hugging_face_step_given_tuple_batches_gets_one_short_line(one_process
     where = traceback.extract_tb(failure.value.__traceback__)[-1]
     assert where.name == {"fit": "training_step", "validate": "validation_step"}[stage]
     assert "self.model(**batch)" in where.line
+
+
+def test_a_data_position_outside_the_epoch_is_refused_naming_the_checkpoint():
+    """A checkpoint whose manifest is consistent but whose data position is past the epoch (consumed_samples=1e9)
+    would give the sampler nothing: the epoch silently skipped. Refused, naming the checkpoint."""
+    from types import SimpleNamespace
+
+    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.strategies.data_position import DataPosition
+
+    sampler = DataParallelSampler(range(100), num_replicas=2, rank=0, shuffle=False)
+    position = DataPosition(SimpleNamespace(ckpt_path="/runs/version_0/checkpoints/last.ckpt"), sampler, batch_size=4)
+    state = {"epoch": 0, "consumed_samples": 24, "epoch_ended": False, "global_batch": 8, "seed": 0,
+             "shuffle": False, "dataset_length": 100}
+    position.load_state_dict(state)
+    assert list(sampler)[:2] == [24, 26]  # a position inside the epoch: resumed there
+    for consumed in (10**9, 100, -8):
+        with pytest.raises(ValueError, match=rf"^/runs/version_0/checkpoints/last\.ckpt: its data position, "
+                                             rf"{consumed} samples into epoch 0, is not inside an epoch of this data "
+                                             r"\(100 samples\): the checkpoint is damaged or from other data\. "
+                                             r"Resume from another checkpoint\.$"):
+            position.load_state_dict({**state, "consumed_samples": consumed})
+
+
+def test_a_training_loader_without_a_batch_is_refused():
+    """A per-rank batch larger than the rank's share of the data, with drop_last: Lightning alone ends with "No
+    training batches" and exit code 0; every lightning-par strategy's training loader is refused in one line."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.strategies.data_position import resumable_train_loader
+
+    data = TensorDataset(torch.ones(10, 1))
+    trainer = SimpleNamespace(fit_loop=None)
+    sampler = DataParallelSampler(data, num_replicas=4, rank=0, shuffle=False)  # 3 samples a rank
+    with pytest.raises(ValueError, match=r"^the training DataLoader gives no batch: 3 samples on each of 4 "
+                                         r"data-parallel ranks, fewer than its batch_size=4 \(drop_last=True\)\."):
+        resumable_train_loader(DataLoader(data, batch_size=4, sampler=sampler, drop_last=True), trainer)
+    assert len(resumable_train_loader(DataLoader(data, batch_size=3, sampler=sampler, drop_last=True), trainer)) == 1
+    assert len(resumable_train_loader(DataLoader(data, batch_size=4, sampler=sampler), trainer)) == 1  # kept short
+
+
+def test_the_cli_raises_the_data_modules_own_error_last(tmp_path):
+    """An error of the data module's constructor is the CLI's last line, not jsonargparse's "Does not validate
+    against any of the Union subtypes" followed by a dump of the config."""
+    custom = tmp_path / "custom_tokenizer"
+    custom.mkdir()
+    (custom / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": [null, "code.Tok"]}}')
+    for tokenizer, error, match in (
+            (custom, ValueError, rf"^tokenizer='{custom}': {custom}/tokenizer_config\.json names custom code "
+                                 r"\(code\.Tok\) that loading it would run: refused\. Pass --data\.trust_remote_code"),
+            (tmp_path / "none", FileNotFoundError, r"^tokenizer='.*none' is not a directory")):
+        with pytest.raises(error, match=match) as raised:
+            main(["fit", *CPU_JOB, f"--data.tokenizer={tokenizer}"])
+        assert raised.value.__suppress_context__  # printed alone, no chained jsonargparse error

@@ -6,14 +6,18 @@ Most tests save and load in this process (DCP without a process group: one rank)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -480,3 +484,114 @@ def test_paths_read_from_a_checkpoint_stay_in_its_directory(tmp_path):
         model, optimizer = tiny(seed=1)
         with pytest.raises(CheckpointError, match=r"names the file '\.\./__0_0\.distcp', outside its directory"):
             sharded_checkpoint.load(path, model, [optimizer], weights_only=weights_only)
+
+
+@contextlib.contextmanager
+def disk_full_after(limit: int):
+    """Writes that would take any file past ``limit`` bytes fail in the kernel, as on a full disk (EFBIG: this
+    process's RLIMIT_FSIZE, with SIGXFSZ ignored) -- torch's and DCP's own writers, unpatched."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def _one_line_naming(error: BaseException, path: Path) -> str:
+    """The error as Python prints it last: one line, naming the checkpoint, with no chained traceback above it."""
+    printed = traceback.format_exception(error)
+    assert not any("During handling" in part or "direct cause" in part for part in printed)
+    line = printed[-1]
+    assert line.count("\n") == 1 and f"saving the checkpoint {path} failed" in line, line
+    assert "The previous checkpoint is still the latest" in line and "MiB free on its disk" in line
+    return line
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint(tmp_path, monkeypatch):
+    """Sharded (DCP) and one-file saves that run out of space: one line that names the checkpoint, the interrupted
+    save removed, the previous checkpoint intact and loadable."""
+    from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    first = save(path, step=3)
+    with disk_full_after(2000), pytest.raises(CheckpointError) as failure:
+        save(path, step=6, seed=2)
+    assert "File too large" in _one_line_naming(failure.value, path)  # DCP's 250-line CheckpointException before
+    assert not checkpoint_files.partial_path(path).exists()
+    meta, *loaded = load(path)
+    assert meta["global_step"] == 3
+    assert_same_state(first, loaded)
+
+    def no_space(root, files):  # the last write of a save: its manifest
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_files, "write_manifest", no_space)
+    with pytest.raises(CheckpointError) as failure:
+        save(path, step=6, seed=2)
+    monkeypatch.undo()
+    assert "(OSError: [Errno 28] No space left on device)" in _one_line_naming(failure.value, path)
+    assert load(path)[0]["global_step"] == 3 and not checkpoint_files.partial_path(path).exists()
+
+    io, one = AtomicCheckpointIO(), tmp_path / "one.ckpt"
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, one)
+    with disk_full_after(2000), pytest.raises(CheckpointError) as failure:
+        io.save_checkpoint({"global_step": 6, "w": torch.ones(4096)}, one)
+    _one_line_naming(failure.value, one)  # torch.save alone: "inline_container.cc: unexpected pos"
+    assert not checkpoint_files.partial_path(one).exists()
+    assert torch.equal(io.load_checkpoint(one)["w"], torch.ones(4))
+
+
+def test_runs_started_together_get_their_own_version_and_dead_runs_interrupted_saves_go(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Two runs that list ``lightning_logs`` before either created ``version_0`` (Lightning alone: both write into
+    it, without a word): the second takes ``version_1`` with a warning. A save interrupted in an older version
+    directory is removed at the next run's start -- unless the run that holds that directory is still alive."""
+    import logging
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_par import run_dir
+
+    monkeypatch.setattr(run_dir, "_held", [])
+    root = tmp_path / "lightning_logs"
+    first, second = TensorBoardLogger(tmp_path), TensorBoardLogger(tmp_path)
+    listed = second._get_next_version()  # the second run lists the directories before the first creates its own
+    monkeypatch.setattr(second, "_get_next_version", lambda: listed)
+    run_dir.claim(first, root)
+    with pytest.warns(UserWarning, match=rf"{root / 'version_0'} was taken by another run started at the same time: "
+                                         rf"this run logs to {root / 'version_1'}\.$"):
+        run_dir.claim(second, root)
+    assert (first.version, second.version) == (0, 1) and first.log_dir != second.log_dir
+    assert run_dir.in_use(root / "version_0") and run_dir.in_use(root / "version_1")
+
+    def interrupted(version: str, name: str, old: bool = True) -> Path:
+        partial = root / version / "checkpoints" / name
+        (partial / "__0_0.distcp").parent.mkdir(parents=True, exist_ok=True)
+        (partial / "__0_0.distcp").write_bytes(b"\0" * 4096)
+        for path in (partial / "__0_0.distcp", partial):
+            os.utime(path, (0, 0) if old else None)
+        return partial
+
+    dead, alive = interrupted("version_7", "step=10.ckpt.partial"), interrupted("version_0", "step=3.ckpt.partial")
+    fresh = interrupted("version_7", "step=20.ckpt.partial", old=False)  # written since this process started
+    (root / "version_7" / "checkpoints" / "step=5.ckpt").mkdir()  # a complete checkpoint: never touched
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'ab'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(root / "version_7" / run_dir.LOCK)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        run_dir.sweep_interrupted(root)
+        assert dead.exists() and alive.exists()  # its run is still alive: maybe a save in progress
+    finally:
+        holder.kill()  # as kill -9: the kernel drops its lock
+        holder.wait()
+    caplog.set_level(logging.INFO)
+    run_dir.sweep_interrupted(root)
+    assert not dead.exists() and alive.exists() and fresh.exists()
+    assert sorted(p.name for p in dead.parent.iterdir()) == ["step=20.ckpt.partial", "step=5.ckpt"]
+    assert f"lightning-par: removed {dead}, a save interrupted in an earlier run (0.0 MiB)" in caplog.text
+    for lock in run_dir._held:
+        lock.close()

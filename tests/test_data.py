@@ -238,3 +238,40 @@ def test_the_configs_validate_on_a_corpus_of_fewer_batches_than_their_interval(c
                          num_sanity_val_steps=0, default_root_dir=tmp_path, **given)
     trainer.fit(model, data, data)
     assert model.validated_at == [every, 2 * every]
+
+
+def test_unreadable_json_lines_name_the_file(tmp_path):
+    """An empty .jsonl (datasets: a bare StopIteration) and one with a Latin-1 byte (a UnicodeDecodeError naming
+    no file): one line naming the file, and the line and column of the byte."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(f'{{"text": "document {i} holds some text"}}\n' for i in range(8)), encoding="utf-8")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9 au lait"}\n')
+    for files, match in (([empty], rf"^{empty} is empty: it holds no record; remove it from data_files or fill it$"),
+                         ([good, latin], rf"^{latin}, line 2, column 14: byte 0xe9 is not UTF-8, which JSON and CSV "
+                                         r"files must be; convert the file")):
+        module = TextDataModule(data_files=[str(f) for f in files], seq_len=8, cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(ValueError, match=match) as failure:
+            module.prepare_data()
+        assert failure.value.__suppress_context__  # datasets' traceback is not printed above it
+    module = TextDataModule(data_files=str(good), seq_len=8, batch_size=2, cache_dir=str(tmp_path / "cache"))
+    module.setup()  # a good file alone loads: nothing of it read twice
+    assert len(module.train_dataset) > 0
+
+
+def test_a_batch_larger_than_the_training_split_is_refused(tmp_path):
+    """Lightning alone says "No training batches" and exits 0 (the loader drops the incomplete batch)."""
+    (tmp_path / "a.txt").write_text("abcdefgh" * 40, encoding="utf-8")
+    (tmp_path / "b.txt").write_text("ijklmnop" * 40, encoding="utf-8")
+    module = TextDataModule(data_files=str(tmp_path / "*.txt"), seq_len=8, batch_size=64,
+                            cache_dir=str(tmp_path / "cache"))
+    module.setup()
+    blocks = len(module.train_dataset)
+    assert 0 < blocks < 64
+    with pytest.raises(ValueError, match=rf"^the training split has {blocks} blocks of 9 tokens, fewer than "
+                                         r"batch_size=64: no full batch to train on\. Use a smaller --data\.batch"):
+        module.train_dataloader()
+    module.batch_size = blocks
+    assert len(module.train_dataloader()) == 1

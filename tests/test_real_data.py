@@ -426,3 +426,26 @@ def test_zero3_cli_run_resumes_mid_epoch_exactly(zero3_runs):
     print(f"resumed at step {SAVE} of a {EPOCH}-step epoch: steps {SAVE}-{STEPS - 1} within {diff:.1e}")
     assert diff <= 1e-6
     assert len({round(before[s], 4) for s in before}) > STEPS // 2  # the losses move: the comparison can fail
+
+
+def test_a_tokenizer_with_custom_code_is_refused_unless_asked_for(corpus, tmp_path):
+    """A tokenizer directory naming its own Python class (``auto_map``): transformers alone asks "[y/N]" on every
+    rank; here it is refused in one line naming the file and the option, and its code does not run."""
+    import shutil
+
+    folder = shutil.copytree(corpus.tokenizer, tmp_path / "custom")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MarkedTokenizer", auto_map={"AutoTokenizer": [None, "marked.MarkedTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ran = tmp_path / "code-ran"
+    (folder / "marked.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
+                                      "from transformers import PreTrainedTokenizerFast\n"
+                                      "class MarkedTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    with pytest.raises(ValueError) as refused:
+        TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(folder))
+    message = str(refused.value)
+    assert "\n" not in message and f"{folder / 'tokenizer_config.json'} names custom code" in message
+    assert "marked.MarkedTokenizer" in message and "--data.trust_remote_code=true" in message
+    assert not ran.exists()
+    module = TextDataModule(data_files=str(corpus.jsonl), tokenizer=str(folder), trust_remote_code=True)
+    assert ran.exists() and type(module.tokenizer).__name__ == "MarkedTokenizer"  # asked for: it runs

@@ -118,7 +118,7 @@ def _data_vocab_size(class_path: str | None, args: dict[str, Any], path: str | P
         return None
     pad = args.get("pad_vocab_to", inspect.signature(cls).parameters["pad_vocab_to"].default)
     try:
-        return tokenizer_vocab_size(load_tokenizer(tokenizer), int(pad))
+        return tokenizer_vocab_size(load_tokenizer(tokenizer, args.get("trust_remote_code") is True), int(pad))
     except (OSError, ValueError, ImportError, TypeError) as err:
         raise LayoutError(f"--config {path}: data.init_args.tokenizer={tokenizer!r}: {err}") from err
 

@@ -109,8 +109,9 @@ def build_model(model: str | type | nn.Module | None = None, init_args: Mapping[
         if hf_config is not None:
             import transformers
 
-            config = transformers.AutoConfig.from_pretrained(str(hf_config))
-            return transformers.AutoModelForCausalLM.from_config(config)
+            # never the code a config directory may ship (transformers would ask "[y/N]" on a terminal)
+            config = transformers.AutoConfig.from_pretrained(str(hf_config), trust_remote_code=False)
+            return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
         if isinstance(model, nn.Module):
             obj = model
         else:

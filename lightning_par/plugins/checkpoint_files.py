@@ -37,7 +37,7 @@ MANIFEST = "manifest.json"
 SIDECAR = ".crc32.json"  # a one-file checkpoint's checksum: NAME + SIDECAR
 FORMAT = "lightning-par-checkpoint/1"
 _CHUNK = 16 << 20  # bytes read at a time for checksums
-_STARTED = time.time()  # partial checkpoints older than this process were left by a crash
+STARTED = time.time()  # partial checkpoints older than this process were left by a crash
 _UNCHECKED: set[Path] = set()  # one-file checkpoints without a checksum, warned about once each
 
 
@@ -105,8 +105,35 @@ def prepare(path: Path) -> None:
     remove(partial_path(path))
     if path.parent.is_dir():
         for stale in path.parent.glob("*.partial"):
-            if stale.lstat().st_mtime < _STARTED:
+            if stale.lstat().st_mtime < STARTED:
                 remove(stale)
+
+
+def save_failed(path: Path, error: BaseException, clean: bool = True) -> CheckpointError:
+    """The one-line error of a save of ``path`` that failed (a full disk, most often), naming the checkpoint, the
+    first failure and the space left; ``clean``: remove the interrupted save first (the rank that wrote it).
+
+    DCP's own error holds every rank's traceback (hundreds of lines) and torch.save's names only its zip writer
+    (``inline_container.cc: unexpected pos``); neither says which checkpoint."""
+    if clean:
+        try:
+            remove(partial_path(path))  # frees the space it took; the previous checkpoint was never touched
+        except OSError:
+            pass
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        rank, (error, _) = min(failures.items(), key=lambda item: item[0])
+        where = f" on rank {rank}"
+    else:
+        where = ""
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free on its disk"
+    except OSError:
+        free = ""
+    return CheckpointError(f"saving the checkpoint {path} failed{where} ({type(error).__name__}: {reason}){free}. "
+                           "The previous checkpoint is still the latest; free space there, or save elsewhere "
+                           "(--trainer.default_root_dir, ModelCheckpoint(dirpath=...)).")
 
 
 def write_synced(file: Path, data: bytes) -> None:

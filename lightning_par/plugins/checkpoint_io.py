@@ -35,11 +35,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         checkpoint_files.prepare(path)
         partial = checkpoint_files.partial_path(path)
-        with open(partial, "wb") as out:
-            torch.save(checkpoint, out)
-            out.flush()
-            os.fsync(out.fileno())
-        checkpoint_files.commit_file(partial, path)
+        try:
+            with open(partial, "wb") as out:
+                torch.save(checkpoint, out)
+                out.flush()
+                os.fsync(out.fileno())
+            checkpoint_files.commit_file(partial, path)
+        except (OSError, RuntimeError) as err:  # a full disk: torch.save's zip writer raises RuntimeError
+            raise checkpoint_files.save_failed(path, err) from None
 
     def load_checkpoint(self, path: Any, map_location: Callable | None = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -110,16 +110,19 @@ def save(checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Calla
     Every rank calls it; ``is_writer`` (one rank) writes the metadata and the manifest and renames the directory.
     ``path`` appears only when the checkpoint is complete; until then, an existing ``path`` stays loadable.
     """
-    partial, sharded = begin(checkpoint, path, is_writer, barrier)
-    dcp.save(sharded, checkpoint_id=partial)  # DCP fsyncs each file it writes (FileSystemWriter's sync_files)
-    # once dcp.save returns on any rank, every rank's files and DCP's .metadata are written: the ranks list the same
-    # files and checksum a share each (the page cache still holds them)
-    names = sorted(p.name for p in partial.iterdir() if p.is_file())
-    files: dict[str, dict[str, int]] = {}
-    for share in _all_gather(checkpoint_files.describe(partial, _share(names))):
-        files.update(share)
-    if is_writer:
-        finish(partial, path, files)
+    try:
+        partial, sharded = begin(checkpoint, path, is_writer, barrier)
+        dcp.save(sharded, checkpoint_id=partial)  # DCP fsyncs each file it writes (FileSystemWriter's sync_files)
+        # once dcp.save returns on any rank, every rank's files and DCP's .metadata are written: the ranks list the
+        # same files and checksum a share each (the page cache still holds them)
+        names = sorted(p.name for p in partial.iterdir() if p.is_file())
+        files: dict[str, dict[str, int]] = {}
+        for share in _all_gather(checkpoint_files.describe(partial, _share(names))):
+            files.update(share)
+        if is_writer:
+            finish(partial, path, files)
+    except (OSError, CheckpointException) as err:  # DCP raises on every rank once any rank's write failed
+        raise checkpoint_files.save_failed(path, err, clean=is_writer) from None
     barrier()
 
 

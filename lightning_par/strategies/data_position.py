@@ -58,6 +58,10 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
         loader = update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     elif not isinstance(sampler, DataParallelSampler):
         return _not_resumable(loader, f"has its own sampler ({_sampler_name(sampler)})")
+    if loader.drop_last and len(sampler) < loader.batch_size:  # Lightning: "No training batches", and exit 0
+        raise ValueError(f"the training DataLoader gives no batch: {len(sampler)} samples on each of "
+                         f"{sampler.num_replicas} data-parallel ranks, fewer than its batch_size={loader.batch_size} "
+                         "(drop_last=True). Use a smaller batch size, or more data.")
     position = DataPosition(trainer, sampler, loader.batch_size)
     # instance attributes: Lightning's `_Stateful` check (a Protocol) accepts them, and the loader keeps its class
     loader.state_dict = position.state_dict
@@ -195,6 +199,12 @@ class DataPosition:
                 f"{self.global_batch // self.sampler.num_replicas} x data-parallel size {self.sampler.num_replicas}). "
                 "Lightning counts the batches of the resumed epoch, so a mid-epoch resume needs the same global "
                 "batch: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
+        if not 0 <= consumed < self.sampler.total_size:  # the sampler would yield nothing: a silent skip of the epoch
+            checkpoint = getattr(self.trainer, "ckpt_path", None) or "The checkpoint"
+            raise ValueError(
+                f"{checkpoint}: its data position, {consumed} samples into epoch {epoch}, is not inside an epoch of "
+                f"this data ({self.sampler.total_size} samples): the checkpoint is damaged or from other data. "
+                "Resume from another checkpoint.")
         if consumed and (state["dataset_length"], state["shuffle"]) != (self.sampler.dataset_length,
                                                                          self.sampler.shuffle):
             _warnings.warn(
