@@ -268,6 +268,31 @@ def without_p2p_to_itself(stage: Any) -> Any:
     return stage
 
 
+_STAGE_INIT = "_initialize_pp_stages"
+
+
+def metadata_inference_without_anomaly(schedule: Any) -> Any:
+    """``schedule`` whose first-step metadata inference runs with autograd's anomaly mode off.
+
+    On its first step torch 2.13's schedule infers each stage's shapes by running the stage (and on the last stage
+    the loss, then backward) on tensors made with ``empty_strided``: uninitialised memory, which may hold NaN, so
+    under ``Trainer(detect_anomaly=True)`` that backward raises by chance ("LogSoftmaxBackward0 returned nan
+    values"). The real micro-batches still run under anomaly mode. A schedule without the method (another release)
+    is returned as it is."""
+    init = getattr(schedule, _STAGE_INIT, None)
+    if init is None:
+        return schedule
+
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        from torch.autograd import set_detect_anomaly
+
+        with set_detect_anomaly(False):
+            return init(*args, **kwargs)
+
+    setattr(schedule, _STAGE_INIT, quiet)
+    return schedule
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Lightning
 # ----------------------------------------------------------------------------------------------------------------------

@@ -290,3 +290,80 @@ class FitStartMemory(pl.Callback):
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None}))
         if self.stop:
             trainer.should_stop = True
+
+
+class PoisonAt(pl.Callback):
+    """A bad step at optimizer step ``step`` (the batch that starts with ``global_step == step``), on every rank:
+
+    - ``weight``: NaN written into one element of the first parameter this rank holds (it stays in the weights);
+    - ``activation``: the first ``nn.Linear``'s output made NaN for that batch only (that step's loss and gradients;
+      under gradient accumulation its first micro-batch);
+    - ``lr0``: the learning rate 0 for that step -- with plain SGD, a run without that step's update (a reference);
+    - ``weight_between``: NaN written into that weight at the end of the batch that made ``global_step == step``,
+      after its update and before the checkpoint callbacks run (a weight poisoned outside any step).
+    """
+
+    def __init__(self, step: int, what: str = "weight") -> None:
+        self.step, self.what = step, what
+        self._hook = None
+        self._lrs: list[float] = []
+        self._done = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or self._done:
+            return
+        self._done = True  # once: under gradient accumulation, the step's first micro-batch only
+        if self.what == "weight":
+            self._poison_weight(pl_module)
+        elif self.what == "activation":
+            linear = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Linear))
+            self._hook = linear.register_forward_hook(lambda module, args, out: out * float("nan"))
+        elif self.what == "lr0":
+            for group in trainer.optimizers[0].param_groups:
+                self._lrs.append(group["lr"])
+                group["lr"] = 0.0
+
+    @staticmethod
+    def _poison_weight(pl_module) -> None:
+        param = next(p for p in pl_module.parameters() if p.is_floating_point())
+        local = param.to_local() if hasattr(param, "to_local") else param
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.what == "weight_between" and trainer.global_step == self.step:
+            self._poison_weight(pl_module)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._lrs and trainer.global_step > self.step:
+            for group, lr in zip(trainer.optimizers[0].param_groups, self._lrs, strict=True):
+                group["lr"] = lr
+            self._lrs = []
+
+
+class UninitialisedIsNaN(pl.Callback):
+    """During the first training step, ``torch.empty_strided`` returns floating-point tensors filled with NaN: what
+    uninitialised memory may hold. torch's pipeline stages build their first step's metadata-inference inputs with
+    it, so a run that computes with such a tensor (and backpropagates under ``detect_anomaly``) fails every time
+    instead of by chance."""
+
+    def __init__(self) -> None:
+        self._original = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._original = original = torch.empty_strided
+
+        def nan_filled(*args, **kwargs):
+            out = original(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        torch.empty_strided = nan_filled
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._original is not None:
+            torch.empty_strided = self._original
+            self._original = None
+
+    on_exception = lambda self, trainer, pl_module, exception: self.on_train_batch_end(  # noqa: E731
+        trainer, pl_module, None, None, 0)

@@ -111,6 +111,8 @@ COMMANDS: dict[str, str] = {
         f"{PARSE}: two nodes (the pair of commands); tests/test_data_parallel.py launches 2 nodes x 2 ranks (full set)",
     # docs/faults.md
     "lightning-par fit --config configs/zero.yaml --trainer.strategy.heartbeat_timeout=30": RUN,
+    "lightning-par fit --config configs/zero.yaml --trainer.strategy.nonfinite=skip "
+    "--trainer.strategy.nonfinite_patience=5": RUN,
     # docs/plan.md
     "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 16 --hardware a100 "
     "--gpu-memory 40 --seq 4096 --global-batch 256 --json plan.json": RUN,

@@ -19,6 +19,9 @@ scheduler's SIGKILL -- while both keep beating, so the heartbeat cannot help. So
 
 A rank that never reaches the step boundary (frozen, or killed) is named by the heartbeat within its bound. The
 checkpoint a preemption saved is removed once the resumed run has saved a newer one.
+
+The same per-step flag carries the step's non-finite bits (:mod:`lightning_par.parallel.bad_steps`): one collective
+per optimizer step serves both.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_par.parallel.bad_steps import GRAD, LOSS, NonFiniteFlags, NonFiniteStop, describe, stop_message
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,7 @@ class PreemptionCheckpoint(Callback):
         self._stale: list[Path] = []  # checkpoints of earlier preemptions, removed after a newer save commits
         self._newest_at_start = ""
         self._pending: Preempted | None = None
+        self._agreed_before_step: tuple[int, int, int, int] | None = None  # under nonfinite="skip" (see agree_now)
 
     # -- the handler ----------------------------------------------------------------------------------------------
     def _handler(self, signum: int, frame: Any) -> None:
@@ -98,21 +104,26 @@ class PreemptionCheckpoint(Callback):
     # -- the step boundary ------------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        flags = _flags(trainer)
         step = trainer.global_step
         if step == self._checked_step:  # inside gradient accumulation: no optimizer step yet
+            if flags is not None:  # (the micro-batch that steps is checked in the strategy's optimizer_step)
+                flags.add_loss(outputs.get("loss") if isinstance(outputs, dict) else outputs)
             return
         self._checked_step = step
-        if 0 <= trainer.max_steps <= step:
-            return  # the run ends here anyway, with its own last checkpoint and exit 0
         newest = _newest_saved(trainer)
         if self._stale and newest != self._newest_at_start and Path(newest).exists():
             for path in self._stale:  # a newer checkpoint exists: the preemption's is no longer the last good one
                 trainer.strategy.remove_checkpoint(path)
             self._stale = []
-        agreed = self._agree(trainer)
+        agreed, self._agreed_before_step = self._agreed_before_step, None
         if agreed is None:
-            return
-        who, signum = agreed
+            agreed = self._agree(trainer, *(flags.local_lagged() if flags is not None else (0, 0)))
+        who, signum, loss_rank, grad, lag = agreed
+        if flags is not None:
+            self._check_nonfinite(trainer, flags, step - lag - 1, loss_rank, grad)  # the step as logged
+        if signum == 0 or 0 <= trainer.max_steps <= step:
+            return  # no signal; or the run ends here anyway, with its own last checkpoint and exit 0
         directory = _checkpoint_dir(trainer) or Path(trainer.default_root_dir) / "checkpoints"
         path = directory / f"{PREFIX}-epoch={trainer.current_epoch}-step={step}.ckpt"
         trainer.save_checkpoint(path)
@@ -124,6 +135,28 @@ class PreemptionCheckpoint(Callback):
         # raised at the next hook, not here: Lightning logs this step's metrics right after this hook
         self._pending = Preempted(message, path)
 
+    def _check_nonfinite(self, trainer: Trainer, flags: NonFiniteFlags, step: int, loss_rank: int,
+                         grad: int) -> None:
+        """Count agreed bad steps in a row; stop every rank once there are ``patience`` of them."""
+        if not (loss_rank or grad):
+            flags.consecutive = 0
+            return
+        flags.consecutive += 1
+        if flags.consecutive < flags.patience:
+            return
+        message = stop_message(step, describe(loss_rank, bool(grad)), flags,
+                               getattr(trainer.strategy, "last_finite_checkpoint", None))
+        if trainer.is_global_zero:
+            print(message, flush=True)
+        raise NonFiniteStop(message)
+
+    def agree_now(self, trainer: Trainer) -> tuple[int, int]:
+        """Under ``nonfinite="skip"``: the step's flag, agreed after backward and before the optimizer step (a host
+        sync on a GPU) and kept for this step's end; returns ``(loss_rank, grad)``."""
+        flags = _flags(trainer)
+        self._agreed_before_step = self._agree(trainer, flags.local_now() if flags is not None else 0, 0)
+        return self._agreed_before_step[2], self._agreed_before_step[3]
+
     def _stop(self, *args: Any) -> None:
         """The next hook after the save (the next batch, a validation due, the epoch's or the fit's end)."""
         if self._pending is not None:
@@ -131,15 +164,23 @@ class PreemptionCheckpoint(Callback):
 
     on_train_batch_start = on_validation_start = on_train_epoch_end = _stop
 
-    def _agree(self, trainer: Trainer) -> tuple[int, int] | None:
-        """``(rank, signal)`` of a rank that received a signal (the highest such rank), agreed by every rank;
-        ``None`` if none did. One int64 all-reduced (MAX): ``(rank + 1) * 256 + signal``, or 0."""
-        mine = (trainer.global_rank + 1) * 256 + self.received[0] if self.received is not None else 0
+    def _agree(self, trainer: Trainer, bits: int, lag: int) -> tuple[int, int, int, int, int]:
+        """``(rank, signal, loss_rank, grad, lag)`` agreed by every rank: the highest rank that received a signal
+        and the signal (``(-1, 0)`` if none did); ``rank + 1`` of the highest rank whose loss was not finite (0 if
+        none); 1 if a gradient norm was not finite; ``lag``, the steps the non-finite bits are late by. One
+        all-reduce (MAX) of three int64: ``(rank + 1) * 256 + signal`` or 0, and the two non-finite fields."""
+        mine = [(trainer.global_rank + 1) * 256 + self.received[0] if self.received is not None else 0,
+                trainer.global_rank + 1 if bits & LOSS else 0, 1 if bits & GRAD else 0, lag]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            flag = torch.tensor([mine], dtype=torch.int64, device=_flag_device(trainer))
+            flag = torch.tensor(mine, dtype=torch.int64, device=_flag_device(trainer))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            mine = int(flag.item())
-        return (mine // 256 - 1, mine % 256) if mine else None
+            mine = [int(v) for v in flag.tolist()]
+        code, loss_rank, grad, lag = mine
+        return code // 256 - 1, code % 256, loss_rank, grad, lag
+
+
+def _flags(trainer: Trainer) -> NonFiniteFlags | None:
+    return getattr(trainer.strategy, "nonfinite_flags", None)
 
 
 def _flag_device(trainer: Trainer) -> torch.device:

@@ -385,6 +385,17 @@ def write_safetensors(out: Path, tensors: Mapping[str, tuple[torch.Size, torch.d
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # padded as safetensors pads it: the data starts 8-byte aligned
     partial = out.with_name(out.name + ".partial")
+    try:
+        _write_data(partial, blob, order, tensors, tensor)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # never a half-written file, e.g. after a non-finite tensor was refused
+        raise
+    os.replace(partial, out)
+    return offset
+
+
+def _write_data(partial: Path, blob: bytes, order: list[str], tensors: Mapping[str, tuple[torch.Size, torch.dtype]],
+                tensor: Callable[[str], AbstractContextManager[Tensor]]) -> None:
     with open(partial, "wb") as file:
         file.write(struct.pack("<Q", len(blob)))
         file.write(blob)
@@ -398,10 +409,15 @@ def write_safetensors(out: Path, tensors: Mapping[str, tuple[torch.Size, torch.d
                 flat = value.detach().contiguous().reshape(-1)
                 step = max(1, flat.numel() if value.dtype == dtype else _CAST_PIECE // value.element_size())
                 for start in range(0, flat.numel(), step):
-                    file.write(flat[start:start + step].to(dtype).view(torch.uint8).numpy())
+                    piece = flat[start:start + step]
+                    if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                        raise CheckpointError(
+                            f"{name} holds non-finite values ({int(flat.isnan().sum())} NaN, "
+                            f"{int(flat.isinf().sum())} inf of {flat.numel()}): refused to export it. The run that "
+                            "saved this checkpoint diverged; export an earlier checkpoint (lightning-par never saves "
+                            "non-finite weights over the last finite ones, see docs/faults.md).")
+                    file.write(piece.to(dtype).view(torch.uint8).numpy())
                 del value, flat  # before the next tensor is read
-    os.replace(partial, out)
-    return offset
 
 
 @dataclass

@@ -43,6 +43,7 @@ from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
 from lightning_par.parallel import context_parallel, shutdown
+from lightning_par.parallel.bad_steps import CheckpointGuard, NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
@@ -50,7 +51,6 @@ from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
-from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
@@ -59,6 +59,7 @@ from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_
 from lightning_par.parallel.pipeline.fsdp import stage_blocks
 from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
+from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_packed_layout, check_tp_plan
 from lightning_par.parallel.zero import ZeroPartitioner
@@ -117,6 +118,12 @@ class LayoutStrategy(ParallelStrategy):
         async_save: sharded layouts: write checkpoints in the background with DCP's ``async_save`` (training stalls
             only for the copy to host memory); committed atomically when complete, at most one in flight, an error
             raised at the next save or at teardown (:mod:`lightning_par.plugins.async_checkpoint`).
+        nonfinite: what a step whose loss or gradient norm is not finite does, agreed on every rank in the per-step
+            flag (:mod:`lightning_par.parallel.bad_steps`): ``"stop"`` ends the run naming the step (no host sync;
+            on a GPU one step late); ``"skip"`` discards the step's gradients (a host sync per step on a GPU).
+            Either way a checkpoint with non-finite weights is refused and never replaces the last finite one.
+        nonfinite_patience: consecutive non-finite steps before the run stops: default 1 under ``"stop"``, 10 under
+            ``"skip"``.
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``; leave unset.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``; leave unset.
         cluster_environment: set by the Trainer (Lightning, torchrun, SLURM, ...); leave unset.
@@ -149,6 +156,8 @@ class LayoutStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        nonfinite: str = "stop",
+        nonfinite_patience: int | None = None,
         compile: bool | dict[str, Any] = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -179,6 +188,9 @@ class LayoutStrategy(ParallelStrategy):
                               "or pp) saves one file. Use a ZeRO stage 1-3, tp or pp layout, or Lightning's "
                               "AsyncCheckpointIO plugin for one-file checkpoints.")
         self._async_save = async_save
+        self.nonfinite_flags = NonFiniteFlags(nonfinite, check_policy(nonfinite, nonfinite_patience))
+        self._checkpoint_guard = CheckpointGuard()
+        self._run_guard: PreemptionCheckpoint | None = None
         self.compile_options = CompileOptions.of(compile)  # checked here, in the launching process
         self.compiler: BlockCompiler | None = None  # the blocks' compiler and its counts (from setup)
         self._async: AsyncSaver | None = None
@@ -391,6 +403,9 @@ class LayoutStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM: agreed, saved, exit 75 (preemption.py)
+        self._run_guard = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+        # under 16-mixed the gradient scaler skips overflowing steps itself: only the loss is checked
+        self.nonfinite_flags.check_grads = self.precision_plugin.precision != "16-mixed"
         if self._applied():
             self._setup_again(trainer, fitting)
             return
@@ -898,9 +913,38 @@ class LayoutStrategy(ParallelStrategy):
         self._gradient_sync.after_backward()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        flags = self.nonfinite_flags
+
+        def checked() -> Any:
+            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
+            result = closure()
+            flags.add_loss(result)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            flags.add_grads(self._gradient_sync.norm_grads(params))
+            return result
+
+        if flags.policy == "skip" and self._run_guard is not None:
+            result = checked()
+            assert self.lightning_module is not None
+            if any(self._run_guard.agree_now(self.lightning_module.trainer)):
+                self._skip_step(optimizer)
+                return result
+            output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        else:
+            output = super().optimizer_step(optimizer, checked, model, **kwargs)
         self._gradient_sync.after_step()
         return output
+
+    def _skip_step(self, optimizer: Any) -> None:
+        """Discard a non-finite step's gradients on every rank (agreed): the optimizer does not step."""
+        optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_flags.skipped += 1
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        for logger in trainer.loggers:  # loggers write on rank 0 only
+            logger.log_metrics({"train/skipped_steps": float(self.nonfinite_flags.skipped)}, step=trainer.global_step)
+        rank_zero_info(f"lightning-par: step {trainer.global_step}: non-finite loss or gradient norm; the step's "
+                       f"gradients were discarded on every rank ({self.nonfinite_flags.skipped} skipped so far)")
 
     # ----------------------------------------------------------------------------------------------------------------
     # Collectives used by Lightning (logging, checkpoint paths, early stopping)
@@ -989,7 +1033,14 @@ class LayoutStrategy(ParallelStrategy):
         if not self._restored_here:
             super().load_optimizer_state_dict(checkpoint)
 
+    @property
+    def last_finite_checkpoint(self) -> str | None:
+        """The newest checkpoint this run saved with finite weights (None before the first)."""
+        return self._checkpoint_guard.last_finite
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.lightning_module is not None and not self._checkpoint_guard.allow(self, filepath):
+            return  # non-finite weights never replace the last finite checkpoint (a warning named the step)
         if not self.layout.sharded_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
@@ -1026,6 +1077,8 @@ class LayoutStrategy(ParallelStrategy):
 
     def _link_last(self, trainer: Trainer, filepath: str, linkpath: str) -> None:
         """Point ``linkpath`` at ``filepath`` atomically, once ``filepath`` is committed (at once for a sync save)."""
+        if self._checkpoint_guard.refused is not None:
+            return  # refused (non-finite): ``last`` keeps naming the last finite checkpoint
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             if self._async is not None:
                 self._async.link(Path(filepath), Path(linkpath))
@@ -1034,6 +1087,8 @@ class LayoutStrategy(ParallelStrategy):
         self.barrier()
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self._checkpoint_guard.refused is not None:
+            return  # the newest save was refused: what is on disk may be the last finite checkpoint
         if self.is_global_zero:
             if self._async is not None:
                 self._async.remove(Path(filepath))  # after the save in flight commits
@@ -1041,7 +1096,7 @@ class LayoutStrategy(ParallelStrategy):
                 sharded_checkpoint.remove(Path(filepath))
 
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, Preempted):  # every rank stopped at the same step, saved: not a failure
+        if isinstance(exception, (Preempted, NonFiniteStop)):  # every rank stopped at the same step: agreed
             super().on_exception(exception)
             return
         # a rank that fails says so, and the others stop at once naming it (a rank that died is already reported by

@@ -62,6 +62,8 @@ class PipelineStrategy(LayoutStrategy):
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.
         async_save: write checkpoints in the background (DCP ``async_save``).
+        nonfinite, nonfinite_patience: a non-finite loss or gradient norm: ``"stop"`` or ``"skip"`` (see
+            :class:`~lightning_par.strategies.engine.LayoutStrategy`).
         compile: ``torch.compile`` each block in place: ``True``, or a dict of options (``backend``, ``mode``,
             ``fullgraph``, ``dynamic``, ``options``) or a ``CompileOptions``; see ``lightning_par.parallel.compile``.
         checkpoint_io: a CheckpointIO plugin for one-file checkpoints; default atomic writes.
@@ -92,6 +94,7 @@ class PipelineStrategy(LayoutStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        nonfinite: str = "stop", nonfinite_patience: int | None = None,
         compile: bool | dict[str, Any] = False,
         checkpoint_io: Any = None,
     ) -> None:
@@ -100,7 +103,8 @@ class PipelineStrategy(LayoutStrategy):
             offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, stage_costs=stage_costs, recompute=recompute, bucket_cap_mb=bucket_cap_mb,
             block_types=block_types, process_group_backend=process_group_backend, timeout=timeout,
-            heartbeat_timeout=heartbeat_timeout, async_save=async_save, compile=compile, checkpoint_io=checkpoint_io,
+            heartbeat_timeout=heartbeat_timeout, async_save=async_save,
+            nonfinite=nonfinite, nonfinite_patience=nonfinite_patience, compile=compile, checkpoint_io=checkpoint_io,
         )
 
     @classmethod

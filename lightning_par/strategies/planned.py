@@ -172,8 +172,9 @@ class PlannedStrategy(LayoutStrategy):
         optimizer: what the planner counts states for (``adamw``, ``sgd``, ``sgd_momentum``; default: AdamW).
         seq_len: the sequence length to plan for (default: the datamodule's ``seq_len``, else the model's longest).
         block_types, offload_optimizer, bucket_cap_mb, process_group_backend, timeout, heartbeat_timeout,
-        async_save, checkpoint_io: as :class:`~lightning_par.strategies.engine.LayoutStrategy` (async_save: with
-        a layout that saves sharded checkpoints; one that does not is then an error at launch).
+        async_save, nonfinite, nonfinite_patience, checkpoint_io: as
+        :class:`~lightning_par.strategies.engine.LayoutStrategy` (async_save: with a layout that saves sharded
+        checkpoints; one that does not is then an error at launch).
 
     Example::
 
@@ -189,7 +190,8 @@ class PlannedStrategy(LayoutStrategy):
                  block_types: list[str] | None = None, offload_optimizer: bool = False,
                  bucket_cap_mb: float = 25.0, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, heartbeat_timeout: float | None = 60.0,
-                 async_save: bool = False, checkpoint_io: Any = None, accelerator: Any = None,
+                 async_save: bool = False, nonfinite: str = "stop",
+                 nonfinite_patience: int | None = None, checkpoint_io: Any = None, accelerator: Any = None,
                  parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
                  precision_plugin: Any = None) -> None:
         if gpu_memory is not None and not (isinstance(gpu_memory, (int, float)) and 0 < gpu_memory < math.inf):
@@ -199,7 +201,8 @@ class PlannedStrategy(LayoutStrategy):
         super().__init__(block_types=block_types, offload_optimizer=offload_optimizer, bucket_cap_mb=bucket_cap_mb,
                          process_group_backend=process_group_backend, timeout=timeout,
                          heartbeat_timeout=heartbeat_timeout, zero_stage=1 if async_save else 0,
-                         async_save=async_save, checkpoint_io=checkpoint_io, accelerator=accelerator,
+                         async_save=async_save, nonfinite=nonfinite, nonfinite_patience=nonfinite_patience,
+                         checkpoint_io=checkpoint_io, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          precision_plugin=precision_plugin)
         self.plan_options = dict(gpu_memory=gpu_memory, hardware=hardware, zero_stages=tuple(zero_stages),

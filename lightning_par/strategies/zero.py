@@ -40,6 +40,8 @@ class ZeroStrategy(LayoutStrategy):
         heartbeat_timeout: seconds after which a rank that died or froze is named and the others stop (exit 75);
             ``None`` or 0: off.
         async_save: stages 1-3: write checkpoints in the background (DCP ``async_save``).
+        nonfinite, nonfinite_patience: a non-finite loss or gradient norm: ``"stop"`` or ``"skip"`` (see
+            :class:`~lightning_par.strategies.engine.LayoutStrategy`).
         compile: ``torch.compile`` each block in place: ``True``, or a dict of options (``backend``, ``mode``,
             ``fullgraph``, ``dynamic``, ``options``) or a ``CompileOptions``; see ``lightning_par.parallel.compile``.
         checkpoint_io: a CheckpointIO plugin for stage 0's one-file checkpoints; default atomic writes.
@@ -64,6 +66,7 @@ class ZeroStrategy(LayoutStrategy):
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
         async_save: bool = False,
+        nonfinite: str = "stop", nonfinite_patience: int | None = None,
         compile: bool | dict[str, Any] = False,
         checkpoint_io: Any = None,
     ) -> None:
@@ -71,7 +74,8 @@ class ZeroStrategy(LayoutStrategy):
             dp="auto", tp=1, pp=1, zero_stage=stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, recompute=recompute, bucket_cap_mb=bucket_cap_mb,
             block_types=block_types, process_group_backend=process_group_backend, timeout=timeout,
-            heartbeat_timeout=heartbeat_timeout, async_save=async_save, compile=compile, checkpoint_io=checkpoint_io,
+            heartbeat_timeout=heartbeat_timeout, async_save=async_save,
+            nonfinite=nonfinite, nonfinite_patience=nonfinite_patience, compile=compile, checkpoint_io=checkpoint_io,
         )
 
     @property

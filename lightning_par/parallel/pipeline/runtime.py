@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import without_p2p_to_itself
+from lightning_par._compat import metadata_inference_without_anomaly, without_p2p_to_itself
 from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import split_batch
@@ -263,6 +263,7 @@ class PipelineRuntime:
             # several Lightning batches; the loss is scaled instead
             self.schedule = schedule_cls(stages, n_microbatches=plan.n_microbatches, loss_fn=scaled_loss,
                                          scale_grads=False)
+            metadata_inference_without_anomaly(self.schedule)  # detect_anomaly: its inputs are uninitialised
         except ValueError as err:  # raised alike on every rank, before any communication
             raise LayoutError(f"pipeline schedule {plan.schedule!r} with pp={self.pp}, n_microbatches="
                               f"{plan.n_microbatches}, virtual_stages={plan.virtual_stages}: {err}") from err
