@@ -101,9 +101,6 @@ class SignalAt(pl.Callback):
     """Send ``sig`` to this process on ``rank`` at optimizer step ``step`` (``moment``: where), only in the job's
     attempt ``attempt`` (torchrun's restart count). Its time goes to ``path``."""
 
-    def __init__(self, rank: int, step: int, path: str, sig: str = "SIGTERM", attempt: int | None = 0) -> None:
-        self.rank, self.step, self.path, self.sig, self.attempt = rank, step, path, getattr(signal, sig), attempt
-
     # moments: ``step`` (after backward, before the optimizer), ``save`` (inside a checkpoint save, before its files
     # are written: they are then written, and the ranks meet at the save's barriers, with the signal pending),
     # ``after_save`` (the start of the step after a save: an async save is then still being written)

@@ -396,14 +396,15 @@ def test_deferred_materialisation_places_parameters_buffers_and_metric_states():
     assert holder.metric.device == device and holder.metric.mean_value.device == device
     reference = _Perplexity()
     reference.record.materialize(reference)  # every tensor on the host: the same values as one process builds
-    for (name, got), want in zip(holder.model.named_parameters(), reference.model.parameters()):
+    for (name, got), want in zip(holder.model.named_parameters(), reference.model.parameters(), strict=True):
         assert torch.equal(got, want), name
 
 
 def test_offloaded_zero3_owners_keep_parameters_on_host():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     from lightning_par.parallel import gradient_sync
     from lightning_par.parallel.host_memory import fsdp_offload_policy
-    from torch.distributed.fsdp import CPUOffloadPolicy
 
     mesh = type("Mesh", (), {"device_type": "cuda"})()
     assert gradient_sync.FSDPSync(mesh, shard=True, offload=True).parameters_on_host

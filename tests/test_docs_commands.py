@@ -77,6 +77,9 @@ COMMANDS: dict[str, str] = {
     "--layout dp=2,tp=2,pp=2": RUN,
     "lightning-par export lightning_logs/demo/version_0/checkpoints/last.ckpt model.safetensors":
         f"{PARSE}: needs the demo's checkpoint; tests/test_restart.py runs it as written (full set)",
+    "lightning-par export lightning_logs/demo/version_0/checkpoints/last.ckpt model.ckpt":
+        f"{PARSE}: needs the demo's checkpoint; tests/test_lightning_contract.py exports a sharded checkpoint to one "
+        "Lightning file and loads it with load_from_checkpoint and ddp",
     "lightning-par export last.ckpt hf_out --hf --model-class lightning_par.examples.HFLlamaLightningModule":
         f"{PARSE}: placeholder checkpoint; tests/test_export.py exports Hugging Face directories",
     "lightning-par fit --config configs/zero.yaml --trainer.strategy=zero3": RUN,

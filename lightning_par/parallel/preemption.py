@@ -128,8 +128,8 @@ class PreemptionCheckpoint(Callback):
         path = directory / f"{PREFIX}-epoch={trainer.current_epoch}-step={step}.ckpt"
         trainer.save_checkpoint(path)
         message = (f"lightning-par: {signal.Signals(signum).name} (received by rank {who}): stopped after step {step} "
-                   f"on every rank; saved {path}; exit code {EXIT_CODE}, so torchrun --max-restarts or a SLURM requeue starts "
-                   "the next attempt, which resumes from it")
+                   f"on every rank; saved {path}; exit code {EXIT_CODE}, so torchrun --max-restarts or a SLURM "
+                   "requeue starts the next attempt, which resumes from it")
         if trainer.is_global_zero:
             print(message, flush=True)
         # raised at the next hook, not here: Lightning logs this step's metrics right after this hook
