@@ -95,6 +95,19 @@ def restart_count() -> tuple[str, int] | None:
     return None
 
 
+def launched_nodes() -> tuple[int, str] | None:
+    """``(nodes, where)``: how many nodes the launcher started this attempt on -- torchrun's ``WORLD_SIZE /
+    LOCAL_WORLD_SIZE`` (an elastic ``--nnodes=MIN:MAX`` rendezvous may give fewer or more than the last attempt),
+    SLURM's ``SLURM_NNODES`` (a requeue may get another count) -- or ``None`` outside them."""
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if "TORCHELASTIC_RUN_ID" in os.environ and world.isdigit() and local.isdigit() and int(local) > 0:
+        return int(world) // int(local), f"torchrun: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}"
+    nnodes = os.environ.get("SLURM_NNODES", "")
+    if "SLURM_NTASKS" in os.environ and nnodes.isdigit():
+        return int(nnodes), f"SLURM_NNODES={nnodes}"
+    return None
+
+
 class LightningParCLI(LightningCLI):
     """LightningCLI with throughput and learning-rate logging always on, and a demo report after ``fit``."""
 
@@ -135,6 +148,12 @@ class LightningParCLI(LightningCLI):
             every = self._get(self.config_init, "checkpoint_every_n_steps", default=500)
             kwargs["callbacks"] = [*callbacks, RunCheckpoint(every_n_train_steps=every)]
         kwargs.update(self._logging_defaults(config, kwargs.get("callbacks", callbacks)))
+        launched = launched_nodes()
+        if launched is not None and launched[0] != config.get("num_nodes", 1):
+            # an elastic attempt (docs/elastic.md): the ranks there are decide, the layout is re-derived for them
+            rank_zero_info(f"lightning-par: this attempt runs on {launched[0]} node(s) ({launched[1]}), not the "
+                           f"--trainer.num_nodes={config.get('num_nodes', 1)} given: using {launched[0]}")
+            kwargs["num_nodes"] = launched[0]
         trainer = super().instantiate_trainer(**kwargs)
         self._no_hp_metric(trainer)
         return trainer

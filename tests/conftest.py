@@ -153,6 +153,8 @@ FULL_ONLY_TESTS = (
     "tests/test_context_parallel.py::test_a_model_with_local_positions_is_refused_at_setup_on_every_rank",
     "tests/test_compile.py::test_split_backward_weight_gradients_are_exact_with_inductor",  # a cold inductor compile
     "tests/test_peers.py::test_every_pair_trains_alike",  # 8 launches, about 90 s
+    "tests/test_elastic.py::test_a_run_resumed_on_another_world_size",  # 3 launches (4, 2, 4 ranks), about 2 min
+    "tests/test_elastic.py::test_two_torchrun_agents_one_lost",  # a reference, 2 agents, a SLURM requeue
 )
 
 
