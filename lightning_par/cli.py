@@ -219,18 +219,22 @@ class LightningParCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         given = config.get("ckpt_path")
         restarted = restart_count() if self.subcommand == "fit" else None
+        what = f"restart {restarted[1]} of this job ({restarted[0]}={restarted[1]})" if restarted else ""
+        if restarted is None and self.subcommand == "fit" and self._rejoined():
+            restarted = ("TORCHELASTIC_RUN_ID", 0)
+            what = ("restart of this job after a node joined (torchrun restarts without counting: the run's last "
+                    "step was recorded under this TORCHELASTIC_RUN_ID)")
         if restarted is not None:
-            variable, count = restarted
             run_dirs = self._continue_run()
             found = newest_complete(run_dirs)
             where = " or ".join(str(d) for d in run_dirs) or "(no checkpoint directory)"
             if found is not None:
-                rank_zero_info(f"lightning-par: restart {count} of this job ({variable}={count}): resuming from "
-                               f"{found}, the newest complete checkpoint in {where}")
+                rank_zero_info(f"lightning-par: {what}: resuming from {found}, the newest complete checkpoint in "
+                               f"{where}")
                 config["ckpt_path"] = str(found)
                 return
-            rank_zero_info(f"lightning-par: restart {count} of this job ({variable}={count}): no complete checkpoint "
-                           f"in {where} yet; starting from {given or 'scratch'}")
+            rank_zero_info(f"lightning-par: {what}: no complete checkpoint in {where} yet; starting from "
+                           f"{given or 'scratch'}")
         if given != "last":
             return
         found = newest_complete(self._checkpoint_dirs(every_version=True))
@@ -244,6 +248,18 @@ class LightningParCLI(LightningCLI):
             return
         rank_zero_info(f"lightning-par: --ckpt_path=last is {found}")
         config["ckpt_path"] = str(found)
+
+    def _rejoined(self) -> bool:
+        """A torchrun attempt restarted by a membership change (a node joined; its restart count stays 0): the
+        newest version directory's last step was recorded under this job's ``TORCHELASTIC_RUN_ID``."""
+        from lightning_par.strategies.elastic import same_torchelastic_job
+
+        root = self._logger_root()
+        if root is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return False
+        numbered = (re.fullmatch(r"version_(\d+)", d.name) for d in root.glob("version_*") if d.is_dir())
+        versions = [int(m.group(1)) for m in numbered if m]
+        return bool(versions) and same_torchelastic_job(root / f"version_{max(versions)}")
 
     def _continue_run(self) -> list[Path]:
         """On a restart: write into the newest version directory of the logger name (the run this job started,

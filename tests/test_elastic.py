@@ -79,9 +79,16 @@ def test_another_loader_global_batch_keeps_the_step_batch_and_the_position(tmp_p
     line = re.search(r"lightning-par: attempt on 1 ranks \(the checkpoint's: 1\).*", caplog.text)
     assert line and "accumulate_grad_batches=2" in line.group(0) and f"at step {SAVE_EVERY}" in line.group(0)
     assert line.group(0).endswith("steps lost: 13")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with pytest.raises(ValueError, match=r"no accumulation reaches 8\. The nearest global batches are 6 "
-                                         r"\(accumulate_grad_batches=2\) or 9 \(accumulate_grad_batches=3\)"):
+    events = EventAccumulator(str(tmp_path / "full" / "tb" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    (entry,) = events.Tensors("elastic/attempt/text_summary")  # the same line, at the resumed step
+    assert entry.step == SAVE_EVERY and entry.tensor_proto.string_val[0].decode() == line.group(0)
+
+    with pytest.raises(ValueError, match=r"no accumulation reaches 8: the nearest global batches are 6 "
+                                         r"\(accumulate_grad_batches=2\) or 9 \(accumulate_grad_batches=3\).*keep "
+                                         r"8, give a per-rank batch of 1, 2, 4, 8 "):
         _fit(tmp_path / "three", 3, ckpt=str(step5), keep=False)
 
     old = torch.load(step5, weights_only=False)
@@ -121,12 +128,18 @@ def _steps(root, name, times=False):
     return steps, data["accumulate"]
 
 
-@pytest.mark.parametrize(("resumed", "source", "first", "accumulate"),
-                         [("zero3_dp4_to_dp2", "zero3_dp4", SAVE_EVERY, 2),
-                          ("zero3_dp2_back_to_dp4", "zero3_dp4", 10, 1),
-                          ("dp2_tp2_to_tp2", "dp2_tp2", SAVE_EVERY, 2)])
-def test_a_run_resumed_on_another_world_size_is_the_same_run(elastic_runs, resumed, source, first, accumulate):
+@pytest.mark.parametrize(("resumed", "source", "first", "accumulate", "attempt"),
+                         [("zero3_dp4_to_dp2", "zero3_dp4", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
+                           "dp=2 x tp=1 x pp=1"),
+                          ("zero3_dp2_back_to_dp4", "zero3_dp4", 10, 1, "on 4 ranks (the checkpoint's: 2); layout "
+                           "dp=4 x tp=1 x pp=1"),
+                          ("dp2_tp2_to_tp2", "dp2_tp2", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
+                           "dp=1 x tp=2 x pp=1")])
+def test_a_run_resumed_on_another_world_size_is_the_same_run(elastic_runs, resumed, source, first, accumulate,
+                                                             attempt):
     root, _ = elastic_runs
+    logs = "".join(p.read_text() for p in root.glob("launch_*.log"))
+    assert f"lightning-par: attempt {attempt}" in logs and f"step={first}.ckpt at step {first}" in logs
     full, _ = _steps(root, source)
     after, acc = _steps(root, resumed)
     assert acc == accumulate and sorted(after) == list(range(first, MAX_STEPS))
@@ -265,7 +278,7 @@ def test_a_world_too_small_for_the_model_names_the_smallest_that_fits():
         plan_layouts(model, Budget(2, 2, 1e-6), search=False, **args)
     least_on_two = float(re.search(r"needs ([\d.e-]+) GiB per rank", str(nothing.value)).group(1))
     with pytest.raises(LayoutError, match=r"on 2 ranks: .* The smallest world that fits: 4 ranks \(dp"):
-        plan_layouts(model, Budget(2, 2, least_on_two * 0.99), **args)
+        plan_layouts(model, Budget(2, 2, least_on_two * 0.99), search=True, **args)
 
 
 def test_a_layout_that_cannot_fit_the_new_world_is_refused_with_what_would():
@@ -279,3 +292,17 @@ def test_a_layout_that_cannot_fit_the_new_world_is_refused_with_what_would():
                                           r"pp=2 \(dp=1\), tp=2 x pp=1 \(dp=1\), tp=1 x pp=1 \(dp=2\); or "
                                           r"--trainer.strategy=planned"):
         Trainer(accelerator="cpu", devices=2, strategy=Hybrid3DStrategy(tp=2, pp=2), logger=False)
+
+
+def test_a_node_that_joins_restarts_with_count_0_and_still_continues_the_run(tmp_path, monkeypatch):
+    """torchrun restarts the workers when a node joins without counting a restart (TORCHELASTIC_RESTART_COUNT=0): the
+    attempt knows it continues the run when the run's last step was recorded under the same TORCHELASTIC_RUN_ID."""
+    from lightning_par.strategies.elastic import PROGRESS_FILE, same_torchelastic_job
+
+    (tmp_path / PROGRESS_FILE).write_text(json.dumps({"step": 7, "torchelastic_run_id": "job-a"}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    assert same_torchelastic_job(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")  # another job: a new run
+    assert not same_torchelastic_job(tmp_path)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert not same_torchelastic_job(tmp_path) and not same_torchelastic_job(tmp_path / "missing")

@@ -208,7 +208,7 @@ class DataPosition:
                     f"{self.batch_size} x data-parallel size {self.sampler.num_replicas}), and the checkpoint (an "
                     "older one) does not say its gradient accumulation, so the samples per optimizer step cannot be "
                     "kept: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
-            if consumed and not state["epoch_ended"]:
+            if consumed:  # mid-epoch, or at the end of the epoch Lightning resumes into
                 elastic.rewrite_batch_counters(self.trainer, consumed, int(state["global_batch"]), self.global_batch)
         elastic.report_attempt(self.trainer, state, accumulate)
         if state["epoch_ended"]:  # Lightning resumes at the end of this epoch: nothing of it is left

@@ -13,6 +13,7 @@ with the steps lost since the checkpoint (what :class:`AttemptProgress` recorded
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,11 @@ def step_batch_problem(step_batch: int, loader_global: int, per_rank: int, dp: i
     nearest = sorted({n for n in (below, below + loader_global) if n > 0})
     offers = " or ".join(f"{n} (accumulate_grad_batches={n // loader_global})" for n in nearest)
     per_rank_ok = [b for b in range(1, step_batch // dp + 1) if step_batch % (b * dp) == 0]
+    batches = ", ".join(map(str, per_rank_ok)) or "(none: change the ranks)"
     return (f"the checkpoint trained with {step_batch} samples per optimizer step; this run draws {loader_global} per "
             f"loader batch (per-rank batch {per_rank} x data-parallel size {dp}), and no accumulation reaches "
-            f"{step_batch}. The nearest global batches are {offers}: to train on with one of them, resume with that "
-            "accumulate_grad_batches from a checkpoint saved at an epoch's end; to keep it, give a per-rank batch of "
-            f"{', '.join(map(str, per_rank_ok)) or 'none: change the ranks'} (a multiple of it x {dp} makes "
-            f"{step_batch}).")
+            f"{step_batch}: the nearest global batches are {offers}, which would change what the run computes. To "
+            f"keep {step_batch}, give a per-rank batch of {batches} (data.batch_size; the accumulation then follows).")
 
 
 def layouts_for(world: int, tp: int, pp: int, cp: int = 1) -> str:
@@ -90,9 +90,10 @@ def rewrite_batch_counters(trainer: Any, consumed: int, old_global: int, new_glo
 PROGRESS_FILE = "lightning_par_progress.json"
 
 
-def _run_dir(trainer: Any) -> Path:
-    logger = trainer.logger
-    return Path(getattr(logger, "log_dir", None) or trainer.default_root_dir)
+def _run_dir(trainer: Any) -> Path | None:
+    """The first logger's run directory (``None`` without a logger: nothing is written to the working directory)."""
+    log_dir = getattr(trainer.logger, "log_dir", None)
+    return Path(log_dir) if log_dir else None
 
 
 class AttemptProgress(Callback):
@@ -101,19 +102,36 @@ class AttemptProgress(Callback):
     that is read (a torn file is ignored)."""
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.is_global_zero and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            path = _run_dir(trainer) / PROGRESS_FILE
+        run_dir = _run_dir(trainer) if trainer.is_global_zero else None
+        if run_dir is not None and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            path = run_dir / PROGRESS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"step": trainer.global_step, "time": time.time(),
-                                        "world_size": trainer.world_size}))
+                                        "world_size": trainer.world_size,
+                                        "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID")}))
 
 
 def reached_step(trainer: Any) -> int | None:
     """The last optimizer step an earlier attempt of this run recorded (:class:`AttemptProgress`), or ``None``."""
+    run_dir = _run_dir(trainer)
+    if run_dir is None:
+        return None
     try:
-        return int(json.loads((_run_dir(trainer) / PROGRESS_FILE).read_text())["step"])
+        return int(json.loads((run_dir / PROGRESS_FILE).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def same_torchelastic_job(run_dir: Path) -> bool:
+    """Whether ``run_dir``'s last recorded step was made by this torchrun job (the same ``TORCHELASTIC_RUN_ID``):
+    torchrun restarts the workers when a node joins (a membership change) without counting a restart, so
+    ``TORCHELASTIC_RESTART_COUNT`` stays 0 before any failure, and only this tells the attempt that it continues."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        recorded = json.loads((run_dir / PROGRESS_FILE).read_text()).get("torchelastic_run_id")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(run_id) and recorded == run_id
 
 
 def report_attempt(trainer: Any, state: dict[str, Any], accumulate: int | None) -> str:

@@ -78,12 +78,13 @@ def plan_layouts(model: torch.nn.Module, budget: Budget, batch: int, seq_len: in
                  accumulate: int = 1, hardware: str = "cpu", optimizer: str | None = None,
                  zero_stages: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] | None = None,
                  recompute: Sequence[str] | None = None, block_types: list[str] | None = None,
-                 search: bool = True) -> Choice:
+                 search: bool = False) -> Choice:
     """Estimate every layout of ``model`` (built on meta) on ``budget`` and pick the fastest that fits and runs.
 
     ``batch`` sequences per data-parallel replica and optimizer micro-step (pp > 1: split into micro-batches),
     ``accumulate`` micro-steps per optimizer step. Raises :class:`LayoutError` when nothing fits or runs; with
-    ``search``, naming the smallest larger world where something fits (an elastic attempt on too few ranks)."""
+    ``search`` (at launch), naming the smallest larger world where something fits (an elastic attempt on too few
+    ranks; each world tried is a whole plan, seconds)."""
     from dataclasses import replace as dc_replace
 
     from lightning_par.parallel.recompute import RECOMPUTE_KINDS
@@ -291,7 +292,8 @@ class PlannedStrategy(LayoutStrategy):
                             accumulate=int(trainer.accumulate_grad_batches or 1), hardware=hardware,
                             optimizer=opts["optimizer"], zero_stages=opts["zero_stages"],
                             schedules=opts["schedules"], recompute=opts["recompute"],
-                            block_types=list(self.layout.block_types) if self.layout.block_types else None)
+                            block_types=list(self.layout.block_types) if self.layout.block_types else None,
+                            search=True)
 
     def _log_choice(self, memory: float) -> None:
         assert self.choice is not None
