@@ -111,13 +111,15 @@ class AttemptProgress(Callback):
                                         "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID")}))
 
 
-def reached_step(trainer: Any) -> int | None:
-    """The last optimizer step an earlier attempt of this run recorded (:class:`AttemptProgress`), or ``None``."""
+def reached_step(trainer: Any) -> tuple[int, float] | None:
+    """``(step, time)``: the last optimizer step an earlier attempt of this run recorded (:class:`AttemptProgress`)
+    and when, or ``None``."""
     run_dir = _run_dir(trainer)
     if run_dir is None:
         return None
     try:
-        return int(json.loads((run_dir / PROGRESS_FILE).read_text())["step"])
+        record = json.loads((run_dir / PROGRESS_FILE).read_text())
+        return int(record["step"]), float(record["time"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -150,8 +152,9 @@ def report_attempt(trainer: Any, state: dict[str, Any], accumulate: int | None) 
         why = "the layout given"
     step = trainer.global_step
     reached = reached_step(trainer) if trainer.is_global_zero else None
-    lost = "unknown (no earlier attempt recorded in this run's directory)" if reached is None else str(
-        max(0, reached - step))
+    lost = "unknown (no earlier attempt recorded in this run's directory)" if reached is None else (
+        f"{max(0, reached[0] - step)} (the last attempt reached step {reached[0]}, {time.time() - reached[1]:.0f} s "
+        "ago)")
     acc = accumulate if accumulate is not None else trainer.accumulate_grad_batches
     line = (f"lightning-par: attempt on {world} ranks (the checkpoint's: {before if before is not None else 'unknown'})"
             f"; layout {layout}, accumulate_grad_batches={acc}: {why}; resumed {trainer.ckpt_path} at step {step}; "
