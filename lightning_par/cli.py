@@ -99,11 +99,13 @@ def launched_nodes() -> tuple[int, str] | None:
     """``(nodes, where)``: how many nodes the launcher started this attempt on -- torchrun's ``WORLD_SIZE /
     LOCAL_WORLD_SIZE`` (an elastic ``--nnodes=MIN:MAX`` rendezvous may give fewer or more than the last attempt),
     SLURM's ``SLURM_NNODES`` (a requeue may get another count) -- or ``None`` outside them."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
     world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-    if "TORCHELASTIC_RUN_ID" in os.environ and world.isdigit() and local.isdigit() and int(local) > 0:
+    if TorchElasticEnvironment.detect() and world.isdigit() and local.isdigit() and int(local) > 0:
         return int(world) // int(local), f"torchrun: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}"
     nnodes = os.environ.get("SLURM_NNODES", "")
-    if "SLURM_NTASKS" in os.environ and nnodes.isdigit():
+    if SLURMEnvironment.detect() and nnodes.isdigit():  # (not under `srun --pty bash`: Lightning ignores SLURM)
         return int(nnodes), f"SLURM_NNODES={nnodes}"
     return None
 

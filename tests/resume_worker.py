@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, PlannedStrategy, ZeroStrategy
 from lightning_par.callbacks import defaults
 from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule
@@ -49,10 +49,10 @@ class Case:
 
 
 def _elastic(strategy: Callable[[], pl.strategies.Strategy], devices: int, source: str | None = None,
-             source_step: int = SAVE_EVERY, batch: int = 2) -> Case:
-    """An elastic case: whole epochs of the user's loader (the resumed world draws another number of loader
-    batches), a per-rank batch kept, every step's loss recorded (:class:`StepLosses`) and checkpoints kept."""
-    return Case(strategy, devices, 0, "user", source=source, batch=batch, source_step=source_step)
+             source_step: int = SAVE_EVERY, batch: int = 2, data: str = "user") -> Case:
+    """An elastic case: whole epochs (the resumed world draws another number of loader batches), a per-rank batch
+    kept, every step's loss recorded (:class:`StepLosses`) and checkpoints kept."""
+    return Case(strategy, devices, 0, data, source=source, batch=batch, source_step=source_step)
 
 
 CASES: dict[str, Case] = {
@@ -74,6 +74,9 @@ CASES: dict[str, Case] = {
     "zero3_dp2_back_to_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4, source="zero3_dp4_to_dp2", source_step=10),
     "dp2_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 4, batch=4),
     "dp2_tp2_to_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 2, source="dp2_tp2", batch=4),
+    # strategy="planned" (it plans for the datamodule's batch per replica): re-planned for 2 ranks
+    "planned4_text": _elastic(lambda: PlannedStrategy(optimizer="sgd"), 4, data="text"),
+    "planned4_to_2": _elastic(lambda: PlannedStrategy(optimizer="sgd"), 2, source="planned4_text", data="text"),
 }
 
 

@@ -110,7 +110,8 @@ def elastic_runs(tmp_path_factory, cache_dir):
 
     root = tmp_path_factory.mktemp("elastic")
     seconds = {}
-    for names, nproc in ((["zero3_dp4", "dp2_tp2"], 4), (["zero3_dp4_to_dp2", "dp2_tp2_to_tp2"], 2),
+    for names, nproc in ((["zero3_dp4", "dp2_tp2", "planned4_text"], 4),
+                         (["zero3_dp4_to_dp2", "dp2_tp2_to_tp2", "planned4_to_2"], 2),
                          (["zero3_dp2_back_to_dp4"], 4)):
         run = launch_matrix(root, cache_dir, "tests.resume_worker", ["--root", str(root), "--cache", str(cache_dir),
                                                                     "--cases", *names], nproc=nproc).check()
@@ -134,7 +135,9 @@ def _steps(root, name, times=False):
                           ("zero3_dp2_back_to_dp4", "zero3_dp4", 10, 1, "on 4 ranks (the checkpoint's: 2); layout "
                            "dp=4 x tp=1 x pp=1"),
                           ("dp2_tp2_to_tp2", "dp2_tp2", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
-                           "dp=1 x tp=2 x pp=1")])
+                           "dp=1 x tp=2 x pp=1"),
+                          ("planned4_to_2", "planned4_text", SAVE_EVERY, None, "on 2 ranks (the checkpoint's: 4); "
+                           "layout ")])
 def test_a_run_resumed_on_another_world_size_is_the_same_run(elastic_runs, resumed, source, first, accumulate,
                                                              attempt):
     root, _ = elastic_runs
@@ -142,6 +145,11 @@ def test_a_run_resumed_on_another_world_size_is_the_same_run(elastic_runs, resum
     assert f"lightning-par: attempt {attempt}" in logs and f"step={first}.ckpt at step {first}" in logs
     full, _ = _steps(root, source)
     after, acc = _steps(root, resumed)
+    if accumulate is None:  # planned: the dp the planner chose on 4 ranks and on 2 say what the accumulation must be
+        dp = {int(w): int(d) for d, w in re.findall(r"PlannedStrategy: dp=(\d+) x .*\(world (\d+);", logs)}
+        accumulate = dp[4] // dp[2]
+        print(f"planned: dp={dp[4]} on 4 ranks, dp={dp[2]} on 2: accumulation {accumulate}")
+        assert "the planner's fastest layout that fits" in logs
     assert acc == accumulate and sorted(after) == list(range(first, MAX_STEPS))
     diff = max_rel_diff([after[s] for s in range(first, MAX_STEPS)], [full[s] for s in range(first, MAX_STEPS)])
     print(f"{resumed}: steps {first}-{MAX_STEPS - 1} within {diff:.2e} of {source} (accumulation {acc})")
@@ -307,3 +315,23 @@ def test_a_node_that_joins_restarts_with_count_0_and_still_continues_the_run(tmp
     assert not same_torchelastic_job(tmp_path)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert not same_torchelastic_job(tmp_path) and not same_torchelastic_job(tmp_path / "missing")
+
+
+def test_the_cli_takes_the_node_count_from_the_launcher(monkeypatch):
+    """An elastic attempt's node count is the launcher's: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, SLURM's
+    SLURM_NNODES (not under an interactive `srun --pty bash`, where Lightning does not use SLURM)."""
+    from lightning_par.cli import launched_nodes
+
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert launched_nodes() is None
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert launched_nodes() == (2, "SLURM_NNODES=2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")
+    assert launched_nodes() is None
+    for name, value in dict(TORCHELASTIC_RUN_ID="job", WORLD_SIZE="6", LOCAL_WORLD_SIZE="2", RANK="0",
+                            LOCAL_RANK="0", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)
+    assert launched_nodes() == (3, "torchrun: WORLD_SIZE=6, LOCAL_WORLD_SIZE=2")
