@@ -155,6 +155,7 @@ FULL_ONLY_TESTS = (
     "tests/test_peers.py::test_every_pair_trains_alike",  # 8 launches, about 90 s
     "tests/test_elastic.py::test_a_run_resumed_on_another_world_size",  # 3 launches (4, 2, 4 ranks), about 2 min
     "tests/test_elastic.py::test_two_torchrun_agents_one_lost",  # a reference, 2 agents, a SLURM requeue
+    "tests/test_elastic.py::test_a_torchrun_agent_that_joins",  # 2 agents, the second joining mid-run
 )
 
 

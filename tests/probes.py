@@ -337,3 +337,15 @@ class KillAgentAt(pl.Callback):
                     workers.append(pid)
             for pid in [agent, *workers, os.getpid()]:
                 os.kill(pid, signal.SIGKILL)
+
+
+class SlowSteps(pl.Callback):
+    """Sleep ``seconds`` after each training batch while the world has ``world`` ranks: a run slow enough for an
+    agent to join it mid-run (the losses do not depend on time)."""
+
+    def __init__(self, seconds: float, world: int) -> None:
+        self.seconds, self.world = seconds, world
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.world_size == self.world:
+            time.sleep(self.seconds)
