@@ -99,6 +99,21 @@ def restart_count() -> tuple[str, int] | None:
     return None
 
 
+def launched_nodes() -> tuple[int, str] | None:
+    """``(nodes, where)``: how many nodes the launcher started this attempt on -- torchrun's ``WORLD_SIZE /
+    LOCAL_WORLD_SIZE`` (an elastic ``--nnodes=MIN:MAX`` rendezvous may give fewer or more than the last attempt),
+    SLURM's ``SLURM_NNODES`` (a requeue may get another count) -- or ``None`` outside them."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if TorchElasticEnvironment.detect() and world.isdigit() and local.isdigit() and int(local) > 0:
+        return int(world) // int(local), f"torchrun: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}"
+    nnodes = os.environ.get("SLURM_NNODES", "")
+    if SLURMEnvironment.detect() and nnodes.isdigit():  # (not under `srun --pty bash`: Lightning ignores SLURM)
+        return int(nnodes), f"SLURM_NNODES={nnodes}"
+    return None
+
+
 class LightningParCLI(LightningCLI):
     """LightningCLI with throughput and learning-rate logging always on, and a demo report after ``fit``."""
 
@@ -151,6 +166,12 @@ class LightningParCLI(LightningCLI):
             every = self._get(self.config_init, "checkpoint_every_n_steps", default=500)
             kwargs["callbacks"] = [*callbacks, RunCheckpoint(every_n_train_steps=every)]
         kwargs.update(self._logging_defaults(config, kwargs.get("callbacks", callbacks)))
+        launched = launched_nodes()
+        if launched is not None and launched[0] != config.get("num_nodes", 1):
+            # an elastic attempt (docs/elastic.md): the ranks there are decide, the layout is re-derived for them
+            rank_zero_info(f"lightning-par: this attempt runs on {launched[0]} node(s) ({launched[1]}), not the "
+                           f"--trainer.num_nodes={config.get('num_nodes', 1)} given: using {launched[0]}")
+            kwargs["num_nodes"] = launched[0]
         trainer = super().instantiate_trainer(**kwargs)
         self._no_hp_metric(trainer)
         return trainer
@@ -230,18 +251,22 @@ class LightningParCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         given = config.get("ckpt_path")
         restarted = restart_count() if self.subcommand == "fit" else None
+        what = f"restart {restarted[1]} of this job ({restarted[0]}={restarted[1]})" if restarted else ""
+        if restarted is None and self.subcommand == "fit" and self._rejoined():
+            restarted = ("TORCHELASTIC_RUN_ID", 0)
+            what = ("restart of this job after a node joined (torchrun restarts without counting: the run's last "
+                    "step was recorded under this TORCHELASTIC_RUN_ID)")
         if restarted is not None:
-            variable, count = restarted
             run_dirs = self._continue_run()
             found = newest_complete(run_dirs)
             where = " or ".join(str(d) for d in run_dirs) or "(no checkpoint directory)"
             if found is not None:
-                rank_zero_info(f"lightning-par: restart {count} of this job ({variable}={count}): resuming from "
-                               f"{found}, the newest complete checkpoint in {where}")
+                rank_zero_info(f"lightning-par: {what}: resuming from {found}, the newest complete checkpoint in "
+                               f"{where}")
                 config["ckpt_path"] = str(found)
                 return
-            rank_zero_info(f"lightning-par: restart {count} of this job ({variable}={count}): no complete checkpoint "
-                           f"in {where} yet; starting from {given or 'scratch'}")
+            rank_zero_info(f"lightning-par: {what}: no complete checkpoint in {where} yet; starting from "
+                           f"{given or 'scratch'}")
         if given != "last":
             return
         found = newest_complete(self._checkpoint_dirs(every_version=True))
@@ -255,6 +280,18 @@ class LightningParCLI(LightningCLI):
             return
         rank_zero_info(f"lightning-par: --ckpt_path=last is {found}")
         config["ckpt_path"] = str(found)
+
+    def _rejoined(self) -> bool:
+        """A torchrun attempt restarted by a membership change (a node joined; its restart count stays 0): the
+        newest version directory's last step was recorded under this job's ``TORCHELASTIC_RUN_ID``."""
+        from lightning_par.strategies.elastic import same_torchelastic_job
+
+        root = self._logger_root()
+        if root is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return False
+        numbered = (re.fullmatch(r"version_(\d+)", d.name) for d in root.glob("version_*") if d.is_dir())
+        versions = [int(m.group(1)) for m in numbered if m]
+        return bool(versions) and same_torchelastic_job(root / f"version_{max(versions)}")
 
     def _continue_run(self) -> list[Path]:
         """On a restart: write into the newest version directory of the logger name (the run this job started,

@@ -168,6 +168,9 @@ FULL_ONLY_TESTS = (
     "tests/test_example_models.py::test_gpt_lightning_module_trains",  # trained by every parity launch
     "tests/test_example_models.py::test_mlp_lightning_module_trains",
     "tests/test_clean_exit.py::test_a_thread_inside_a_store_call_at_exit",  # CLI runs must still exit 0
+    "tests/test_elastic.py::test_a_run_resumed_on_another_world_size",  # 3 launches (4, 2, 4 ranks), about 2 min
+    "tests/test_elastic.py::test_two_torchrun_agents_one_lost",  # a reference, 2 agents, a SLURM requeue
+    "tests/test_elastic.py::test_a_torchrun_agent_that_joins",  # 2 agents, the second joining mid-run
 )
 
 

@@ -364,3 +364,62 @@ class UninitialisedIsNaN(pl.Callback):
 
     on_exception = lambda self, trainer, pl_module, exception: self.on_train_batch_end(  # noqa: E731
         trainer, pl_module, None, None, 0)
+
+
+class StepLosses(pl.Callback):
+    """Each optimizer step's loss over its whole global batch (the micro-batches' losses summed, each divided by the
+    accumulation; averaged over the ranks, which hold the same loss under tp and pp) and the time it ended:
+    ``path`` {"steps": {step: loss}, "times": {step: seconds}, "accumulate": N}."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.steps, self.times, self.pending = Path(path), {}, {}, 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"].detach().float().clone()
+        torch.distributed.all_reduce(loss)
+        self.pending += float(loss) / trainer.world_size
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.steps[trainer.global_step - 1] = self.pending
+            self.times[trainer.global_step - 1] = time.time()
+            self.pending = 0.0
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:  # one file per attempt that ends: the last attempt's steps are the ones it ran
+            self.path.write_text(json.dumps({"steps": self.steps, "times": self.times,
+                                             "accumulate": trainer.accumulate_grad_batches}))
+
+class KillAgentAt(pl.Callback):
+    """A node lost: at ``step`` of the job's first attempt, the ranks whose torchrun agent has the pid written in
+    ``pid_file`` SIGKILL that agent and all its workers (each in its own session, so not one process group), this
+    rank last. The time goes to ``path`` first."""
+
+    def __init__(self, step: int, pid_file: str, path: str) -> None:
+        self.step, self.pid_file, self.path = step, Path(pid_file), Path(path)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or trainer.global_step != self.step:
+            return
+        if self.pid_file.is_file() and int(self.pid_file.read_text()) == os.getppid():
+            self.path.write_text(json.dumps({"step": self.step, "time": time.time()}))
+            agent, workers = os.getppid(), []
+            for stat in Path("/proc").glob("[0-9]*/stat"):  # the agent's workers, found while it is their parent
+                try:
+                    pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid == agent and pid != os.getpid():
+                    workers.append(pid)
+            for pid in [agent, *workers, os.getpid()]:
+                os.kill(pid, signal.SIGKILL)
+
+
+class SlowSteps(pl.Callback):
+    """Sleep ``seconds`` after each training batch while the world has ``world`` ranks: a run slow enough for an
+    agent to join it mid-run (the losses do not depend on time)."""
+
+    def __init__(self, seconds: float, world: int) -> None:
+        self.seconds, self.world = seconds, world
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.world_size == self.world:
+            time.sleep(self.seconds)

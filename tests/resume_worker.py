@@ -19,11 +19,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from lightning_par import Hybrid3DStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, PlannedStrategy, ZeroStrategy
 from lightning_par.callbacks import defaults
 from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule
 from tests.harness import checkpoint_worker_main
+from tests.probes import StepLosses
 
 EPOCH_STEPS = 12
 MAX_STEPS = 18  # into the second epoch: its order must follow too
@@ -43,6 +44,15 @@ class Case:
     data: str
     source: str | None = None
     script_logs: bool = False  # lightning_par.callbacks.defaults(): what a script adds for tokens/s, MFU, memory
+    batch: int | None = None  # elastic: the per-rank batch, kept when dp changes (default GLOBAL_BATCH // dp)
+    source_step: int = SAVE_EVERY  # the source's checkpoint it resumes from
+
+
+def _elastic(strategy: Callable[[], pl.strategies.Strategy], devices: int, source: str | None = None,
+             source_step: int = SAVE_EVERY, batch: int = 2, data: str = "user") -> Case:
+    """An elastic case: whole epochs (the resumed world draws another number of loader batches), a per-rank batch
+    kept, every step's loss recorded (:class:`StepLosses`) and checkpoints kept."""
+    return Case(strategy, devices, 0, data, source=source, batch=batch, source_step=source_step)
 
 
 CASES: dict[str, Case] = {
@@ -56,6 +66,17 @@ CASES: dict[str, Case] = {
                             source="3d_text"),
     # saved at dp=1 (tp2 x pp2, batch 8), resumed at dp=2 (batch 4 per rank): the same global batches
     "3d_text_to_zero2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "text", source="3d_text"),
+    # elastic (docs/elastic.md): ZeRO-3 on 4 ranks (per-rank batch 2, no accumulation) resumed on 2 (accumulation
+    # doubled to keep 8 samples per step), then back on 4 from the 2-rank run's step-10 checkpoint; dp2 x tp2 (batch 4
+    # per replica) resumed on tp2 alone (one replica, accumulation 2)
+    "zero3_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4),
+    "zero3_dp4_to_dp2": _elastic(lambda: ZeroStrategy(stage=3), 2, source="zero3_dp4"),
+    "zero3_dp2_back_to_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4, source="zero3_dp4_to_dp2", source_step=10),
+    "dp2_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 4, batch=4),
+    "dp2_tp2_to_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 2, source="dp2_tp2", batch=4),
+    # strategy="planned" (it plans for the datamodule's batch per replica): re-planned for 2 ranks
+    "planned4_text": _elastic(lambda: PlannedStrategy(optimizer="sgd"), 4, data="text"),
+    "planned4_to_2": _elastic(lambda: PlannedStrategy(optimizer="sgd"), 2, source="planned4_text", data="text"),
 }
 
 
@@ -75,19 +96,21 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
     case = CASES[name]
     pl.seed_everything(1234)
     model = GPTLightningModule(preset="tiny", n_layers=4, optimizer="sgd", lr=0.2)
-    batch = GLOBAL_BATCH // case.dp
-    keep = [] if case.source else [ModelCheckpoint(dirpath=root / name / "ckpt", every_n_train_steps=SAVE_EVERY,
-                                                   save_top_k=-1)]
+    elastic = case.batch is not None
+    batch = case.batch if elastic else GLOBAL_BATCH // case.dp
+    keep = [] if case.source and not elastic else [
+        ModelCheckpoint(dirpath=root / name / "ckpt", every_n_train_steps=SAVE_EVERY, save_top_k=-1)]
     trainer = pl.Trainer(
         accelerator="cpu", devices=case.devices, strategy=case.strategy(), max_steps=MAX_STEPS,
-        limit_train_batches=EPOCH_STEPS, limit_val_batches=0, log_every_n_steps=1,
+        limit_train_batches=None if elastic else EPOCH_STEPS, limit_val_batches=0, log_every_n_steps=1,
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
-        callbacks=[*keep, *(defaults() if case.script_logs else [])],
+        callbacks=[*keep, *(defaults() if case.script_logs else []),
+                   *([StepLosses(str(root / name / "steps.json"))] if elastic else [])],
     )
     ckpt = None
     if case.source is not None:
-        ckpt = sources.get(case.source) or step_checkpoint(root / case.source, SAVE_EVERY)
+        ckpt = sources.get(case.source) or step_checkpoint(root / case.source, case.source_step)
     if case.data == "user":
         trainer.fit(model, train_dataloaders=user_loader(batch), ckpt_path=ckpt)
     else:

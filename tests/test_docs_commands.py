@@ -106,6 +106,13 @@ COMMANDS: dict[str, str] = {
     "lightning-par validate --config configs/demo.yaml --ckpt_path "
     "lightning_logs/demo/version_0/checkpoints/last.ckpt":
         f"{PARSE}: needs the demo's checkpoint; tests/test_restart.py runs it as written (full set)",
+    # docs/elastic.md
+    "torchrun --nnodes=1:2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=JOB "
+    "--max-restarts=3 --no-python lightning-par fit --config configs/zero.yaml --trainer.devices=8 "
+    "--checkpoint_every_n_steps=100":
+        f"{PARSE}: 16 ranks on two nodes; tests/test_elastic.py launches two agents of 2 ranks the same way",
+    "srun lightning-par fit --config configs/zero.yaml --trainer.devices=8 --trainer.num_nodes=4":
+        f"{PARSE}: needs SLURM; tests/test_elastic.py sets SLURM's variables for a requeue on another node count",
     "torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 --no-python "
     "lightning-par fit --config configs/demo.yaml --trainer.num_nodes=2 --trainer.devices=2":
         f"{PARSE}: two nodes (the pair of commands); tests/test_data_parallel.py launches 2 nodes x 2 ranks (full set)",
@@ -201,6 +208,8 @@ def _check_parses(command: str) -> None:
             args = get_args_parser().parse_args(argv[1:])
             assert args.no_python and args.training_script == "lightning-par", args
             _lightning_par(args.training_script_args)
+        elif program == "srun":  # srun [its options] lightning-par ...
+            _lightning_par(argv[argv.index("lightning-par") + 1:])
         elif program == "pytest":
             paths = [a for a in argv[1:] if not a.startswith("-")]
             assert all((REPO / p).exists() for p in paths), paths

@@ -388,11 +388,11 @@ def test_plain_lm_under_tp2_matches_one_process_and_its_checkpoint_loads_in_one(
     "args,message",
     [
         (["--model.qkv_style=colwise"],
-         "lightning-par: error: FusedLM.blocks.0.attn (FusedAttention) computes another function when its plan splits it over "
-         "tp=2: its forward splits the output of qkv (192 features) into 3 parts"),
+         "lightning-par: error: FusedLM.blocks.0.attn (FusedAttention) computes another function when its plan "
+         "splits it over tp=2: its forward splits the output of qkv (192 features) into 3 parts"),
         (["--model.global_heads=view"],
-         "lightning-par: error: FusedLM.blocks.0.attn (FusedAttention) fails when its plan splits it over tp=2: RuntimeError: "
-         "shape '[2, 4, 4, 16]' is invalid"),
+         "lightning-par: error: FusedLM.blocks.0.attn (FusedAttention) fails when its plan splits it over tp=2: "
+         "RuntimeError: shape '[2, 4, 4, 16]' is invalid"),
     ],
     ids=["colwise_on_fused_qkv", "global_head_count"],
 )

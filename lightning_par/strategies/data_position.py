@@ -30,6 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lightning_par._compat import Stateful, update_dataloader
 from lightning_par.parallel.data_order import DataParallelSampler
+from lightning_par.strategies import elastic
 
 _warnings = WarningCache()
 
@@ -154,6 +155,7 @@ class DataPosition:
     def __init__(self, trainer: Any, sampler: DataParallelSampler, batch_size: int) -> None:
         self.trainer = trainer
         self.sampler = sampler
+        self.batch_size = batch_size
         self.global_batch = batch_size * sampler.num_replicas
 
     def resume_point(self) -> tuple[int, int, bool]:
@@ -184,21 +186,38 @@ class DataPosition:
         epoch, batches, ended = self.resume_point()
         return {"epoch": epoch, "consumed_samples": batches * self.global_batch, "epoch_ended": ended,
                 "global_batch": self.global_batch, "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
-                "dataset_length": self.sampler.dataset_length}
+                "dataset_length": self.sampler.dataset_length,
+                # what an attempt on another world size needs to keep the run's function (strategies/elastic.py)
+                "accumulate_grad_batches": self.trainer.accumulate_grad_batches,
+                "world_size": self.trainer.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not {"epoch", "consumed_samples", "global_batch"} <= set(state):
+            _warnings.warn(
+                "The checkpoint's data position has no samples consumed or global batch (saved by an older version): "
+                "the position in its epoch cannot be kept. The epoch restarts from its first batch, and the global "
+                "batch is this run's (batch_size x data-parallel size x accumulate_grad_batches).")
+            return
         epoch, consumed = int(state["epoch"]), int(state["consumed_samples"])
         self.sampler.seed = int(state["seed"])  # the order the checkpoint's run followed, whatever seed this run set
+        accumulate = None
+        if state["global_batch"] != self.global_batch:
+            # another loader-global batch (the world changed): keep the optimizer step's, and the position in samples
+            accumulate = elastic.keep_step_batch(self.trainer, state, self.global_batch, self.batch_size,
+                                                 self.sampler.num_replicas)
+            if accumulate is None and consumed and not state["epoch_ended"]:
+                raise ValueError(
+                    f"The checkpoint was saved {consumed} samples into epoch {epoch}, in global batches of "
+                    f"{state['global_batch']} samples; this run's global batch is {self.global_batch} (per-rank batch "
+                    f"{self.batch_size} x data-parallel size {self.sampler.num_replicas}), and the checkpoint (an "
+                    "older one) does not say its gradient accumulation, so the samples per optimizer step cannot be "
+                    "kept: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
+            if consumed:  # mid-epoch, or at the end of the epoch Lightning resumes into
+                elastic.rewrite_batch_counters(self.trainer, consumed, int(state["global_batch"]), self.global_batch)
+        elastic.report_attempt(self.trainer, state, accumulate)
         if state["epoch_ended"]:  # Lightning resumes at the end of this epoch: nothing of it is left
             self.sampler.resume(epoch, self.sampler.total_size)
             return
-        if consumed and state["global_batch"] != self.global_batch:
-            raise ValueError(
-                f"The checkpoint was saved {consumed} samples into epoch {epoch}, in global batches of "
-                f"{state['global_batch']} samples; this run's global batch is {self.global_batch} (per-rank batch "
-                f"{self.global_batch // self.sampler.num_replicas} x data-parallel size {self.sampler.num_replicas}). "
-                "Lightning counts the batches of the resumed epoch, so a mid-epoch resume needs the same global "
-                "batch: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
         if not 0 <= consumed < self.sampler.total_size:  # the sampler would yield nothing: a silent skip of the epoch
             checkpoint = getattr(self.trainer, "ckpt_path", None) or "The checkpoint"
             raise ValueError(

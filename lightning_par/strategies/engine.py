@@ -68,6 +68,7 @@ from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.strategies.data_position import resumable_train_loader
+from lightning_par.strategies.elastic import AttemptProgress, layouts_for
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
 log = logging.getLogger(__name__)
@@ -333,7 +334,11 @@ class LayoutStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self._dims = None
-        _ = self.dims
+        try:
+            _ = self.dims
+        except LayoutError as err:  # e.g. an elastic attempt on fewer ranks than the layout needs: what would fit
+            layout = self.layout
+            raise LayoutError(f"{err} {layouts_for(self.world_size, layout.tp, layout.pp, layout.cp)}") from None
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -403,6 +408,8 @@ class LayoutStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM: agreed, saved, exit 75 (preemption.py)
+        if fitting and not any(isinstance(c, AttemptProgress) for c in trainer.callbacks):
+            trainer.callbacks.append(AttemptProgress())  # the step reached, for the next attempt's steps lost
         self._run_guard = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
         # under 16-mixed the gradient scaler skips overflowing steps itself: only the loss is checked
         self.nonfinite_flags.check_grads = self.precision_plugin.precision != "16-mixed"

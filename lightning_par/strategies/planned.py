@@ -77,11 +77,14 @@ def _micro_batches(batch: int, pp: int) -> int | None:
 def plan_layouts(model: torch.nn.Module, budget: Budget, batch: int, seq_len: int, precision: str,
                  accumulate: int = 1, hardware: str = "cpu", optimizer: str | None = None,
                  zero_stages: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] | None = None,
-                 recompute: Sequence[str] | None = None, block_types: list[str] | None = None) -> Choice:
+                 recompute: Sequence[str] | None = None, block_types: list[str] | None = None,
+                 search: bool = False) -> Choice:
     """Estimate every layout of ``model`` (built on meta) on ``budget`` and pick the fastest that fits and runs.
 
     ``batch`` sequences per data-parallel replica and optimizer micro-step (pp > 1: split into micro-batches),
-    ``accumulate`` micro-steps per optimizer step. Raises :class:`LayoutError` when nothing fits or runs."""
+    ``accumulate`` micro-steps per optimizer step. Raises :class:`LayoutError` when nothing fits or runs; with
+    ``search`` (at launch), naming the smallest larger world where something fits (an elastic attempt on too few
+    ranks; each world tried is a whole plan, seconds)."""
     from dataclasses import replace as dc_replace
 
     from lightning_par.parallel.recompute import RECOMPUTE_KINDS
@@ -122,12 +125,29 @@ def plan_layouts(model: torch.nn.Module, budget: Budget, batch: int, seq_len: in
     if not usable:
         runnable = [e for e in estimates if e.runs_today] or estimates
         least = min(runnable, key=lambda e: e.worst.total)
+        bigger = _smallest_world_that_fits(model, budget, batch, seq_len, precision, accumulate, hardware, optimizer,
+                                           zero_stages, schedules, recompute, block_types) if search else None
+        more = (f"The smallest world that fits: {bigger[0]} ranks ({bigger[1]}); use as many, " if bigger else
+                "Use more ranks, ")
         raise LayoutError(
             f"strategy='planned': no layout of this model fits {_gib(budget.memory_gib * 2**30)} per rank on "
             f"{budget.world} ranks: the smallest, {least.candidate.label()}, needs "
-            f"{_gib(least.worst.total)} per rank (predicted). Use more ranks, a smaller batch or "
+            f"{_gib(least.worst.total)} per rank (predicted). {more}a smaller batch or "
             "sequence, or set the memory with --trainer.strategy.gpu_memory=GIB.")
     return Choice(usable[0], usable[1] if len(usable) > 1 else None, len(estimates))
+
+
+def _smallest_world_that_fits(model: torch.nn.Module, budget: Budget, *args: Any) -> tuple[int, str] | None:
+    """The smallest of one node (``budget.local`` ranks) more, 2, 4 and 8 times ``budget.world`` where a layout of
+    ``model`` fits the same memory per rank: ``(world, layout)``, or ``None`` (each try is a whole plan: seconds)."""
+    worlds = sorted({budget.world + max(budget.local, 1)} | {budget.world * 2**k for k in range(1, 4)})
+    for world in worlds:
+        try:
+            choice = plan_layouts(model, replace(budget, world=world), *args, search=False)
+        except LayoutError:
+            continue
+        return world, choice.best.candidate.label()
+    return None
 
 
 def device_memory_gib(device: torch.device, local: int) -> float:
@@ -275,7 +295,8 @@ class PlannedStrategy(LayoutStrategy):
                             accumulate=int(trainer.accumulate_grad_batches or 1), hardware=hardware,
                             optimizer=opts["optimizer"], zero_stages=opts["zero_stages"],
                             schedules=opts["schedules"], recompute=opts["recompute"],
-                            block_types=list(self.layout.block_types) if self.layout.block_types else None)
+                            block_types=list(self.layout.block_types) if self.layout.block_types else None,
+                            search=True)
 
     def _log_choice(self, memory: float) -> None:
         assert self.choice is not None

@@ -239,6 +239,7 @@ class PipelineRuntime:
         self._loss_fn = loss_fn
         self._step_loss = loss_fn  # the loss of the current step's micro-batches (see train_step)
         self._micro_losses: list[Tensor] = []
+        self.loss_scale = loss_scale  # read per micro-batch: an elastic resume may change the accumulation
         self.record_next = False  # record the next training step's executed schedule and activation memory
         self.recording: Recording | None = None
         self.dp_reduce: BucketedAllReduce | None = None  # ZeRO-0: see overlap_dp_reduction
