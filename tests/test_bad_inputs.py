@@ -258,7 +258,9 @@ def test_a_data_position_outside_the_epoch_is_refused_naming_the_checkpoint():
     from lightning_par.strategies.data_position import DataPosition
 
     sampler = DataParallelSampler(range(100), num_replicas=2, rank=0, shuffle=False)
-    position = DataPosition(SimpleNamespace(ckpt_path="/runs/version_0/checkpoints/last.ckpt"), sampler, batch_size=4)
+    trainer = SimpleNamespace(ckpt_path="/runs/version_0/checkpoints/last.ckpt", strategy=None, world_size=2,
+                              global_step=3, is_global_zero=False, accumulate_grad_batches=1, loggers=[])
+    position = DataPosition(trainer, sampler, batch_size=4)
     state = {"epoch": 0, "consumed_samples": 24, "epoch_ended": False, "global_batch": 8, "seed": 0,
              "shuffle": False, "dataset_length": 100}
     position.load_state_dict(state)

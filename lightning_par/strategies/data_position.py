@@ -200,6 +200,13 @@ class DataPosition:
             return
         epoch, consumed = int(state["epoch"]), int(state["consumed_samples"])
         self.sampler.seed = int(state["seed"])  # the order the checkpoint's run followed, whatever seed this run set
+        if not state["epoch_ended"] and not 0 <= consumed < self.sampler.total_size:
+            # the sampler would yield nothing: a silent skip of the epoch
+            checkpoint = getattr(self.trainer, "ckpt_path", None) or "The checkpoint"
+            raise ValueError(
+                f"{checkpoint}: its data position, {consumed} samples into epoch {epoch}, is not inside an epoch of "
+                f"this data ({self.sampler.total_size} samples): the checkpoint is damaged or from other data. "
+                "Resume from another checkpoint.")
         accumulate = None
         if state["global_batch"] != self.global_batch:
             # another loader-global batch (the world changed): keep the optimizer step's, and the position in samples
@@ -218,12 +225,6 @@ class DataPosition:
         if state["epoch_ended"]:  # Lightning resumes at the end of this epoch: nothing of it is left
             self.sampler.resume(epoch, self.sampler.total_size)
             return
-        if not 0 <= consumed < self.sampler.total_size:  # the sampler would yield nothing: a silent skip of the epoch
-            checkpoint = getattr(self.trainer, "ckpt_path", None) or "The checkpoint"
-            raise ValueError(
-                f"{checkpoint}: its data position, {consumed} samples into epoch {epoch}, is not inside an epoch of "
-                f"this data ({self.sampler.total_size} samples): the checkpoint is damaged or from other data. "
-                "Resume from another checkpoint.")
         if consumed and (state["dataset_length"], state["shuffle"]) != (self.sampler.dataset_length,
                                                                          self.sampler.shuffle):
             _warnings.warn(
