@@ -198,6 +198,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_found():
+    """Each test leaves ``os.environ`` as it found it: an in-process Trainer sets LOCAL_RANK, NODE_RANK, MASTER_PORT
+    and PL_GLOBAL_SEED there, and a later launch that inherited LOCAL_RANK hung at "Initializing distributed"
+    (Lightning took it for an already-started rank; seen in the default run, 2026-11-26)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture
 def one_process_group(tmp_path):
     """A gloo process group of this process alone (world size 1), for in-process tests of code that communicates."""

@@ -42,8 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: variables a launcher or an in-process Trainer sets for its ranks: a launch that inherited LOCAL_RANK would be taken
+#: by Lightning for an already-started rank (it starts no peer and waits for it at "Initializing distributed")
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                      "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
 def base_env(cache_dir: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env.update(
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         # One thread per rank: several ranks share 2 cores, and a fixed thread count keeps float reductions
