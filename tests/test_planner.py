@@ -478,20 +478,27 @@ def _constructs(c: Candidate) -> bool:
 
 
 def test_plain_pytorch_module_and_hardware_file(tmp_path):
-    """A plain nn.Module that declares nothing (blocks found in its ModuleList, no TP plan) plans with tp=1 only; a
-    hardware file overrides a preset's fields."""
+    """A plain nn.Module that declares nothing (blocks found in its ModuleList, no TP plan) plans with tp=1 only; with
+    its plan (PlainLM's fused q|k|v is `packed_colwise:3`) tp=2 and 4 plan too, the packed projection split like any
+    column-parallel one; a hardware file overrides a preset's fields."""
     from lightning_par.examples.plain_lm import PlainLM
 
+    undeclared = type("UndeclaredLM", (PlainLM,), {"tp_plan": None})
     (tmp_path / "hw.json").write_text(json.dumps({"base": "a100", "memory_gib": 40, "name": "a100-40"}))
     hw = load_hardware(tmp_path / "hw.json")
     assert hw.memory_gib == 40 and hw.peak_flops == PRESETS["a100"].peak_flops
-    info = inspect_model(build_model(PlainLM, {"n_layers": 4}))
+    info = inspect_model(build_model(undeclared, {"n_layers": 4}))
     assert info.numel == sum(p.numel() for p in PlainLM(n_layers=4).parameters())  # built without weights
     assert info.blocks == tuple(f"blocks.{i}" for i in range(4))
     estimates, skipped = Planner(info, hw, Workload(1, SEQ, 8)).plan(4, precisions=["bf16-mixed"],
                                                                      recompute=["none"])
     assert estimates and {e.candidate.tp for e in estimates} == {1}
     assert any("tp=2" in reason for reason in skipped)
+    declared = inspect_model(build_model(PlainLM, {"n_layers": 4}))
+    estimates, _ = Planner(declared, hw, Workload(1, SEQ, 8)).plan(4, precisions=["bf16-mixed"], recompute=["none"])
+    assert {e.candidate.tp for e in estimates} == {1, 2, 4}
+    qkv = next(p for p in declared.params if p.name.endswith(".qkv.weight"))
+    assert declared.tp_split(2).dims[qkv.name] == 0  # packed: split along the output features
 
 
 def test_hugging_face_config(tmp_path, capsys):

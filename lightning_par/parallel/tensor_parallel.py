@@ -370,6 +370,14 @@ def _planned_split(style: str, module: nn.Module, param: str) -> str:
     return "Replicate()"
 
 
+def planned_split_dim(style: str | None, module: nn.Module, param: str) -> int | None:
+    """The dimension along which ``style`` splits ``module``'s parameter ``param`` over tp (a packed projection's too:
+    each rank holds 1/tp of it along that dimension), or ``None`` when it is replicated."""
+    split = "Replicate()" if style is None else _planned_split(style, module, param)
+    match = re.search(r"Shard\((\d+)", split)
+    return int(match[1]) if match else None
+
+
 def _check_tied(model_name: str, model: nn.Module, plan: dict[str, str]) -> None:
     """Tied parameters must be split the same way by their owners' styles (checked before any collective)."""
     for names in _tied_parameters(model):

@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
-from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_plan
+from lightning_par.parallel.tensor_parallel import planned_split_dim, resolve_tp_plan
 from lightning_par.topology import LayoutError
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -223,10 +223,8 @@ class ModelInfo:
                 styles = resolve_tp_plan(self.root, tp, sequence_parallel)
                 dims: dict[str, int | None] = {}
                 for p in self.params:
-                    style = styles.get(p.owner)
-                    split = "Replicate()" if style is None else _planned_split(
-                        style, self.root.get_submodule(p.owner), p.name.rpartition(".")[2])
-                    dims[p.name] = None if split == "Replicate()" else int(split[6:-1])
+                    dims[p.name] = planned_split_dim(styles.get(p.owner), self.root.get_submodule(p.owner),
+                                                     p.name.rpartition(".")[2])
                 self._splits[key] = TPSplit(tp, sequence_parallel, dims, styles)
         return self._splits[key]
 

@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry
 
 from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map
 from lightning_par.parallel.recompute import apply_recompute
-from lightning_par.parallel.tensor_parallel import _planned_split, resolve_tp_plan
+from lightning_par.parallel.tensor_parallel import planned_split_dim, resolve_tp_plan
 from lightning_par.planner.model import ModelInfo, short_model
 from lightning_par.planner.runtime import NO_FP32_MASTERS, PRECISIONS  # noqa: F401
 from lightning_par.topology import LayoutError
@@ -341,10 +341,9 @@ def _split_like_tp(root: nn.Module, tp: int, sequence_parallel: bool) -> dict[st
         module = root.get_submodule(name)
         changed = False
         for p_name, p in list(module.named_parameters(recurse=False)):
-            split = _planned_split(style, module, p_name)
-            if split == "Replicate()":
+            dim = planned_split_dim(style, module, p_name)
+            if dim is None:
                 continue
-            dim = int(split[6:-1])
             shape = list(p.shape)
             if shape[dim] % tp:
                 raise LayoutError(f"{name}.{p_name} has {shape[dim]} rows along dim {dim}, which tp={tp} does not "
