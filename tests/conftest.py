@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+from pathlib import Path
 
 import pytest
 
+from tests import harness
 from tests.harness import Run, close_process_group, launch_cli, launch_matrix, launch_torchrun
 
 PARITY_STEPS = 20
@@ -115,9 +118,15 @@ CP_RUNS = {"cp2_sgd": "single_sgd", "hf_cp2": "hf_single", "qwen2_cp2_dict_sgd":
 
 # -- the default run and the full run -----------------------------------------------------------------------------
 # CI runs the default set in under 15 minutes on 2 cores: every strategy and 3D at parity, the engine's guarantees,
-# checkpoints, the planner. `pytest --full` (or LIGHTNING_PAR_FULL=1) adds the launches below, which repeat what the
-# default set checks at more sizes or in more combinations (each is a multi-rank launch of 20-100 s on 2 cores).
-#: runs of `RUNS` (and fixtures) made only in the full run; a test that needs one is skipped in the default run
+# checkpoints, the planner. `pytest --full` (or LIGHTNING_PAR_FULL=1) adds the launches that repeat what the default
+# set checks at more sizes or in more combinations (each a multi-rank launch of 20-100 s on 2 cores).
+#
+# A test that starts processes says so: ``@pytest.mark.launch(ranks=N)`` (N: the most processes one of its launches
+# starts), ``full=True`` for the full run only -- on the test, or on one case (``pytest.param(..., marks=...)``). The
+# harness's launch functions fail a test that launches without the marker, or more ranks than it declares; a test
+# that uses a run of `RUNS` or a shared launch fixture needs the marker even when another test made the launch. What
+# is full-only is the markers: ``pytest --collect-only -q -m "launch and full"`` lists it (tests/README.md).
+#: runs of `RUNS` (and shared launches) of the full run only: a test that uses one must be marked ``full=True``
 FULL_ONLY_RUNS = {
     *(f"pp4_{s}" for s in PIPELINE_SCHEDULES), "pp4_tied_1f1b", "dp2_pp2_accum_clip", "single_kv4", "tp4", "tp4_sp",
     "dp2_tp2_sp", "tp2_sp_tied", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "zero1_dp4_accum_clip",
@@ -125,77 +134,160 @@ FULL_ONLY_RUNS = {
     "hybrid3d_8_ranks_full", "hybrid3d_4_ranks_full", "gpt2_untied_adamw", "plain_lm_tp2_sgd",
     *(name for name in CP_RUNS if name != "cp2_sgd"), "qwen2_single_sgd",
     "compile_matrix",  # compiled vs eager: ZeRO 0-3, tp2 (and SP), pp2 under each schedule, tp2 x pp2 (4 ranks)
-    "lightning_contract_full",  # Lightning's contract under tp2 x pp2 (4 ranks), ZeRO-0 and ZeRO-2
+    "lightning_contract_4_ranks_full",  # Lightning's contract under tp2 x pp2 and cp2 x pp2 (4 ranks)
+    "lightning_contract_2_ranks_full",  # ... and under ZeRO-0, ZeRO-2 and cp2, beside the default set's 2-rank layouts
     "readme_model_4_ranks",  # the README's recipe under tp2 x pp2 (tests/test_readme_model.py), ~35 s
 }
-#: tests (node id prefixes) that launch ranks themselves, run only in the full run
-FULL_ONLY_TESTS = (
-    "tests/test_checkpoint_safety.py::test_sigkill_of_every_rank_mid_save",
-    "tests/test_faults.py::test_a_killed_rank_is_named_at_once_and_the_job_resumes",
-    "tests/test_checkpoint_safety.py::test_a_stage0_single_file_checkpoint_resumes_under_zero3",
-    "tests/test_hybrid3d.py::test_a_3d_checkpoint_resumes",
-    "tests/test_hybrid3d.py::test_layouts_the_model_cannot_take",
-    "tests/test_pipeline_strategy.py::test_bf16_true",
-    "tests/test_pipeline_strategy.py::test_checkpoint_reshards",
-    "tests/test_pipeline_strategy.py::test_a_batch_that_does_not_split",
-    "tests/test_pipeline_strategy.py::test_resume_from_pipeline_checkpoint",
-    "tests/test_tensor_parallel.py::test_a_layout_the_model_cannot_take",
-    "tests/test_tp_any_model.py::test_lightning_par_fit_refuses_the_users_model_at_setup",
-    "tests/test_tensor_parallel.py::test_validate_from_a_tensor_parallel_checkpoint",
-    "tests/test_zero.py::test_resume_from_sharded_checkpoint",
-    "tests/test_data_parallel.py::test_evaluation_from_checkpoint_reproduces_the_fit",
-    "tests/test_data_parallel.py::test_predict_runs_forward_only_under_the_strategy",  # (pipeline predict stays)
-    "tests/test_pipeline_timeline.py::test_measured_bubble",
-    "tests/test_pipeline_zero.py",
-    "tests/test_zero_3d.py",
-    "tests/test_precision.py::test_bf16_mixed_tracks_fp32_over_50_steps",  # 5 fits of 50 steps, ~75 s
-    "tests/test_precision.py::test_bf16_mixed_master_tracks_fp32_with_adamw_and_sgd",  # 11 fits of 20 steps, ~65 s
-    "tests/test_reshard.py::test_bf16_mixed_resumes_from_its_fp32_master_weights[zero1_master_dp2]",  # ~45 s
-    "tests/test_export.py::test_start_from_a_hf_directory_under_other_layouts",
-    "tests/test_restart.py::test_the_readme_checkpoint_commands_work_as_written",  # 5 launches, 2-3 min
-    "tests/test_context_parallel.py::test_a_model_with_local_positions_is_refused_at_setup_on_every_rank",
-    "tests/test_compile.py::test_split_backward_weight_gradients_are_exact_with_inductor",  # a cold inductor compile
-    "tests/test_peers.py::test_every_pair_trains_alike",  # 8 launches, about 90 s
-    # moved to the full run to keep the default set near its budget (2026-11-26; each still covered by default:)
-    "tests/test_gpu_check.py",  # the GPU check's CPU rehearsal, ~90 s (ran on an H200: docs/gpu.md)
-    "tests/test_faults.py::test_a_frozen_rank_0_is_named",  # a frozen rank 1 stays in the default run
-    "tests/test_data_parallel.py::test_per_step_loss_matches_single_process[dp4_run]",  # dp2 stays
-    "tests/test_share_memory.py::test_each_rank_materialises_only_its_share[ZeRO-3, dp=4]",  # dp=2 stays
-    "tests/test_share_memory.py::test_pretrained_weights_go_straight_into_the_shards[ZeRO-3, dp=4]",
-    "tests/test_planned.py::test_planned_on_4_ranks",  # the planner's choices stay, in-process
-    "tests/test_compat.py::test_import_on_an_untested_torch",  # the version table stays, in-process
-    "tests/test_install.py::test_pipeline_demo_runs_without_the_extras",  # the installed-package test stays
-    "tests/test_example_models.py::test_gpt_lightning_module_trains",  # trained by every parity launch
-    "tests/test_example_models.py::test_mlp_lightning_module_trains",
-    "tests/test_clean_exit.py::test_a_thread_inside_a_store_call_at_exit",  # CLI runs must still exit 0
-    "tests/test_elastic.py::test_a_run_resumed_on_another_world_size",  # 3 launches (4, 2, 4 ranks), about 2 min
-    "tests/test_elastic.py::test_two_torchrun_agents_one_lost",  # a reference, 2 agents, a SLURM requeue
-    "tests/test_elastic.py::test_a_torchrun_agent_that_joins",  # 2 agents, the second joining mid-run
-)
+#: ranks of the shared launches that are not in `RUNS`
+OTHER_LAUNCHES = {"multinode": 4, "hybrid3d_8_ranks_full": 8, "hybrid3d_4_ranks_full": 4, "hybrid3d_8": 8,
+                  "hybrid3d_4": 4, "compile_matrix": 4, "lightning_contract_4_ranks_full": 4,
+                  "lightning_contract_2_ranks_full": 2, "readme_model_4_ranks": 4,
+                  "gpt2_untied_adamw": 2, "plain_lm_tp2_sgd": 2,
+                  **{f"pp{pp}_tied_{schedule}": pp for pp, schedule in PIPELINE_TIED.items()}}
+
+
+def launch_of(*names: str, ranks: int = 1, full: bool = False) -> pytest.MarkDecorator:
+    """The marker of a test that uses the runs ``names`` (of `RUNS`, or a shared launch of `OTHER_LAUNCHES`): their
+    most ranks (at least ``ranks``, for a launch of its own), full-only if one of them is (or ``full``)."""
+    ranks = max(ranks, *(RUNS[n][0] if n in RUNS else OTHER_LAUNCHES[n] for n in names))
+    return pytest.mark.launch(ranks=ranks, full=full or any(n in FULL_ONLY_RUNS for n in names))
+
+
+def run_cases(names, *shared: str) -> list:
+    """``parametrize`` values, one per run of ``names``, each marked for that run and the runs ``shared`` by every
+    case (its reference). ``names``: run names, or (value, run name or names) pairs."""
+    cases = []
+    for entry in names:
+        value, used = (entry, (entry,)) if isinstance(entry, str) else entry
+        used = (used,) if isinstance(used, str) else tuple(used)
+        cases.append(pytest.param(*value if isinstance(value, tuple) else (value,),
+                                  marks=launch_of(*used, *shared)))
+    return cases
 
 
 def full_run(config: pytest.Config) -> bool:
     return bool(config.getoption("--full") or os.environ.get("LIGHTNING_PAR_FULL"))
 
 
-def need_full(config: pytest.Config, name: str) -> None:
-    """Skip the calling test in the default run when it needs the full-run-only launch ``name``."""
-    if name in FULL_ONLY_RUNS and not full_run(config):
-        pytest.skip(f"{name}: a launch of the full run only (pytest --full)")
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true",
-                     help="also run the launches that repeat the default set's checks at more sizes (about 45 min)")
+                     help="also run the tests marked launch(full=True): launches that repeat the default set's "
+                          "checks at more sizes (about an hour on 2 cores)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "launch(ranks, full=False): the test starts up to `ranks` processes (training runs, torchrun "
+                   "agents, spawned gloo ranks); full=True: only in the full run (--full or LIGHTNING_PAR_FULL=1)")
+    config.addinivalue_line(
+        "markers", "full: a test that launches nothing, only in the full run (an in-process fit kept out of the "
+                   "default set for time)")
+
+
+def _launch_marker(item: pytest.Item) -> tuple[int, bool] | None:
+    marker = item.get_closest_marker("launch")
+    if marker is None:
+        return None
+    ranks, full = marker.kwargs.get("ranks"), marker.kwargs.get("full", False)
+    if marker.args or not isinstance(ranks, int) or ranks < 1 or not isinstance(full, bool) or \
+            set(marker.kwargs) - {"ranks", "full"}:
+        raise pytest.UsageError(f"{item.nodeid}: write the marker as launch(ranks=N, full=False), not {marker}")
+    return ranks, full
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if full_run(config):
-        return
-    skip = pytest.mark.skip(reason="a launch of the full run only (pytest --full)")
+    skip = pytest.mark.skip(reason="the full run only (pytest --full)")
     for item in items:
-        if item.nodeid.startswith(FULL_ONLY_TESTS):
+        declared = _launch_marker(item)
+        if declared and item.get_closest_marker("full"):
+            raise pytest.UsageError(f"{item.nodeid}: a launching test says full-only as launch(..., full=True)")
+        if declared and item.path.parent.name == "unit":
+            raise pytest.UsageError(f"{item.nodeid} launches ranks: its file belongs in tests/launch/")
+        full_only = item.get_closest_marker("full") is not None or (declared is not None and declared[1])
+        if full_only and not full_run(config):
             item.add_marker(skip)
+
+
+# -- the rule's guard: a test that launches carries the marker --------------------------------------------------------
+#: (baseid, name) of the shared fixtures (module or session scope) that launched: every test using one is checked
+_launching_fixtures: set[tuple[str, str]] = set()
+_fixtures_being_set_up: list[pytest.FixtureDef] = []
+
+
+class LaunchRuleError(Exception):
+    """A test launches processes and does not say so (see "the default run and the full run" in tests/conftest.py)."""
+
+
+def _check(item: pytest.Item, ranks: int, what: str, full: bool = False) -> None:
+    declared = _launch_marker(item)
+    if declared is None:
+        raise LaunchRuleError(f"{item.nodeid} {what} {ranks} rank(s) without a launch marker: "
+                              f"decorate it with @pytest.mark.launch(ranks={ranks})")
+    if ranks > declared[0]:
+        raise LaunchRuleError(f"{item.nodeid} {what} {ranks} ranks but is marked launch(ranks={declared[0]})")
+    if full and not declared[1]:
+        raise LaunchRuleError(f"{item.nodeid} {what} a launch of the full run: mark it launch(..., full=True)")
+
+
+def uses_run(name: str) -> None:
+    """Check the running test's marker against the shared launch ``name`` (its ranks, and whether it is full-only),
+    whether or not this test is the one that makes it."""
+    if _running:
+        ranks = RUNS[name][0] if name in RUNS else OTHER_LAUNCHES[name]
+        _check(_running[-1], ranks, f"uses the run {name!r} of", full=name in FULL_ONLY_RUNS)
+
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    def guard(ranks: int) -> None:
+        _check(item, ranks, "launches")
+        _launching_fixtures.update((f.baseid, f.argname) for f in _fixtures_being_set_up if f.scope != "function")
+        _launching_fixtures.update(_getters_on_stack(item))
+
+    harness.launch_guard = guard
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        harness.launch_guard = None
+        _running.pop()
+
+
+def _getters_on_stack(item: pytest.Item) -> set[tuple[str, str]]:
+    """Shared fixtures that hand out a getter launching on first use (``runs(name)``): (baseid, name) of each whose
+    getter is on the call stack now, so the tests that later get a cached run from it are checked too."""
+    found = set()
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_qualname.split(".<locals>.", 1)[0]
+        if ".<locals>." in frame.f_code.co_qualname and name in item.fixturenames:
+            module = Path(frame.f_code.co_filename).resolve()
+            baseid = module.relative_to(item.config.rootpath).as_posix()
+            found.add((baseid.removesuffix("/conftest.py") if module.name == "conftest.py" else baseid, name))
+        frame = frame.f_back
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request):
+    _fixtures_being_set_up.append(fixturedef)
+    try:
+        return (yield)
+    finally:
+        _fixtures_being_set_up.pop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """A test that reuses a shared fixture's launch carries the marker as its first user did."""
+    if _launch_marker(item) is None:
+        for baseid, name in _launching_fixtures:
+            if name in item.fixturenames and item.nodeid.startswith(baseid):
+                raise LaunchRuleError(f"{item.nodeid} uses {name!r}, a fixture that launches ranks, without a launch "
+                                      f"marker: decorate it with @pytest.mark.launch(ranks=N)")
 
 
 @pytest.fixture(autouse=True)
@@ -228,12 +320,12 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory, cache_dir, request):
+def runs(tmp_path_factory, cache_dir):
     """``runs(name)``: the finished launch of ``RUNS[name]``, made on first request."""
     done: dict[str, Run] = {}
 
     def get(name: str, extra: list[str] | None = None) -> Run:
-        need_full(request.config, name)
+        uses_run(name)
         pp = next((p for p, names in PIPELINE_MATRIX.items() if name in names), None)
         if pp is not None and name not in done:
             # every schedule of one pipeline size in one launch: one start-up instead of eight
@@ -270,16 +362,16 @@ def dp4_run(runs) -> Run:
 
 
 @pytest.fixture(scope="session")
-def multinode_run(tmp_path_factory, cache_dir, request) -> Run:
+def multinode_run(tmp_path_factory, cache_dir) -> Run:
     """2 nodes x 2 ranks through torchrun over loopback."""
-    need_full(request.config, "multinode")
+    uses_run("multinode")
     root = tmp_path_factory.mktemp("multinode")
     return launch_torchrun(root, cache_dir, [*job(GLOBAL_BATCH // 4), "--trainer.strategy=zero0"],
                            nnodes=2, nproc_per_node=2).check()
 
 
 @pytest.fixture(scope="session")
-def hybrid3d_matrix(tmp_path_factory, cache_dir, request):
+def hybrid3d_matrix(tmp_path_factory, cache_dir):
     """``matrix(name)``: ``(Run, per-rank reports)`` of a case; each rank count's cases in one launch, on first use
     (the 8-rank launch, and the cases marked ``full``, in a launch of the full run only). Shared by the 3D tests and
     the reshard matrix."""
@@ -289,8 +381,7 @@ def hybrid3d_matrix(tmp_path_factory, cache_dir, request):
 
     def get(name: str) -> tuple[Run, list[dict]]:
         devices, full = CASES[name].devices, CASES[name].full or CASES[name].devices == 8
-        if full:
-            need_full(request.config, f"hybrid3d_{devices}_ranks_full")
+        uses_run(f"hybrid3d_{devices}_ranks_full" if full else f"hybrid3d_{devices}")
         if name not in out:
             names = [n for n, case in CASES.items()
                      if case.devices == devices and (case.full or case.devices == 8) == full]

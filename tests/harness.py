@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,28 @@ TINY_JOB = [
     "--trainer.enable_progress_bar=false",
     "--trainer.enable_model_summary=false",
 ]
+
+
+#: set by tests/conftest.py while a test runs: called with the number of ranks a launch is about to start, it fails
+#: the test unless it carries ``@pytest.mark.launch(ranks=N)`` with N at least that (None outside pytest: workers)
+launch_guard: Callable[[int], None] | None = None
+
+
+def launching(ranks: int) -> None:
+    """Say that the running test is about to start ``ranks`` processes; every launch below calls it first, and so
+    must a test that starts ranks itself (``mp.spawn``, a ``Popen`` of torchrun)."""
+    if launch_guard is not None:
+        launch_guard(ranks)
+
+
+def _ranks_in(argv: list[str]) -> int:
+    """The processes a ``lightning-par`` command line starts: ``--trainer.devices`` x ``--trainer.num_nodes`` (1 each
+    when not given on the command line)."""
+    def last(flag: str) -> int:
+        values = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+        return int(values[-1]) if values and values[-1].isdigit() else 1
+
+    return last("--trainer.devices") * last("--trainer.num_nodes")
 
 
 def free_port() -> int:
@@ -146,6 +168,7 @@ def launch_torchrun(
 ) -> Run:
     """One torchrun agent per node, all on this machine over loopback: the multi-node path users take.
     ``torchrun_args``: more of torchrun's options (``--max-restarts=1``)."""
+    launching(nnodes * nproc_per_node)
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     cli = ["-m", "lightning_par.cli", "fit", *TINY_JOB, f"--trainer.devices={nproc_per_node}"]
@@ -164,9 +187,11 @@ def launch_torchrun(
 
 
 def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float = 300,
-                   log_name: str | None = None) -> Run:
+                   log_name: str | None = None, ranks: int | None = None) -> Run:
     """``lightning-par ARGV`` exactly as given (no job arguments added), in ``root``, as a user types it; its
-    output in ``root/LOG_NAME`` (default: the next ``commandN.log``)."""
+    output in ``root/LOG_NAME`` (default: the next ``commandN.log``). ``ranks``: the processes it starts, where the
+    command line does not say (a config file)."""
+    launching(ranks or _ranks_in(argv))
     root.mkdir(parents=True, exist_ok=True)
     env = base_env(cache_dir)
     env["MASTER_PORT"] = str(free_port())
@@ -181,6 +206,7 @@ def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float 
 def launch_matrix(root: Path, cache_dir: Path, module: str, args: list[str], nproc: int,
                   timeout: float = 600) -> Run:
     """``python -m MODULE ARGS`` on ``nproc`` ranks of one torchrun agent: for scripts that run several fits."""
+    launching(nproc)
     root.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", module, *args]
@@ -235,11 +261,17 @@ def checkpoint_worker_main(fit) -> None:
 def spawn_reports(worker, root: Path, nprocs: int = 2) -> list[dict]:
     """Run ``worker(rank, world, store_path, out_dir)`` on ``nprocs`` spawned ranks (one thread each); return the
     ``rank{r}.json`` report each wrote into ``root``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    spawn(worker, (nprocs, str(root / "store"), str(root)), nprocs)
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def spawn(worker, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(worker, args, nprocs)``, joined, after :func:`launching`."""
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(nprocs, str(root / "store"), str(root)), nprocs=nprocs, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
+    launching(nprocs)
+    mp.spawn(worker, args=args, nprocs=nprocs, join=True)
 
 
 @contextlib.contextmanager

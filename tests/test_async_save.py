@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
+from tests.harness import spawn
 
 
 def _state(seed: int) -> tuple[nn.Module, dict]:
@@ -26,7 +26,7 @@ def _state(seed: int) -> tuple[nn.Module, dict]:
 
 
 def _in_a_process_of_its_own(case, tmp_path: Path) -> None:
-    mp.spawn(_run, args=(case, str(tmp_path)), nprocs=1, join=True)
+    spawn(_run, (case, str(tmp_path)), nprocs=1)
 
 
 def _run(rank: int, case, root: str) -> None:
@@ -113,14 +113,17 @@ def _last_links_after_the_commit(saver, tmp_path: Path) -> None:
     assert os.readlink(last) == "b.ckpt"
 
 
+@pytest.mark.launch(ranks=1)
 def test_an_async_save_commits_when_written_and_loads_like_a_sync_one(tmp_path):
     _in_a_process_of_its_own(_commits_when_written, tmp_path)
 
 
+@pytest.mark.launch(ranks=1)
 def test_an_async_error_is_raised_at_the_next_save_naming_the_checkpoint(tmp_path):
     _in_a_process_of_its_own(_error_at_the_next_save, tmp_path)
 
 
+@pytest.mark.launch(ranks=1)
 def test_last_links_to_an_async_save_only_once_it_commits(tmp_path):
     _in_a_process_of_its_own(_last_links_after_the_commit, tmp_path)
 

@@ -191,14 +191,12 @@ def test_a_one_file_checkpoint_of_another_size_is_named_too(tmp_path):
         sharded_checkpoint.load(path, _model(width=8), [])
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_every_pipeline_rank_names_the_same_parameter(tmp_path, cache_dir, request):
     """Launched (full run): pipeline stages ask for different entries, so the entries no rank of this model has are
     found over all of them -- an 8-block checkpoint into 4 blocks would otherwise load its first 4 blocks silently."""
-    from tests.conftest import full_run
     from tests.harness import launch_cli
 
-    if not full_run(request.config):
-        pytest.skip("two launches: the full run only (pytest --full)")
     short = ["--trainer.max_steps=2", "--data.batch_size=8", "--trainer.limit_val_batches=0", "--sample_tokens=0",
              "--trainer.strategy=pipeline2_1f1b"]
     launch_cli(tmp_path / "a", cache_dir, [*short, "--trainer.enable_checkpointing=true",

@@ -19,19 +19,18 @@ from lightning_par.cli import main as cli_main
 from lightning_par.examples import GPTLightningModule
 from lightning_par.plugins.checkpoint_export import CheckpointTensors
 from tests.bad_steps_worker import BETWEEN_STEP, POISON_STEP, SAVE_EVERY, SKIP_STEP, STEPS
-from tests.conftest import full_run
 from tests.harness import Run, launch_matrix, max_rel_diff
 
 LAYOUTS = {"zero2": False, "pp2": True}  # layout -> full run only
+#: one 2-rank launch per layout
+LAYOUT_CASES = [pytest.param(layout, marks=pytest.mark.launch(ranks=2, full=full)) for layout, full in LAYOUTS.items()]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, cache_dir, request):
+def launched(tmp_path_factory, cache_dir):
     done: dict[str, Run] = {}
 
     def get(layout: str) -> Run:
-        if LAYOUTS[layout] and not full_run(request.config):
-            pytest.skip(f"{layout}: a launch of the full run only (pytest --full)")
         if layout not in done:
             root = tmp_path_factory.mktemp(f"bad_steps_{layout}")
             done[layout] = launch_matrix(root, cache_dir, "tests.bad_steps_worker",
@@ -50,7 +49,7 @@ def _losses(run: Run) -> dict[int, float]:
     return run.scalars()["train/loss"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_a_poisoned_weight_stops_every_rank_at_that_step_and_the_last_finite_checkpoint_resumes(launched, layout):
     """A NaN written into a weight at step 8: the step's loss and update are not finite. Every rank stops after that
     step (the fit raises on both, the launch exits 0 because the worker catches it), naming step 8, what was not
@@ -87,7 +86,7 @@ def test_a_poisoned_weight_stops_every_rank_at_that_step_and_the_last_finite_che
     assert diff <= 1e-6
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_a_weight_poisoned_between_steps_stops_the_run_at_the_save(launched, layout):
     """No step was non-finite, but a weight became NaN after step 5's update (outside any step): the step-6 save
     finds it, refuses to save, and every rank stops there naming the tensor; the step-3 checkpoint stays."""
@@ -102,7 +101,7 @@ def test_a_weight_poisoned_between_steps_stops_the_run_at_the_save(launched, lay
     assert sorted(p.name for p in last.parent.iterdir()) == [last.name]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_skip_discards_a_non_finite_step_on_every_rank(launched, layout):
     """``nonfinite="skip"``, 2 micro-batches per step, the activations of step 4's first micro-batch made NaN (its
     loss and the step's gradients): the step's gradients are discarded on every rank, ``train/skipped_steps`` is
@@ -124,6 +123,7 @@ def test_skip_discards_a_non_finite_step_on_every_rank(launched, layout):
            "on every rank (1 skipped so far)" in run.log
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_detect_anomaly_under_a_pipeline_runs_clean(launched):
     """The pipeline's clean fit ran under ``detect_anomaly=True`` with the first step's metadata-inference inputs
     (uninitialised memory) filled with NaN: anomaly mode no longer sees them, and the losses are finite (``--full``:

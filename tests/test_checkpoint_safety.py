@@ -27,8 +27,8 @@ from torch import nn
 
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
-from tests.conftest import EPOCH_STEPS, PARITY_STEPS, RUNS
-from tests.harness import TINY_JOB, _report_args, base_env, free_port, launch_cli, max_rel_diff
+from tests.conftest import EPOCH_STEPS, PARITY_STEPS, RUNS, launch_of
+from tests.harness import TINY_JOB, _report_args, base_env, free_port, launch_cli, launching, max_rel_diff
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group is initialised
 
@@ -303,6 +303,7 @@ def test_a_single_file_checkpoint_loads_where_optimizers_hold_the_models_paramet
 
 
 # -- launched: the ranks of a real run ------------------------------------------------------------------------------
+@pytest.mark.launch(ranks=2, full=True)
 def test_sigkill_of_every_rank_mid_save_leaves_the_previous_checkpoint_loadable_and_last(tmp_path, cache_dir):
     """ZeRO-2 on 2 ranks saves ``last.ckpt`` every 3 steps; in the second save (step 6) every rank is SIGKILLed
     after DCP wrote the shards, before the manifest. ``last.ckpt`` is still step 3, the partial directory is refused,
@@ -319,6 +320,7 @@ def test_sigkill_of_every_rank_mid_save_leaves_the_previous_checkpoint_loadable_
            "--trainer.callbacks+=tests.checkpoint_crash.PauseMidSave", f"--trainer.callbacks.path={crash}"]
     env = base_env(cache_dir) | {"MASTER_PORT": str(free_port())}
     killed.mkdir()
+    launching(2)
     with (killed / "launch.log").open("w") as log:
         # its own process group: Lightning's launcher starts rank 1 as a child of rank 0, so one signal kills all
         proc = subprocess.Popen(cmd, cwd=killed, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -351,6 +353,7 @@ def test_sigkill_of_every_rank_mid_save_leaves_the_previous_checkpoint_loadable_
     assert sorted(resumed.scalars()["train/loss"]) == [3, 4], "resumed from step 3, the last complete checkpoint"
 
 
+@launch_of("dp2", full=True)
 def test_a_stage0_single_file_checkpoint_resumes_under_zero3(tmp_path, cache_dir, runs):
     """The data-parallel run's single-file checkpoint at the epoch boundary, resumed under ZeRO-3 on 2 ranks: the
     remaining losses are the uninterrupted run's (weights and AdamW state restored, each rank keeping its shard)."""

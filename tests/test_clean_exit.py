@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 
-from tests.conftest import full_run
 from tests.harness import REPO, base_env, launch_cli
 
 ABORT = "terminate called without an active exception"
@@ -44,6 +43,7 @@ STORE_CALL_AT_EXIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.full  # CLI runs must still exit 0
 def test_a_thread_inside_a_store_call_at_exit_aborts_unless_exit_waits_for_it(tmp_path):
     script = tmp_path / "store_call_at_exit.py"
     script.write_text(STORE_CALL_AT_EXIT)
@@ -61,11 +61,10 @@ SHORT = ["--trainer.max_steps=3", "--data.batch_size=8", "--trainer.limit_val_ba
 LAYOUTS = {"tp2": (2, "megatron_tp2"), "tp2_pp2": (4, "hybrid3d_tp2_pp2")}
 
 
+@pytest.mark.launch(ranks=4, full=True)  # the default set's CLI launches end through the same exit
 @pytest.mark.parametrize("repeat", range(4))
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_finished_run_exits_0(tmp_path, cache_dir, request, name, repeat):
-    if not full_run(request.config):  # the default run's CLI launches all end through the same exit, checked for 0
-        pytest.skip("the repetitions: the full run only (pytest --full)")
+def test_a_finished_run_exits_0(tmp_path, cache_dir, name, repeat):
     devices, strategy = LAYOUTS[name]
     run = launch_cli(tmp_path, cache_dir, [*SHORT, f"--trainer.strategy={strategy}"], devices=devices)
     assert "`Trainer.fit` stopped: `max_steps=3` reached" in run.log, run.log[-4000:]

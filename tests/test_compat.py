@@ -157,6 +157,7 @@ def test_schedule_order_only_keeps_the_compute_order():
         monkey.undo()
 
 
+@pytest.mark.full  # the version table stays, in-process
 def test_import_on_an_untested_torch_stops_or_warns_once(tmp_path):
     """``import lightning_par`` itself, on a torch that says it is 2.16.0: one error naming the versions; with
     LIGHTNING_PAR_ALLOW_UNTESTED=1 one warning, and the import goes on (every private name is still there)."""

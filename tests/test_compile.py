@@ -13,7 +13,7 @@ import torch
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.topology import LayoutError
 from tests.compile_matrix import CASES, STEPS
-from tests.conftest import need_full
+from tests.conftest import launch_of, uses_run
 from tests.harness import Run, launch_matrix, max_rel_diff
 
 COMPILED_RTOL = 1e-4  # inductor may reorder float operations
@@ -119,6 +119,7 @@ def test_recompute_is_traced_into_the_blocks_graph(kind):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.full  # a cold inductor compile
 def test_split_backward_weight_gradients_are_exact_with_inductor():
     """Zero-bubble schedules run a compiled block's backward twice (input half with retain_graph=True, then weight
     half): torch's own stage_backward_input / stage_backward_weight, on inductor-compiled GPT blocks, give the eager
@@ -209,7 +210,7 @@ def compile_matrix(request, tmp_path_factory, cache_dir):
     out: dict[str, tuple[Run, Run, list[dict]]] = {}
 
     def get(name: str):
-        need_full(request.config, "compile_matrix")
+        uses_run("compile_matrix")
         devices = CASES[name][0]
         if name not in out:
             names = [n for n, case in CASES.items() if case[0] == devices]
@@ -228,6 +229,7 @@ def compile_matrix(request, tmp_path_factory, cache_dir):
     return get
 
 
+@launch_of("compile_matrix")
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_blocks_train_as_eager(compile_matrix, name):
     eager, compiled, reports = compile_matrix(name)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 
 from lightning_par import Hybrid3DStrategy, LayoutError, LayoutStrategy
@@ -20,8 +19,8 @@ from lightning_par.examples.gpt2 import GPT2, GPT2Config
 from lightning_par.parallel.context_parallel import check_takes_positions, shard_positions
 from lightning_par.parallel.layout import Layout
 from lightning_par.topology import ParallelDims
-from tests.conftest import CP_RUNS, CP_STEPS
-from tests.harness import launch_cli, max_rel_diff
+from tests.conftest import CP_RUNS, CP_STEPS, run_cases
+from tests.harness import launch_cli, max_rel_diff, spawn
 
 LOSS_RTOL = 1e-5
 
@@ -330,16 +329,18 @@ def two_ranks(tmp_path_factory, request):
 
     root = tmp_path_factory.mktemp("cp_two_ranks")
     archs = ["llama", "qwen2"] if full_run(request.config) else ["llama"]
-    mp.spawn(_two_ranks, args=(str(root / "store"), str(root / "out.json"), archs), nprocs=2, join=True)
+    spawn(_two_ranks, (str(root / "store"), str(root / "out.json"), archs), nprocs=2)
     return json.loads((root / "out.json").read_text())
 
 
+@pytest.mark.launch(ranks=2)
 def test_attention_and_loss_over_two_shards_equal_the_whole_sequence(two_ranks):
     got = two_ranks["attention"]
     print(f"two cp shards vs the whole sequence (float64): {got}")
     assert max(got.values()) <= 1e-12
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("layout", ["mha", "gqa"])
 def test_ring_attention_equals_causal_sdpa_of_the_whole_sequence(two_ranks, layout):
     got = {k.removeprefix(f"{layout}_"): v for k, v in two_ranks["ring"].items() if k.startswith(f"{layout}_")}
@@ -347,6 +348,7 @@ def test_ring_attention_equals_causal_sdpa_of_the_whole_sequence(two_ranks, layo
     assert max(got[k] for k in ("out", "grad_q", "grad_k", "grad_v")) <= 1e-5
 
 
+@pytest.mark.launch(ranks=2)
 def test_ring_attention_allocates_nothing_of_shard_by_sequence_size(two_ranks):
     got = two_ranks["ring"]
     print(f"[T/cp, T] tensors allocated: ring {got['mha_quadratic_shapes']} (GQA {got['gqa_quadratic_shapes']}), "
@@ -355,15 +357,15 @@ def test_ring_attention_allocates_nothing_of_shard_by_sequence_size(two_ranks):
     assert got["mha_quadratic_shapes"] == 0 and got["gqa_quadratic_shapes"] == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.launch(ranks=2)),
+                                  pytest.param("qwen2", marks=pytest.mark.launch(ranks=2, full=True))])
 def test_a_hugging_face_model_loss_over_two_shards_equals_the_whole_sequence(two_ranks, arch):
-    if arch not in two_ranks:
-        pytest.skip(f"{arch}: the full run only (pytest --full)")
     got = two_ranks[arch]
     print(f"{arch}: the model's own loss on two cp shards vs the whole sequence: {got}")
     assert got["loss"] <= 1e-6 and got["grads"] <= 1e-5
 
 
+@pytest.mark.launch(ranks=2)
 def test_activation_bytes_per_cp_rank_equal_the_planner(two_ranks):
     got = two_ranks["activations"]
     ratio = got["predicted"] / got["shard"]
@@ -373,6 +375,7 @@ def test_activation_bytes_per_cp_rank_equal_the_planner(two_ranks):
     assert got["shard"] < 0.6 * got["whole"]  # half the tokens, plus the gathered keys and values
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_a_model_with_local_positions_is_refused_at_setup_on_every_rank(tmp_path, cache_dir):
     run = launch_cli(tmp_path, cache_dir, ["--model=lightning_par.examples.GPT2LightningModule", "--model.n_layers=2",
                                            "--trainer.strategy=context_parallel2", "--trainer.max_steps=2"], devices=2)
@@ -380,7 +383,7 @@ def test_a_model_with_local_positions_is_refused_at_setup_on_every_rank(tmp_path
     assert run.log.count("GPT2.forward has no `position_ids` argument") >= 2  # both ranks, before any step
 
 
-@pytest.mark.parametrize("name", list(CP_RUNS))
+@pytest.mark.parametrize("name", run_cases([(n, (n, r)) for n, r in CP_RUNS.items()]))
 def test_losses_match_one_process(runs, name):
     run, reference = runs(name), runs(CP_RUNS[name])
     steps = len(run.losses())

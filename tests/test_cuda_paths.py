@@ -279,6 +279,7 @@ def offload_reports(tmp_path_factory):
     return spawn_reports(_offload_worker, tmp_path_factory.mktemp("offload"))
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_with_clipping_is_exact_against_no_offload(offload_reports, stage):
     single = offload_reports[0]["single"]

@@ -6,13 +6,15 @@ import re
 
 import pytest
 
-from tests.conftest import GLOBAL_BATCH, PARITY_STEPS
+from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, launch_of, run_cases
 from tests.harness import launch_cli, max_rel_diff
 
 PARITY_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("run_name", ["dp2_run", "dp4_run", "multinode_run"])
+@pytest.mark.parametrize("run_name", [*run_cases([("dp2_run", "dp2")], "single"),
+                                      pytest.param("dp4_run", marks=launch_of("single", "dp4", full=True)),
+                                      *run_cases([("multinode_run", "multinode")], "single")])
 def test_per_step_loss_matches_single_process(request, single_run, run_name):
     run = request.getfixturevalue(run_name)
     reference, losses = single_run.losses(), run.losses()
@@ -23,10 +25,12 @@ def test_per_step_loss_matches_single_process(request, single_run, run_name):
     assert diff <= PARITY_RTOL
 
 
+@launch_of("single", "dp4")
 def test_validation_loss_matches_single_process(single_run, dp4_run):
     assert max_rel_diff(dp4_run.losses("val/loss"), single_run.losses("val/loss")) <= PARITY_RTOL
 
 
+@launch_of("single", "dp4")
 def test_ranks_split_each_global_batch_by_data_parallel_rank(single_run, dp4_run):
     reports = {r["global_rank"]: r for r in dp4_run.reports}
     assert sorted(reports) == [0, 1, 2, 3]
@@ -42,6 +46,7 @@ def test_ranks_split_each_global_batch_by_data_parallel_rank(single_run, dp4_run
         assert len(seen) == GLOBAL_BATCH and set(seen) == samples
 
 
+@launch_of("dp4")
 def test_mesh_groups_backend_and_wrapper(dp4_run):
     for report in dp4_run.reports:
         rank = report["global_rank"]
@@ -51,6 +56,7 @@ def test_mesh_groups_backend_and_wrapper(dp4_run):
         assert report["wrapped_model"] == "DistributedDataParallel"  # bucketed all-reduce overlapped with backward
 
 
+@launch_of("dp2")
 def test_tensorboard_holds_what_a_user_watches(dp2_run):
     scalars = dp2_run.scalars()
     for tag in ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/pg1", "train/tokens_per_sec"):
@@ -65,6 +71,7 @@ def test_tensorboard_holds_what_a_user_watches(dp2_run):
     assert abs(ppl[step] - math.exp(loss[step])) / ppl[step] < 1e-4
 
 
+@launch_of("multinode")
 def test_two_nodes_through_torchrun(multinode_run):
     reports = sorted(multinode_run.reports, key=lambda r: r["global_rank"])
     assert [(r["node_rank"], r["local_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -72,6 +79,7 @@ def test_two_nodes_through_torchrun(multinode_run):
     assert all(r["world_size"] == 4 and r["sampler"]["num_replicas"] == 4 for r in reports)
 
 
+@launch_of("dp2", full=True)
 @pytest.mark.parametrize("command,tag", [("validate", "val/loss"), ("test", "test/loss")])
 def test_evaluation_from_checkpoint_reproduces_the_fit(tmp_path, cache_dir, dp2_run, command, tag):
     """validate/test under the strategy, restored from the fit's checkpoint, give the fit's final validation loss."""
@@ -84,6 +92,7 @@ def test_evaluation_from_checkpoint_reproduces_the_fit(tmp_path, cache_dir, dp2_
     assert abs(value - fit_val[max(fit_val)]) / fit_val[max(fit_val)] <= PARITY_RTOL
 
 
+@launch_of("dp2", full=True)
 def test_predict_runs_forward_only_under_the_strategy(tmp_path, cache_dir, dp2_run):
     checkpoint = dp2_run.checkpoint(step=PARITY_STEPS)
     args = ["--trainer.strategy=zero0", f"--ckpt_path={checkpoint}", "--data.batch_size=8",
@@ -95,6 +104,7 @@ def test_predict_runs_forward_only_under_the_strategy(tmp_path, cache_dir, dp2_r
     assert all(len(row) == 32 and all(0 <= t < 256 for t in row) for rows in per_rank for row in rows)
 
 
+@pytest.mark.launch(ranks=2)
 def test_a_dead_rank_does_not_leave_the_others_hanging(tmp_path, cache_dir):
     """Rank 1 dies mid-run; rank 0 must fail fast on its next collective, not wait for the process-group timeout."""
     args = ["--trainer.strategy=zero0", "--trainer.max_steps=1000", "--data.batch_size=4",

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import full_run
 from tests.doc_commands import bash_commands
 from tests.harness import REPO, launch_command
 
@@ -244,11 +243,10 @@ def test_a_wrong_command_fails_the_check(argv, monkeypatch, capsys):
     assert failure.type is AssertionError or failure.value.code not in (0, None)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("command", [c for c in bash_commands() if COMMANDS.get(c) == RUN], ids=_id)
-def test_command_runs(command, request, tmp_path, cache_dir):
+def test_command_runs(command, tmp_path, cache_dir):
     """The full set: the command for real, from a copy of its relative paths' root, at a size of seconds."""
-    if not full_run(request.config):
-        pytest.skip("runs the docs' commands for real: full set only (pytest --full)")
     argv = shlex.split(command)[1:]
     argv = [a.replace("configs/", f"{REPO / 'configs'}/") for a in argv]
     extra: list[str] = []

@@ -16,7 +16,7 @@ import signal
 import pytest
 import torch
 
-from tests.harness import max_rel_diff
+from tests.harness import launching, max_rel_diff
 from tests.probes import StepLosses
 from tests.resume_worker import MAX_STEPS, SAVE_EVERY, user_loader
 
@@ -129,6 +129,7 @@ def _steps(root, name, times=False):
     return steps, data["accumulate"]
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize(("resumed", "source", "first", "accumulate", "attempt"),
                          [("zero3_dp4_to_dp2", "zero3_dp4", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
                            "dp=2 x tp=1 x pp=1"),
@@ -200,6 +201,7 @@ def elastic_reference(tmp_path_factory, cache_dir):
     reference = root / "reference"
     reference.mkdir()
     start = time.time()
+    launching(4)
     ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                           "--no-python", sys.executable, *_cli(reference, cache_dir, 4, 1, ELASTIC_STEPS + 5)],
                          cwd=reference, env=base_env(cache_dir), stdout=(reference / "launch.log").open("w"),
@@ -222,10 +224,12 @@ def _agent(run, cache_dir, port, host, *extra, accumulate=1, env=None):
            f"--rdzv-conf=is_host={int(host)},last_call_timeout=5", "--max-restarts=1", "--no-python", sys.executable,
            *_cli(run, cache_dir, 2, 2, ELASTIC_STEPS, f"--trainer.accumulate_grad_batches={accumulate}", *extra)]
     log = run / f"agent{1 - int(host)}.log"
+    launching(2)
     return subprocess.Popen(cmd, cwd=run, env={**base_env(cache_dir), **(env or {})}, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_two_torchrun_agents_one_lost_the_survivor_goes_on_as_the_same_run(tmp_path, cache_dir, elastic_reference):
     """Two torchrun agents of 2 ranks each (``--nnodes=1:2``, c10d rendezvous on loopback, ``--max-restarts=1``):
     dp2 x pp2 on 4 ranks; at step 12 the second agent and its ranks are SIGKILLed (a node lost). The survivor's next
@@ -274,6 +278,7 @@ def test_two_torchrun_agents_one_lost_the_survivor_goes_on_as_the_same_run(tmp_p
     # grow back: a SLURM requeue (simulated by its variables) with 2 nodes of 2 tasks, 5 more steps on 4 ranks
     master = str(free_port())
     procs = []
+    launching(4)
     for rank in range(4):
         slurm = dict(env, SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="2", SLURM_PROCID=str(rank),
                      SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2), SLURM_JOB_NAME="elastic",
@@ -360,6 +365,7 @@ def test_the_cli_takes_the_node_count_from_the_launcher(monkeypatch):
     assert launched_nodes() == (3, "torchrun: WORLD_SIZE=6, LOCAL_WORLD_SIZE=2")
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_a_torchrun_agent_that_joins_grows_the_run_back(tmp_path, cache_dir, elastic_reference):
     """One agent starts the elastic job alone: pp2 on 2 ranks, accumulation 2 (8 samples per step), its steps slowed
     to 3 s. A second agent joins at step 4 or later: torchrun stops the workers (SIGTERM: they save at the step

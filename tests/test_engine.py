@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job
+from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, run_cases
 from tests.engine_matrix import LAYOUTS, PER_STAGE_DRAWS
 from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 
@@ -35,6 +35,7 @@ def sgd_reference(tmp_path_factory, cache_dir) -> Run:
     return launch_cli(root, cache_dir, args, devices=1).check()
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", UNSEEDED)
 def test_replicas_start_from_the_same_weights_without_a_seed(matrix, name):
     _, reports = matrix[name]
@@ -43,12 +44,14 @@ def test_replicas_start_from_the_same_weights_without_a_seed(matrix, name):
         assert report["max_rel_err"] == 0.0, f"{name}: a rank kept weights it drew itself: {report}"
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_one_gradient_sync_owner_per_layout(matrix, name):
     _, reports = matrix[name]
     assert {r["gradient_sync"] for r in reports} == {OWNERS[name]}
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_sums_count_each_data_parallel_replica_once(matrix, name):
     _, reports = matrix[name]
@@ -59,6 +62,7 @@ def test_sums_count_each_data_parallel_replica_once(matrix, name):
         assert report["steps_seen"] == dp * PARITY_STEPS  # a torchmetrics SumMetric, synced at compute()
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in PER_STAGE_DRAWS])
 def test_plain_sgd_matches_one_process(matrix, sgd_reference, name):
     run, _ = matrix[name]
@@ -70,7 +74,7 @@ def test_plain_sgd_matches_one_process(matrix, sgd_reference, name):
     assert reference[0] - reference[-1] > 0.3
 
 
-@pytest.mark.parametrize("name", ["hf_zero3_dict", "hf_tp2_dict"])
+@pytest.mark.parametrize("name", run_cases(["hf_zero3_dict", "hf_tp2_dict"], "hf_single"))
 def test_hugging_face_dict_batches_under_zero3_and_tensor_parallel(runs, name):
     """{input_ids, labels, attention_mask} batches (HF's label shift inside) train as the tuple-batch single process."""
     diff = max_rel_diff(runs(name).losses(), runs("hf_single").losses())

@@ -202,6 +202,7 @@ def text_batches(n_seqs: int = 8, seq_len: int = 32) -> DataLoader:
     return DataLoader(TensorDataset(seqs[:, :-1], seqs[:, 1:]), batch_size=n_seqs)
 
 
+@pytest.mark.full  # trained by every parity launch
 def test_gpt_lightning_module_trains():
     torch.manual_seed(0)
     module = GPTLightningModule(preset="tiny", warmup_steps=5)
@@ -264,6 +265,7 @@ def test_mlp_datamodule_is_deterministic_and_leaves_global_rng_alone():
     assert len(a.train_set) == 90 and len(a.val_set) == 10
 
 
+@pytest.mark.full
 def test_mlp_lightning_module_trains():
     torch.manual_seed(0)
     data = MLPDataModule(dim=32, n_samples=1024, batch_size=32)

@@ -324,10 +324,12 @@ def _start_from_pretrained(layout, tmp_path, cache_dir):
     assert logits_diff < 1e-4
 
 
+@pytest.mark.launch(ranks=2)
 def test_start_from_a_hf_directory_under_zero3(tmp_path, cache_dir):
     _start_from_pretrained("zero3", tmp_path, cache_dir)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("layout", ["tp2", "pp2_tied", "zero1", "tp2_pp2"])
 def test_start_from_a_hf_directory_under_other_layouts(tmp_path, cache_dir, layout):
     _start_from_pretrained(layout, tmp_path, cache_dir)

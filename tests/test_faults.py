@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 from lightning_par import LayoutError, ZeroStrategy
 from lightning_par.parallel.heartbeat import EXIT_CODE, Heartbeat
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job, launch_of
 from tests.harness import free_port, launch_cli, max_rel_diff
 
 BOUND = 10.0  # seconds: the heartbeat_timeout of the test (default 60)
 ZERO2 = ["--trainer.strategy=lightning_par.ZeroStrategy", "--trainer.strategy.stage=2"]
 
 
+@launch_of("zero2_dp2")
 def test_a_frozen_rank_is_named_and_the_others_stop_within_the_bound_then_the_job_resumes(tmp_path, cache_dir, runs):
     """ZeRO-2 on 2 ranks, heartbeat bound 10 s, epoch-end checkpoints; rank 1 freezes at step 12."""
     frozen = tmp_path / "frozen.json"
@@ -61,6 +62,7 @@ def test_a_frozen_rank_is_named_and_the_others_stop_within_the_bound_then_the_jo
     assert diff <= 1e-6
 
 
+@launch_of("zero2_dp2", full=True)
 def test_a_killed_rank_is_named_at_once_and_the_job_resumes(tmp_path, cache_dir, runs):
     """ZeRO-2 on 2 ranks, bound 10 s; rank 1 is SIGKILLed at step 12. Rank 0's collective fails at once; it names
     rank 1 (found dead in /proc on this host; on another host the heartbeat names it within the bound) and stops with
@@ -91,6 +93,7 @@ def test_a_killed_rank_is_named_at_once_and_the_job_resumes(tmp_path, cache_dir,
     assert diff <= 1e-6
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_a_frozen_rank_0_is_named_and_the_others_stop_within_the_bound(tmp_path, cache_dir):
     """ZeRO-2 on 2 ranks, bound 10 s; rank 0 -- whose process hosts the job's store, so the store freezes with it --
     freezes at step 3. Rank 1's store calls then block for good; its watch thread, which makes none, names rank 0

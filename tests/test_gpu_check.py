@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import launching
+
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.launch(ranks=1, full=True)  # the GPU check's CPU rehearsal, ~90 s (docs/gpu.md)
 STAGES = ["env", "lightning", "zero", "offload", "checkpoint", "planner"]
 
 
@@ -23,6 +26,7 @@ STAGES = ["env", "lightning", "zero", "offload", "checkpoint", "planner"]
 def lines(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    launching(1)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu",
                            "--preset", "tiny", "--out", str(out)], capture_output=True, text=True, env=env,
                           timeout=600, cwd=REPO)

@@ -30,11 +30,17 @@ def matrix(hybrid3d_matrix):
     return hybrid3d_matrix
 
 
+def cases(names) -> list:
+    """Each case marked for its launch: its rank count; the 8-rank launch and the cases marked ``full``: --full."""
+    return [pytest.param(n, marks=pytest.mark.launch(ranks=c.devices, full=c.full or c.devices == 8))
+            for n, c in ((n, CASES[n]) for n in names)]
+
+
 def _norms(run: Run) -> list[float]:
     return json.loads((run.root / "reports" / "norms_rank0.json").read_text())
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", cases(CASES))
 def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
     run, _ = matrix(name)
     reference = runs(CASES[name].reference)
@@ -50,7 +56,7 @@ def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
     assert max_rel_diff(list(val.values()), list(val_reference.values())) <= LOSS_RTOL
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", cases(CASES))
 def test_each_rank_holds_its_stages_under_one_gradient_owner(matrix, name):
     _, reports = matrix(name)
     stage = CASES[name].strategy.get("zero_stage", 1)
@@ -64,7 +70,7 @@ def test_each_rank_holds_its_stages_under_one_gradient_owner(matrix, name):
     assert not first & second - {"embed", "head"}  # only a V schedule's rank 0 holds both ends
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.devices == 8 and "cp" not in c.strategy])
+@pytest.mark.parametrize("name", cases(n for n, c in CASES.items() if c.devices == 8 and "cp" not in c.strategy))
 def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
     # (context parallel reduce-scatters key/value gradients in every attention's backward besides: not counted here)
     """ZeRO-1/2: one reduce-scatter per bucket and one all-gather per bucket per optimizer step, whatever the number
@@ -81,8 +87,8 @@ def test_zero_with_pipelines_reduces_once_per_optimizer_step(matrix, name):
         assert groups and calls["reduce_scatter"] == groups and calls["all_gather"] == groups
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.model.get("tie_embeddings")
-                                  and c.strategy["schedule"] != "zbv"])
+@pytest.mark.parametrize("name", cases(n for n, c in CASES.items() if c.model.get("tie_embeddings")
+                                        and c.strategy["schedule"] != "zbv"))
 def test_tied_copies_on_two_pipeline_ranks_stay_bit_identical(matrix, name):
     """The embedding (pipeline rank 0) and the head (rank 1) are one tied weight, vocabulary-sharded alike: after
     training, tp rank k's shard of the embedding equals tp rank k's shard of the head, bit for bit."""
@@ -94,6 +100,7 @@ def test_tied_copies_on_two_pipeline_ranks_stay_bit_identical(matrix, name):
     assert embed == head and len(set(embed.values())) == 2  # (the two tp shards differ)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_dir):
     """AdamW under tp2 x pp2 with ZeRO-1 (sequence parallel, interleaved): resuming from the step-10 checkpoint
     reproduces steps 10-19, so the sharded model and optimizer states (Adam's moments included) survive."""
@@ -108,6 +115,7 @@ def test_a_3d_checkpoint_resumes_with_the_same_losses(matrix, tmp_path, cache_di
     assert diff <= LOSS_RTOL
 
 
+@pytest.mark.launch(ranks=4)
 def test_a_rank_holds_a_fraction_of_the_parameters(matrix):
     """tp2 x pp2: each rank materialises about a quarter of the model (plus its replicated norms and biases)."""
     _, reports = matrix("tp2_pp2_1f1b_selective_sgd")
@@ -116,6 +124,7 @@ def test_a_rank_holds_a_fraction_of_the_parameters(matrix):
         assert report["param_bytes"] < 0.35 * total, report
 
 
+@pytest.mark.launch(ranks=4)
 def test_rank_table_and_stages_are_logged(matrix):
     run, _ = matrix("tp2_pp2_1f1b_selective_sgd")
     assert "rank -> (pp, dp, tp)" in run.log and "     3 -> (1, 0, 1)" in run.log
@@ -143,6 +152,7 @@ def test_a_tied_weight_split_two_ways_is_refused_before_the_split():
         check_tp_plan(model, 2)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("args,match", [
     # tp=2 does not divide one key/value head: found on the whole model, before the split, on every rank
     (["--model.n_kv_heads=1"], r"key/value head count .* is 1, which tp=2 does not divide"),

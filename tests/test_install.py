@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import tomllib
 
-from tests.harness import REPO, base_env, launch_cli
+from tests.harness import REPO, base_env, launch_cli, launching
 
 NO_EXTRAS = REPO / "tests" / "no_extras"  # its sitecustomize makes matplotlib and transformers look absent
 
@@ -21,6 +21,7 @@ def test_extras_are_only_optional_packages():
     assert (NO_EXTRAS / "sitecustomize.py").read_text().count('BLOCKED = {"matplotlib", "transformers"}') == 1
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_pipeline_demo_runs_without_the_extras(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(NO_EXTRAS), os.environ.get("PYTHONPATH", "")]))
     args = ["--trainer.strategy=pipeline2_1f1b", "--trainer.max_steps=5", "--data.batch_size=8",
@@ -61,6 +62,7 @@ def test_wheel_holds_the_examples_inside_the_package(wheel):
             "lightning_par/examples/hf_causal_lm.py", "lightning_par/_compat.py"} <= set(names)
 
 
+@pytest.mark.launch(ranks=1)
 def test_old_example_class_path_works_from_the_installed_package(wheel, tmp_path, cache_dir):
     """A config written for the old top-level package (``class_path: example_models.lit_gpt.GPTLightningModule``)
     trains from the unpacked wheel alone (no source tree on the path), with one warning naming the new path."""
@@ -75,6 +77,7 @@ def test_old_example_class_path_works_from_the_installed_package(wheel, tmp_path
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == [str(site / "lightning_par" / "__init__.py"), "True"]
+    launching(1)
     fit = subprocess.run([sys.executable, "-m", "lightning_par.cli", "fit", "--config", "old.yaml",
                           "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=2",
                           "--trainer.enable_checkpointing=false", "--sample_tokens=0",

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import full_run, need_full
+from tests.conftest import full_run, uses_run
 from tests.contract_worker import FIT_STEPS, GLOBAL_BATCH, LAYOUTS
 from tests.harness import launch_matrix
 
@@ -29,7 +29,7 @@ def contract(tmp_path_factory, cache_dir, request):
     def get(name: str) -> tuple[dict, list[dict]]:
         ranks = 4 if name in FOUR_RANKS else 2
         if name in FOUR_RANKS or name in TWO_RANKS_FULL:
-            need_full(request.config, "lightning_contract_full")
+            uses_run(f"lightning_contract_{ranks}_ranks_full")
         if name not in done:
             names = list(FOUR_RANKS) if ranks == 4 else \
                 [*TWO_RANKS, *(TWO_RANKS_FULL if full_run(request.config) else ())]
@@ -47,6 +47,8 @@ def contract(tmp_path_factory, cache_dir, request):
 
 
 LAYOUT_NAMES = [*TWO_RANKS, *TWO_RANKS_FULL, *FOUR_RANKS]
+LAYOUT_CASES = [pytest.param(n, marks=pytest.mark.launch(ranks=4 if n in FOUR_RANKS else 2, full=n not in TWO_RANKS))
+                for n in LAYOUT_NAMES]
 
 
 def close(a: float, b: float, rtol: float = RTOL) -> bool:
@@ -59,7 +61,7 @@ def no_errors(reports: list[dict], *checks: str) -> None:
         assert not failed, f"rank {rank}: {failed}"
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_fit_then_validate_test_predict_on_the_same_trainer(contract, layout):
     """test_ddp_integration.py::test_multi_gpu_model_ddp_fit_test, test_trainer.py::test_fit_test_synchronization
     and ::test_model_in_correct_mode_during_stages: each stage runs after fit on the same Trainer and model, with the
@@ -80,7 +82,7 @@ def test_fit_then_validate_test_predict_on_the_same_trainer(contract, layout):
         assert report["predictions"] == [[GLOBAL_BATCH // dp, 32]] * 2  # (32 new tokens per prompt)
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_fit_again_after_evaluating(contract, layout):
     """test_trainer.py::test_repeated_fit_calls_with_max_epochs_and_steps, with one more step: a second fit of the
     same Trainer and model (after validate/test/predict) trains the one process's third step."""
@@ -91,7 +93,7 @@ def test_fit_again_after_evaluating(contract, layout):
         assert close(report["fit_again_losses"][-1], reference["train"][FIT_STEPS])
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_saves_after_every_stage(contract, layout):
     """trainer.save_checkpoint after fit, validate, test and predict (under ZeRO-1 the test stage once dropped the
     partitioner the optimizer's shards need: KeyError 0); evaluation leaves the saved weights as fit left them."""
@@ -107,7 +109,7 @@ def test_saves_after_every_stage(contract, layout):
         assert all(torch.equal(later[k], first[k]) for k in first), stage
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_lightning_module_state_dict(contract, layout):
     """test_model_parallel_integration.py::test_strategy_state_dict (the sharded form): every rank returns the
     unsplit model's keys in its order; each value is the trained model's (gathered for the comparison); under
@@ -128,7 +130,7 @@ def test_lightning_module_state_dict(contract, layout):
         assert all(None in r["state_sums"].values() for r in reports)  # a stage holds only its own
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_sharded_checkpoint_to_load_from_checkpoint(contract, layout, tmp_path):
     """test_model_parallel_integration.py::test_load_full_state_checkpoint_into_regular_model,
     test_fsdp.py::test_save_sharded_and_consolidate_and_load: the checkpoint, exported to one Lightning file
@@ -151,7 +153,7 @@ def test_sharded_checkpoint_to_load_from_checkpoint(contract, layout, tmp_path):
     assert all(torch.equal(written["state_dict"][k], v) for k, v in exported["state_dict"].items())
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_init_module_empty_init(contract, layout):
     """test_model_parallel_integration.py::test_module_init_context, test_fsdp.py::test_module_init_context:
     under ``Trainer.init_module(empty_init=True)`` the large tensors are on the meta device until setup, and the
@@ -172,7 +174,7 @@ def test_init_module_empty_init(contract, layout):
                        if k in sums)
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_a_plain_lightning_checkpoint_resumes_with_its_optimizer_state(contract, layout):
     """test_model_parallel_integration.py::test_load_standard_checkpoint_into_distributed_model: a ddp checkpoint
     (optimizer state by position, no parameter names) resumes under the layout with every momentum buffer exact,
@@ -184,7 +186,7 @@ def test_a_plain_lightning_checkpoint_resumes_with_its_optimizer_state(contract,
         assert report["plain_resume_momentum_max_abs_diff"] == 0.0
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_logging_reduces_over_data_parallel_replicas(contract, layout):
     """test_train_loop_logging.py::test_logging_sync_dist_true_ddp and ::test_metric_are_properly_reduced: a
     value per replica (its dp rank + 1), logged with sync_dist, is reduced over the replicas, each counted once
@@ -195,7 +197,7 @@ def test_logging_reduces_over_data_parallel_replicas(contract, layout):
         assert report["logged"] == {"sum": dp * (dp + 1) / 2, "mean": (dp + 1) / 2, "max": float(dp)}
 
 
-@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
 def test_a_second_trainer(contract, layout):
     """A new Trainer given the fitted model: a model the layout left whole (ZeRO-0-2) is tested as it is, with the
     one process's loss after three steps; one it split or sharded is refused at setup, alike on every rank, naming

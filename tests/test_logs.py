@@ -21,6 +21,7 @@ from lightning_par.utilization import (
     peak_flops,
     planner_flops_per_token,
 )
+from tests.conftest import launch_of
 from tests.harness import TINY_JOB, Run, launch_command
 
 SEQ = 32
@@ -178,6 +179,7 @@ def pp2_default_logging(tmp_path_factory, cache_dir) -> Run:
     return launch_command(root, cache_dir, argv, 300, log_name="launch.log").check()
 
 
+@pytest.mark.launch(ranks=2)
 def test_a_short_run_logs_loss_and_mfu_and_no_hp_metric(pp2_default_logging):
     run = pp2_default_logging
     scalars = run.scalars()
@@ -197,6 +199,7 @@ def test_a_short_run_logs_loss_and_mfu_and_no_hp_metric(pp2_default_logging):
     print(f"pp2 zbv: mfu {mfu}, tokens/s {tps}, {mflop} MFLOP/token, peak {peak} GFLOP/s")
 
 
+@pytest.mark.launch(ranks=2)
 def test_the_run_ends_saying_where_its_logs_and_checkpoints_are(pp2_default_logging):
     """The CLI's last lines: the TensorBoard directory and the checkpoints', with the --ckpt_path that resumes; the
     checkpoint of the max_steps stop, 20 steps into the first epoch, is numbered with that epoch (Lightning alone
@@ -211,6 +214,7 @@ def test_the_run_ends_saying_where_its_logs_and_checkpoints_are(pp2_default_logg
                     "newest complete one)"], run.log[-2000:]
 
 
+@pytest.mark.launch(ranks=2)
 def test_memory_over_ranks_from_a_two_rank_run(pp2_default_logging):
     scalars = pp2_default_logging.scalars()
     assert not any(re.fullmatch(r"memory/rank\d+_MiB", tag) for tag in scalars), "per-rank tags are off by default"
@@ -222,6 +226,7 @@ def test_memory_over_ranks_from_a_two_rank_run(pp2_default_logging):
         assert scalars["memory/max_rank"][step] in (0, 1)
 
 
+@pytest.mark.launch(ranks=2)
 def test_summary_line_under_pp2(pp2_default_logging):
     module = _tiny_gpt()
     module.configure_model()
@@ -236,6 +241,7 @@ def test_summary_line_under_pp2(pp2_default_logging):
     assert table and math.isclose(float(table.group(1)) * 1e3, covered, rel_tol=5e-3)
 
 
+@launch_of("tp2")
 def test_summary_line_under_tp2(runs):
     run = runs("tp2")
     module = _tiny_gpt()

@@ -159,6 +159,7 @@ def two_rank_reports(tmp_path_factory):
     return spawn_reports(_two_rank_worker, tmp_path_factory.mktemp("comm"))
 
 
+@pytest.mark.launch(ranks=2)
 def test_plain_collectives_counted(two_rank_reports):
     for report in two_rank_reports:
         plain = report["plain"]
@@ -168,6 +169,7 @@ def test_plain_collectives_counted(two_rank_reports):
         assert plain["sent"] == {"all_reduce": 10.0, "reduce_scatter": 6.0, "all_gather": 6.0, "broadcast": 2.0}
 
 
+@pytest.mark.launch(ranks=2)
 def test_fsdp2_forward_backward_counted(two_rank_reports):
     for report in two_rank_reports:
         psi, fsdp = report["numel"], report["fsdp2"]
@@ -180,6 +182,7 @@ def test_fsdp2_forward_backward_counted(two_rank_reports):
         assert sum(fsdp["sent"].values()) == pytest.approx(traffic_formula(3, psi, 2), rel=1e-2)
 
 
+@pytest.mark.launch(ranks=2)
 def test_ddp_comm_hook_counted_once(two_rank_reports):
     psi = 16 * 32 + 32 + 32 * 8 + 8
     for report in two_rank_reports:

@@ -117,6 +117,7 @@ def test_did_you_mean_covers_the_generic_names(capsys):
     assert "Did you mean 'megatron_tp'" in capsys.readouterr().err
 
 
+@pytest.mark.launch(ranks=2)
 def test_an_override_after_a_name_reaches_the_pipeline(tmp_path, cache_dir):
     """``pipeline2_zbv`` runs 2 stages per rank in a V (4 stages); with ``n_microbatches=8`` each stage runs 8
     forwards, one per micro-batch 0..7, in the step the PipelineTimeline records."""

@@ -16,7 +16,6 @@ import pytest
 
 from lightning_par import LayoutError
 from lightning_par.cli import TRACEBACK_ENV, main
-from tests.conftest import full_run
 from tests.harness import launch_command
 
 CPU_JOB = ["--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
@@ -57,10 +56,9 @@ SETUP_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("strategy", list(SETUP_ERRORS))
-def test_a_setup_error_is_the_last_line_on_every_rank(strategy, tmp_path, cache_dir, request):
-    if strategy != "zero3" and not full_run(request.config):
-        pytest.skip("a launch per bad input: zero3 in the default set, the others in the full set (pytest --full)")
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.launch(ranks=2, full=s != "zero3"))
+                                      for s in SETUP_ERRORS])  # a launch per bad input: zero3 by default
+def test_a_setup_error_is_the_last_line_on_every_rank(strategy, tmp_path, cache_dir):
     argv = ["fit", "--model=tests.readme_model.SequentialModule", "--model.dim=128",
             "--data=lightning_par.data.TextDataModule", "--data.seq_len=16", "--data.max_corpus_bytes=100000",
             f"--data.cache_dir={cache_dir}", "--trainer.accelerator=cpu", "--trainer.devices=2",

@@ -41,6 +41,7 @@ def test_ratios_are_paired_within_rounds_and_losses_compared_rank_by_rank():
     assert not failed["ok"] and "zero0: boom" in failed["error"]
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_every_pair_trains_alike_and_holds_the_bytes_its_stage_says(tmp_path):
     """Tiny GPT, 2 ranks, 4 steps, one round: per-step losses of each pair within ``LOSS_TOLERANCE`` (same weights,
     same batches: DDP and ZeRO-0 both all-reduce, FSDP2 and ZeRO-3 are the same FSDP2, the hand TP plan and the

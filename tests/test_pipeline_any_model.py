@@ -38,6 +38,7 @@ def results(tmp_path_factory, cache_dir) -> dict:
 
 
 # -- parity with one process (2 ranks) -----------------------------------------------------------------------------
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_one_process(results, name):
     result = results[name]
@@ -48,6 +49,7 @@ def test_matches_one_process(results, name):
     assert result["reference"][-1] < result["reference"][0] - 1.0, "the model must learn for parity to mean much"
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", list(FIT_CASES))
 def test_trainer_fit_through_the_engine_matches_one_process(results, name):
     """``Trainer.fit`` with ``PipelineStrategy(pp=2)``: the engine finds the units itself, splits dict batches from
@@ -60,6 +62,7 @@ def test_trainer_fit_through_the_engine_matches_one_process(results, name):
     assert len(result["val"]) == 2 and val <= PARITY_RTOL
 
 
+@pytest.mark.launch(ranks=2)
 def test_stages_keep_the_unsplit_parameter_names(results):
     """What each rank holds, by name, is a partition of the unsplit model's parameters (the tied head and
     embedding are two names of one tensor, on different ranks)."""
@@ -71,6 +74,7 @@ def test_stages_keep_the_unsplit_parameter_names(results):
         assert ranks[0] | ranks[1] == set(result["reference_names"]), name
 
 
+@pytest.mark.launch(ranks=2)
 def test_hugging_face_units_come_from_its_plan(results):
     result = results["llama_1f1b"]
     assert "base_model_pp_plan" in result["source"]
@@ -80,6 +84,7 @@ def test_hugging_face_units_come_from_its_plan(results):
                                                                    ["blocks.2"], ["blocks.3", "norm", "head"]]
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.evaluate])
 def test_forward_only_matches_after_training(results, name):
     """Forward-only loss, and the LightningModule's own forward (``self.model(input_ids=...).logits`` for a
@@ -91,6 +96,7 @@ def test_forward_only_matches_after_training(results, name):
     assert result["logits_max_abs_diff"] <= 1e-5 * max(1.0, result["logits_max_abs"])
 
 
+@pytest.mark.launch(ranks=2)
 def test_padded_batches_pass_the_mask_to_every_stage(results):
     """Left padding with a mask that matters (the loss without it differs by more than 1%), and parity at 1e-5: each
     stage's attention got its micro-batch of the mask."""
@@ -100,11 +106,13 @@ def test_padded_batches_pass_the_mask_to_every_stage(results):
     assert max_rel_diff(result["pipeline"], result["reference"]) <= PARITY_RTOL
 
 
+@pytest.mark.launch(ranks=2)
 def test_dict_batches_train_the_same_targets_as_tuples(results):
     """A dict batch's labels are shifted like Hugging Face's loss shifts them: the same run as tuple batches."""
     assert max_rel_diff(results["llama_dict_1f1b"]["reference"], results["llama_1f1b"]["reference"]) <= PARITY_RTOL
 
 
+@pytest.mark.launch(ranks=2)
 def test_runtime_errors_are_clear(results):
     padded, unknown_kwarg = results["plain_1f1b"]["errors"]
     assert padded.startswith("LayoutError: this batch has an attention_mask with zeros (padding), but "

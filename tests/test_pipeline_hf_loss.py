@@ -50,13 +50,12 @@ def results(tmp_path_factory, cache_dir, request):
     return get
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_hugging_face_step_matches_one_process(results, request, name):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.launch(ranks=c.world, full=c.full))
+                                  for n, c in CASES.items()])
+def test_hugging_face_step_matches_one_process(results, name):
     """Per-step training losses and the validation loss (``self.model(**batch).loss`` in validation_step, forward
     only through the stages) within 1e-5 of one process, on batches whose micro-batches count different tokens."""
     case = CASES[name]
-    if case.full and not full_run(request.config):
-        pytest.skip("a case of the full run only (pytest --full)")
     result = results(case.world)[name]
     diff = max_rel_diff(result["pipeline"], result["reference"])
     val = max_rel_diff(result["val"], [result["reference_val"]])
@@ -71,6 +70,7 @@ def test_hugging_face_step_matches_one_process(results, request, name):
     assert gap > 10 * PARITY_RTOL, gap
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", list(ERROR_CASES))
 def test_a_step_the_pipeline_cannot_split_fails_alike_on_every_rank(results, name):
     """A step that scales the returned loss, or calls the model without labels, is refused with one clear error
@@ -83,6 +83,7 @@ def test_a_step_the_pipeline_cannot_split_fails_alike_on_every_rank(results, nam
         assert "[chained" not in error, error
 
 
+@pytest.mark.launch(ranks=2)
 def test_a_model_without_a_loss_of_its_own_fails_at_setup_alone(tmp_path, cache_dir):
     """A LightningModule with neither ``loss_fn`` nor a Hugging Face model: the layout error names both ways, once
     per rank, and nothing follows it (no meta-tensor tracebacks from a teardown)."""

@@ -7,7 +7,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_par import LayoutError, PipelineStrategy
-from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, PIPELINE_SCHEDULES
+from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, PIPELINE_SCHEDULES, launch_of, run_cases
 from tests.harness import launch_cli, max_rel_diff
 
 PARITY_RTOL = 1e-5
@@ -20,12 +20,13 @@ def _assert_parity(run, reference, label):
     assert len(run.losses()) == PARITY_STEPS and diff <= PARITY_RTOL and val <= PARITY_RTOL
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+@pytest.mark.parametrize("schedule,pp", run_cases([((s, pp), f"pp{pp}_{s}") for pp in (2, 4)
+                                                   for s in PIPELINE_SCHEDULES], "single"))
 def test_schedule_matches_single_process(runs, pp, schedule):
     _assert_parity(runs(f"pp{pp}_{schedule}"), runs("single"), f"pp={pp} {schedule}")
 
 
+@launch_of("dp2_pp2_accum_clip", "single_accum_clip")
 def test_data_parallel_pipeline_with_accumulation_and_clipping(runs):
     """dp=2 x pp=2 zero-bubble, 2 micro-batches, accumulate 2 batches, clip at 0.5: gradients averaged over the
     replicas, the loss scaled (not the gradients), and the norm clipped by sums every stage, so the run stays on one
@@ -38,7 +39,7 @@ def test_data_parallel_pipeline_with_accumulation_and_clipping(runs):
     assert max_rel_diff(run.grad_norms(), reference.grad_norms()) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["pp4_tied_1f1b", "pp2_tied_zbv"])
+@pytest.mark.parametrize("name", run_cases(["pp4_tied_1f1b", "pp2_tied_zbv"], "single_tied"))
 def test_tied_embeddings(runs, name):
     """Tied embedding/head: on the first and last of 4 ranks (gradients summed over the pipeline), and on one rank
     holding both ends of a V (one parameter, summed by autograd)."""
@@ -50,6 +51,7 @@ def _timeline(run) -> dict:
     return json.loads(path.read_text())
 
 
+@launch_of("pp4_zero_bubble")
 def test_timeline_png_json_and_tensorboard(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -68,6 +70,7 @@ def test_timeline_png_json_and_tensorboard(runs):
     assert "pipeline/timeline" in acc.Tags()["images"]
 
 
+@launch_of("pp4_gpipe", "pp4_1f1b")
 def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p(runs):
     """p=4, m=8: GPipe's stage 0 holds all 8 micro-batches' activations, 1F1B's at most 4 -- counted from the
     executed schedule and measured in bytes autograd saved."""
@@ -82,6 +85,7 @@ def test_activation_memory_gpipe_holds_m_microbatches_1f1b_at_most_p(runs):
         assert ratio == pytest.approx(8 / (4 - rank), rel=0.05)
 
 
+@launch_of("pp2_1f1b", full=True)
 def test_resume_from_pipeline_checkpoint_continues_the_same_run(tmp_path, cache_dir, runs):
     from tests.conftest import EPOCH_STEPS, RUNS
 
@@ -93,6 +97,7 @@ def test_resume_from_pipeline_checkpoint_continues_the_same_run(tmp_path, cache_
     assert max_rel_diff(resumed.losses(), uninterrupted.losses()[EPOCH_STEPS:]) <= PARITY_RTOL
 
 
+@launch_of("pp2_1f1b", ranks=4, full=True)
 def test_checkpoint_reshards_to_another_pipeline_size(tmp_path, cache_dir, runs):
     """A pp=2 checkpoint validated under pp=4 with another schedule gives the fit's final validation loss."""
     fit = runs("pp2_1f1b")
@@ -104,6 +109,7 @@ def test_checkpoint_reshards_to_another_pipeline_size(tmp_path, cache_dir, runs)
     assert abs(value - fit_val[max(fit_val)]) / fit_val[max(fit_val)] <= PARITY_RTOL
 
 
+@launch_of("pp2_1f1b", ranks=2)
 def test_predict_generates_through_the_pipeline(tmp_path, cache_dir, runs):
     checkpoint = runs("pp2_1f1b").checkpoint(step=PARITY_STEPS)
     args = ["--trainer.strategy=pipeline2_gpipe", f"--ckpt_path={checkpoint}", "--data.batch_size=8",
@@ -132,6 +138,7 @@ def test_bad_pipeline_options_fail_before_launch(kwargs, match):
         Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(pp=2, **kwargs), logger=False)
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_a_batch_that_does_not_split_into_microbatches_fails_clearly(tmp_path, cache_dir):
     args = ["--trainer.strategy=lightning_par.PipelineStrategy", "--trainer.strategy.pp=2",
             "--trainer.strategy.n_microbatches=4", "--data.batch_size=6", "--trainer.max_steps=2"]
@@ -149,6 +156,7 @@ def test_a_model_without_blocks_is_refused_with_how_to_declare_them():
         find_blocks(nn.Sequential(nn.Linear(2, 2)))
 
 
+@launch_of("single", ranks=2, full=True)
 def test_bf16_true_trains_through_the_pipeline(tmp_path, cache_dir, runs):
     """bf16-true makes bf16 the default dtype inside steps: every rank must still exchange the same bytes (a
     regression: the loss broadcast once mixed 2-byte and 4-byte scalars and gloo aborted)."""

@@ -130,13 +130,16 @@ def test_draw_timeline_writes_a_png_and_returns_the_figure(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_measured_bubble_of_gpipe_1f1b_and_interleaved_on_four_ranks(tmp_path):
     """4 gloo ranks, sleep-timed stages (forward 50 ms, backward 100 ms per micro-batch), m = 8: the idle fraction
     of the makespan is (p-1)/(m+p-1) = 3/11 for GPipe and 1F1B, 3/19 for interleaved 1F1B with 2 stages per rank;
     1F1B holds at most p micro-batches per stage, GPipe all m."""
     from benchmarks.pipeline_bubble import run
+    from tests.harness import launching
 
     p, m = 4, 8
+    launching(p)  # the benchmark spawns them
     gpipe, one_f_one_b, interleaved = run([("GPipe", m), ("1F1B", m), ("Interleaved1F1B", m)], p=p, t=0.05,
                                           repeats=2)
     # interleaved, v = 2 stages per rank: (p-1)/(mv) of compute, so (p-1)/(mv+p-1) of the makespan

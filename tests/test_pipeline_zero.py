@@ -55,11 +55,13 @@ def _check_parity(entry: dict, name: str) -> None:
     assert len(losses) < 20 or losses[-1] < losses[0] - 0.5  # it trains
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", ZERO3 + RESHARD)
 def test_zero3_pipeline_matches_one_process(results, name):
     _check_parity(results[name], name)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", ZERO3 + RESHARD)
 def test_zero3_pipeline_collectives_per_step(results, name):
     """Per optimizer step and rank: one reduce-scatter per FSDP group, whatever the number of micro-batches (4
@@ -88,17 +90,20 @@ def test_zero3_pipeline_collectives_per_step(results, name):
             assert rank["eval_counts"]["all_gather"] == groups
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_zero3_refuses_a_parameter_shared_by_two_stages_of_one_rank(results):
     for rank in results["zero3_zbv_tied"]["ranks"]:
         assert "one parameter is held by two stages of this pipeline rank" in rank["error"]
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", TP)
 def test_tensor_parallel_stages_match_one_process(results, name):
     """tp=2 inside each of 2 pipeline stages; ZBV splits backward into input and weight gradients of DTensors."""
     _check_parity(results[name], name)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_sequence_parallel_stages_send_sequence_shards(results):
     """With sequence parallelism a stage's output is this tp rank's half of the sequence, sent to the next stage's
     rank of the same tp coordinate: batch 8 / 2 micro-batches, sequence 32 / tp 2, width 64."""
@@ -133,6 +138,7 @@ class _Counting(nn.Module):
         return self.inner(*args, **kwargs)
 
 
+@pytest.mark.full
 def test_prepare_sees_the_split_and_its_result_is_what_the_stages_run(meshes):
     from lightning_par.examples.gpt import causal_lm_loss
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
@@ -159,6 +165,7 @@ def test_prepare_sees_the_split_and_its_result_is_what_the_stages_run(meshes):
                         torch.device("cpu"), prepare=lambda rank_module, stages: [])
 
 
+@pytest.mark.full
 def test_fsdp_stage_gradients_wait_while_accumulating(meshes):
     """require_sync=False: the schedule's reduce-scatter is skipped and the stage stays gathered, its gradients
     accumulating unreduced; the next batch with require_sync=True reduces both batches' at once. (One rank: FSDP2
@@ -192,6 +199,7 @@ def test_fsdp_stage_gradients_wait_while_accumulating(meshes):
         torch.testing.assert_close(param.grad.full_tensor(), expected[name].grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.full
 def test_a_stage_module_has_its_own_hooks():
     """FSDP2 registers its hooks on each stage module: they must not run when the rank module or another stage
     of the rank is called (and hooks registered on the rank module later stay there)."""
@@ -214,6 +222,7 @@ def test_a_stage_module_has_its_own_hooks():
     assert calls == ["before split", "rank module"]
 
 
+@pytest.mark.full
 def test_a_parameter_in_two_stages_of_one_rank_cannot_be_sharded():
     from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count
     from lightning_par.parallel.pipeline.split import rank_module, stage_view

@@ -54,6 +54,7 @@ def test_the_choice_is_the_fastest_that_fits_and_runs():
     assert tight.best.worst.total < best.worst.total
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_planned_on_4_ranks_trains_at_parity_with_one_process(tmp_path, cache_dir):
     planned = launch_cli(tmp_path / "planned", cache_dir, [*job(BATCH), *SGD, "--trainer.strategy=planned",
                                                           "--trainer.strategy.optimizer=sgd"], devices=4).check()

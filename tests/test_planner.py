@@ -75,6 +75,7 @@ def _planner(name: str, hardware=CPU) -> Planner:
 # ----------------------------------------------------------------------------------------------------------------------
 # state bytes per rank
 # ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", list(CASES))
 def test_state_bytes_per_rank_equal_the_measured(measured, name):
     layout = CASES[name].layout
@@ -160,6 +161,7 @@ def _timeline(measured, name: str) -> dict:
     return json.loads((measured / name / "pipeline_timeline.json").read_text())
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", PIPELINES)
 def test_peak_activations_per_rank_equal_the_measured(measured, name):
     """Bytes autograd held at the peak of step 2 on each pipeline rank (recorded by the runtime) against the planner:
@@ -175,6 +177,7 @@ def test_peak_activations_per_rank_equal_the_measured(measured, name):
 # ----------------------------------------------------------------------------------------------------------------------
 # bubble
 # ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", PIPELINES)
 def test_bubble_equals_the_executed_schedule(measured, name):
     """The action order each rank executed in step 2 (recorded by the runtime), re-timed with the planner's own

@@ -234,6 +234,7 @@ def state_launch(tmp_path_factory, cache_dir) -> dict:
                     "--fits", "fp32_zero0_adamw", "master_zero1_adamw"])
 
 
+@pytest.mark.launch(ranks=2)
 def test_state_bytes_per_rank_equal_the_formulas(state_launch):
     """Measured at the optimizer step, each rank, plain LM (Psi = 134,912), Adam, bf16-mixed, N = 2."""
     result = state_launch
@@ -250,6 +251,7 @@ def test_state_bytes_per_rank_equal_the_formulas(state_launch):
             assert measured["workspace"] == (4 * psi // n if stage in (1, 2) else 0)
 
 
+@pytest.mark.launch(ranks=2, full=True)  # 5 fits of 50 steps, ~75 s
 def test_bf16_mixed_tracks_fp32_over_50_steps(tmp_path, cache_dir):
     result = _launch(tmp_path, cache_dir, ["fp32_zero0", "bf16_zero0", "bf16_zero1", "bf16_zero2", "bf16_zero3"])
     reference = result["losses"]["fp32_zero0"]
@@ -264,6 +266,7 @@ def test_bf16_mixed_tracks_fp32_over_50_steps(tmp_path, cache_dir):
 BF16_SGD_LOSS_TOLERANCE = 5e-3
 
 
+@pytest.mark.launch(ranks=2)
 def test_bf16_mixed_master_state_bytes_and_first_steps(state_launch):
     """bf16-mixed-master, 2 ranks, ZeRO 1-3: state bytes per rank = the policy's formula (6 Psi + 12 Psi / N,
     2 Psi + 16 Psi / N, 16 Psi / N), and 10 AdamW steps at ZeRO-1 within the bf16 tolerance of fp32."""
@@ -281,6 +284,7 @@ def test_bf16_mixed_master_state_bytes_and_first_steps(state_launch):
     assert 1e-6 < diff <= BF16_LOSS_TOLERANCE, diff
 
 
+@pytest.mark.launch(ranks=2, full=True)  # 11 fits of 20 steps, ~65 s
 def test_bf16_mixed_master_tracks_fp32_with_adamw_and_sgd(tmp_path, cache_dir):
     fits = [f"{kind}_{opt}" for opt in ("adamw", "sgd") for kind in ("fp32_zero0", "master_zero1", "master_zero2",
                                                                       "master_zero3")]

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from lightning_par.parallel.preemption import EXIT_CODE
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, full_run, job
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
 from tests.harness import launch_torchrun, max_rel_diff
 
 #: name -> (ranks, strategy arguments, per-rank batch, reference run, signalled rank, step, moment, saved step, rtol)
@@ -28,15 +28,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sigterm_stops_every_rank_saves_and_torchrun_resumes_exactly(tmp_path, cache_dir, runs, request, case):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.launch(ranks=ranks, full=c != "zero2_mid_step"))
+                                  for c, (ranks, *_) in CASES.items()])
+def test_sigterm_stops_every_rank_saves_and_torchrun_resumes_exactly(tmp_path, cache_dir, runs, case):
     """Under ``torchrun --max-restarts=1`` (checkpoints every 5 steps, 10-step epochs), one rank gets SIGTERM at the
     case's moment of the first attempt. Every rank stops after the same step -- the ranks agree on a flag, so a
     signal to any one rank stops all -- saves ``preempted-...-step=N``, exits 75; torchrun restarts the job, which
     resumes from that checkpoint in the same run directory, removes it once it saved a newer one, and ends with exit
     0 and the uninterrupted run's losses. ``zero2_mid_step`` in the default run, the others with ``--full``."""
-    if case != "zero2_mid_step" and not full_run(request.config):
-        pytest.skip("the other moments and layouts: the full run only (pytest --full)")
     ranks, strategy, batch, reference_name, rank, step, moment, saved_step, rtol = CASES[case]
     signalled = tmp_path / "signalled.json"
     args = [*job(batch), *strategy, "--trainer.enable_checkpointing=true", "--checkpoint_every_n_steps=5",

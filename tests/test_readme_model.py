@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_par.parallel.blocks import find_blocks
-from tests.conftest import need_full
+from tests.conftest import uses_run
 from tests.harness import launch_matrix, max_rel_diff
 from tests.readme_model import STEPS, SequentialLM, fit
 
@@ -36,7 +36,7 @@ def matrix(tmp_path_factory, cache_dir, request):
     def get(name: str) -> list[dict]:
         devices = next(d for d, names in LAUNCHES.items() if name in names)
         if devices == 4:
-            need_full(request.config, "readme_model_4_ranks")
+            uses_run("readme_model_4_ranks")
         if name not in done:
             root = tmp_path_factory.mktemp(f"readme_model_{devices}")
             run = launch_matrix(root, cache_dir, "tests.readme_model",
@@ -77,7 +77,8 @@ def _step_losses(ranks: list[dict], data_parallel: bool) -> list[float]:
     return ranks[0]["losses"]
 
 
-@pytest.mark.parametrize("name", ["readme_zero3", "readme_tp2", "readme_pp2_1f1b", "readme_tp2_pp2"])
+@pytest.mark.parametrize("name", [*(pytest.param(n, marks=pytest.mark.launch(ranks=2)) for n in LAUNCHES[2][:3]),
+                                  pytest.param("readme_tp2_pp2", marks=pytest.mark.launch(ranks=4, full=True))])
 def test_the_readme_recipe_trains_at_parity(name, matrix, reference):
     """README.md's ``MyModule`` around docs/models.md's ``MyLM``, exactly as written (its ``tp_plan`` included): the
     loss of every step within 1e-5 of one process; what ``self.log("train/loss", loss, sync_dist=True)`` logged at
@@ -92,6 +93,7 @@ def test_the_readme_recipe_trains_at_parity(name, matrix, reference):
         assert not rank["dtensor_seen"]
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", ["sequential_zero3", "sequential_pp2_1f1b", "attributes_zero3",
                                   "attributes_pp2_1f1b"])
 def test_block_types_for_blocks_outside_a_module_list(name, matrix, reference):

@@ -397,6 +397,7 @@ def zero3_runs(corpus, tmp_path_factory, cache_dir):
     return full, resumed
 
 
+@pytest.mark.launch(ranks=2)
 def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_runs, tmp_path):
     from transformers import AutoTokenizer
 
@@ -418,6 +419,7 @@ def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_runs, tmp_
         "input_ids"]
 
 
+@pytest.mark.launch(ranks=2)
 def test_zero3_cli_run_resumes_mid_epoch_exactly(zero3_runs):
     full, resumed = zero3_runs
     before, after = full.scalars()["train/loss"], resumed.scalars()["train/loss"]

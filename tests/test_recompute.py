@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_par.examples.gpt import GPT, Block, GPTConfig
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS, apply_recompute
@@ -19,6 +18,7 @@ from lightning_par.parallel.tp_accounting import (
     recompute_activation_formula,
     saved_activation_bytes,
 )
+from tests.harness import spawn
 
 BLOCK = {"dim": 128, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 352}
 SEQ, BATCH = 32, 2
@@ -98,10 +98,11 @@ def _worker(rank: int, store: str, out: str) -> None:
 def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("recompute")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(str(root / "store"), str(root)), nprocs=2, join=True)
+    spawn(_worker, (str(root / "store"), str(root)), nprocs=2)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
 def test_two_ranks_match_the_formula(two_ranks, sp):
     for report in two_ranks:
@@ -119,6 +120,7 @@ def _table2_elements(kind: str, t: int, sp: bool) -> float:
     return 34 / t / 2 if sp else (10 + 24 / t) / 2
 
 
+@pytest.mark.launch(ranks=2)
 def test_against_table_2(two_ranks):
     measured = {(k, 1, False): _measure_local(k) for k in ("selective", "full")}
     measured.update({(k, 2, sp): two_ranks[0][f"{k}{'+sp' if sp else ''}"]

@@ -52,6 +52,7 @@ def reshard(tmp_path_factory, cache_dir, hybrid3d_matrix):
     return get
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", ["one_process", "zero1_dp2", "zero2_async_dp2"])
 def test_the_sources_match_one_process(reshard, runs, name):
     """The sources themselves: one process under a lightning-par strategy sees Lightning's single-process batches."""
@@ -59,6 +60,7 @@ def test_the_sources_match_one_process(reshard, runs, name):
     assert len(reshard(name).losses()) == PARITY_STEPS and diff <= LOSS_RTOL
 
 
+@pytest.mark.launch(ranks=4)
 def test_async_saves_link_last_to_the_newest_complete_checkpoint(reshard):
     """ModelCheckpoint(save_last="link", save_top_k=1) beside async saves: after the run, ``last`` is a link to the
     step-20 checkpoint, complete (manifest written), and the only one kept."""
@@ -69,6 +71,7 @@ def test_async_saves_link_last_to_the_newest_complete_checkpoint(reshard):
     assert sorted(os.listdir(linked)) == [f"epoch=1-step={PARITY_STEPS}.ckpt", "last.ckpt"]
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("name", RESUMES)
 def test_a_checkpoint_resumes_under_another_layout(reshard, runs, name):
     resumed = reshard(name).losses()
@@ -78,7 +81,8 @@ def test_a_checkpoint_resumes_under_another_layout(reshard, runs, name):
     assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= LOSS_RTOL
 
 
-@pytest.mark.parametrize("name", ["zero2_bf16_dp2", "zero1_master_dp2"])
+@pytest.mark.parametrize("name", [pytest.param("zero2_bf16_dp2", marks=pytest.mark.launch(ranks=4)),
+                                  pytest.param("zero1_master_dp2", marks=pytest.mark.launch(ranks=4, full=True))])
 def test_bf16_mixed_resumes_from_its_fp32_master_weights(reshard, name):
     """ZeRO-2 under bf16-mixed (ZeRO-1 under bf16-mixed-master) keeps fp32 master shards beside bf16 parameters: the
     checkpoint holds the masters, so the resumed run repeats the uninterrupted one (restoring the bf16 parameters

@@ -16,7 +16,7 @@ import pytest
 from lightning_par.cli import restart_count
 from lightning_par.plugins import checkpoint_files
 from lightning_par.plugins.checkpoint_files import newest_complete
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, full_run, job
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job
 from tests.doc_commands import bash_commands
 from tests.harness import REPO, launch_command, launch_torchrun, max_rel_diff
 
@@ -128,6 +128,7 @@ def _readme_commands() -> list[str]:
     return [line for line in lines if LAST0 in line or line.startswith("lightning-par") and "--ckpt_path=last" in line]
 
 
+@pytest.mark.launch(ranks=2, full=True)  # 5 launches, 2-3 min
 def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
     """fit the demo (3D, 4 ranks) for 4 steps; then, as the README writes them: resume its ``last.ckpt`` on one
     process (ZeRO stage 0), resume ``--ckpt_path=last`` under ZeRO-2 -- the newest complete checkpoint, the one-process
@@ -165,14 +166,13 @@ def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
 
 
 # -- automatic restart ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rank", [1, 0])
-def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, cache_dir, runs, request, rank):
+@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.launch(ranks=2)),
+                                  pytest.param(0, marks=pytest.mark.launch(ranks=2, full=True))])
+def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, cache_dir, runs, rank):
     """ZeRO-1 on 2 ranks under ``torchrun --max-restarts=1``, the CLI's default checkpoints every 5 steps (10-step
     epochs); rank 1 (rank 0, the logging rank, in the full run) is SIGKILLed at step 12 of the first attempt. torchrun
     restarts both ranks, the CLI resumes from the step-10 checkpoint in the same run directory, and the job ends with
     exit 0 and the uninterrupted losses."""
-    if rank == 0 and not full_run(request.config):
-        pytest.skip("rank 0 killed: the full run only (pytest --full)")
     killed = tmp_path / "killed.json"
     args = [*job(GLOBAL_BATCH // 2), "--trainer.strategy=zero1", "--trainer.enable_checkpointing=true",
             "--checkpoint_every_n_steps=5", "--trainer.callbacks+=tests.probes.FreezeAt",

@@ -267,6 +267,7 @@ def resume_runs(tmp_path_factory, cache_dir):
     return get
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize(("resumed", "source"), [("zero1_user_resumed", "zero1_user"),
                                                  ("pp2_text_to_zero2", "pp2_text"),
                                                  ("3d_text_resumed", "3d_text"),
@@ -279,6 +280,7 @@ def test_a_mid_epoch_checkpoint_resumes_with_the_uninterrupted_losses(resume_run
     assert len(full) == MAX_STEPS and diff <= LOSS_RTOL
 
 
+@pytest.mark.launch(ranks=2)
 def test_a_script_with_the_default_callbacks_logs_throughput_mfu_and_memory(resume_runs):
     """``Trainer(callbacks=lightning_par.callbacks.defaults())`` in a plain script (the ZeRO-1 dp2 source run, no
     CLI): tokens/s and MFU at the end of each 10-step window, memory over the 2 ranks every 10 steps."""

@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer
 from lightning_par import LayoutError, MegatronTPStrategy
 from lightning_par.examples.gpt import GPT, GPTConfig
 from lightning_par.parallel.tensor_parallel import check_sequence_length, resolve_tp_plan
-from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
+from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, launch_of, run_cases
 from tests.harness import launch_cli, max_rel_diff
 
 PARITY_RTOL = 1e-5
@@ -27,7 +27,7 @@ PARITY = {
 }
 
 
-@pytest.mark.parametrize("name", list(PARITY))
+@pytest.mark.parametrize("name", run_cases([(n, (n, r)) for n, r in PARITY.items()]))
 def test_tensor_parallel_matches_single_process(runs, name):
     run, reference = runs(name), runs(PARITY[name])  # the run first: it may be a full-run-only launch
     diff = max_rel_diff(run.losses(), reference.losses())
@@ -38,7 +38,7 @@ def test_tensor_parallel_matches_single_process(runs, name):
     assert diff <= PARITY_RTOL and val_diff <= PARITY_RTOL
 
 
-@pytest.mark.parametrize("name", ["dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip"])
+@pytest.mark.parametrize("name", run_cases(["dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip"], "single_accum_clip"))
 def test_clipping_uses_the_global_gradient_norm(runs, name):
     # every parameter is a DTensor on the mesh, so clip_grad_norm_ reduces over tp (and dp for FSDP2) shards
     norms, reference_norms = runs(name).grad_norms(), runs("single_accum_clip").grad_norms()
@@ -47,6 +47,7 @@ def test_clipping_uses_the_global_gradient_norm(runs, name):
     assert min(reference_norms) > 0.5  # large enough that clipping acts
 
 
+@launch_of("dp2_tp2_sp")
 def test_ranks_and_sampler_follow_the_mesh(runs):
     reports = runs("dp2_tp2_sp").reports
     assert [r["coordinates"] for r in reports] == [{"pp": 0, "dp": d, "cp": 0, "tp": t} for d in (0, 1) for t in (0, 1)]
@@ -55,6 +56,7 @@ def test_ranks_and_sampler_follow_the_mesh(runs):
     assert reports[0]["first_batches"] == reports[1]["first_batches"] != reports[2]["first_batches"]
 
 
+@launch_of("tp2", "single")
 def test_parameters_are_split_over_tp(runs):
     report = runs("tp2").state_reports()[0]
     single = runs("single").state_reports()[0]
@@ -70,6 +72,7 @@ def _sample(log: str) -> str:
     return log.split("Sampled from the trained model:\n" + rule + "\n", 1)[1].split("\n" + rule, 1)[0]
 
 
+@launch_of("tp2_sp", "single")
 def test_generation_under_sequence_parallelism_gives_the_single_process_text(runs):
     # outside the loss the vocab-parallel head returns full logits, and the growing sequence (4 + n tokens, mostly
     # not divisible by tp) is padded on the right for sequence parallelism; same seed, same samples
@@ -78,6 +81,7 @@ def test_generation_under_sequence_parallelism_gives_the_single_process_text(run
     assert len(text) >= 20 and text[:20] == reference[:20]
 
 
+@launch_of("tp2", full=True)
 def test_validate_from_a_tensor_parallel_checkpoint(tmp_path, cache_dir, runs):
     trained = runs("tp2")
     checkpoint = trained.checkpoint(step=PARITY_STEPS)
@@ -91,6 +95,7 @@ def test_validate_from_a_tensor_parallel_checkpoint(tmp_path, cache_dir, runs):
     assert EPOCH_STEPS * 2 == PARITY_STEPS  # the checkpoint at step 20 is the one after the last validation
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_a_layout_the_model_cannot_take_fails_on_every_rank_before_training(tmp_path, cache_dir):
     # tp=4 with the tiny preset's 2 kv heads: every rank raises in setup, before any collective, so nothing hangs
     args = ["--trainer.max_steps=2", "--trainer.strategy=megatron_tp4", "--sample_tokens=0"]

@@ -23,7 +23,7 @@ from torch import nn
 from lightning_par import LayoutError
 from lightning_par.examples.gpt2 import GPT2, GPT2Config
 from lightning_par.parallel.tensor_parallel import resolve_tp_plan
-from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, need_full
+from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, uses_run
 from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
 
 PARITY_RTOL = 1e-5
@@ -59,9 +59,9 @@ def gpt2_runs(tmp_path_factory, cache_dir, request):
 
     def get(name: str) -> Run:
         if name.endswith("untied_adamw"):
-            need_full(request.config, "gpt2_untied_adamw")
+            uses_run("gpt2_untied_adamw")
         if name.startswith("plain_lm"):
-            need_full(request.config, "plain_lm_tp2_sgd")
+            uses_run("plain_lm_tp2_sgd")
         if name not in done:
             devices, args = RUNS[name]
             done[name] = launch_cli(tmp_path_factory.mktemp(name), cache_dir, args, devices=devices).check()
@@ -71,7 +71,8 @@ def gpt2_runs(tmp_path_factory, cache_dir, request):
 
 
 # -- (a) parity with one process ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(PARITY))
+@pytest.mark.parametrize("name", [pytest.param("tp2_tied_sgd", marks=pytest.mark.launch(ranks=2)),
+                                  pytest.param("tp2_untied_adamw", marks=pytest.mark.launch(ranks=2, full=True))])
 def test_gpt2_style_model_under_tp2_matches_one_process(gpt2_runs, name):
     reference, run = gpt2_runs(PARITY[name]), gpt2_runs(name)
     diff = max_rel_diff(run.losses(), reference.losses())
@@ -94,6 +95,7 @@ def two_ranks(tmp_path_factory, cache_dir) -> list[dict]:
     return [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("case", ["tied=False,sp=False", "tied=True,sp=False", "tied=False,sp=True",
                                   "tied=True,sp=True"])
 def test_gpt2_style_gradients_match_one_process(two_ranks, case):
@@ -107,6 +109,7 @@ def test_gpt2_style_gradients_match_one_process(two_ranks, case):
         assert got["n_split"] == 2 * 10 + (1 if got["tied"] else 2)
 
 
+@pytest.mark.launch(ranks=2)
 def test_gpt2_block_issues_megatrons_collectives(two_ranks):
     # one block on [b=2, s=16, h=64]: attention (a region) and c_fc (a direct child of the block next to its norms)
     # each take one input collective shared by their column-parallel linears, and each row-parallel output one
@@ -120,6 +123,7 @@ def test_gpt2_block_issues_megatrons_collectives(two_ranks):
             [("all_gather", sbh), ("reduce_scatter", sbh)] * 2 + [("all_reduce", 64)] * 4)
 
 
+@pytest.mark.launch(ranks=2)
 def test_dropout_masks_differ_inside_the_region_and_agree_outside(two_ranks):
     tracked = [r["rng"]["tracker"] for r in two_ranks]
     for rank in tracked:
@@ -137,6 +141,7 @@ def test_dropout_masks_differ_inside_the_region_and_agree_outside(two_ranks):
     assert untracked["drop_mid"]["equal"] and untracked["drop_in"]["equal"]
 
 
+@pytest.mark.launch(ranks=2)
 def test_recomputed_blocks_replay_their_dropout_masks(two_ranks):
     # activation recompute restores the default generator before re-running a block; the region states are made
     # from it, so the masks inside the regions repeat too, and the gradients equal those without recompute
@@ -145,6 +150,7 @@ def test_recomputed_blocks_replay_their_dropout_masks(two_ranks):
         assert rank["recompute"]["input_grad_equal"] and rank["recompute"]["max_grad_diff"] == 0.0
 
 
+@pytest.mark.launch(ranks=2)
 def test_gpt2_style_dropout_keeps_the_replicas_equal(two_ranks):
     for rank in two_ranks:
         plain, sp = rank["gpt2_dropout"]["sp=False"], rank["gpt2_dropout"]["sp=True"]
@@ -155,6 +161,7 @@ def test_gpt2_style_dropout_keeps_the_replicas_equal(two_ranks):
         assert 0.15 <= plain["embedding_dropout"]["dropped_fraction"] <= 0.25
 
 
+@pytest.mark.launch(ranks=2)
 def test_bad_plans_fail_before_any_collective(two_ranks):
     # rank 0 applied them while rank 1 waited outside any collective: a collective would have blocked for 60 s
     bad = two_ranks[0]["bad_plans"]
@@ -242,6 +249,7 @@ def test_gpt2_resolved_plan():
 
 
 # -- (d) fused projections: packed_colwise, and the setup self-check ----------------------------------------------
+@pytest.mark.launch(ranks=2)
 def test_fused_qkv_model_under_tp2_matches_one_process_with_plain_sgd(two_ranks):
     for rank in two_ranks:
         fused = rank["fused"]
@@ -256,6 +264,7 @@ def test_fused_qkv_model_under_tp2_matches_one_process_with_plain_sgd(two_ranks)
         assert fused["grad_norm_rel"] <= PARITY_RTOL  # the packed shards counted once each in the global norm
 
 
+@pytest.mark.launch(ranks=2)
 def test_packed_parameters_checkpoint_load_and_materialise_as_the_one_process_tensors(two_ranks):
     for rank in two_ranks:
         fused = rank["fused"]
@@ -265,6 +274,7 @@ def test_packed_parameters_checkpoint_load_and_materialise_as_the_one_process_te
         assert fused["pretrained_equal"]  # a one-process .safetensors read into the shards, each part's slice
 
 
+@pytest.mark.launch(ranks=2)
 def test_the_setup_self_check_refuses_colwise_on_a_fused_projection_and_global_heads(two_ranks):
     for rank in two_ranks:
         fused = rank["fused"]
@@ -285,6 +295,7 @@ def test_the_setup_self_check_refuses_colwise_on_a_fused_projection_and_global_h
         assert fused["colwise"]["seconds"] < 5 and fused["global_heads"]["seconds"] < 5
 
 
+@pytest.mark.launch(ranks=2)
 def test_the_self_check_is_cheap_and_runs_once(two_ranks):
     fused = two_ranks[0]["fused"]
     print(f"self-check at setup, tp=2: tiny model {fused['self_check_seconds_tiny']:.3f} s, "
@@ -359,6 +370,7 @@ def test_packed_colwise_under_zero_is_refused(zero_stage):
         check_packed_layout(plan, zero_stage=zero_stage)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", ["plain_lm_dp2_tp2_sgd", "plain_lm_tp2_pp2_sgd"])
 def test_plain_lm_with_data_or_pipeline_parallel_matches_one_process(gpt2_runs, name):
     # packed_colwise under FSDP2's replicate (dp2 x tp2) and on pipeline stages (tp2 x pp2)
@@ -368,6 +380,7 @@ def test_plain_lm_with_data_or_pipeline_parallel_matches_one_process(gpt2_runs, 
     assert len(run.losses()) == PARITY_STEPS and diff <= PARITY_RTOL
 
 
+@pytest.mark.launch(ranks=2, full=True)
 def test_plain_lm_under_tp2_matches_one_process_and_its_checkpoint_loads_in_one(gpt2_runs, tmp_path, cache_dir):
     reference, run = gpt2_runs("plain_lm_single_sgd"), gpt2_runs("plain_lm_tp2_sgd")
     diff = max_rel_diff(run.losses(), reference.losses())
@@ -384,6 +397,7 @@ def test_plain_lm_under_tp2_matches_one_process_and_its_checkpoint_loads_in_one(
     assert abs(loss - run.losses("val/loss")[-1]) <= 1e-5 * loss
 
 
+@pytest.mark.launch(ranks=2, full=True)
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_par import LayoutError
 from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.parallel.pipeline.split import RemovedUnit, plan_stages, rank_module
 from lightning_par.parallel.tensor_parallel import check_tp_plan, resolve_tp_plan
+from tests.harness import spawn
 
 
 def _stages(tie: bool = False, n_stages: int = 2):
@@ -120,9 +120,10 @@ def _worker(rank: int, store: str, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
+@pytest.mark.launch(ranks=2)
 def test_tp_stages_match_one_process(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for sp, r in report.items():

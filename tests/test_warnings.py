@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import lightning_par
+from tests.conftest import run_cases
 
 #: the start of a warning as Python (and Lightning's rank_zero_warn) print it: the file and line it is attributed to
 WARNING_LINE = re.compile(r"^(?P<file>/\S+\.py):\d+: ")
@@ -19,7 +20,7 @@ PACKAGE = str(Path(lightning_par.__file__).parent)
 GONE = ("broadcast_buffers", "get_content", "isinstance(treespec, LeafSpec)")
 
 
-@pytest.mark.parametrize("name", ["dp2", "zero3_dp2", "tp2"])
+@pytest.mark.parametrize("name", run_cases(["dp2", "zero3_dp2", "tp2"]))
 def test_a_successful_run_prints_no_warning_of_lightning_pars_own(runs, name):
     log = runs(name).log
     attributed = [m["file"] for m in map(WARNING_LINE.match, log.splitlines()) if m]

@@ -5,13 +5,13 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_par import LayoutError, ZeroStrategy
-from tests.conftest import EPOCH_STEPS, PARITY_STEPS
+from tests.conftest import EPOCH_STEPS, PARITY_STEPS, launch_of, run_cases
 from tests.harness import launch_cli, max_rel_diff
 
 PARITY_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("name", ["zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2"])
+@pytest.mark.parametrize("name", run_cases(["zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2"], "single"))
 def test_stage_matches_single_process(runs, name):
     reference, run = runs("single"), runs(name)
     diff = max_rel_diff(run.losses(), reference.losses())
@@ -20,7 +20,7 @@ def test_stage_matches_single_process(runs, name):
     assert max_rel_diff(run.losses("val/loss"), reference.losses("val/loss")) <= PARITY_RTOL
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", run_cases([(s, f"zero{s}_dp4_accum_clip") for s in (1, 2, 3)], "single_accum_clip"))
 def test_stage_with_accumulation_and_clipping_at_dp4(runs, stage):
     run, reference = runs(f"zero{stage}_dp4_accum_clip"), runs("single_accum_clip")  # (full-run-only first)
     diff = max_rel_diff(run.losses(), reference.losses())
@@ -33,6 +33,7 @@ def test_stage_with_accumulation_and_clipping_at_dp4(runs, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@launch_of("zero2_dp2", "zero3_dp2", full=True)
 def test_resume_from_sharded_checkpoint_continues_the_same_run(tmp_path, cache_dir, runs, stage):
     from tests.conftest import RUNS
 

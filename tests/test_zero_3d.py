@@ -33,6 +33,7 @@ def ranks(tmp_path_factory, cache_dir) -> list[dict]:
 
 
 # -- dp2 x tp2 ------------------------------------------------------------------------------------------------------
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", TP_CASES)
 def test_zero_with_tensor_parallel_matches_one_process(ranks, name):
     optimizer = name.split("_")[1]
@@ -48,6 +49,7 @@ def test_zero_with_tensor_parallel_matches_one_process(ranks, name):
     assert reference["losses"][-1] < reference["losses"][0] - 1.0  # it trains
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", TP_CASES)
 def test_buckets_keep_tp_split_and_tp_replicated_parameters_apart(ranks, name):
     for report in ranks:
@@ -60,6 +62,7 @@ def test_buckets_keep_tp_split_and_tp_replicated_parameters_apart(ranks, name):
         assert case["dtensor_params"] and case["params_in_buckets"]
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", TP_CASES)
 def test_state_bytes_per_rank_follow_the_formula(ranks, name):
     stage = int(name[4])
@@ -80,6 +83,7 @@ def test_state_bytes_per_rank_follow_the_formula(ranks, name):
                 assert abs(measured[category] / formula[category] - 1) <= TOLERANCE
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", TP_CASES)
 def test_one_reduce_scatter_and_one_all_gather_per_bucket_over_dp(ranks, name):
     stage = int(name[4])
@@ -93,6 +97,7 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket_over_dp(ranks, name):
 
 
 # -- many backwards per step: pipeline schedules and Lightning's accumulation --------------------------------------
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("variant", ["accumulate/zero1", "accumulate/zero2", "toggle/zero2"])
 def test_gradients_are_reduce_scattered_once_per_optimizer_step(ranks, variant):
     group, name = variant.split("/")
@@ -111,12 +116,14 @@ def test_gradients_are_reduce_scattered_once_per_optimizer_step(ranks, variant):
             assert calls["with_finish"] == (once if batch % 2 else nothing)
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_a_second_backward_while_reducing_in_backward_is_an_error(ranks):
     for report in ranks:
         message = report["errors"]["second_backward"]
         assert "arrived a second time" in message and "defer_reduction = True" in message
 
 
+@pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_pipeline_with_tied_copies_matches_one_process(ranks, name):
     reference = ranks[0]["pp_reference"]
@@ -131,6 +138,7 @@ def test_pipeline_with_tied_copies_matches_one_process(ranks, name):
         assert case["tied_copies_max_diff"] == 0.0  # the embedding and its copy as the head stay equal
 
 
+@pytest.mark.launch(ranks=4, full=True)
 def test_sharded_checkpoint_of_tp_zero_resumes_the_same_run(ranks):
     for report in ranks:
         case = report["checkpoint"]
@@ -140,6 +148,7 @@ def test_sharded_checkpoint_of_tp_zero_resumes_the_same_run(ranks):
 
 
 # -- in this process, on one rank ------------------------------------------------------------------------------------
+@pytest.mark.full
 def test_zero_formula_with_tensor_parallel():
     assert zero_formula(1, 100, 2, tp=2) == {"parameters": 200, "gradients": 200, "optimizer_states": 200,
                                              "total": 600}
@@ -170,6 +179,7 @@ def _tp_module(tp_mesh):
     return module
 
 
+@pytest.mark.full
 def test_tp_parameters_become_bucket_views_and_say_how_to_sum_their_norm(mesh):
     import torch
     from torch.distributed.tensor import DTensor
@@ -207,6 +217,7 @@ def test_tp_parameters_become_bucket_views_and_say_how_to_sum_their_norm(mesh):
     assert torch.allclose(module.split2.full_tensor(), values["split2"] - 6.0)
 
 
+@pytest.mark.full
 def test_tp_parameters_on_a_mesh_apart_from_dp_are_refused(mesh):
     import torch
     from torch.distributed.device_mesh import init_device_mesh

@@ -9,6 +9,7 @@ micro-batch communicated nothing.
 import pytest
 
 from lightning_par.measure import traffic_formula, zero_formula
+from tests.conftest import run_cases
 
 TOLERANCE = 0.05
 CASES = [(0, "dp2", 2), (0, "dp4", 4)] + [
@@ -16,7 +17,7 @@ CASES = [(0, "dp2", 2), (0, "dp4", 4)] + [
 ]
 
 
-@pytest.mark.parametrize("stage,name,n", CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize("stage,name,n", run_cases([(c, c[1]) for c in CASES]), ids=[c[1] for c in CASES])
 def test_state_bytes_per_rank_follow_the_zero_formula(runs, stage, name, n):
     reports = runs(name).state_reports()
     assert len(reports) == n
@@ -30,7 +31,7 @@ def test_state_bytes_per_rank_follow_the_zero_formula(runs, stage, name, n):
             assert abs(measured / predicted[category] - 1) <= TOLERANCE, (category, measured, predicted[category])
 
 
-@pytest.mark.parametrize("stage,name,n", CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize("stage,name,n", run_cases([(c, c[1]) for c in CASES]), ids=[c[1] for c in CASES])
 def test_elements_sent_per_step_follow_the_zero_formula(runs, stage, name, n):
     micro_batches = 2 if "accum" in name else 1
     for report in runs(name).state_reports():

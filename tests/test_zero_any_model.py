@@ -41,6 +41,7 @@ def fit_run(launches, nproc: int, name: str) -> Run:
 
 
 # -- parity ---------------------------------------------------------------------------------------------------------
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", FITS)
 def test_zero3_on_a_model_that_declares_nothing_matches_one_process(launches, name):
     reference, run = fit_run(launches, 1, name), fit_run(launches, 2, name)
@@ -59,6 +60,7 @@ def test_zero3_on_a_model_that_declares_nothing_matches_one_process(launches, na
 
 
 # -- ZeRO-3: what is gathered during forward ------------------------------------------------------------------------
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", ["plain_sgd", "hf_llama_clip"])
 def test_zero3_gathers_one_block_plus_the_root_during_forward(launches, name):
     reports = [json.loads(p.read_text())
@@ -77,6 +79,7 @@ def test_zero3_gathers_one_block_plus_the_root_during_forward(launches, name):
 
 
 # -- ZeRO-2: gradient memory during backward ------------------------------------------------------------------------
+@pytest.mark.launch(ranks=2)
 def test_zero2_frees_each_buckets_full_gradient_once_reduced(launches):
     report = json.loads((launches[2].root / "grad_memory.json").read_text())
     n = report["world"]

@@ -156,6 +156,7 @@ def zero_reports(tmp_path_factory):
     return spawn_reports(_zero_worker, tmp_path_factory.mktemp("zero_overlap"), nprocs=2)
 
 
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gathers_are_waited_in_the_forward_and_losses_are_exact(zero_reports, stage):
     for report in zero_reports:
@@ -175,6 +176,7 @@ def test_gathers_are_waited_in_the_forward_and_losses_are_exact(zero_reports, st
         assert len(new["changed"]) == new["params"]
 
 
+@pytest.mark.launch(ranks=2)
 def test_a_parameter_read_outside_its_module_fails_loudly(zero_reports):
     for report in zero_reports:
         assert report["peek_prefetch=False"] == "trained"
@@ -272,6 +274,7 @@ def pipeline_reports(tmp_path_factory):
     return spawn_reports(_pipeline_worker, tmp_path_factory.mktemp("pp_dp_reduce"), nprocs=4)
 
 
+@pytest.mark.launch(ranks=4)
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pipeline_zero0_reduces_in_buckets_during_the_schedule(pipeline_reports, schedule):
     for rank, report in enumerate(pipeline_reports):
