@@ -56,7 +56,8 @@ COMMANDS: dict[str, str] = {
         f"{PARSE}: a killed rank and a restart; tests/test_restart.py launches the same under torchrun",
     "lightning-par fit --config configs/demo.yaml --trainer.devices=2 --trainer.strategy=zero3 "
     "--trainer.strategy.compile=true":
-        f"{PARSE}: inductor compiles for minutes on 2 CPU cores; tests/test_compile.py runs compiled fits (full set)",
+        f"{PARSE}: inductor compiles for minutes on 2 CPU cores; tests/test_compile.py runs compiled fits "
+        "(full set)",
     "lightning-par plan --config configs/demo.yaml": RUN,
     "lightning-par fit --config configs/demo.yaml --trainer.devices=4 --trainer.strategy=planned "
     "--trainer.strategy.gpu_memory=4":
@@ -77,8 +78,8 @@ COMMANDS: dict[str, str] = {
     "lightning-par export lightning_logs/demo/version_0/checkpoints/last.ckpt model.safetensors":
         f"{PARSE}: needs the demo's checkpoint; tests/test_restart.py runs it as written (full set)",
     "lightning-par export lightning_logs/demo/version_0/checkpoints/last.ckpt model.ckpt":
-        f"{PARSE}: needs the demo's checkpoint; tests/test_lightning_contract.py exports a sharded checkpoint to one "
-        "Lightning file and loads it with load_from_checkpoint and ddp",
+        f"{PARSE}: needs the demo's checkpoint; tests/test_lightning_contract.py exports a sharded checkpoint "
+        "to one Lightning file and loads it with load_from_checkpoint and ddp",
     "lightning-par export last.ckpt hf_out --hf --model-class lightning_par.examples.HFLlamaLightningModule":
         f"{PARSE}: placeholder checkpoint; tests/test_export.py exports Hugging Face directories",
     "lightning-par fit --config configs/zero.yaml --trainer.strategy=zero3": RUN,
@@ -111,13 +112,16 @@ COMMANDS: dict[str, str] = {
     "--checkpoint_every_n_steps=100":
         f"{PARSE}: 16 ranks on two nodes; tests/test_elastic.py launches two agents of 2 ranks the same way",
     "srun lightning-par fit --config configs/zero.yaml --trainer.devices=8 --trainer.num_nodes=4":
-        f"{PARSE}: needs SLURM; tests/test_elastic.py sets SLURM's variables for a requeue on another node count",
+        f"{PARSE}: needs SLURM; tests/test_elastic.py sets SLURM's variables for a requeue on another node "
+        "count",
     "torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 --no-python "
     "lightning-par fit --config configs/demo.yaml --trainer.num_nodes=2 --trainer.devices=2":
-        f"{PARSE}: two nodes (the pair of commands); tests/test_data_parallel.py launches 2 nodes x 2 ranks (full set)",
+        f"{PARSE}: two nodes (the pair of commands); tests/test_data_parallel.py launches 2 nodes x 2 ranks "
+        "(full set)",
     "torchrun --nnodes 2 --node_rank 1 --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 --no-python "
     "lightning-par fit --config configs/demo.yaml --trainer.num_nodes=2 --trainer.devices=2":
-        f"{PARSE}: two nodes (the pair of commands); tests/test_data_parallel.py launches 2 nodes x 2 ranks (full set)",
+        f"{PARSE}: two nodes (the pair of commands); tests/test_data_parallel.py launches 2 nodes x 2 ranks "
+        "(full set)",
     # docs/faults.md
     "lightning-par fit --config configs/zero.yaml --trainer.strategy.heartbeat_timeout=30": RUN,
     "lightning-par fit --config configs/zero.yaml --trainer.strategy.nonfinite=skip "
@@ -131,7 +135,8 @@ COMMANDS: dict[str, str] = {
     "lightning-par plan --config configs/demo.yaml --write-config planned.yaml": RUN,
     # README
     "lightning-par plan --model=my_pkg.MyModule --world 4 --write-config planned.yaml":
-        f"{PARSE}: a placeholder module; tests/test_plan_command.py plans the README's module and writes its config",
+        f"{PARSE}: a placeholder module; tests/test_plan_command.py plans the README's module and writes its "
+        "config",
     "lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=8b --world 64 --runtime "
     "megatron-overlap --precision bf16-mixed-master --exposed": RUN,
     # docs/precision.md

@@ -113,8 +113,8 @@ def elastic_runs(tmp_path_factory, cache_dir):
     for names, nproc in ((["zero3_dp4", "dp2_tp2", "planned4_text"], 4),
                          (["zero3_dp4_to_dp2", "dp2_tp2_to_tp2", "planned4_to_2"], 2),
                          (["zero3_dp2_back_to_dp4"], 4)):
-        run = launch_matrix(root, cache_dir, "tests.resume_worker", ["--root", str(root), "--cache", str(cache_dir),
-                                                                    "--cases", *names], nproc=nproc).check()
+        run = launch_matrix(root, cache_dir, "tests.resume_worker",
+                            ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=nproc).check()
         seconds[tuple(names)] = run.seconds
         print(f"elastic: {names} on {nproc} ranks in {run.seconds:.0f} s")
         (root / f"launch_{nproc}_{names[0]}.log").write_text(run.log)

@@ -34,8 +34,8 @@ def contract(tmp_path_factory, cache_dir, request):
             names = list(FOUR_RANKS) if ranks == 4 else \
                 [*TWO_RANKS, *(TWO_RANKS_FULL if full_run(request.config) else ())]
             root = tmp_path_factory.mktemp(f"contract_{ranks}")
-            run = launch_matrix(root, cache_dir, "tests.contract_worker", ["--root", str(root), "--layouts", *names],
-                                nproc=ranks, timeout=900).check()
+            run = launch_matrix(root, cache_dir, "tests.contract_worker",
+                                ["--root", str(root), "--layouts", *names], nproc=ranks, timeout=900).check()
             print(f"Lightning contract: {len(names)} layouts on {ranks} ranks in {run.seconds:.0f} s")
             reference = json.loads((root / "reference.json").read_text())
             for n in names:

@@ -31,8 +31,8 @@ PARITY_RTOL = 1e-5
 def results(tmp_path_factory, cache_dir) -> dict:
     root = tmp_path_factory.mktemp("pipeline_any_model")
     out = root / "results.json"
-    run = launch_matrix(root, cache_dir, "tests.pipeline_any_model", ["--out", str(out), "--cache", str(cache_dir)],
-                        nproc=2, timeout=300).check()
+    run = launch_matrix(root, cache_dir, "tests.pipeline_any_model",
+                        ["--out", str(out), "--cache", str(cache_dir)], nproc=2, timeout=300).check()
     print(f"pipeline_any_model launch: {run.seconds:.1f} s")
     return json.loads(out.read_text())
 

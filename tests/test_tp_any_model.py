@@ -91,7 +91,8 @@ def test_gpt2_style_model_under_tp2_matches_one_process(gpt2_runs, name):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, cache_dir) -> list[dict]:
     root = tmp_path_factory.mktemp("tp_any_model_ranks")
-    launch_matrix(root, cache_dir, "tests.tp_any_model_worker", [str(root / "out")], nproc=2, timeout=300).check()
+    launch_matrix(root, cache_dir, "tests.tp_any_model_worker", [str(root / "out")], nproc=2,
+                  timeout=300).check()
     return [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(2)]
 
 
