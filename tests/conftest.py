@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests import harness
-from tests.harness import Run, close_process_group, launch_cli, launch_matrix, launch_torchrun
+from tests.harness import Run, close_process_group, launch_cli, launch_cli_group, launch_matrix, launch_torchrun
 
 PARITY_STEPS = 20
 EPOCH_STEPS = 10  # two short epochs: checkpoints at the epoch boundary make resumption exact
@@ -68,6 +68,9 @@ RUNS["single_tied"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--mod
 SGD = ["--model.optimizer=sgd", f"--model.lr={SGD_LR}"]
 RUNS["single_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", *SGD])
 RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true", *SGD])
+# the engine matrix's model (weights drawn per rank unless the engine syncs them), plain SGD: tests/test_engine.py
+RUNS["single_rank_seeded_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto",
+                                      "--model=tests.engine_matrix.RankSeededGPT"])
 
 # tensor parallel: the tp ranks of one replica all see the replica's batch (GLOBAL_BATCH / dp). tp=4 needs 4 kv heads
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation
@@ -319,13 +322,31 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+#: runs of `RUNS` made together, one after another in one launch (tests/cli_matrix.py: one start-up instead of one
+#: each), on the first request of any: the single-process references of the parity tests, and the 2-rank ZeRO matrix.
+#: A member of the full run only joins its launch in the full run.
+SHARED_LAUNCHES = {
+    "references": ("single", "single_accum_clip", "single_tied", "single_sgd", "single_tied_sgd", "hf_single",
+                   "single_rank_seeded_sgd", "single_kv4", "qwen2_single_sgd"),
+    "zero_dp2": ("dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2"),
+}
+
+
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory, cache_dir):
+def runs(tmp_path_factory, cache_dir, request):
     """``runs(name)``: the finished launch of ``RUNS[name]``, made on first request."""
     done: dict[str, Run] = {}
 
     def get(name: str, extra: list[str] | None = None) -> Run:
         uses_run(name)
+        group = next((g for g, names in SHARED_LAUNCHES.items() if name in names), None)
+        if group is not None and name not in done and not extra:
+            members = [n for n in SHARED_LAUNCHES[group] if full_run(request.config) or n not in FULL_ONLY_RUNS]
+            root = tmp_path_factory.mktemp(group)
+            jobs = {n: [*RUNS[n][1], *probes(root / n)] for n in members if n not in done}
+            group_runs = launch_cli_group(root, cache_dir, jobs, devices=RUNS[name][0])
+            print(f"{group}: {len(jobs)} runs in one launch, {next(iter(group_runs.values())).seconds:.0f} s")
+            done.update(group_runs)
         pp = next((p for p, names in PIPELINE_MATRIX.items() if name in names), None)
         if pp is not None and name not in done:
             # every schedule of one pipeline size in one launch: one start-up instead of eight

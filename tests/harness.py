@@ -140,8 +140,11 @@ def _finish(root: Path, procs: list[subprocess.Popen], logs: list[Path], start: 
                 p.kill()
             codes.append(-9)
     log = "\n".join(p.read_text(errors="replace") for p in logs)
-    reports = [json.loads(p.read_text()) for p in sorted(root.glob("reports/rank*.json"))]
-    return Run(root, next((c for c in codes if c), 0), log, time.time() - start, reports)
+    return Run(root, next((c for c in codes if c), 0), log, time.time() - start, _rank_reports(root))
+
+
+def _rank_reports(root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(root.glob("reports/rank*.json"))]
 
 
 def _report_args(root: Path) -> list[str]:
@@ -153,13 +156,36 @@ def _report_args(root: Path) -> list[str]:
     ]
 
 
+def cli_argv(root: Path, cache_dir: Path, args: list[str], devices: int, command: str = "fit") -> list[str]:
+    """The command line of a test job in ``root``: the tiny job, TensorBoard and rank reports, then ``args``."""
+    return [command, *TINY_JOB, f"--trainer.devices={devices}", "--trainer.logger=TensorBoardLogger",
+            *_report_args(root), f"--data.cache_dir={cache_dir}", *args]
+
+
 def launch_cli(
     root: Path, cache_dir: Path, args: list[str], devices: int, timeout: float = 300, command: str = "fit"
 ) -> Run:
     """``lightning-par COMMAND`` on ``devices`` CPU processes through Lightning's own subprocess launcher."""
-    argv = [command, *TINY_JOB, f"--trainer.devices={devices}", "--trainer.logger=TensorBoardLogger",
-            *_report_args(root), f"--data.cache_dir={cache_dir}", *args]
-    return launch_command(root, cache_dir, argv, timeout, log_name="launch.log")
+    return launch_command(root, cache_dir, cli_argv(root, cache_dir, args, devices, command), timeout,
+                          log_name="launch.log")
+
+
+def launch_cli_group(root: Path, cache_dir: Path, jobs: dict[str, list[str]], devices: int,
+                     timeout: float = 900) -> dict[str, Run]:
+    """The fits ``jobs`` (name -> arguments, as :func:`launch_cli` takes them), all of ``devices`` ranks, one after
+    another in one launch of :mod:`tests.cli_matrix` (one process, or one torchrun agent): one start-up for all.
+    Each run is in ``root/NAME`` with its own ``launch.log``; the launch fails if one of them fails."""
+    root.mkdir(parents=True, exist_ok=True)
+    spec = root / "jobs.json"
+    spec.write_text(json.dumps([[str(root / name), cli_argv(root / name, cache_dir, args, devices)]
+                                for name, args in jobs.items()]))
+    if devices > 1:
+        group = launch_matrix(root, cache_dir, "tests.cli_matrix", [str(spec)], nproc=devices, timeout=timeout)
+    else:
+        group = launch_command_module(root, cache_dir, "tests.cli_matrix", [str(spec)], timeout=timeout)
+    group.check()
+    return {name: Run(root / name, 0, (root / name / "launch.log").read_text(errors="replace"), group.seconds,
+                      _rank_reports(root / name)) for name in jobs}
 
 
 def launch_torchrun(
@@ -199,6 +225,18 @@ def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float 
     start = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "lightning_par.cli", *argv], cwd=root, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        return _finish(root, [proc], [log], start, timeout)
+
+
+def launch_command_module(root: Path, cache_dir: Path, module: str, args: list[str], timeout: float = 600) -> Run:
+    """``python -m MODULE ARGS`` in one process (no torchrun: a single-process group of runs)."""
+    launching(1)
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "launch.log"
+    start = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=root, env=base_env(cache_dir), stdout=out,
                                 stderr=subprocess.STDOUT)
         return _finish(root, [proc], [log], start, timeout)
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, run_cases
+from tests.conftest import PARITY_STEPS, run_cases
 from tests.engine_matrix import LAYOUTS, PER_STAGE_DRAWS
-from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
+from tests.harness import Run, launch_matrix, max_rel_diff
 
 PARITY_RTOL = 1e-5
 #: the owner of data-parallel gradient sync each layout must get (exactly one; see parallel/gradient_sync.py)
@@ -29,10 +29,8 @@ def matrix(tmp_path_factory, cache_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sgd_reference(tmp_path_factory, cache_dir) -> Run:
-    root = tmp_path_factory.mktemp("engine_sgd_single")
-    args = [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model=tests.engine_matrix.RankSeededGPT"]
-    return launch_cli(root, cache_dir, args, devices=1).check()
+def sgd_reference(runs) -> Run:
+    return runs("single_rank_seeded_sgd")  # one of the shared single-process references
 
 
 @pytest.mark.launch(ranks=4)
