@@ -387,23 +387,32 @@ def _zero3_args(corpus, root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def zero3_runs(corpus, tmp_path_factory, cache_dir):
+def zero3_run(corpus, tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("zero3_tokenizer")
     full = launch_cli(root / "full", cache_dir, _zero3_args(corpus, root / "full"), devices=2).check()
-    step = full.checkpoint(SAVE)
-    resumed = launch_cli(root / "resumed", cache_dir, [*_zero3_args(corpus, root / "resumed"), f"--ckpt_path={step}"],
+    print(f"zero3 with a tokenizer: {full.seconds:.0f} s")
+    return full
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(corpus, zero3_run, cache_dir):
+    """The run and its resume from step SAVE (the resume: the full set; the default set resumes mid-epoch in
+    tests/test_resume.py)."""
+    root = zero3_run.root.parent
+    resumed = launch_cli(root / "resumed", cache_dir,
+                         [*_zero3_args(corpus, root / "resumed"), f"--ckpt_path={zero3_run.checkpoint(SAVE)}"],
                          devices=2).check()
-    print(f"zero3 with a tokenizer: {full.seconds:.0f} s, resumed from step {SAVE}: {resumed.seconds:.0f} s")
-    return full, resumed
+    print(f"resumed from step {SAVE}: {resumed.seconds:.0f} s")
+    return zero3_run, resumed
 
 
 @pytest.mark.launch(ranks=2)
-def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_runs, tmp_path):
+def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_run, tmp_path):
     from transformers import AutoTokenizer
 
     from lightning_par.plugins.checkpoint_export import CheckpointTensors, read_hyperparameters, read_tokenizer_files
 
-    full, _ = zero3_runs
+    full = zero3_run
     losses = full.scalars()["train/loss"]
     assert sorted(losses) == list(range(STEPS)) and all(0 < v < 10 for v in losses.values())  # within 10 steps
     mfu = full.scalars()["train/mfu"]  # model FLOPs utilisation with the tokenizer's vocabulary, every 4 steps
@@ -419,7 +428,7 @@ def test_zero3_cli_run_trains_the_tokenizers_vocabulary(corpus, zero3_runs, tmp_
         "input_ids"]
 
 
-@pytest.mark.launch(ranks=2)
+@pytest.mark.launch(ranks=2, full=True)
 def test_zero3_cli_run_resumes_mid_epoch_exactly(zero3_runs):
     full, resumed = zero3_runs
     before, after = full.scalars()["train/loss"], resumed.scalars()["train/loss"]

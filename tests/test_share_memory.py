@@ -14,25 +14,25 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.large_model_memory import _growth, measure, model_args, save_pretrained, summarize
-from tests.conftest import full_run
 
 HIDDEN, LAYERS = 768, 12
 BOUND = 0.6
-DEFAULT = ["TP, tp=4", "tp2 x pp2"]
-FULL = ["ZeRO-3, dp=4", "dp2 x pp2, ZeRO-3"]  # (the default set's launch measures only what its cases read)
+LAYOUTS = ["ZeRO-3, dp=4", "TP, tp=4", "tp2 x pp2", "dp2 x pp2, ZeRO-3"]
+# memory runs of a large model on 4 ranks: the full set (the default set checks deferred materialisation in one
+# process, tests/test_deferred_init.py)
+pytestmark = pytest.mark.launch(ranks=4, full=True)
 
 
 @pytest.fixture(scope="module")
-def memory(tmp_path_factory, cache_dir, request):
+def memory(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("share_memory")
-    layouts = ["one process", *DEFAULT, *(FULL if full_run(request.config) else [])]
+    layouts = ["one process", *LAYOUTS]
     model = model_args(HIDDEN, LAYERS)
     runs = {layout: measure(root / f"run{i}", cache_dir, model, layout) for i, layout in enumerate(layouts)}
     return summarize(runs)
 
 
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.launch(ranks=4, full=layout in FULL))
-                                    for layout in [*DEFAULT, *FULL]])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_rank_materialises_only_its_share(memory, layout):
     row, single = memory[layout], memory["one process"]
     print(f"{layout}: growth / one process's {row['growth_ratio']:.2f}, peak / one process "
@@ -44,7 +44,6 @@ def test_each_rank_materialises_only_its_share(memory, layout):
 
 
 @pytest.mark.parametrize("layout", ["ZeRO-3, dp=4", "tp2 x pp2"])
-@pytest.mark.launch(ranks=4, full=True)
 def test_pretrained_weights_go_straight_into_the_shards(tmp_path, cache_dir, layout):
     fp32 = save_pretrained(tmp_path / "pretrained", HIDDEN, LAYERS, shard_size="100MB")
     assert len(list((tmp_path / "pretrained").glob("*.safetensors"))) > 1  # a sharded directory with its index
