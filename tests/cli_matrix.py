@@ -22,23 +22,25 @@ def run(root: Path, argv: list[str]) -> None:
     root.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2), os.getcwd()
+    saved = os.dup(1), os.dup(2), os.getcwd(), sys.argv
     log = os.open(root / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.chdir(root)
+    sys.argv = ["lightning-par", *argv]  # the command line as typed (LightningCLI warns when args differ from it)
     try:
         # a fresh registry of shown warnings: each run's log shows its warnings, as its own process would
         # (tests/test_warnings.py reads them)
         with warnings.catch_warnings():
-            cli_main(argv)
+            cli_main()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         os.chdir(saved[2])
-        for fd in (log, saved[0], saved[1]):
+        sys.argv = saved[3]
+        for fd in (log, *saved[:2]):
             os.close(fd)
 
 

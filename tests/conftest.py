@@ -323,12 +323,13 @@ def cache_dir(tmp_path_factory):
 
 
 #: runs of `RUNS` made together, one after another in one launch (tests/cli_matrix.py: one start-up instead of one
-#: each), on the first request of any: the single-process references of the parity tests, and the 2-rank ZeRO matrix.
-#: A member of the full run only joins its launch in the full run.
+#: each), on the first request of any: the single-process references of the parity tests, and the 2-rank runs (the
+#: ZeRO matrix, tensor and context parallel). A member of the full run only joins its launch in the full run.
 SHARED_LAUNCHES = {
     "references": ("single", "single_accum_clip", "single_tied", "single_sgd", "single_tied_sgd", "hf_single",
                    "single_rank_seeded_sgd", "single_kv4", "qwen2_single_sgd"),
-    "zero_dp2": ("dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2"),
+    "two_ranks": ("dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2", "tp2", "tp2_sp", "hf_tp2",
+                  "tp2_sp_tied", "hf_zero3_dict", "hf_tp2_dict", "cp2_sgd", "hf_cp2", "qwen2_cp2_dict_sgd"),
 }
 
 
@@ -344,7 +345,7 @@ def runs(tmp_path_factory, cache_dir, request):
             members = [n for n in SHARED_LAUNCHES[group] if full_run(request.config) or n not in FULL_ONLY_RUNS]
             root = tmp_path_factory.mktemp(group)
             jobs = {n: [*RUNS[n][1], *probes(root / n)] for n in members if n not in done}
-            group_runs = launch_cli_group(root, cache_dir, jobs, devices=RUNS[name][0])
+            group_runs = launch_cli_group(root, cache_dir, jobs, devices=RUNS[name][0], timeout=300 * len(jobs))
             print(f"{group}: {len(jobs)} runs in one launch, {next(iter(group_runs.values())).seconds:.0f} s")
             done.update(group_runs)
         pp = next((p for p, names in PIPELINE_MATRIX.items() if name in names), None)
