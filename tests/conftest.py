@@ -323,13 +323,18 @@ def cache_dir(tmp_path_factory):
 
 
 #: runs of `RUNS` made together, one after another in one launch (tests/cli_matrix.py: one start-up instead of one
-#: each), on the first request of any: the single-process references of the parity tests, and the 2-rank runs (the
-#: ZeRO matrix, tensor and context parallel). A member of the full run only joins its launch in the full run.
+#: each), on the first request of any: the single-process references of the parity tests, the 2-rank runs (the ZeRO
+#: matrix, tensor and context parallel) and the full set's 4-rank runs. A member of the full run only joins its
+#: launch in the full run. Under torchrun (TorchElasticEnvironment): dp4 stays a launch of its own, the default
+#: set's run through Lightning's own launcher (LightningEnvironment, tests/test_data_parallel.py).
 SHARED_LAUNCHES = {
     "references": ("single", "single_accum_clip", "single_tied", "single_sgd", "single_tied_sgd", "hf_single",
                    "single_rank_seeded_sgd", "single_kv4", "qwen2_single_sgd"),
     "two_ranks": ("dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2", "tp2", "tp2_sp", "hf_tp2",
                   "tp2_sp_tied", "hf_zero3_dict", "hf_tp2_dict", "cp2_sgd", "hf_cp2", "qwen2_cp2_dict_sgd"),
+    "four_ranks": ("zero1_dp4_accum_clip", "zero2_dp4_accum_clip", "zero3_dp4_accum_clip", "tp4", "tp4_sp",
+                   "dp2_tp2_sp", "dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip", "dp2_pp2_accum_clip",
+                   "zero3_dp2_cp2_sgd", "hf_zero3_dp2_cp2_dict", "qwen2_zero3_dp2_cp2_sgd"),
 }
 
 
