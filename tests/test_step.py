@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_par.parallel.bad_steps import NonFiniteStop
+from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop
 
 STEPS = 4
 CLIP = 0.05  # small enough that every step is clipped
@@ -54,6 +54,50 @@ def _fit(model, strategy, callbacks=(), logger=False, clip=CLIP):
                          callbacks=[losses.callback, *callbacks])
     trainer.fit(model, _loader())
     return trainer, losses.losses
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls per step of: the global norm, the gradient check from this rank's gradients, and from a norm given."""
+    import lightning_par.strategies.step as step
+
+    calls = {"global_norm": 0, "local_check": 0, "norm_check": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(step, "global_grad_norm", counting("global_norm", step.global_grad_norm))
+    monkeypatch.setattr(NonFiniteFlags, "add_grads", counting("local_check", NonFiniteFlags.add_grads))
+    monkeypatch.setattr(NonFiniteFlags, "add_grad_norm", counting("norm_check", NonFiniteFlags.add_grad_norm))
+    return calls
+
+
+class _OwnClipping:
+    """A LightningModule whose own hook clips (here as Lightning would: through the strategy's clip)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("clip", {"global_norm": STEPS, "local_check": 0, "norm_check": STEPS}),  # one norm per step
+    ("own_clipping_hook", {"global_norm": STEPS, "local_check": STEPS, "norm_check": 0}),
+    ("skip_policy", {"global_norm": STEPS, "local_check": STEPS, "norm_check": 0}),  # agreed before the clip
+    ("no_clip", {"global_norm": 0, "local_check": STEPS, "norm_check": 0}),
+])
+def test_the_clips_norm_is_the_steps_gradient_check(one_process_group, counted, case, expected):
+    from lightning_par import LayoutStrategy
+    from lightning_par.examples import GPTLightningModule
+
+    model = _model() if case != "own_clipping_hook" else type("Mine", (_OwnClipping, GPTLightningModule), {})(
+        preset="tiny", n_layers=2, optimizer="sgd", lr=0.2)
+    strategy = LayoutStrategy(nonfinite="skip" if case == "skip_policy" else "stop")
+    _, losses = _fit(model, strategy, clip=None if case == "no_clip" else CLIP)
+    assert counted == expected and len(losses) == STEPS
 
 
 def test_clipped_steps_match_lightnings_own_strategy(one_process_group):

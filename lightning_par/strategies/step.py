@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -38,6 +39,8 @@ class LayoutStep:
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
+        # the optimizer whose clip marks this step's gradient bit from its global norm (see optimizer_step)
+        self._clip_marks: Any = None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Training, evaluation and prediction steps
@@ -195,6 +198,9 @@ class LayoutStep:
         """Lightning's clip by norm (the precision plugin's ``clip_grad_by_norm``), by the whole model's norm: the
         norm of what one rank holds would clip each shard differently."""
         total = self.global_grad_norm(optimizer)
+        if self._clip_marks is optimizer:  # this norm is the step's gradient check too
+            self._clip_marks = None
+            self._strategy.nonfinite_flags.add_grad_norm(total)
         clip_grads_(
             [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_val,
             total)
@@ -204,14 +210,22 @@ class LayoutStep:
         """``lightning_step``: Lightning's own (the strategy's ``super().optimizer_step``)."""
         strategy = self._strategy
         flags = strategy.nonfinite_flags
+        self._clip_marks = None  # (left set by a step that raised)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         agree_first = flags.policy == "skip" and strategy._run_guard is not None
+        # Lightning's clip runs between this closure and the update; under "stop" its global norm marks the gradient
+        # bit too (one norm per step, not two). Under "skip" the ranks agree before the clip, which must not run on
+        # a discarded step: the closure marks the bit from this rank's gradients then, as without clipping.
+        clip_marks = not agree_first and self._lightning_clips_by_norm()
 
         def checked() -> Any:
             # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
             result = closure()
             flags.add_loss(result)
-            flags.add_grads(strategy.gradient_sync.norm_grads(params))
+            if clip_marks:
+                self._clip_marks = optimizer
+            else:
+                flags.add_grads(strategy.gradient_sync.norm_grads(params))
             return result
 
         if agree_first:
@@ -223,8 +237,23 @@ class LayoutStep:
             output = lightning_step(optimizer, lambda: result, model, **kwargs)
         else:
             output = lightning_step(optimizer, checked, model, **kwargs)
+        if self._clip_marks is not None:  # no clip ran after all: this rank's gradients (the update leaves them)
+            self._clip_marks = None
+            flags.add_grads(strategy.gradient_sync.norm_grads(params))
         strategy.gradient_sync.after_step()
         return output
+
+    def _lightning_clips_by_norm(self) -> bool:
+        """Whether Lightning's loop clips this step by norm through :meth:`clip_by_global_norm`: automatic
+        optimization, ``Trainer(gradient_clip_val > 0)`` by norm, and the LightningModule's own clipping hooks (which
+        may clip otherwise, or not at all)."""
+        strategy = self._strategy
+        lm = strategy.lightning_module
+        if lm is None or not strategy.nonfinite_flags.check_grads or not lm.automatic_optimization:
+            return False
+        trainer = lm.trainer
+        return ((trainer.gradient_clip_val or 0) > 0 and (trainer.gradient_clip_algorithm or "norm") == "norm"
+                and not is_overridden("configure_gradient_clipping", lm) and not is_overridden("clip_gradients", lm))
 
     def _skip_step(self, optimizer: Any) -> None:
         """Discard a non-finite step's gradients on every rank (agreed): the optimizer does not step."""
