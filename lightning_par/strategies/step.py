@@ -245,8 +245,8 @@ class LayoutStep:
 
     def _lightning_clips_by_norm(self) -> bool:
         """Whether Lightning's loop clips this step by norm through :meth:`clip_by_global_norm`: automatic
-        optimization, ``Trainer(gradient_clip_val > 0)`` by norm, and the LightningModule's own clipping hooks (which
-        may clip otherwise, or not at all)."""
+        optimization, ``Trainer(gradient_clip_val > 0)`` by norm, and neither of the LightningModule's clipping hooks
+        overridden (an override may clip otherwise, or not at all)."""
         strategy = self._strategy
         lm = strategy.lightning_module
         if lm is None or not strategy.nonfinite_flags.check_grads or not lm.automatic_optimization:
