@@ -67,8 +67,8 @@ from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_che
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
-from lightning_par.strategies.data_position import resumable_train_loader
-from lightning_par.strategies.elastic import AttemptProgress, layouts_for
+from lightning_par.data_position import resumable_train_loader
+from lightning_par.elastic import AttemptProgress, layouts_for
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """The training loader gets a sampler whose position is saved in checkpoints, in place of the
-        DistributedSampler Lightning injected (:mod:`~lightning_par.strategies.data_position`): a run resumed from a
+        DistributedSampler Lightning injected (:mod:`~lightning_par.data_position`): a run resumed from a
         mid-epoch checkpoint, under this layout or another with the same global batch, trains on the samples the
         uninterrupted run would have. Evaluation and prediction loaders are left as Lightning made them."""
         trainer = getattr(self.lightning_module, "_trainer", None)
