@@ -13,7 +13,7 @@ def main() -> None:
     no torch), anything else by :func:`lightning_par.cli.main`."""
     if light_help():
         if sys.argv[1] == "plan":
-            from lightning_par.planner.cli import main as plan
+            from lightning_par.plan_cli import main as plan
 
             sys.exit(plan(sys.argv[2:]))
         from lightning_par.plugins.export_args import build_parser

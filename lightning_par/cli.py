@@ -559,7 +559,7 @@ def main(args: list[str] | None = None) -> None:
         else:
             args = argv
     if argv and argv[0] == "plan":  # the planner: no Trainer, no LightningCLI
-        from lightning_par.planner.cli import main as plan
+        from lightning_par.plan_cli import main as plan
 
         code = plan(argv[1:])
         if code:

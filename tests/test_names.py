@@ -16,7 +16,7 @@ import yaml
 
 from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.cli import main
-from lightning_par.planner.cli import main as plan_main
+from lightning_par.plan_cli import main as plan_main
 from lightning_par.strategies.names import registered_names, unknown_strategy_message
 from tests.harness import REPO, launch_cli
 

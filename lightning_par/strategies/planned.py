@@ -270,7 +270,6 @@ class PlannedStrategy(LayoutStrategy):
 
     def _plan(self, budget: Budget) -> Choice:
         from lightning_par.planner import build_model
-        from lightning_par.planner.cli import _default_seq
         from lightning_par.planner.model import inspect_model
 
         module = self.lightning_module
@@ -289,7 +288,7 @@ class PlannedStrategy(LayoutStrategy):
             raise LayoutError("strategy='planned' plans for the datamodule's batch_size (sequences per replica); "
                               "this run has no datamodule with an integer batch_size.")
         opts = self.plan_options
-        seq = opts["seq_len"] or getattr(data, "seq_len", None) or _default_seq(inspect_model(meta))
+        seq = opts["seq_len"] or getattr(data, "seq_len", None) or inspect_model(meta).default_seq_len
         hardware = opts["hardware"] or default_hardware(self.root_device)
         return plan_layouts(meta, budget, batch, int(seq), self.precision_plugin.precision,
                             accumulate=int(trainer.accumulate_grad_batches or 1), hardware=hardware,
