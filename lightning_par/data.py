@@ -29,8 +29,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_par._compat import uses_distributed_sampler
-from lightning_par.parallel.data_order import DataParallelSampler
 from lightning_par.data_position import resumable_train_loader
+from lightning_par.parallel.data_order import DataParallelSampler
 
 VOCAB_SIZE = 256
 # Byte written after every document when documents are concatenated; NUL never occurs in normal text,

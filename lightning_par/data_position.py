@@ -29,9 +29,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_par import elastic
 from lightning_par._compat import Stateful, update_dataloader
 from lightning_par.parallel.data_order import DataParallelSampler
-from lightning_par import elastic
 
 _warnings = WarningCache()
 

@@ -25,8 +25,8 @@ import yaml
 
 # what the parser needs imports no torch (``lightning-par plan --help`` answers at once); the planner itself is
 # imported in _main
-from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.fit_config import FitPlan, read_fit_config
+from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.runtime import PRECISIONS, RUNTIMES
 from lightning_par.topology import RECOMPUTE_KINDS, LayoutError, check_number, is_number

@@ -30,10 +30,10 @@ def _fit(root, batch, ckpt=None, keep=True, accumulate=1, log_root=None):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_par.examples import GPTLightningModule
-    from lightning_par.parallel.data_order import DataParallelSampler
     from lightning_par.data_position import resumable_train_loader
     from lightning_par.elastic import AttemptProgress
+    from lightning_par.examples import GPTLightningModule
+    from lightning_par.parallel.data_order import DataParallelSampler
 
     class OneRank(StepLosses):  # no process group in one process
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -16,9 +16,9 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from lightning_par.parallel.data_order import DataParallelSampler
 from lightning_par import data_position
 from lightning_par.data_position import resumable_train_loader
+from lightning_par.parallel.data_order import DataParallelSampler
 from tests.harness import Run, launch_matrix, max_rel_diff
 from tests.resume_worker import MAX_STEPS, SAVE_EVERY
 

@@ -42,6 +42,8 @@ from lightning_par._compat import distributed_is_initialized as _distributed_is_
 from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
+from lightning_par.data_position import resumable_train_loader
+from lightning_par.elastic import AttemptProgress, layouts_for
 from lightning_par.parallel import context_parallel, shutdown
 from lightning_par.parallel.bad_steps import CheckpointGuard, NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
@@ -67,8 +69,6 @@ from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_che
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
-from lightning_par.data_position import resumable_train_loader
-from lightning_par.elastic import AttemptProgress, layouts_for
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
 log = logging.getLogger(__name__)
