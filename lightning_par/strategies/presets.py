@@ -31,7 +31,8 @@ def engine_options(*names: str, **defaults: Any) -> Callable[[Callable[..., None
     docstring, as it does for any subclass; the options reach ``__init__`` in ``options``, every one given."""
     engine = inspect.signature(LayoutStrategy.__init__, eval_str=True).parameters
     unknown = set(names) - set(engine) | set(defaults) - set(names)
-    assert not unknown, f"not an engine option of this preset: {sorted(unknown)}"
+    if unknown:  # a preset's own mistake, met at import
+        raise TypeError(f"engine_options: {sorted(unknown)} are not LayoutStrategy options this preset takes")
 
     def wrap(init: Callable[..., None]) -> Callable[..., None]:
         own = inspect.signature(init, eval_str=True)
