@@ -41,6 +41,8 @@ from lightning_par._compat import distributed_is_initialized as _distributed_is_
 from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
+from lightning_par.data_position import resumable_train_loader
+from lightning_par.elastic import AttemptProgress, layouts_for
 from lightning_par.parallel import context_parallel, shutdown
 from lightning_par.parallel.bad_steps import CheckpointGuard, NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
@@ -65,8 +67,6 @@ from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.strategies.compile_report import CompileReport
-from lightning_par.strategies.data_position import resumable_train_loader
-from lightning_par.strategies.elastic import AttemptProgress, layouts_for
 from lightning_par.strategies.step import LayoutStep
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
@@ -314,7 +314,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """The training loader gets a sampler whose position is saved in checkpoints, in place of the
-        DistributedSampler Lightning injected (:mod:`~lightning_par.strategies.data_position`): a run resumed from a
+        DistributedSampler Lightning injected (:mod:`~lightning_par.data_position`): a run resumed from a
         mid-epoch checkpoint, under this layout or another with the same global batch, trains on the samples the
         uninterrupted run would have. Evaluation and prediction loaders are left as Lightning made them."""
         trainer = getattr(self.lightning_module, "_trainer", None)
