@@ -4,11 +4,12 @@ Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy, Hybri
 :class:`LayoutStrategy`. This file holds only Lightning glue -- launcher, cluster environment, process group, mesh,
 sampler, collectives for logging, the step takeover for pipelines, checkpoint hooks. The model transforms live in
 :mod:`lightning_par.parallel`: :meth:`LayoutStrategy.setup` picks the one owner of data-parallel gradients
-(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part (the
-whole model, or the pipeline stages the runtime keeps) and hands the part to
+(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part
+(:func:`~lightning_par.parallel.parts.split`: the whole model, or this rank's pipeline stages), hands the part to
 :func:`~lightning_par.parallel.parallelize.parallelize`, which applies every layout in one order: replicas identical,
 tensor parallel, recompute, (compile), the owner's data-parallel sharding, then materialisation of this rank's share
-of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`).
+of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`) -- and, under
+pipeline parallel, builds the runner of the transformed stages last.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
 from lightning_par.parallel.parts import ModelParts, agree, split
 from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
-from lightning_par.parallel.pipeline.loss import ModelLoss
+from lightning_par.parallel.pipeline.loss import ModelLoss, last_stage_loss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
@@ -436,12 +437,14 @@ class LayoutStrategy(ParallelStrategy):
         # split -> parallelize -> runner (torchtitan's pipeline_llm order): under pp the LightningModule holds only
         # this rank's stages from the split on, the rest of the model is never materialised
         parts = self._split()
-        loss_fn = self._pipeline_loss_fn(parts) if parts.pipelined else None  # refused before any collective
-        if parts.pipelined:  # its stages differ from the other pipeline ranks': a failure on one stops them all
+        if parts.pipeline is None:
+            self._parallelize(parts)
+        else:
+            cut = parts.pipeline  # its loss is refused before any collective
+            loss_fn = last_stage_loss(self.lightning_module, cut.module, cut.model_loss, self.dims.pp)
+            # this rank's stages differ from the other pipeline ranks': a failure on one stops them all
             agree(self.device_mesh["pp"].get_group(), "prepare its stages", lambda: self._parallelize(parts))
             self._run_pipeline(trainer, fitting, parts, loss_fn)
-        else:
-            self._parallelize(parts)
         if self._context_parallel is not None:
             self._install_context_parallel()
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
@@ -700,6 +703,10 @@ class LayoutStrategy(ParallelStrategy):
         accumulate = trainer.accumulate_grad_batches if fitting else 1
         pipeline = PipelineRuntime(parts, self.device_mesh["pp"], loss_fn, device=self.root_device,
                                    loss_scale=1.0 / (self.layout.stage_plan.n_microbatches * accumulate))
+        if loss_fn is None:
+            rank_zero_info(f"pipeline loss: {pipeline.model_loss.name} on the last stage, the token mean over each "
+                           f"whole batch ({type(self.lightning_module).__name__} defines no loss_fn: the model call "
+                           "in its training_step runs the schedule)")
         self._runner = pipeline
         self._gradient_sync.bind(pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
@@ -711,36 +718,6 @@ class LayoutStrategy(ParallelStrategy):
         if fitting:
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
             set_skip_backward(trainer, True)
-
-    def _pipeline_loss_fn(self, parts: ModelParts) -> Any:
-        """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
-        from ``compute_loss``), or None -- the model's own, for a step written the Hugging Face way
-        (``self.model(**batch).loss``, see :meth:`_model_call_step`). Refused here, alike on every rank and before
-        any collective, when there is neither."""
-        lm = self.lightning_module
-        assert lm is not None and parts.pipeline is not None
-        name, model = type(lm).__name__, parts.pipeline.module
-        if callable(getattr(lm, "loss_fn", None)):
-            if not callable(getattr(lm, "compute_loss", None)):
-                raise LayoutError(
-                    f"pipeline parallel (pp={self.dims.pp}): {name} defines loss_fn() but no compute_loss(batch): "
-                    "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
-                    "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
-                    "lightning_par.examples.GPTLightningModule does.")
-            return lm.loss_fn
-        own = parts.pipeline.model_loss
-        if own is None:
-            raise LayoutError(
-                f"pipeline parallel (pp={self.dims.pp}) computes the loss on the last stage, inside the schedule, "
-                f"so it must know the loss: {name} defines no loss_fn(), and its model {type(model).__name__} is not "
-                "a Hugging Face causal LM with a loss of its own. Either train a Hugging Face *ForCausalLM and return "
-                "`self.model(**batch).loss` from training_step (labels in the batch); or define "
-                "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
-                "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
-                "lightning_par.examples.GPTLightningModule does.")
-        rank_zero_info(f"pipeline loss: {own.name} on the last stage, the token mean over each whole batch "
-                       f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
-        return None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with unpacked_batch_errors(args[0] if args else None):
