@@ -1,8 +1,9 @@
 """A pipeline never changes the function: a model whose forward is not the chain of its units is refused at setup.
 
-All in one process: :func:`check_chain` on the models directly, and :class:`PipelineRuntime` on a fake 2-rank
-process group (``torch.testing``'s ``fake`` backend: no communication), built as rank 0 and as rank 1, to show
-that the error comes from the constructor on every rank, before any collective.
+All in one process: :func:`check_chain` on the models directly, and the pipeline split
+(:func:`~lightning_par.parallel.parts.split`) on a fake 2-rank process group (``torch.testing``'s ``fake`` backend:
+no communication), as rank 0 and as rank 1, to show that the error comes from the split on every rank, before any
+collective.
 """
 
 import warnings

@@ -507,9 +507,9 @@ class LayoutStrategy(ParallelStrategy):
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, parts: ModelParts) -> list[nn.Module]:
-        """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
-        for every layout); returns the stage modules."""
+    def _parallelize(self, parts: ModelParts) -> None:
+        """Apply the layout to this rank's part, in place (:func:`~lightning_par.parallel.parallelize.parallelize`:
+        one order for every layout)."""
         if self.compile_options is not None:
             self.compile_options.check_device(self.root_device)
             self.compiler = BlockCompiler(self.compile_options,
@@ -539,7 +539,6 @@ class LayoutStrategy(ParallelStrategy):
             rank_zero_info(f"pretrained weights: rank 0 read its slices of {done.stats['pretrained_tensors']} tensors "
                            f"from {self.pretrained.path}")
         self.materialized = done.stats
-        return done.stages
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
