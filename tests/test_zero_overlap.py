@@ -203,13 +203,14 @@ def _flat_all_reduce(runtime, group) -> None:
 def _fit_pipeline(schedule: str, bucketed: bool, mesh) -> dict:
     from lightning_par.examples.gpt import GPT, GPTConfig
     from lightning_par.measure import CommCounter
+    from lightning_par.parallel.parts import split
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     torch.manual_seed(0)
     # tied embedding and head: on the first and last stage, summed over the pipeline before they are reduced
     model = GPT(GPTConfig(vocab_size=64, dim=16, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8,
                           tie_embeddings=True))
-    runtime = PipelineRuntime(model, mesh["pp"], resolve_schedule(schedule, 2, MICRO),
+    runtime = PipelineRuntime(split(model, resolve_schedule(schedule, 2, MICRO), mesh["pp"]), mesh["pp"],
                               lambda y, t: nn.functional.cross_entropy(y.flatten(0, 1), t.flatten()),
                               loss_scale=1.0 / MICRO, device=torch.device("cpu"))
     group = mesh["dp"].get_group()

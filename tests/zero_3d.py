@@ -255,13 +255,14 @@ def checkpoint_case(mesh: DeviceMesh, data: torch.Tensor, path: Path) -> dict:
 
 # -- a real pipeline with tied copies ------------------------------------------------------------------------------
 def pipeline_case(mesh: DeviceMesh, stage: int, data: torch.Tensor) -> dict:
+    from lightning_par.parallel.parts import split
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     model = make_model(tied=True)
     microbatches = 4
     choice = resolve_schedule("1f1b", mesh["pp"].size(), microbatches)
-    runtime = PipelineRuntime(model, mesh["pp"], choice, causal_lm_loss, loss_scale=1.0 / microbatches,
-                              device=torch.device("cpu"))
+    runtime = PipelineRuntime(split(model, choice, mesh["pp"]), mesh["pp"], causal_lm_loss,
+                              loss_scale=1.0 / microbatches, device=torch.device("cpu"))
     optimizer = OPTIMIZERS["adamw"](runtime.module.parameters())
     partitioner = ZeroPartitioner(runtime.module, [optimizer], mesh["dp"], stage, BUCKET_MB, defer_reduction=True)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.parallel.blocks import BlockTypes
+from lightning_par.parallel.blocks import BlockTypes, ModelBlocks
 
 
 def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> nn.Module:
@@ -37,7 +37,8 @@ def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_m
     )
 
 
-def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTypes = None) -> list[nn.Module]:
+def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTypes = None,
+                    found: ModelBlocks | None = None) -> list[nn.Module]:
     """Stage 0 for a model whose parameters are DTensors (tensor parallel): replicas, gradients all-reduced.
 
     DistributedDataParallel's reducer takes only plain tensors. ``_pre_dp_module_transform`` would make it accept a
@@ -48,7 +49,8 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
     syncing with ``set_requires_gradient_sync(False)`` for gradient accumulation. Groups are those of
     :func:`~lightning_par.parallel.zero.fully_shard_units` (each repeated block found by
     :func:`~lightning_par.parallel.blocks.find_blocks`, then the blocks' root, then what lies outside it). A model
-    without blocks is one unit: each direct child holding parameters is replicated as its own root.
+    without blocks is one unit: each direct child holding parameters is replicated as its own root. ``found``: the
+    blocks the split found (``ModelParts.found``), else they are searched for here.
     Returns the roots (empty with a single data-parallel rank: nothing to reduce).
     """
     from lightning_par._compat import replicate
@@ -58,7 +60,7 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
     if dp_mesh.size() == 1:
         return []
     try:
-        groups = data_parallel_groups(module, block_types)
+        groups = data_parallel_groups(module, block_types, found=found)
     except LayoutError:
         if block_types:
             raise  # the user named block types that match nothing: say so

@@ -12,8 +12,8 @@ owner                  when
                        (with pp > 1: once per step, after the schedule's last backward)
 :class:`PipelineSync`  ZeRO-0 with pp > 1: bucketed all-reduces, each stage's launched as the schedule ends
                        that stage's last backward, waited for before the step
-:class:`PipelineFSDPSync`  ZeRO-3 with pp > 1: the stages are FSDP2 modules (sharded when the pipeline was
-                       prepared); torch's schedule reduce-scatters once per step
+:class:`PipelineFSDPSync`  ZeRO-3 with pp > 1: the stages are FSDP2 modules (sharded by
+                       ``parallelize`` before the pipeline is built); torch's schedule reduce-scatters once per step
 =====================  ===================================================================================
 
 Under pipeline parallel every owner first sums the gradients of weights held by several pipeline ranks (a tied
@@ -38,12 +38,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.parallel.blocks import BlockTypes
+from lightning_par.parallel.blocks import BlockTypes, ModelBlocks
 from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.parallelize import ModelParts
-from lightning_par.parallel.pipeline.fsdp import fully_shard_stages
-from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_units
+from lightning_par.parallel.parts import ModelParts
+from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_parts
 
 FULL_PRECISION = ShardPrecision()  # the parameters' own dtype for everything
 
@@ -134,16 +133,18 @@ class FSDPSync(NoSync):
         self.parameters_on_host = shard and offload
         self.precision = precision
         self.roots: list[nn.Module] = []
+        self.found: ModelBlocks | None = None  # the blocks of the parts shard() saw: replicate's groups
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
+        self.found = parts.found
         if self.sharded:
-            self.roots = fully_shard_units(parts.root, self.dp_mesh, offload=self.offload,
-                                           block_types=self.block_types, mp_policy=self.precision.fsdp_policy())
+            self.roots = fully_shard_parts(parts, self.dp_mesh, offload=self.offload,
+                                           mp_policy=self.precision.fsdp_policy())
         return parts.stages
 
     def wrap(self, module: nn.Module) -> nn.Module:
         if not self.sharded:  # FSDP2 replicate needs the real tensors
-            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types)
+            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types, found=self.found)
         return module
 
     def wrap_again(self, module: nn.Module) -> nn.Module:
@@ -252,8 +253,8 @@ class PipelineSync(NoSync):
 
 
 class PipelineFSDPSync(NoSync):
-    """ZeRO-3 under pipeline parallel: the stage modules were made FSDP2 modules when the pipeline was prepared
-    (:func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`), and torch's schedule reduce-scatters each
+    """ZeRO-3 under pipeline parallel: the stage modules were made FSDP2 modules by ``parallelize``
+    (:func:`~lightning_par.parallel.zero.fully_shard_parts`), and torch's schedule reduce-scatters each
     group once per step; the runtime holds the reduction back on the non-final batches of gradient accumulation.
     Left here: the tied copies' (sharded) gradients, summed over the pipeline."""
 
@@ -265,8 +266,7 @@ class PipelineFSDPSync(NoSync):
         self.parameters_on_host = offload
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
-        return fully_shard_stages(parts.stages, self.dp_mesh, parts.block_names, offload=self.offload,
-                                  mp_policy=self.precision.fsdp_policy())
+        return fully_shard_parts(parts, self.dp_mesh, offload=self.offload, mp_policy=self.precision.fsdp_policy())
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
@@ -293,7 +293,7 @@ def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
     stage = layout.zero_stage
     offload = layout.offload_parameters or layout.offload_optimizer
     if layout.pp > 1:
-        # ZeRO-3 stages are sharded when the pipeline is prepared (for evaluation too: FSDP2 gathers them itself);
+        # ZeRO-3 stages are sharded by parallelize (for evaluation too: FSDP2 gathers them itself);
         # the tied copies are summed over the pipeline even with a single replica
         if stage == 3:
             return PipelineFSDPSync(dp_mesh, offload=offload, precision=precision)

@@ -1,8 +1,9 @@
 """Apply a layout to this rank's part of the model: one fixed order for every layout.
 
-A rank's part is the whole model without pipeline parallelism, or the rank module holding its pipeline stages
-(:class:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime` calls :func:`parallelize` through its ``prepare``
-callback). The order is torchtitan's (``parallelize_llama``), the same for every layout::
+A rank's part (:class:`~lightning_par.parallel.parts.ModelParts`, from :func:`~lightning_par.parallel.parts.split`)
+is the whole model without pipeline parallelism, or the rank module holding its pipeline stages; the pipeline
+runtime is built afterwards, around the transformed stage modules. The order is torchtitan's (``parallelize_llama``),
+the same for every layout::
 
     replicas identical -> tensor parallel -> recompute -> (compile) -> data-parallel sharding -> materialise share
 
@@ -24,7 +25,7 @@ initialisation is never computed. Nothing here imports Lightning.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
+from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.rng import dropout_at, has_dropout
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
@@ -47,23 +49,6 @@ class Pretrained(Protocol):
 
     def load(self, module: nn.Module) -> int:
         """Read this rank's slices into ``module``'s share; the number of tensors read."""
-
-
-@dataclass
-class ModelParts:
-    """This rank's part of the model.
-
-    ``root``: the module whose parameter names are the model's (the LightningModule; under pp it holds only this
-    rank's stages). ``stages``: the rank's pipeline stage modules, or ``[root]`` without pipeline parallelism.
-    ``blocks``: the repeated blocks the rank holds (recompute and ZeRO-3 groups act on them); ``block_names``: every
-    block of the model by name, relative to the split model (for the stage modules' FSDP groups).
-    """
-
-    root: nn.Module
-    stages: list[nn.Module]
-    blocks: list[nn.Module]
-    block_names: list[str] = field(default_factory=list)
-    pipelined: bool = False
 
 
 @dataclass
@@ -92,7 +77,8 @@ class Parallelized:
 
 def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[ModelParts], Sequence[nn.Module]],
                 deferred: DeferredInit | None = None, pretrained: Pretrained | None = None) -> Parallelized:
-    """Apply the layout to ``parts`` in the fixed order (see the module docstring).
+    """Apply the layout to ``parts`` in the fixed order (see the module docstring), in place: ``parts.stages`` are
+    then the modules to run.
 
     ``shard``: the data-parallel owner's sharding of the parts (FSDP2 ``fully_shard`` at ZeRO-3, on meta tensors
     when ``deferred``; nothing for the owners that act on gradients only); returns the stage modules.
@@ -116,7 +102,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     if config.compile is not None:
         for block in parts.blocks:
             config.compile(block)
-    stages = list(shard(parts))
+    parts.stages = stages = list(shard(parts))  # the modules the runner runs (FSDP2 roots under ZeRO-3)
     fills: Collection[str] = pretrained.check(parts.root) if pretrained is not None else ()
     stats: dict[str, int] = {}
     if deferred is not None:

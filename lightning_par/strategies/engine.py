@@ -4,11 +4,12 @@ Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy, Hybri
 :class:`LayoutStrategy`. This file holds only Lightning glue -- launcher, cluster environment, process group, mesh,
 sampler, collectives for logging, the step hooks (strategies/step.py), checkpoint hooks. The model transforms live in
 :mod:`lightning_par.parallel`: :meth:`LayoutStrategy.setup` picks the one owner of data-parallel gradients
-(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part (the
-whole model, or the pipeline stages the runtime keeps) and hands the part to
+(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part
+(:func:`~lightning_par.parallel.parts.split`: the whole model, or this rank's pipeline stages), hands the part to
 :func:`~lightning_par.parallel.parallelize.parallelize`, which applies every layout in one order: replicas identical,
 tensor parallel, recompute, (compile), the owner's data-parallel sharding, then materialisation of this rank's share
-of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`).
+of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`) -- and, under
+pipeline parallel, builds the runner of the transformed stages last.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
+from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
-from lightning_par.parallel.pipeline.fsdp import stage_blocks
-from lightning_par.parallel.pipeline.loss import ModelLoss
+from lightning_par.parallel.parts import ModelParts, agree, split
+from lightning_par.parallel.pipeline.loss import ModelLoss, last_stage_loss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
@@ -207,7 +208,6 @@ class LayoutStrategy(ParallelStrategy):
         self._deferred: DeferredInit | None = None  # the model's construction, replayed per rank (its share)
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
-        self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
         self._context_parallel: ContextParallel | None = None  # cp > 1 (from setup)
         self._cp_undo = ExitStack()  # what cp set on the model and on torch, undone at teardown
         # the LightningModule this layout was applied to: a later stage of the same Trainer and model (fit, then
@@ -424,7 +424,6 @@ class LayoutStrategy(ParallelStrategy):
             record, self._pending_init = self._pending_init, None
             self._adopt(record)
         self.precision_plugin.convert_module(self.model)
-        self._log_blocks()
         self._own_last_links(trainer)
         if self.dims.tp > 1:
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
@@ -438,12 +437,17 @@ class LayoutStrategy(ParallelStrategy):
                                                    self.precision_plugin.shard_precision(self.layout.zero_stage))
         if self.dims.cp > 1:  # the loss is wrapped before the pipeline takes it
             self._setup_context_parallel()
-        if self.dims.pp > 1:
-            self._setup_pipeline(trainer, fitting)  # the runtime splits, then calls _parallelize per rank module
+        # split -> parallelize -> runner (torchtitan's pipeline_llm order): under pp the LightningModule holds only
+        # this rank's stages from the split on, the rest of the model is never materialised
+        parts = self._split()
+        if parts.pipeline is None:
+            self._parallelize(parts)
         else:
-            per_block = self.layout.recompute != "none" or self.compile_options is not None
-            blocks = self._find_blocks().block_modules() if per_block else []
-            self._parallelize(ModelParts(root=self.lightning_module, stages=[self.lightning_module], blocks=blocks))
+            cut = parts.pipeline  # its loss is refused before any collective
+            loss_fn = last_stage_loss(self.lightning_module, cut.module, cut.model_loss, self.dims.pp)
+            # this rank's stages differ from the other pipeline ranks': a failure on one stops them all
+            agree(self.device_mesh["pp"].get_group(), "prepare its stages", lambda: self._parallelize(parts))
+            self._run_pipeline(trainer, fitting, parts, loss_fn)
         if self._context_parallel is not None:
             self._install_context_parallel()
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
@@ -506,9 +510,9 @@ class LayoutStrategy(ParallelStrategy):
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, parts: ModelParts) -> list[nn.Module]:
-        """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
-        for every layout); returns the stage modules."""
+    def _parallelize(self, parts: ModelParts) -> None:
+        """Apply the layout to this rank's part, in place (:func:`~lightning_par.parallel.parallelize.parallelize`:
+        one order for every layout)."""
         if self.compile_options is not None:
             self.compile_options.check_device(self.root_device)
             self.compiler = BlockCompiler(self.compile_options,
@@ -538,7 +542,6 @@ class LayoutStrategy(ParallelStrategy):
             rank_zero_info(f"pretrained weights: rank 0 read its slices of {done.stats['pretrained_tensors']} tensors "
                            f"from {self.pretrained.path}")
         self.materialized = done.stats
-        return done.stages
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -600,14 +603,23 @@ class LayoutStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return find_blocks(self.lightning_module, self.layout.block_types)
 
-    def _log_blocks(self) -> None:
-        """Say which repeated blocks were found (ZeRO-3 and replicate groups, pipeline units are built from them)."""
-        try:
-            rank_zero_info(f"blocks: {self._find_blocks().describe()}")
-        except LayoutError:
-            if self.layout.zero_stage == 3 or self.dims.pp > 1:
-                raise  # these layouts need the blocks: the error says how to declare them
-            rank_zero_info("blocks: none found; data parallel treats the model as one unit")
+    def _split(self) -> ModelParts:
+        """This rank's part of the model (:func:`~lightning_par.parallel.parts.split`), its blocks found once (ZeRO-3
+        and replicate groups, recompute, compile and the pipeline units are built from them)."""
+        lm = self.lightning_module
+        assert lm is not None
+        pipelined = self.dims.pp > 1
+        if pipelined:  # the unsplit model's entries and parameter names, in order (lightning_module_state_dict)
+            self._model_entries = {k: (v.shape, v.dtype) for k, v in lm.state_dict().items() if isinstance(v, Tensor)}
+            self._model_params = [name for name, _ in lm.named_parameters()]  # (a one-file optimizer state's order)
+        layout = self.layout
+        per_block = layout.zero_stage == 3 or layout.recompute != "none" or self.compile_options is not None
+        parts = split(lm, layout.stage_plan, self.device_mesh["pp"] if pipelined else None,
+                      block_types=layout.block_types, costs=layout.stage_costs, holder=True, need_blocks=per_block)
+        mine = "rank 0's part: " if pipelined else ""
+        rank_zero_info(f"blocks: {mine}{parts.found.describe()}" if parts.found is not None
+                       else "blocks: none found; data parallel treats the model as one unit")
+        return parts
 
     def _scope_metrics_to_data_parallel(self) -> None:
         """torchmetrics sync over the data-parallel group: the tp / pp ranks of one replica saw the same samples."""
@@ -688,43 +700,15 @@ class LayoutStrategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------------------------------------
     # Pipeline parallel (pp > 1): the schedule runs forward and backward inside ``training_step``
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_pipeline(self, trainer: Trainer, fitting: bool) -> None:
-        lm = self.lightning_module
-        assert lm is not None
-        blocks = self._find_blocks()
-        if not blocks.path:
-            raise LayoutError(
-                f"pipeline parallel needs the model inside {type(lm).__name__} as a submodule (build it in "
-                "`configure_model()` as e.g. `self.model`), but the blocks are held by the LightningModule itself. "
-                f"Found: {blocks.describe()}."
-            )
-        if blocks.units is None:
-            raise LayoutError(
-                f"pipeline parallel needs the units of `{blocks.path}` ({type(blocks.root).__name__}) in a known "
-                "order, but its blocks do not share one parent: declare `pipeline_units()` / a `pp_plan`, or keep the "
-                "blocks in one nn.ModuleList (or nn.Sequential) next to the modules that run before and after them. "
-                f"Found: {blocks.describe()}."
-            )
-        loss_fn = self._pipeline_loss_fn(blocks.root)
-        # the unsplit model's entries, in order (lightning_module_state_dict)
-        self._model_entries = {k: (v.shape, v.dtype) for k, v in lm.state_dict().items() if isinstance(v, Tensor)}
-        self._model_params = [name for name, _ in lm.named_parameters()]  # (a plain one-file optimizer state's order)
-        parent_name, _, attr = blocks.path.rpartition(".")
-        parent = lm.get_submodule(parent_name) if parent_name else lm
-        self._block_names = list(blocks.blocks)
-
-        def prepare(rank_module: nn.Module, stage_modules: list[nn.Module]) -> list[nn.Module] | None:
-            # the LightningModule holds this rank's stages from now on: the rest of the model is never materialised
-            setattr(parent, attr, rank_module)
-            return self._parallelize(ModelParts(root=lm, stages=stage_modules, pipelined=True,
-                                                blocks=stage_blocks(rank_module, self._block_names),
-                                                block_names=self._block_names))
-
+    def _run_pipeline(self, trainer: Trainer, fitting: bool, parts: ModelParts, loss_fn: Any) -> None:
+        """The runner of this rank's transformed stages: torch's stages and schedule (the PipelineRuntime)."""
         accumulate = trainer.accumulate_grad_batches if fitting else 1
-        plan = self.layout.stage_plan
-        pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], plan, loss_fn,
-                                   loss_scale=1.0 / (plan.n_microbatches * accumulate), device=self.root_device,
-                                   costs=self.layout.stage_costs, units=list(blocks.units), prepare=prepare)
+        pipeline = PipelineRuntime(parts, self.device_mesh["pp"], loss_fn, device=self.root_device,
+                                   loss_scale=1.0 / (self.layout.stage_plan.n_microbatches * accumulate))
+        if loss_fn is None:
+            rank_zero_info(f"pipeline loss: {pipeline.model_loss.name} on the last stage, the token mean over each "
+                           f"whole batch ({type(self.lightning_module).__name__} defines no loss_fn: the model call "
+                           "in its training_step runs the schedule)")
         self._runner = pipeline
         self._gradient_sync.bind(pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
@@ -737,37 +721,6 @@ class LayoutStrategy(ParallelStrategy):
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
             set_skip_backward(trainer, True)
 
-    def _pipeline_loss_fn(self, model: nn.Module) -> Any:
-        """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
-        from ``compute_loss``), or None -- the model's own, for a step written the Hugging Face way
-        (``self.model(**batch).loss``, see strategies/step.py). Refused here, alike on every rank and before
-        any collective, when there is neither."""
-        lm = self.lightning_module
-        assert lm is not None
-        name = type(lm).__name__
-        if callable(getattr(lm, "loss_fn", None)):
-            if not callable(getattr(lm, "compute_loss", None)):
-                raise LayoutError(
-                    f"pipeline parallel (pp={self.dims.pp}): {name} defines loss_fn() but no compute_loss(batch): "
-                    "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
-                    "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
-                    "lightning_par.examples.GPTLightningModule does.")
-            return lm.loss_fn
-        own = ModelLoss.of(model)
-        if own is None:
-            raise LayoutError(
-                f"pipeline parallel (pp={self.dims.pp}) computes the loss on the last stage, inside the schedule, "
-                f"so it must know the loss: {name} defines no loss_fn(), and its model {type(model).__name__} is not "
-                "a Hugging Face causal LM with a loss of its own. Either train a Hugging Face *ForCausalLM and return "
-                "`self.model(**batch).loss` from training_step (labels in the batch); or define "
-                "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
-                "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
-                "lightning_par.examples.GPTLightningModule does.")
-        rank_zero_info(f"pipeline loss: {own.name} on the last stage, the token mean over each whole batch "
-                       f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
-        return None
-
-    # the step's hooks, which Lightning requires on the strategy: how they run under this layout is strategies/step.py
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step.training_step(super().training_step, *args, **kwargs)
 

@@ -17,9 +17,10 @@ The model's inputs are token ids, or a dict ``{"input_ids": ..., "attention_mask
 :func:`~lightning_par.parallel.pipeline.batches.split_batch`, for a padded batch): the mask is cut into micro-batches
 like the ids and given to every stage, since each stage's attention needs it.
 
-Transforming the stages (tensor parallel, recompute, data parallel) happens in the ``prepare`` callback of
-:class:`PipelineRuntime`, after the split and before torch's ``PipelineStage`` and schedule objects are built. With
-ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`) torch's schedules
+The runtime is built last (split, then transform, then run: :func:`~lightning_par.parallel.parts.split`, then
+:func:`~lightning_par.parallel.parallelize.parallelize`): it takes the parts' stage modules as they were transformed
+(tensor parallel, recompute, data parallel) and builds torch's ``PipelineStage`` and schedule objects around them.
+With ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.zero.fully_shard_parts`) torch's schedules
 reduce-scatter each FSDP group's gradient once per step, after the last micro-batch's backward, and the
 stages keep their parameters gathered from the first forward to that reduce-scatter (see :mod:`.fsdp` for the
 counts). The runtime does not synchronise data-parallel gradients itself, except for ZeRO-0, whose owner calls
@@ -37,7 +38,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,21 +50,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import metadata_inference_without_anomaly, without_p2p_to_itself
 from lightning_par.measure import ActivationMeter
-from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
+from lightning_par.parallel.parts import ModelParts, TiedCopy
+from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.batches import split_batch
-from lightning_par.parallel.pipeline.chain import check_chain
 from lightning_par.parallel.pipeline.dp_reduce import BucketedAllReduce
-from lightning_par.parallel.pipeline.loss import ModelLoss
-from lightning_par.parallel.pipeline.split import (
-    Costs,
-    block_units,
-    model_units,
-    plan_stages,
-    rank_module,
-    removes_to_none,
-    stage_view,
-    tied_parameter_groups,
-)
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan  # noqa: F401 -- SCHEDULES: the old import path
 from lightning_par.topology import LayoutError
@@ -99,25 +89,8 @@ def _no_reduce(grad_scale_factor: int) -> None:
     ``scale_grads=False``, so there is nothing to scale either)."""
 
 
-class _Tied(NamedTuple):
-    """A parameter with copies on several pipeline ranks, seen from this rank.
-
-    The copy is found by name each time (:meth:`PipelineRuntime._tied_copy`): tensor parallel and FSDP2 replace the
-    ``Parameter`` objects after the split."""
-
-    name: str | None  # this rank's copy's name in the rank module, if it holds one
-    source: int  # the lowest pipeline rank holding a copy: it counts in the global norm and is broadcast from
-    counted_here: bool  # whether this rank's copy counts in the global gradient norm
-    shape: torch.Size
-    dtype: torch.dtype
-
-
 #: the old name of :meth:`StagePlan.for_schedule` (tests and benchmarks build plans with it)
 resolve_schedule = StagePlan.for_schedule
-
-#: ``prepare(rank_module, stage_modules) -> stage_modules`` (see :class:`PipelineRuntime`).
-Prepare = Callable[[nn.Module, list[nn.Module]], Sequence[nn.Module] | None]
-
 
 def _plain(tensor: Tensor) -> Tensor:
     """The value of a loss: a DTensor's full tensor (a vocabulary-parallel loss is a replicated DTensor)."""
@@ -170,40 +143,35 @@ class PipelineRuntime:
     """This rank's share of a pipeline: the module with its stages' units, the stages, the training schedule.
 
     Args:
-        model: the full model, identical on every rank; it is not modified.
-        pp_mesh: the 1-D pipeline mesh this rank belongs to.
-        plan: the stages and schedule (:class:`StagePlan`, e.g. ``Layout.stage_plan``), for this mesh's pp.
+        parts: this rank's part of the model, from :func:`~lightning_par.parallel.parts.split` with the pipeline's
+            plan (:class:`StagePlan`, e.g. ``Layout.stage_plan``), already transformed
+            (:func:`~lightning_par.parallel.parallelize.parallelize`: tensor parallel, recompute, data-parallel
+            sharding): its stage modules are what torch's ``PipelineStage`` objects run.
+        pp_mesh: the 1-D pipeline mesh this rank belongs to (the one the parts were split for).
         loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage; or None: the model's own loss
             (a Hugging Face causal LM's ``loss_function``, :class:`~.loss.ModelLoss`), for batches given with
             ``labels=`` (:meth:`train_step`, :meth:`train_call`, :meth:`forward_only`).
         loss_scale: the factor applied to each micro-batch loss before backward (1 / (m * accumulation)).
         device: where the stages compute.
-        costs: per-unit costs for balancing the split (see :func:`plan_stages`), or None to balance by count.
-        units: the model's pipeline units in execution order (``find_blocks(lm).units``: names relative to
-            ``model``, items of an ``nn.ModuleList`` allowed); default: ``model.pipeline_units()``.
-        prepare: ``prepare(rank_module, stage_modules) -> stage_modules``, called once after the split and
-            before torch's ``PipelineStage`` and schedule objects are built: the place to apply tensor parallel
-            (to ``rank_module``, which holds every stage of this rank), activation recompute and data parallel
-            (e.g. :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages` for ZeRO-3). ``stage_modules``
-            are this rank's stage modules in stage order (views of ``rank_module`` sharing its units). It returns
-            the modules the stages run: the same ones, transformed in place, or replacements (wrappers); ``None``
-            means the same ones. Hooks it registers on ``rank_module`` run only when ``rank_module`` itself is
-            called (evaluation through :meth:`forward_only`), hooks registered on a stage module only when that
-            stage runs. If it raises on one pipeline rank, every pipeline rank raises (they agree right after).
+
+    Hooks registered on the rank module run only when it is called itself (evaluation through
+    :meth:`forward_only`), hooks registered on a stage module only when that stage runs.
 
     Attributes after construction: ``plan``, ``module`` (the rank module: all of this rank's units, original names),
-    ``stage_modules`` (what ``prepare`` returned), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
-    ``units_by_stage``, ``stage_ids``, ``block_units`` (the units that are repeated blocks),
+    ``stage_modules`` (the parts' stages), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
+    ``units_by_stage``, ``stage_ids``, ``block_names`` (the repeated blocks this rank holds),
     ``require_sync`` (see :meth:`train_step`), ``model_loss`` (the model's own loss, or None).
     """
 
     #: the schedule runs forward and backward itself (see :class:`~lightning_par.parallel.runners.Runner`)
     takes_over_step = True
 
-    def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, plan: StagePlan,
-                 loss_fn: Callable[[Any, Any], Tensor] | None, loss_scale: float, device: torch.device,
-                 costs: Costs = None, units: Sequence[str] | None = None, prepare: Prepare | None = None) -> None:
-        spec = plan.spec
+    def __init__(self, parts: ModelParts, pp_mesh: DeviceMesh, loss_fn: Callable[[Any, Any], Tensor] | None,
+                 loss_scale: float, device: torch.device) -> None:
+        split = parts.pipeline
+        if split is None:
+            raise LayoutError("the pipeline runtime runs the parts of a pipeline split (split() with a plan of pp > 1)")
+        plan, spec = split.plan, split.plan.spec
         if spec is None or plan.pp != pp_mesh.size():
             raise LayoutError(f"the pipeline runtime needs a plan with a schedule for its mesh's pp={pp_mesh.size()}, "
                               f"got {plan}.")
@@ -212,27 +180,17 @@ class PipelineRuntime:
         self.pp_rank, self.pp = pp_mesh.get_local_rank(), plan.pp
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.device = device
-        self.units = model_units(model, units)
-        self.io = stage_io(model)
-        self.model_loss = ModelLoss.of(model)
+        self.units, self.units_by_stage, self.stage_ids = split.units, split.units_by_stage, split.stage_ids
+        self.io, self.model_loss = split.io, split.model_loss
+        self.module = split.module
         if loss_fn is None and self.model_loss is None:
-            raise LayoutError(f"the pipeline was given no loss_fn, and {type(model).__name__} has no loss of its own "
-                              "that it can compute on the last stage (a Hugging Face causal LM's loss_function).")
-        self.units_by_stage = plan_stages(model, plan, costs=costs, units=self.units)
-        # before the split and before any collective, on the (meta) model: the same verdict on every rank
-        self.chain_check_seconds = check_chain(model, self.units, self.units_by_stage, self.io)
-        self.block_units = block_units(model, self.units)
-        self.stage_ids = plan.stages_of(self.pp_rank)
-        self.module = rank_module(model, self.units_by_stage, self.stage_ids, units=self.units)
-        to_none = removes_to_none(model)
-        self.stage_modules = [stage_view(self.module, self.units_by_stage[i], units=self.units, to_none=to_none)
-                              for i in self.stage_ids]
-        for i, view in zip(self.stage_ids, self.stage_modules, strict=True):
-            # an instance attribute, so the stage keeps the model's class and parameter names
-            view.forward = stage_forward(view, self.io, first=i == 0,
-                                         entry=view.get_submodule(self.units_by_stage[i][0]))
+            raise LayoutError(f"the pipeline was given no loss_fn, and {type(self.module).__name__} has no loss of its "
+                              "own that it can compute on the last stage (a Hugging Face causal LM's loss_function).")
+        self.chain_check_seconds = split.chain_check_seconds
+        self.block_names = parts.block_names
+        self.stage_modules = list(parts.stages)
         self.last_rank = plan.rank_of(plan.n_stages - 1)  # pipeline rank that computes the loss
-        self._tied = self._tied_across_ranks(model)
+        self._tied = split.tied
         self._tied_grad_meta: list[tuple[list[int], torch.dtype]] | None = None  # local shapes, after the 1st sum
         # False while Lightning accumulates gradients: FSDP stage modules keep their gradients unreduced
         self.require_sync = True
@@ -252,8 +210,12 @@ class PipelineRuntime:
             self._micro_losses.append(_plain(loss.detach()))
             return loss * self.loss_scale
 
-        if prepare is not None:
-            self.stage_modules = self._prepare(prepare)
+        if spec.split_backward:
+            # the weight-gradient half of a backward finds the weights through the stage module's parameters:
+            # FSDP2 must keep the gathered ones registered from the forward on (freed after a forward, the
+            # sharded ones would be found, and the weight gradients silently lost)
+            for module in fsdp_modules(self.stage_modules):
+                module.set_reshard_after_forward(False, recurse=False)
         n = plan.n_stages
         self.stages = [without_p2p_to_itself(pipelining.PipelineStage(mod, i, n, device, group=self.group))
                        for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
@@ -268,39 +230,6 @@ class PipelineRuntime:
         except ValueError as err:  # raised alike on every rank, before any communication
             raise LayoutError(f"pipeline schedule {plan.schedule!r} with pp={self.pp}, n_microbatches="
                               f"{plan.n_microbatches}, virtual_stages={plan.virtual_stages}: {err}") from err
-
-    def _prepare(self, prepare: Prepare) -> list[nn.Module]:
-        """Run ``prepare`` on this rank's stages; the pipeline ranks then agree (one ``all_gather_object``), so that
-        an error raised on one of them -- a layout its stages cannot take -- is raised on all, not left waiting."""
-        error: BaseException | None = None
-        prepared: list[nn.Module] = self.stage_modules
-        try:
-            out = prepare(self.module, list(self.stage_modules))
-            if out is not None:
-                out = list(out)
-                if len(out) != len(self.stage_modules) or not all(isinstance(m, nn.Module) for m in out):
-                    raise TypeError(f"prepare must return this rank's {len(self.stage_modules)} stage modules (or "
-                                    f"None), got {out!r}")
-                prepared = out
-            if self.plan.spec.split_backward:
-                # the weight-gradient half of a backward finds the weights through the stage module's parameters:
-                # FSDP2 must keep the gathered ones registered from the forward on (freed after a forward, the
-                # sharded ones would be found, and the weight gradients silently lost)
-                for module in fsdp_modules(prepared):
-                    module.set_reshard_after_forward(False, recurse=False)
-        except Exception as err:  # noqa: BLE001 -- re-raised below, after the other ranks heard of it
-            error = err
-        messages: list[str | None] = [None] * self.pp
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}",
-                               group=self.group)
-        if error is not None:
-            raise error
-        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            raise LayoutError(f"pipeline rank {rank} could not prepare its stages (so none of the ranks goes on): "
-                              f"{message}")
-        return prepared
 
     @property
     def model_loss_step(self) -> bool:
@@ -449,21 +378,7 @@ class PipelineRuntime:
         dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
         return tensor
 
-    def _tied_across_ranks(self, model: nn.Module) -> list[_Tied]:
-        """Parameters whose copies live on more than one pipeline rank, with this rank's copy's name (if any)."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        out = []
-        for tied in tied_parameter_groups(model, self.units_by_stage, units=self.units):
-            by_rank: dict[int, str] = {}
-            for stage, name in tied.name_by_stage.items():
-                by_rank.setdefault(self.plan.rank_of(stage), name)
-            if len(by_rank) > 1:
-                source = min(by_rank)
-                out.append(_Tied(by_rank.get(self.pp_rank), source, source == self.pp_rank,
-                                 params[tied.name].shape, params[tied.name].dtype))
-        return out
-
-    def _tied_copy(self, tied: _Tied) -> nn.Parameter | None:
+    def _tied_copy(self, tied: TiedCopy) -> nn.Parameter | None:
         return self.module.get_parameter(tied.name) if tied.name is not None else None
 
     def overlap_dp_reduction(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
@@ -538,7 +453,7 @@ class PipelineRuntime:
         finally:
             self._dp_launched = set()
 
-    def _exchange_meta(self, tied: _Tied, local: Tensor | None) -> tuple[list[int], torch.dtype]:
+    def _exchange_meta(self, tied: TiedCopy, local: Tensor | None) -> tuple[list[int], torch.dtype]:
         """The shape and dtype of this rank's part of ``tied``, broadcast from its source rank: ranks without a
         copy learn what to send; ranks with one check that their copy is split like the source's (a collective
         flag, so every rank raises alike)."""
