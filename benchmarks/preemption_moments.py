@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -91,10 +92,9 @@ class ExitWatch(threading.Thread):
 
     def run(self) -> None:
         file = self.probe / "signal.json"
-        while not file.is_file() or not file.read_text().strip():
+        while not file.is_file():  # the probe writes it whole (a rename), then signals
             if self.done.wait(0.005):
                 return
-        time.sleep(0.001)  # the probe writes the file whole, then signals
         pids = json.loads(file.read_text())["pids"]
         deadline = time.time() + self.limit
         while len(self.exits) < len(pids) and time.time() < deadline:
@@ -223,6 +223,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict], seed: int, reference_seconds: dict[str, float], start: float, drawn: int) -> dict:
+    exits = [r["signal_to_exit_s"] for r in rows if r.get("signal_to_exit_s") is not None]
+    return {
+        "job": {"model": "tiny GPT, 8 layers", "optimizer": "SGD lr 0.2", "max_steps": MAX_STEPS,
+                "epoch_steps": EPOCH_STEPS, "checkpoint_every": SAVE_EVERY, "heartbeat_timeout_s": HEARTBEAT_S,
+                "torchrun": "--max-restarts=1", "layouts": {k: v[1] for k, v in LAYOUTS.items()}},
+        "seed": seed, "moments_drawn": drawn, "moments_run": len(rows), "moments": rows,
+        "all_ok": len(rows) == drawn and all(r["ok"] for r in rows),
+        "reference_seconds": {k: round(v, 1) for k, v in reference_seconds.items()},
+        "signal_to_exit_s": {"median": statistics.median(exits), "max": max(exits)} if exits else None,
+        "max_abs_loss_diff": max((r["max_abs_loss_diff"] for r in rows if r.get("max_abs_loss_diff") is not None),
+                                 default=None),
+        "total_seconds": round(time.time() - start, 1),
+        "cpus": os.cpu_count(), "load_average_1min_at_end": round(os.getloadavg()[0], 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--moments", type=int, default=20, help="how many preempted runs (default 20)")
@@ -232,7 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "preemption_moments.json"))
     args = parser.parse_args(argv)
     start = time.time()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     moments = draw(args.moments, args.seed)
+    print(f"{len(moments)} moments; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         cache = root / "cache"
@@ -248,25 +268,14 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             print(f"moment {row['index']} ({row['layout']}, {row['kind']}): {'ok' if row['ok'] else 'FAILED'} "
                   f"{row.get('failed') or ''} in {row['seconds']:.0f} s", flush=True)
-    exits = [r["signal_to_exit_s"] for r in rows if r.get("signal_to_exit_s") is not None]
-    result = {
-        "job": {"model": "tiny GPT, 8 layers", "optimizer": "SGD lr 0.2", "max_steps": MAX_STEPS,
-                "epoch_steps": EPOCH_STEPS, "checkpoint_every": SAVE_EVERY, "heartbeat_timeout_s": HEARTBEAT_S,
-                "torchrun": "--max-restarts=1", "layouts": {k: v[1] for k, v in LAYOUTS.items()}},
-        "seed": args.seed, "moments": rows, "all_ok": all(r["ok"] for r in rows),
-        "reference_seconds": {k: round(v, 1) for k, v in reference_seconds.items()},
-        "signal_to_exit_s": {"median": statistics.median(exits), "max": max(exits)} if exits else None,
-        "max_abs_loss_diff": max((r["max_abs_loss_diff"] for r in rows if r.get("max_abs_loss_diff") is not None),
-                                 default=None),
-        "total_seconds": round(time.time() - start, 1),
-    }
+            out.write_text(json.dumps(summary(rows, args.seed, reference_seconds, start, len(moments)), indent=1))
+    result = summary(rows, args.seed, reference_seconds, start, len(moments))
     print()
     print(table(rows))
     print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} moments ok; signal to exit: "
           f"{result['signal_to_exit_s']}; total {result['total_seconds']:.0f} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps(result, indent=1))  # written after each moment too: an interrupted run keeps them
+    print(f"wrote {out}")
     return result
 
 

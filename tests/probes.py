@@ -142,13 +142,13 @@ class PreemptEveryRank(pl.Callback):
       save's, from its start until no ``*.partial`` is left in the checkpoint directory (a sync save's write, an
       async save's write in the background until it committed).
 
-    ``signal.json``: the time the signal was sent, the pids (by rank), ``step_started`` (the global step when rank 0's current
-    batch started), ``phase`` (``step``: inside a batch, before its end hooks; ``boundary``: in its end hooks, where
-    saves and the preemption check run) and ``save_in_flight`` (a ``*.partial`` in the checkpoint directory: a save
-    was still being written). In a later attempt rank 0 writes ``resumed.json`` when training starts, before any
-    save: the checkpoint resumed from, the global step it restored, and whether it is complete (every file there at
-    its size and checksum, :mod:`lightning_par.plugins.checkpoint_files`). Every rank writes the time it stopped (the
-exception that ends the attempt) to ``pids/stopped_rank{N}``."""
+    ``signal.json``: the time the signal was sent, the pids (by rank), ``step_started`` (the global step when rank 0's
+    current batch started), ``phase`` (``step``: inside a batch, before its end hooks; ``boundary``: in its end
+    hooks, where saves and the preemption check run) and ``save_in_flight`` (a ``*.partial`` in the checkpoint
+    directory: a save was still being written). Every rank writes the time it stopped (the exception that ends the
+    attempt) to ``pids/stopped_rank{N}``. In a later attempt rank 0 writes ``resumed.json`` when training starts,
+    before any save: the checkpoint resumed from, the global step it restored, and whether it is complete (every file
+    there at its size and checksum, :mod:`lightning_par.plugins.checkpoint_files`)."""
 
     def __init__(self, path: str, moment: str, step: int, fraction: float) -> None:
         if moment not in ("step", "save"):
@@ -245,7 +245,8 @@ exception that ends the attempt) to ``pids/stopped_rank{N}``."""
             record = {"time": time.time(), "delay": delay, "pids": pids, "step_started": self.step_started,
                       "phase": self.phase, "global_step": trainer.global_step, "partials": self._partials()}
             record["save_in_flight"] = bool(record["partials"])
-            (self.path / "signal.json").write_text(json.dumps(record))
+            (self.path / "signal.json.tmp").write_text(json.dumps(record))
+            os.replace(self.path / "signal.json.tmp", self.path / "signal.json")  # whole, for whoever watches it
             for pid in pids:
                 os.kill(pid, signal.SIGTERM)
 
