@@ -979,12 +979,6 @@ class LayoutStrategy(ParallelStrategy):
         return self.checkpoints.lightning_restores_optimizer
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state on every rank, as Lightning's sharded strategies give it
-        (``ModelParallelStrategy(save_distributed_checkpoint=True)``): the unsplit model's keys in its order, each
-        value as this layout holds it -- a DTensor where parameters are sharded (ZeRO-3, tp), the full replicated
-        tensor under ZeRO-0-2 (waited for after ZeRO-1/2's gathers). Under pipeline parallel another stage's entry
-        is a meta tensor of its full shape and dtype (held by that stage's ranks; no memory, no communication).
-        Sharded checkpoints save their own form (the data-parallel owner's ``states``)."""
         return self.checkpoints.model_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
