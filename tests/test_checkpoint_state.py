@@ -82,3 +82,33 @@ def test_a_zero2_bf16_resume_restores_the_fp32_masters_and_gathers_them_into_the
                 for key in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(after.state[shard_after][key].to_local(),
                                        before.state[shard_before][key].to_local())
+
+
+def test_one_file_into_zero1_over_tensor_parallel_dtensors(one_process_group, tmp_path):
+    """A one-process file loaded where ZeRO-1 buckets hold DTensor (tensor-parallel) parameters: the shards take the
+    file's values, and the gather puts them in the model (torch turns the full values it loads into DTensors in
+    place; the shards are filled from the file's own tensors)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from lightning_par.parallel.zero import ZeroPartitioner
+    from lightning_par.plugins import sharded_checkpoint
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    saved = nn.Linear(8, 8).state_dict()
+    path = tmp_path / "one.ckpt"
+    torch.save({"state_dict": saved, "global_step": 3}, path)
+    torch.manual_seed(1)
+    layer = nn.Linear(8, 8)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh["tp"], [Shard(0)]))
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    partitioner = ZeroPartitioner(layer, [optimizer], mesh["dp"], 1)
+    with pytest.warns(UserWarning, match="no checksum"):
+        meta = sharded_checkpoint.load(path, layer, [optimizer], states=ZeroStates(partitioner))
+    assert meta["global_step"] == 3
+    assert isinstance(layer.weight, DTensor)
+    assert torch.equal(layer.weight.full_tensor(), saved["weight"]) and torch.equal(layer.bias, saved["bias"])
+    for bucket in partitioner.buckets:
+        assert torch.equal(bucket.shard.to_local(), bucket.own(bucket.flat))

@@ -63,8 +63,9 @@ class ParamStates:
         set_optimizer_state_dict(module, optimizer, state, options=FLAT)
 
     def load_full_model_state(self, module: nn.Module, full: dict[str, Any]) -> None:
-        """Whole tensors (as one process holds them) into ``module``: each rank keeps its share."""
-        set_model_state_dict(module, full, options=FULL)
+        """Whole tensors (as one process holds them) into ``module``: each rank keeps its share. ``full`` is left as
+        it was (torch distributes the values of the dict it is given in place)."""
+        set_model_state_dict(module, dict(full), options=FULL)
 
     def optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[Sequence[Tensor]]:
         """The model parameters of each of ``optimizer``'s groups, in the group's order (what a plain, position-keyed
