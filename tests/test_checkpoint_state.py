@@ -84,7 +84,7 @@ def test_a_zero2_bf16_resume_restores_the_fp32_masters_and_gathers_them_into_the
                                        before.state[shard_before][key].to_local())
 
 
-def test_one_file_into_zero1_over_tensor_parallel_dtensors(one_process_group, tmp_path):
+def test_one_file_into_zero1_over_tensor_parallel_dtensors(request, tmp_path):
     """A one-process file loaded where ZeRO-1 buckets hold DTensor (tensor-parallel) parameters: the shards take the
     file's values, and the gather puts them in the model (torch turns the full values it loads into DTensors in
     place; the shards are filled from the file's own tensors)."""
@@ -95,6 +95,8 @@ def test_one_file_into_zero1_over_tensor_parallel_dtensors(one_process_group, tm
     from lightning_par.parallel.zero import ZeroPartitioner
     from lightning_par.plugins import sharded_checkpoint
 
+    if not torch.distributed.is_initialized():  # an in-process Trainer above keeps its process group to the end
+        request.getfixturevalue("one_process_group")
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     saved = nn.Linear(8, 8).state_dict()
