@@ -137,7 +137,7 @@ cuda_record_memory_history = private("torch", "torch.cuda.memory", "_record_memo
 cuda_memory_snapshot = private("torch", "torch.cuda.memory", "_snapshot")
 ShardedTensorMetadata = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "ShardedTensorMetadata")
 TensorProperties = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")
-# a ShardedTensor built without a process group (zero_checkpoint.blocks_tensor): its public constructors need one
+# a ShardedTensor built without a process group (zero_state.blocks_tensor): its public constructors need one
 make_wrapper_subclass = private("torch", "torch", "Tensor._make_wrapper_subclass")
 # puts a value at a DCP path inside a nested state dict (sharded_checkpoint.py); DCP has no public setter
 set_element = private("torch", "torch.distributed.checkpoint._traverse", "set_element")

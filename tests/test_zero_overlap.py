@@ -40,8 +40,8 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 # -- ZeRO-1/2: prefetched all-gathers --------------------------------------------------------------------------------
 def _fit_zero(stage: int, prefetch: bool, mesh, rank: int, world: int) -> dict:
+    from lightning_par.parallel import zero_state
     from lightning_par.parallel.zero import ZeroPartitioner
-    from lightning_par.plugins import zero_checkpoint
 
     model = _small_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
@@ -88,7 +88,7 @@ def _fit_zero(stage: int, prefetch: bool, mesh, rank: int, world: int) -> dict:
             outstanding.append(part.gathers_outstanding)
             states = {k: v.flatten().tolist() for k, v in state.items()}
             changed = [k for k in state if not torch.equal(state[k], before[k])]
-            saved = zero_checkpoint.model_state(model, part)
+            saved = zero_state.model_state(model, part)
             assert saved  # the shards (masters): waited for too
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)

@@ -219,7 +219,8 @@ def second_backward_is_refused(mesh: DeviceMesh) -> str:
 
 
 def checkpoint_case(mesh: DeviceMesh, data: torch.Tensor, path: Path) -> dict:
-    from lightning_par.plugins import sharded_checkpoint, zero_checkpoint
+    from lightning_par.parallel import zero_state
+    from lightning_par.plugins import sharded_checkpoint
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -243,12 +244,12 @@ def checkpoint_case(mesh: DeviceMesh, data: torch.Tensor, path: Path) -> dict:
     for batch in data[:3]:
         step(*first, batch)
     model, _, optimizer, _ = first
-    states = [zero_checkpoint.optimizer_state(model, optimizer, first[3])]
+    states = [zero_state.optimizer_state(model, optimizer, first[3])]
     sharded_checkpoint.save({"state_dict": model.state_dict(), "optimizer_states": states}, path,
                             is_writer=dist.get_rank() == 0, barrier=dist.barrier)
     continued = [step(*first, batch) for batch in data[3:6]]
     second = build(1)
-    sharded_checkpoint.load(path, second[0], [second[2]], partitioner=second[3])
+    sharded_checkpoint.load(path, second[0], [second[2]], states=zero_state.ZeroStates(second[3]))
     resumed = [step(*second, batch) for batch in data[3:6]]
     return {"continued": continued, "resumed": resumed}
 

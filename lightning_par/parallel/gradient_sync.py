@@ -24,8 +24,9 @@ Each owner has the same hooks, called by the strategy: ``shard`` (inside
 built deferred), ``bind`` (the pipeline runtime, once it exists), ``wrap`` (real tensors, before the optimizers
 exist), ``attach``
 (after), ``set_enabled`` (off on the non-final micro-batches of gradient accumulation), ``after_backward``
-(before clipping and the step), ``after_step``, ``after_load`` (a checkpoint was loaded) and ``unwrap``. Nothing
-here imports Lightning.
+(before clipping and the step), ``after_step`` and ``unwrap``. Each owner answers its checkpoint state too
+(``states``, :mod:`~lightning_par.parallel.param_states`): what a rank saves, what a load fills, and the refresh after a
+load. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks
 from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
 from lightning_par.parallel.layout import Layout
+from lightning_par.parallel.param_states import PARAM_STATES, ParamStates
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_parts
+from lightning_par.parallel.zero_state import ZeroStates
 
 FULL_PRECISION = ShardPrecision()  # the parameters' own dtype for everything
 
@@ -82,11 +85,13 @@ class NoSync:
     def after_step(self) -> None:
         pass
 
-    def after_load(self) -> None:
-        pass
-
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module
+
+    @property
+    def states(self) -> ParamStates:
+        """This layout's checkpoint state: the model's and optimizers' entries by parameter name, and their load."""
+        return PARAM_STATES
 
     def wrap_again(self, module: nn.Module) -> nn.Module:
         """``wrap`` for a later fit of the same model, after ``unwrap``."""
@@ -201,10 +206,6 @@ class ZeroSync(NoSync):
             # for in a forward pre-hook of its modules; state_dict, checkpoints and unwrap wait for all of them
             self.partitioner.gather_parameters()
 
-    def after_load(self) -> None:
-        if self.partitioner is not None:
-            self.partitioner.refresh_shards()  # offloaded shards are copies: take the loaded parameters
-
     def unwrap(self, module: nn.Module) -> nn.Module:
         if self.partitioner is not None:
             # its hooks go, the partitioner stays: the optimizers still hold its bucket shards, and a save after fit
@@ -212,6 +213,11 @@ class ZeroSync(NoSync):
             # gathers of the last step, which no forward waits for now
             self.partitioner.remove()
         return module
+
+    @property
+    def states(self) -> ParamStates:
+        # once the optimizers hold bucket shards (attach), the weights are saved from and loaded into the shards
+        return ZeroStates(self.partitioner) if self.partitioner is not None else PARAM_STATES
 
     def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:
         # the optimizer holds bucket shards; a tied copy counted elsewhere is zeroed inside its bucket's shard

@@ -695,18 +695,6 @@ class ZeroPartitioner:
         if wait or not self.prefetch:
             self.wait_all()
 
-    @torch.no_grad()
-    def refresh_shards(self) -> None:
-        """Copy the owned chunks of the parameters into the shard parameters (after a checkpoint load). Under mixed
-        precision the master takes the bf16 parameters' values: restore an fp32 master into the shard after this."""
-        self.wait_all()
-        for bucket in self.buckets:
-            assert bucket.shard is not None
-            local = bucket.shard.to_local()
-            own = bucket.own(bucket.flat)
-            if local.data_ptr() != own.data_ptr():
-                local.copy_(own)
-
     def remove(self) -> None:
         """Wait for the outstanding gathers (nothing waits for them once the hooks are gone) and remove the
         hooks."""

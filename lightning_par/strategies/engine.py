@@ -19,7 +19,6 @@ import os
 from collections.abc import Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +27,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -45,7 +43,7 @@ from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_availabl
 from lightning_par.data_position import resumable_train_loader
 from lightning_par.elastic import AttemptProgress, layouts_for
 from lightning_par.parallel import context_parallel, shutdown
-from lightning_par.parallel.bad_steps import CheckpointGuard, NonFiniteFlags, NonFiniteStop, check_policy
+from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
@@ -62,10 +60,8 @@ from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_packed_layout, check_tp_plan
-from lightning_par.parallel.zero import ZeroPartitioner
-from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
-from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+from lightning_par.plugins.layout_checkpoints import LayoutCheckpoints
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.strategies.compile_report import CompileReport
 from lightning_par.strategies.step import LayoutStep
@@ -184,19 +180,13 @@ class LayoutStrategy(ParallelStrategy):
         self._timeout = timeout
         self._heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)  # in the launching process
         self._heartbeat: Heartbeat | None = None
-        if async_save and not self.layout.sharded_checkpoint:
-            raise LayoutError("async_save=True writes sharded (DCP) checkpoints; this layout (ZeRO stage 0 without tp "
-                              "or pp) saves one file. Use a ZeRO stage 1-3, tp or pp layout, or Lightning's "
-                              "AsyncCheckpointIO plugin for one-file checkpoints.")
-        self._async_save = async_save
+        # checkpoint state, save, load, the non-finite guard and `last` links (the owner answers the state)
+        self.checkpoints = LayoutCheckpoints(self, async_save)
         self.nonfinite_flags = NonFiniteFlags(nonfinite, check_policy(nonfinite, nonfinite_patience))
-        self._checkpoint_guard = CheckpointGuard()
         self._run_guard: PreemptionCheckpoint | None = None
         self._step = LayoutStep(self)  # the step's hooks under this layout (strategies/step.py)
         self.compile_options = CompileOptions.of(compile)  # checked here, in the launching process
         self.compiler: BlockCompiler | None = None  # the blocks' compiler and its counts (from setup)
-        self._async: AsyncSaver | None = None
-        self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -216,8 +206,6 @@ class LayoutStrategy(ParallelStrategy):
         self._token = object()  # marks the models this strategy laid out (see _refuse_laid_out_elsewhere)
         self._sync_fits = False  # the data-parallel owner was chosen for fitting (it holds the ZeRO-1/2 shards)
         self._pending_init: DeferredInit | None = None  # the record of Trainer.init_module(empty_init=True)
-        self._model_entries: dict[str, tuple[torch.Size, torch.dtype]] = {}  # pp > 1: the unsplit model's
-        self._model_params: list[str] = []  # pp > 1: the unsplit model's parameter names, in order
 
     @property
     def precision_plugin(self) -> LayoutPrecision:
@@ -361,8 +349,7 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = Heartbeat(self.global_rank, self.world_size, self.cluster_environment.main_address,
                                         self.cluster_environment.main_port, self._heartbeat_timeout)
             self._heartbeat.start()
-        if self._async_save and self._async is None:
-            self._async = AsyncSaver(self.is_global_zero, self.barrier)  # a process group: every rank, now
+        self.checkpoints.start()  # the async saver's process group: every rank, now
         self._agree_on_rng_state()
         if not self._applied():  # a model laid out already keeps its mesh (its DTensors live on it)
             self._choose_layout()
@@ -424,7 +411,7 @@ class LayoutStrategy(ParallelStrategy):
             record, self._pending_init = self._pending_init, None
             self._adopt(record)
         self.precision_plugin.convert_module(self.model)
-        self._own_last_links(trainer)
+        self.checkpoints.own_last_links(trainer)
         if self.dims.tp > 1:
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
             # size tp does not divide is refused on every rank alike, before any collective
@@ -609,9 +596,8 @@ class LayoutStrategy(ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         pipelined = self.dims.pp > 1
-        if pipelined:  # the unsplit model's entries and parameter names, in order (lightning_module_state_dict)
-            self._model_entries = {k: (v.shape, v.dtype) for k, v in lm.state_dict().items() if isinstance(v, Tensor)}
-            self._model_params = [name for name, _ in lm.named_parameters()]  # (a one-file optimizer state's order)
+        if pipelined:
+            self.checkpoints.remember_unsplit(lm)  # the whole model's entries, for lightning_module_state_dict
         layout = self.layout
         per_block = layout.zero_stage == 3 or layout.recompute != "none" or self.compile_options is not None
         parts = split(lm, layout.stage_plan, self.device_mesh["pp"] if pipelined else None,
@@ -795,116 +781,33 @@ class LayoutStrategy(ParallelStrategy):
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        # a single file under stage 0 is Lightning's to restore; everything else was restored in load_checkpoint
-        return not self._restored_here
+        return self.checkpoints.lightning_restores_optimizer
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state on every rank, as Lightning's sharded strategies give it
-        (``ModelParallelStrategy(save_distributed_checkpoint=True)``): the unsplit model's keys in its order, each
-        value as this layout holds it -- a DTensor where parameters are sharded (ZeRO-3, tp), the full replicated
-        tensor under ZeRO-0-2 (waited for after ZeRO-1/2's gathers). Under pipeline parallel another stage's entry
-        is a meta tensor of its full shape and dtype (held by that stage's ranks; no memory, no communication).
-        Sharded checkpoints save their own form (:meth:`_checkpoint_model_state`)."""
-        assert self.lightning_module is not None
-        if self._partitioner is not None:
-            self._partitioner.wait_all()
-        state = super().lightning_module_state_dict() if not self.layout.shards_parameters else \
-            sharded_checkpoint.model_state(self.lightning_module)
-        if self.pipeline is None:
-            return state
-        return {key: state[key] if key in state else torch.empty(shape, dtype=dtype, device="meta")
-                for key, (shape, dtype) in self._model_entries.items()}
-
-    def _checkpoint_model_state(self) -> dict[str, Any]:
-        """The model's entries a sharded checkpoint saves: each rank's own (DCP writes every entry once)."""
-        if self._partitioner is not None:  # weights from the optimizer's shards: the fp32 masters under bf16-mixed
-            return zero_checkpoint.model_state(self.lightning_module, self._partitioner)
-        return sharded_checkpoint.model_state(self.lightning_module)
-
-    @property
-    def _partitioner(self) -> ZeroPartitioner | None:
-        """ZeRO-1/2's partitioner: its optimizers hold bucket shards, saved per parameter through it."""
-        return getattr(self._gradient_sync, "partitioner", None)
+        return self.checkpoints.model_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Under a sharded layout: keyed by parameter name, one entry per parameter and field, with the parameters'
-        full shapes -- the format every layout reads (plugins/zero_checkpoint.py for ZeRO-1/2's bucket shards)."""
-        if not self.layout.sharded_checkpoint:  # one file: by position, as Lightning saves it, with the names
-            return sharded_checkpoint.with_param_names(self.lightning_module, optimizer,
-                                                       super().optimizer_state(optimizer))
-        if self._partitioner is not None:
-            return zero_checkpoint.optimizer_state(self.lightning_module, optimizer, self._partitioner)
-        return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
+        return self.checkpoints.optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._restored_here:
-            super().load_model_state_dict(checkpoint, strict=strict)
+        self.checkpoints.load_model_state(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._restored_here:
-            super().load_optimizer_state_dict(checkpoint)
+        self.checkpoints.load_optimizer_state(checkpoint)
 
     @property
     def last_finite_checkpoint(self) -> str | None:
         """The newest checkpoint this run saved with finite weights (None before the first)."""
-        return self._checkpoint_guard.last_finite
+        return self.checkpoints.guard.last_finite
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.lightning_module is not None and not self._checkpoint_guard.allow(self, filepath):
-            return  # non-finite weights never replace the last finite checkpoint (a warning named the step)
-        if not self.layout.sharded_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint["state_dict"] = self._checkpoint_model_state()
-        if self._async is not None:
-            self._async.save(checkpoint, path)
-        else:
-            sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
+        self.checkpoints.save(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Any lightning-par checkpoint into this layout: a DCP directory from any layout (states by parameter
-        name), or one file (Lightning's own format) -- which stage 0 leaves to Lightning."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        self._restored_here = self.layout.sharded_checkpoint or checkpoint_files.resolve(path).is_dir()
-        if not self._restored_here:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        assert self.lightning_module is not None
-        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, partitioner=self._partitioner,
-                                       weights_only=weights_only, model_params=self._model_params)
-        if self._partitioner is None:  # ZeRO-1/2: the load filled the shards and gathered them into the buckets
-            self._gradient_sync.after_load()
-        return meta
-
-    def _own_last_links(self, trainer: Trainer) -> None:
-        """Make ``ModelCheckpoint(save_last="link")``'s ``last`` link through :meth:`_link_last`. Lightning links
-        as soon as ``save_checkpoint`` returns, deleting the old link first; under ``async_save`` the new checkpoint
-        does not exist yet, so a crash then would leave ``last`` naming nothing and ``ckpt_path="last"`` would start
-        over from step 0. Lightning has no hook for this, hence the callback's (static) method is replaced."""
-        if not self.layout.sharded_checkpoint:
-            return
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
-                callback._link_checkpoint = self._link_last  # type: ignore[method-assign]
-
-    def _link_last(self, trainer: Trainer, filepath: str, linkpath: str) -> None:
-        """Point ``linkpath`` at ``filepath`` atomically, once ``filepath`` is committed (at once for a sync save)."""
-        if self._checkpoint_guard.refused is not None:
-            return  # refused (non-finite): ``last`` keeps naming the last finite checkpoint
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            if self._async is not None:
-                self._async.link(Path(filepath), Path(linkpath))
-            else:
-                checkpoint_files.link(Path(filepath), Path(linkpath))
-        self.barrier()
+        return self.checkpoints.load(checkpoint_path, weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._checkpoint_guard.refused is not None:
-            return  # the newest save was refused: what is on disk may be the last finite checkpoint
-        if self.is_global_zero:
-            if self._async is not None:
-                self._async.remove(Path(filepath))  # after the save in flight commits
-            else:
-                sharded_checkpoint.remove(Path(filepath))
+        self.checkpoints.remove(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, (Preempted, NonFiniteStop)):  # every rank stopped at the same step: agreed
@@ -921,8 +824,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         try:
-            if self._async is not None:
-                self._async.wait()  # the last save commits (or its error is raised) before the run ends
+            self.checkpoints.wait()  # the last save commits (or its error is raised) before the run ends
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.stop()

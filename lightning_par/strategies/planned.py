@@ -247,7 +247,7 @@ class PlannedStrategy(LayoutStrategy):
                               offload_optimizer=self.layout.offload_optimizer,
                               offload_parameters=self.layout.offload_parameters)
         self.precision_plugin.check_layout(self.layout.zero_stage, self.layout.tp, self.layout.pp)
-        if self._async_save and not self.layout.sharded_checkpoint:
+        if self.checkpoints.async_save and not self.checkpoints.sharded:
             raise LayoutError(f"async_save=True writes sharded checkpoints; the planned layout {c.label()} saves one "
                               "file. Leave async_save off with strategy='planned'.")
         self._dims = None
