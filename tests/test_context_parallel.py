@@ -309,7 +309,7 @@ def _transformed_gpt(rank: int, variants: list[str]) -> dict[str, dict[str, floa
 
     from lightning_par import examples
     from lightning_par.parallel.compile import BlockCompiler, CompileOptions
-    from lightning_par.parallel.context_parallel import _TORCH_SDPA, apply_context_parallel
+    from lightning_par.parallel.context_parallel import _TORCH_SDPA, apply_context_parallel, recompute_contexts
     from lightning_par.parallel.recompute import apply_recompute
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
@@ -326,7 +326,7 @@ def _transformed_gpt(rank: int, variants: list[str]) -> dict[str, dict[str, floa
         model = copy.deepcopy(lm)
         blocks = list(model.model.layers.values())
         cp = apply_context_parallel(model, [model], blocks, mesh["cp"])
-        apply_recompute(blocks, variant if variant in ("full", "selective") else "none", cp.recompute_contexts)
+        apply_recompute(blocks, variant if variant in ("full", "selective") else "none", recompute_contexts)
         if variant == "compile":
             compiler = BlockCompiler(CompileOptions.of({"backend": "aot_eager"}))
             for block in blocks:

@@ -16,7 +16,7 @@ Three pieces, each owned here and applied by someone else in a fixed place:
   ``F.scaled_dot_product_attention`` is the ring attention (:func:`sequence_attention`) and the hooks and the loss are
   live. Outside it the model is the plain model: torch's own attention, no positions added, the loss unchanged.
   Autograd does not carry a torch function mode into backward, so a block recomputed there re-enters it
-  (:meth:`ContextParallel.recompute_contexts`, given to recompute by ``parallelize``); a GPU implementation whose
+  (:func:`recompute_contexts`, given to recompute by ``parallelize``); a GPU implementation whose
   switch is process state is live in backward through the step context around it.
 
 Everything but attention is per token, so it runs on the shard as it is. Attention is ring attention over the cp
@@ -171,11 +171,6 @@ class ContextParallel:
         finally:
             self._mode = None
 
-    def recompute_contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        """``checkpoint``'s ``context_fn`` for a recomputed block: its forward runs in the step already; its
-        recomputation, inside backward, gets the attention again (autograd does not carry the mode there)."""
-        return nullcontext(), _StepAttention(self)
-
     # -- positions into the model ------------------------------------------------------------------------------
     def position_ids(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The forward's keywords with this batch's global ``position_ids`` [1, T / cp] added where none were given
@@ -251,19 +246,33 @@ class ContextParallel:
         self._undo.close()
 
 
-def _active() -> ContextParallel:
-    """The context of the step in progress on this thread (its mode is on the torch function mode stack, which
-    autograd carries into backward)."""
+def _step_mode() -> _StepAttention | None:
+    """The mode of the step in progress on this thread (on the torch function mode stack), or None."""
     from lightning_par._compat import function_mode_stack
 
-    for mode in reversed(function_mode_stack()):
-        if isinstance(mode, _StepAttention):
-            return mode.context
+    return next((m for m in reversed(function_mode_stack()) if isinstance(m, _StepAttention)), None)
+
+
+def recompute_contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """``checkpoint``'s ``context_fn`` for a block recomputed under cp (called as its forward starts): the forward
+    runs in the step already; the recomputation, inside backward, gets the step's attention again (autograd does not
+    carry a torch function mode into backward). A function of this module, not a method: torch.compile takes a
+    plain function as a ``context_fn``."""
+    mode = _step_mode()
+    return nullcontext(), (_StepAttention(mode.context) if mode is not None else nullcontext())
+
+
+def _active() -> ContextParallel:
+    """The context of the step in progress on this thread."""
+    mode = _step_mode()
+    if mode is not None:
+        return mode.context
     raise LayoutError("context-parallel attention ran outside a context-parallel step: the model was called on a "
                       "shard's attention outside the training, validation or test step (its Hugging Face "
                       f"attention is {HF_ATTENTION!r} from the layout's setup on).")
 
 
+@torch.compiler.disable  # a graph break in a compiled block: the ring's sends and receives run eagerly
 def sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = True,
                        scale: float | None = None, dropout_p: float = 0.0, enable_gqa: bool = False,
                        context: ContextParallel | None = None) -> Tensor:
@@ -462,7 +471,6 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None
 
 
-@torch.compiler.disable  # a graph break in a compiled block: the ring's sends and receives run eagerly
 def _attention_call(context: ContextParallel, query: Tensor, key: Tensor, value: Tensor,
                     attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                     scale: float | None = None, enable_gqa: bool = False) -> Tensor:

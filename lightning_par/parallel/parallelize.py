@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel
+from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.recompute import apply_recompute
@@ -125,7 +125,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     cp = None
     if config.cp_mesh is not None and config.cp_mesh.size() > 1:
         cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)
-    apply_recompute(parts.blocks, config.recompute, context_fn=cp.recompute_contexts if cp is not None else None)
+    apply_recompute(parts.blocks, config.recompute, context_fn=recompute_contexts if cp is not None else None)
     if config.compile is not None:
         for block in parts.blocks:
             config.compile(block)

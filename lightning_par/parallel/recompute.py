@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -41,8 +42,8 @@ ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManag
 @contextmanager
 def _attention_recomputed(context_fn: ContextFn | None) -> Iterator[None]:
     inner = F.scaled_dot_product_attention
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    F.scaled_dot_product_attention = functools.partial(checkpoint, inner, use_reentrant=False, **extra)
+    F.scaled_dot_product_attention = functools.partial(checkpoint, inner, use_reentrant=False) \
+        if context_fn is None else functools.partial(_checkpoint_in, context_fn, inner)
     try:
         yield
     finally:
@@ -55,7 +56,10 @@ def _full(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def _full_in(context_fn: ContextFn, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+# torch.compile takes only dispatch modes from a context_fn: with one, the checkpoint call runs eagerly; the block's
+# forward inside it is still compiled, as a frame of its own (recursive=False)
+@torch.compiler.disable(recursive=False)
+def _checkpoint_in(context_fn: ContextFn, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
@@ -75,7 +79,7 @@ def apply_recompute(blocks: Sequence[nn.Module], kind: str, context_fn: ContextF
         return 0
     for block in blocks:
         if kind == "full":
-            full = _full if context_fn is None else functools.partial(_full_in, context_fn)
+            full = _full if context_fn is None else functools.partial(_checkpoint_in, context_fn)
             block.forward = functools.partial(full, block.forward)
         else:
             block.forward = functools.partial(_selective, block.forward, **(
