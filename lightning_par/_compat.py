@@ -201,6 +201,9 @@ resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "
 # torch has no public dispatch-mode API
 TorchDispatchMode = private("torch", "torch.utils._python_dispatch", "TorchDispatchMode")
 is_traceable_wrapper_subclass = private("torch", "torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+# context parallel's attention (parallel/context_parallel.py) is a torch function mode entered for the step; a Hugging
+# Face attention implementation finds it on the mode stack (torch has no public accessor of the stack)
+function_mode_stack = private("torch", "torch.overrides", "_get_current_function_mode_stack")
 # shapes without memory for the planner's trace (planner/trace.py); no public fake-tensor API
 FakeTensorMode = private("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
 # nested containers of tensors (torch has no public pytree module)

@@ -5,7 +5,8 @@ is the whole model without pipeline parallelism, or the rank module holding its 
 runtime is built afterwards, around the transformed stage modules. The order is torchtitan's (``parallelize_llama``),
 the same for every layout::
 
-    replicas identical -> tensor parallel -> recompute -> (compile) -> data-parallel sharding -> materialise share
+    replicas identical -> tensor parallel -> context parallel -> recompute -> (compile) -> data-parallel sharding
+    -> materialise share
 
 Two ways in, one order:
 
@@ -17,6 +18,10 @@ Two ways in, one order:
   single-process values, a tensor at a time. No rank ever holds more than its share plus one tensor.
 * a model built eagerly (in ``__init__``, or handed over whole) is moved to the device first and its replicas are
   made identical by a broadcast; the transforms then cut what exists.
+
+Context parallel (cp > 1) comes right after tensor parallel, as torchtitan applies it to the attention there: it
+hooks the modules that run the model (so recompute and compile wrap the blocks inside them) and returns the context
+the step enters around forward and backward (:mod:`~lightning_par.parallel.context_parallel`).
 
 Pretrained weights (``pretrained``) are read into the share right after it is allocated; their random
 initialisation is never computed. Nothing here imports Lightning.
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.parts import ModelParts
@@ -63,16 +69,20 @@ class ParallelizeConfig:
     compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (parallel/compile.py)
     #: where a deferred model's parameters are materialised when not on ``device``: the host, under FSDP2 offload
     parameter_device: torch.device | None = None
+    #: the ``cp`` mesh: context parallel when its size is over 1 (it needs the parts' blocks)
+    cp_mesh: DeviceMesh | None = None
 
 
 @dataclass
 class Parallelized:
     """What :func:`parallelize` made: the rank's stage modules (FSDP2 roots under ZeRO-3), the tensor-parallel plan
-    (tp > 1), and the materialisation figures (``kept_bytes``, ``transient_bytes``, ``pretrained_tensors``)."""
+    (tp > 1), the context-parallel context (cp > 1: the step's batch transform and step context), and the
+    materialisation figures (``kept_bytes``, ``transient_bytes``, ``pretrained_tensors``)."""
 
     stages: list[nn.Module]
     tensor_parallel: TensorParallelPlan | None
     stats: dict[str, int]
+    context_parallel: ContextParallel | None = None
 
 
 def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[ModelParts], Sequence[nn.Module]],
@@ -98,7 +108,10 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
         rng = config.compile is None or config.sequence_parallel or has_dropout(parts.root)
         plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
                                      stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root))
-    apply_recompute(parts.blocks, config.recompute)
+    cp = None
+    if config.cp_mesh is not None and config.cp_mesh.size() > 1:
+        cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)
+    apply_recompute(parts.blocks, config.recompute, context_fn=recompute_contexts if cp is not None else None)
     if config.compile is not None:
         for block in parts.blocks:
             config.compile(block)
@@ -110,7 +123,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
                                   parameter_device=config.parameter_device)
     if pretrained is not None:
         stats["pretrained_tensors"] = pretrained.load(parts.root)
-    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats)
+    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats, context_parallel=cp)
 
 
 def make_replicas_identical(module: nn.Module, meshes: Sequence[DeviceMesh]) -> None:

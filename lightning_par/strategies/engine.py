@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +42,7 @@ from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
 from lightning_par.data_position import resumable_train_loader
 from lightning_par.elastic import AttemptProgress, layouts_for
-from lightning_par.parallel import context_parallel, shutdown
+from lightning_par.parallel import shutdown
 from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
@@ -55,7 +55,7 @@ from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
 from lightning_par.parallel.parts import ModelParts, agree, split
-from lightning_par.parallel.pipeline.loss import ModelLoss, last_stage_loss
+from lightning_par.parallel.pipeline.loss import last_stage_loss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
@@ -198,8 +198,7 @@ class LayoutStrategy(ParallelStrategy):
         self._deferred: DeferredInit | None = None  # the model's construction, replayed per rank (its share)
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
-        self._context_parallel: ContextParallel | None = None  # cp > 1 (from setup)
-        self._cp_undo = ExitStack()  # what cp set on the model and on torch, undone at teardown
+        self._context_parallel: ContextParallel | None = None  # cp > 1: the step's batch transform and context
         # the LightningModule this layout was applied to: a later stage of the same Trainer and model (fit, then
         # validate / test / predict, or fit again) keeps it as it is -- split, sliced and sharded once
         self._laid_out: nn.Module | None = None
@@ -422,8 +421,6 @@ class LayoutStrategy(ParallelStrategy):
         # MixedPrecisionPolicy at ZeRO-3)
         self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
                                                    self.precision_plugin.shard_precision(self.layout.zero_stage))
-        if self.dims.cp > 1:  # the loss is wrapped before the pipeline takes it
-            self._setup_context_parallel()
         # split -> parallelize -> runner (torchtitan's pipeline_llm order): under pp the LightningModule holds only
         # this rank's stages from the split on, the rest of the model is never materialised
         parts = self._split()
@@ -435,8 +432,6 @@ class LayoutStrategy(ParallelStrategy):
             # this rank's stages differ from the other pipeline ranks': a failure on one stops them all
             agree(self.device_mesh["pp"].get_group(), "prepare its stages", lambda: self._parallelize(parts))
             self._run_pipeline(trainer, fitting, parts, loss_fn)
-        if self._context_parallel is not None:
-            self._install_context_parallel()
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
         self._laid_out, self._sync_fits = self.lightning_module, fitting
         self.model = self._gradient_sync.wrap(self.model)
@@ -464,9 +459,6 @@ class LayoutStrategy(ParallelStrategy):
         the optimizer's bucket shards to parameters for a save); a fit after evaluation gets its owner now."""
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)  # Lightning's teardown moved it to the CPU
-        if self.dims.cp > 1:  # teardown undid context parallel's hooks and loss
-            self._setup_context_parallel(again=True)
-            self._install_context_parallel()
         if fitting:
             if not self._sync_fits and self.layout.zero_stage != 3:  # (ZeRO-3's owner shards for evaluation too)
                 self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
@@ -509,16 +501,19 @@ class LayoutStrategy(ParallelStrategy):
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
                                    recompute=self.layout.recompute, compile=self.compiler,
                                    parameter_device=torch.device("cpu") if self._gradient_sync.parameters_on_host
-                                   else None)
+                                   else None, cp_mesh=self.device_mesh["cp"])
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._deferred,
                            pretrained=self.pretrained)
         self._deferred = None
-        self._tensor_parallel = done.tensor_parallel
+        self._tensor_parallel, self._context_parallel = done.tensor_parallel, done.context_parallel
         if done.tensor_parallel is not None:
             rank_zero_info(
                 f"tensor parallel over tp={self.dims.tp}: plan applied to {len(done.tensor_parallel.styles)} modules"
                 f"{' with sequence parallelism' if self.layout.sequence_parallel else ''}"
                 f"{', vocab-parallel loss' if done.tensor_parallel.vocab_parallel_head else ''}")
+        if done.context_parallel is not None:
+            rank_zero_info(f"context parallel over cp={self.dims.cp}: load-balanced sequence shards, ring attention "
+                           f"over the cp group, {done.context_parallel.described}")
         if self.layout.recompute != "none":
             rank_zero_info(f"activation recompute ({self.layout.recompute}) on {len(parts.blocks)} blocks of rank 0")
         if self.compiler is not None:
@@ -599,7 +594,8 @@ class LayoutStrategy(ParallelStrategy):
         if pipelined:
             self.checkpoints.remember_unsplit(lm)  # the whole model's entries, for lightning_module_state_dict
         layout = self.layout
-        per_block = layout.zero_stage == 3 or layout.recompute != "none" or self.compile_options is not None
+        per_block = (layout.zero_stage == 3 or layout.recompute != "none" or self.compile_options is not None
+                     or self.dims.cp > 1)  # (context parallel hooks the module that runs the blocks)
         parts = split(lm, layout.stage_plan, self.device_mesh["pp"] if pipelined else None,
                       block_types=layout.block_types, costs=layout.stage_costs, holder=True, need_blocks=per_block)
         mine = "rank 0's part: " if pipelined else ""
@@ -617,61 +613,9 @@ class LayoutStrategy(ParallelStrategy):
                 module.process_group = self.device_mesh["dp"].get_group()
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Context parallel (cp > 1): each step's batch cut along the sequence (lightning_par.parallel.context_parallel)
+    # Context parallel (cp > 1): each step's batch cut along the sequence, attention over the whole of it while the
+    # step runs (lightning_par.parallel.context_parallel; applied in parallelize)
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_context_parallel(self, again: bool = False) -> None:
-        """Check the model can take global positions, make its loss the whole sequence's, and set the context the
-        attention reads. Refused alike on every rank, before any collective of the step. ``again``: a later stage of
-        the model laid out already (checked then; under pp its blocks are now spread over the stages)."""
-        lm = self.lightning_module
-        assert lm is not None
-        blocks = None if again else self._find_blocks()
-        if blocks is not None:
-            context_parallel.check_takes_positions(blocks.root)
-        mesh = self.device_mesh["cp"]
-        cp = ContextParallel(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
-        if callable(getattr(lm, "loss_fn", None)):
-            self._cp_undo.callback(vars(lm).pop, "loss_fn", None)
-            lm.loss_fn = cp.mean_loss(lm.loss_fn)
-        else:
-            own = next((m for m in lm.modules() if ModelLoss.of(m) is not None), None)
-            if own is None:
-                raise LayoutError(
-                    f"context parallel (cp={self.dims.cp}) computes the loss over every token of the whole sequence, "
-                    f"so it must know the loss: {type(lm).__name__} defines no loss_fn(outputs, targets) and holds no "
-                    "Hugging Face causal LM with a loss of its own. Define loss_fn (a token mean) and compute the "
-                    "step's loss with it, or train a Hugging Face *ForCausalLM returning `self.model(**batch).loss`.")
-            previous = own.loss_function
-            self._cp_undo.callback(setattr, own, "loss_function", previous)
-            own.loss_function = cp.model_loss(previous)
-        self._context_parallel = cp
-        if blocks is None:
-            return
-        self._block_types = tuple({type(m) for m in blocks.block_modules()})
-        self._position_root = type(blocks.root)
-        rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, ring attention "
-                       f"over the cp group, global position_ids into {type(blocks.root).__name__}")
-
-    def _install_context_parallel(self) -> None:
-        """The position and attention hooks, on the modules that now run the model (the stage modules under pp)."""
-        assert self.lightning_module is not None and self._context_parallel is not None
-        # from here (not during the pipeline's tracing of the model at setup) attention is context parallel's
-        context_parallel.activate(self._context_parallel)
-        self._cp_undo.callback(context_parallel.activate, None)
-        self._cp_undo.enter_context(context_parallel.attention_redirected())
-        hooked = 0
-        # pp > 1: the stage modules the schedule calls (the rank module's forward is the pipeline's)
-        candidates = self.pipeline.stage_modules if self.pipeline is not None else self.lightning_module.modules()
-        for module in candidates:
-            if isinstance(module, self._position_root):  # (FSDP2 subclasses it)
-                n_blocks = sum(isinstance(m, self._block_types) for m in module.modules())
-                for handle in context_parallel.install(module, self._context_parallel, n_blocks):
-                    self._cp_undo.callback(handle.remove)
-                hooked += 1
-        if not hooked:
-            raise LayoutError(f"context parallel: no {self._position_root.__name__} left to give positions to after "
-                              "the layout was applied; this is a bug, please report it with the layout.")
-
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if self._context_parallel is not None:  # on the host, where it costs no device sync
             self._context_parallel.check_padding(batch)
@@ -679,9 +623,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def _shard_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``(batch, ...)`` with the batch cut to this rank's share of each sequence (cp > 1)."""
-        if self._context_parallel is None or not args:
-            return args
-        return (self._context_parallel.shard(args[0]), *args[1:])
+        return args if self._context_parallel is None else self._context_parallel.shard_args(args)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Pipeline parallel (pp > 1): the schedule runs forward and backward inside ``training_step``
@@ -833,8 +775,6 @@ class LayoutStrategy(ParallelStrategy):
                 set_skip_backward(self.lightning_module.trainer, False)
             if self.model is not None:
                 self.model = self._gradient_sync.unwrap(self.model)
-            self._cp_undo.close()
-            self._context_parallel = None
             if self.compiler is not None:
                 # before Lightning moves the model to the CPU (see BlockCompiler.release)
                 self.compiler.release(self.lightning_module)

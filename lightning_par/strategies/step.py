@@ -146,16 +146,18 @@ class LayoutStep:
 
     @contextmanager
     def loss_context(self) -> Generator[None, None, None]:
-        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here, and the
-        step sees that loss as a plain tensor, as under any other layout (:func:`_plain_losses`)."""
-        plan = self._strategy._tensor_parallel
-        if plan is None:
-            yield None
-            return
-        lm = self._strategy.lightning_module
-        with plan.loss_context(), ExitStack() as stack:
-            if plan.vocab_parallel_head and lm is not None:
-                stack.enter_context(_plain_losses(lm))
+        """Around the step's forward and around its backward: context parallel's step context (its attention over the
+        whole sequence); a vocab-parallel head's loss on vocabulary shards, which the step sees as a plain tensor, as
+        under any other layout (:func:`_plain_losses`)."""
+        strategy = self._strategy
+        plan, lm = strategy._tensor_parallel, strategy.lightning_module
+        with ExitStack() as stack:
+            if strategy._context_parallel is not None:  # attention over the whole sequence, global positions
+                stack.enter_context(strategy._context_parallel.step())
+            if plan is not None:
+                stack.enter_context(plan.loss_context())
+                if plan.vocab_parallel_head and lm is not None:
+                    stack.enter_context(_plain_losses(lm))
             yield None
 
     # ----------------------------------------------------------------------------------------------------------------

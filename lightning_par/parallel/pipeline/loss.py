@@ -100,7 +100,9 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
                 "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
                 "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
                 "lightning_par.examples.GPTLightningModule does.")
-        return module.loss_fn
+        # read at each call: a transform applied after the split (context parallel's token mean over the whole
+        # sequence) wraps loss_fn on the module
+        return lambda outputs, targets: module.loss_fn(outputs, targets)
     if model_loss is None:
         raise LayoutError(
             f"pipeline parallel (pp={pp}) computes the loss on the last stage, inside the schedule, "
