@@ -19,8 +19,18 @@ from lightning_par import ZeroStrategy
 from lightning_par.examples import GPTLightningModule
 from lightning_par.parallel.param_states import PARAM_STATES
 from lightning_par.parallel.zero_state import ZeroStates
+from tests.harness import close_process_group
 
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _process_group_closed():
+    """An in-process Trainer keeps its process group until the interpreter exits: end it after each test here, so
+    later tests of the session can start their own (``trying to initialize the default process group twice``)."""
+    yield
+    if torch.distributed.is_initialized():
+        close_process_group()
 
 
 def _loader() -> DataLoader:
@@ -95,8 +105,7 @@ def test_one_file_into_zero1_over_tensor_parallel_dtensors(request, tmp_path):
     from lightning_par.parallel.zero import ZeroPartitioner
     from lightning_par.plugins import sharded_checkpoint
 
-    if not torch.distributed.is_initialized():  # an in-process Trainer above keeps its process group to the end
-        request.getfixturevalue("one_process_group")
+    request.getfixturevalue("one_process_group")
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     saved = nn.Linear(8, 8).state_dict()
