@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_par.examples import HFCausalLMLightningModule, causal_lm_loss
 from lightning_par.parallel.blocks import find_blocks
+from lightning_par.parallel.finalize import finalize
+from lightning_par.parallel.gradient_sync import DDPSync
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 from tests.harness import close_process_group
@@ -233,11 +235,13 @@ def run_pipeline(case: Case, batches: list, eval_batch, mesh) -> dict:
     setattr(lm.get_submodule(parent_name) if parent_name else lm, attr, runtime.module)
     runtime.module.forward = runtime.forward_only
     optimizer = lm.configure_optimizers()
+    owner = DDPSync(mesh["dp"], bucket_cap_mb=25.0, deferred=True)  # what the engine picks for ZeRO-0 under pp
+    owner.wrap(runtime.module)
     losses = []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         loss = runtime.train_step(*split_batch(batch))
-        runtime.sync_gradients(mesh["dp"].get_group())
+        finalize(owner, runtime)
         optimizer.step()
         losses.append(loss.item())
     out = {"losses": losses, "units_by_stage": runtime.units_by_stage, "source": blocks.source,

@@ -48,6 +48,7 @@ from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
+from lightning_par.parallel.finalize import finalize, no_sync
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
@@ -478,8 +479,6 @@ class LayoutStrategy(ParallelStrategy):
                 self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
                                                            self.precision_plugin.shard_precision(
                                                                self.layout.zero_stage))
-                if self.pipeline is not None:
-                    self._gradient_sync.bind(self.pipeline)
             self._sync_fits = True
             self.model = self._gradient_sync.wrap_again(self.model)
         if self.pipeline is not None:
@@ -494,6 +493,7 @@ class LayoutStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._gradient_sync.attach(self.lightning_module, self.optimizers)
+            self._runner.grad_sync_func = self._gradient_sync.start_grad_sync  # (a pipeline's stages, as they end)
             # Lightning's clipping computes the norm of what this rank holds; clip by the whole model's instead
             self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
         self._scope_metrics_to_data_parallel()
@@ -723,7 +723,6 @@ class LayoutStrategy(ParallelStrategy):
                                    loss_scale=1.0 / (plan.n_microbatches * accumulate), device=self.root_device,
                                    costs=self.layout.stage_costs, units=list(blocks.units), prepare=prepare)
         self._runner = pipeline
-        self._gradient_sync.bind(pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
         pipeline.make_tied_copies_equal()
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
@@ -784,7 +783,6 @@ class LayoutStrategy(ParallelStrategy):
                 return self._model_call_step(lm, *args, **kwargs)
             with self._loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
                 loss = self._runner.train_step(*split_batch(batch))
-            self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
 
@@ -806,7 +804,6 @@ class LayoutStrategy(ParallelStrategy):
                     "`loss = self.model(**batch).loss`.")
             with self._loss_context():
                 output = runtime.train_call(*call_args, **call_kwargs)
-            self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
             losses.append(output["loss"])
             return output
 
@@ -876,6 +873,9 @@ class LayoutStrategy(ParallelStrategy):
         return global_grad_norm(grads, self._runner.group, device=self.root_device)
 
     def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            raise LayoutError("clip_gradients under manual optimization: gradients are made final in optimizer.step()"
+                              " (finalize.py), so before it they may be partial. Use Trainer(gradient_clip_val=...).")
         total = self.global_grad_norm(optimizer)
         clip_grads_(
             [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_val,
@@ -910,21 +910,20 @@ class LayoutStrategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        self._gradient_sync.set_enabled(False)
-        try:
+        with no_sync(self._gradient_sync, self._runner):
             yield None
-        finally:
-            self._gradient_sync.set_enabled(True)
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        self._gradient_sync.after_backward()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         flags = self.nonfinite_flags
 
         def checked() -> Any:
-            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
             result = closure()
+            # the one end of every step for the gradients, before they are checked, clipped and stepped -- unless
+            # Lightning's loop skipped the batch (training_step returned None: no backward ran, no gradients)
+            lm = self.lightning_module
+            if result is not None or self._runner.takes_over_step or not lm.automatic_optimization:
+                finalize(self._gradient_sync, self._runner)
+            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
             flags.add_loss(result)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             flags.add_grads(self._gradient_sync.norm_grads(params))
