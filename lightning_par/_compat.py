@@ -306,7 +306,7 @@ default_process_group_backend = private("lightning", "lightning.fabric.utilities
 init_dist_connection = private("lightning", "lightning.fabric.utilities.distributed", "_init_dist_connection")
 sync_ddp_if_available = private("lightning", "lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
 optimizers_to_device = private("lightning", "lightning.fabric.utilities.optimizer", "_optimizers_to_device")
-# the data position a checkpoint saves (strategies/data_position.py): Lightning's own protocol and loader rebuild
+# the data position a checkpoint saves (data_position.py): Lightning's own protocol and loader rebuild
 Stateful = private("lightning", "lightning.fabric.utilities.types", "_Stateful")
 update_dataloader = private("lightning", "lightning.pytorch.utilities.data", "_update_dataloader")
 

@@ -214,7 +214,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(stage: int, offload: bool, mesh, rank: int, world: int) -> dict:
-    """``STEPS`` SGD steps with clipping by the global norm, as the strategy does (engine._clip_by_global_norm)."""
+    """``STEPS`` SGD steps with clipping by the global norm, as the strategy does (LayoutStep.clip_by_global_norm)."""
     from lightning_par.parallel.zero import ZeroPartitioner, fully_shard_units
 
     model = _small_model()

@@ -2,7 +2,7 @@
 
 Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy, Hybrid3DStrategy) is a thin preset of
 :class:`LayoutStrategy`. This file holds only Lightning glue -- launcher, cluster environment, process group, mesh,
-sampler, collectives for logging, the step takeover for pipelines, checkpoint hooks. The model transforms live in
+sampler, collectives for logging, the step hooks (strategies/step.py), checkpoint hooks. The model transforms live in
 :mod:`lightning_par.parallel`: :meth:`LayoutStrategy.setup` picks the one owner of data-parallel gradients
 (:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part (the
 whole model, or the pipeline stages the runtime keeps) and hands the part to
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Generator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,11 +30,10 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
 from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
@@ -42,21 +41,20 @@ from lightning_par._compat import distributed_is_initialized as _distributed_is_
 from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
+from lightning_par.data_position import resumable_train_loader
+from lightning_par.elastic import AttemptProgress, layouts_for
 from lightning_par.parallel import context_parallel, shutdown
 from lightning_par.parallel.bad_steps import CheckpointGuard, NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
-from lightning_par.parallel.finalize import finalize, no_sync
-from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
-from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
 from lightning_par.parallel.pipeline.fsdp import stage_blocks
 from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
@@ -68,8 +66,8 @@ from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_che
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.precision import LayoutPrecision
-from lightning_par.strategies.data_position import resumable_train_loader
-from lightning_par.strategies.elastic import AttemptProgress, layouts_for
+from lightning_par.strategies.compile_report import CompileReport
+from lightning_par.strategies.step import LayoutStep
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
 log = logging.getLogger(__name__)
@@ -193,6 +191,7 @@ class LayoutStrategy(ParallelStrategy):
         self.nonfinite_flags = NonFiniteFlags(nonfinite, check_policy(nonfinite, nonfinite_patience))
         self._checkpoint_guard = CheckpointGuard()
         self._run_guard: PreemptionCheckpoint | None = None
+        self._step = LayoutStep(self)  # the step's hooks under this layout (strategies/step.py)
         self.compile_options = CompileOptions.of(compile)  # checked here, in the launching process
         self.compiler: BlockCompiler | None = None  # the blocks' compiler and its counts (from setup)
         self._async: AsyncSaver | None = None
@@ -315,7 +314,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """The training loader gets a sampler whose position is saved in checkpoints, in place of the
-        DistributedSampler Lightning injected (:mod:`~lightning_par.strategies.data_position`): a run resumed from a
+        DistributedSampler Lightning injected (:mod:`~lightning_par.data_position`): a run resumed from a
         mid-epoch checkpoint, under this layout or another with the same global batch, trains on the samples the
         uninterrupted run would have. Evaluation and prediction loaders are left as Lightning made them."""
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -411,6 +410,9 @@ class LayoutStrategy(ParallelStrategy):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM: agreed, saved, exit 75 (preemption.py)
         if fitting and not any(isinstance(c, AttemptProgress) for c in trainer.callbacks):
             trainer.callbacks.append(AttemptProgress())  # the step reached, for the next attempt's steps lost
+        if fitting and self.compile_options is not None and not any(isinstance(c, CompileReport)
+                                                                    for c in trainer.callbacks):
+            trainer.callbacks.append(CompileReport())  # the fit's compile summary, at its end
         self._run_guard = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
         # under 16-mixed the gradient scaler skips overflowing steps itself: only the loss is checked
         self.nonfinite_flags.check_grads = self.precision_plugin.precision != "16-mixed"
@@ -495,7 +497,7 @@ class LayoutStrategy(ParallelStrategy):
             self._gradient_sync.attach(self.lightning_module, self.optimizers)
             self._runner.grad_sync_func = self._gradient_sync.start_grad_sync  # (a pipeline's stages, as they end)
             # Lightning's clipping computes the norm of what this rank holds; clip by the whole model's instead
-            self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
+            self.precision_plugin.clip_grad_by_norm = self._step.clip_by_global_norm
         self._scope_metrics_to_data_parallel()
         over = f"dp={self.dims.dp} x cp={self.dims.cp}" if self.dims.cp > 1 else f"dp={self.dims.dp}"
         rank_zero_info(f"data-parallel gradients: {self._gradient_sync.name} over {over}")
@@ -736,7 +738,7 @@ class LayoutStrategy(ParallelStrategy):
     def _pipeline_loss_fn(self, model: nn.Module) -> Any:
         """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
         from ``compute_loss``), or None -- the model's own, for a step written the Hugging Face way
-        (``self.model(**batch).loss``, see :meth:`_model_call_step`). Refused here, alike on every rank and before
+        (``self.model(**batch).loss``, see strategies/step.py). Refused here, alike on every rank and before
         any collective, when there is neither."""
         lm = self.lightning_module
         assert lm is not None
@@ -763,142 +765,26 @@ class LayoutStrategy(ParallelStrategy):
                        f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
         return None
 
+    # the step's hooks, which Lightning requires on the strategy: how they run under this layout is strategies/step.py
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with unpacked_batch_errors(args[0] if args else None):
-            return self._training_step(*args, **kwargs)
-
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._shard_sequence(args)
-        if not self._runner.takes_over_step:
-            with self._loss_context():
-                return super().training_step(*args, **kwargs)
-        lm = self.lightning_module
-        assert lm is not None
-        batch, batch_idx = args[0], args[1]
-        with self.precision_plugin.train_step_context():
-            if batch_idx % lm.trainer.accumulate_grad_batches == 0:  # where Lightning would zero the gradients
-                for optimizer in self.optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-            if self._runner.model_loss_step:
-                return self._model_call_step(lm, *args, **kwargs)
-            with self._loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
-                loss = self._runner.train_step(*split_batch(batch))
-            with _loss_given(lm, lambda _batch: loss):
-                return lm.training_step(*args, **kwargs)
-
-    def _model_call_step(self, lm: Any, *args: Any, **kwargs: Any) -> Any:
-        """A training_step written the Hugging Face way, ``loss = self.model(**batch).loss``: the step runs as
-        written, and its model call runs the schedule (forward and backward of the whole batch, the model's own loss
-        on the last stage) and returns the batch loss. So the step must call the model once, with labels, and
-        return that loss as it is (it was backpropagated already); anything else is refused, alike on every rank
-        (each runs the same step on a batch of the same form)."""
-        runtime = self.pipeline
-        assert runtime is not None
-        losses: list[Tensor] = []
-
-        def train_call(*call_args: Any, **call_kwargs: Any) -> Any:
-            if losses:
-                raise LayoutError(
-                    f"{type(lm).__name__}.training_step called the model twice; under pipeline parallel its call runs "
-                    "forward and backward of the whole batch through the stages, once per step. Call it once, e.g. "
-                    "`loss = self.model(**batch).loss`.")
-            with self._loss_context():
-                output = runtime.train_call(*call_args, **call_kwargs)
-            losses.append(output["loss"])
-            return output
-
-        runtime.module.forward = train_call
-        try:
-            output = lm.training_step(*args, **kwargs)
-        finally:
-            runtime.module.forward = runtime.forward_only
-        returned = output.get("loss") if isinstance(output, Mapping) else output
-        if not losses:
-            raise LayoutError(
-                f"{type(lm).__name__} defines no loss_fn(), so under pipeline parallel its training_step must get its "
-                "loss from the model's own call, `self.model(**batch).loss` (labels in the batch), which runs the "
-                "schedule; this training_step did not call the model. Call it, or define `loss_fn(outputs, targets)` "
-                "and `compute_loss(batch)` (see lightning_par.examples.GPTLightningModule).")
-        if returned is not None and returned is not losses[0]:
-            raise LayoutError(
-                f"{type(lm).__name__}.training_step returned a loss other than the model's `.loss`: under pipeline "
-                "parallel that loss was computed and backpropagated inside the schedule (the tensor is detached), so "
-                "a loss computed from it (scaled, or with terms added) would not be trained on. Return "
-                "`self.model(**batch).loss` as it is, or define `loss_fn(outputs, targets)` and `compute_loss(batch)` "
-                "to compute your own loss (see lightning_par.examples.GPTLightningModule).")
-        return output
+        return self._step.training_step(super().training_step, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._context_parallel is not None:
-            raise LayoutError(f"predict_step under context parallel (cp={self.dims.cp}) is not supported: predictions "
-                              "(and generation) need the whole sequence on a rank. Predict with a layout without cp.")
-        with unpacked_batch_errors(args[0] if args else None):
-            return super().predict_step(*args, **kwargs)
+        return self._step.predict_step(super().predict_step, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, args = args[0] if args else None, self._shard_sequence(args)
-        with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self._loss_context():
-            return super().validation_step(*args, **kwargs)
+        return self._step.evaluation_step(super().validation_step, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, args = args[0] if args else None, self._shard_sequence(args)
-        with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self._loss_context():
-            return super().test_step(*args, **kwargs)
+        return self._step.evaluation_step(super().test_step, *args, **kwargs)
 
-    @contextmanager
-    def _pipeline_eval_loss(self) -> Generator[None, None, None]:
-        """Evaluation's ``compute_loss`` runs forward-only through the stages; the loss comes from the last. (A
-        step written the Hugging Face way needs nothing here: ``self.model(**batch)`` runs forward-only, and given
-        labels its output's ``.loss`` is the model's own loss, see ``PipelineRuntime.forward_only``.)"""
-        if not self._runner.takes_over_step or self._runner.model_loss_step:
-            yield None
-            return
-        runner = self._runner
-        assert self.lightning_module is not None
-        with _loss_given(self.lightning_module, lambda batch: runner.forward_only(*split_batch(batch))):
-            yield None
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Gradient norm and clipping over the whole model, on any layout
-    # ----------------------------------------------------------------------------------------------------------------
     def global_grad_norm(self, optimizer: Any = None) -> Tensor:
-        """The 2-norm of the whole model's gradient (what a single process would compute), on every rank.
-
-        Sums squares over tensor- and data-parallel shards (DTensor placements) and over pipeline stages, a
-        parameter held by several pipeline ranks counted once. ``optimizer``: only its parameters (default: all).
-        """
-        optimizers = [optimizer] if optimizer is not None else self.optimizers
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        grads = self._gradient_sync.norm_grads(params, self._runner.counted_elsewhere())
-        return global_grad_norm(grads, self._runner.group, device=self.root_device)
-
-    def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
-            raise LayoutError("clip_gradients under manual optimization: gradients are made final in optimizer.step()"
-                              " (finalize.py), so before it they may be partial. Use Trainer(gradient_clip_val=...).")
-        total = self.global_grad_norm(optimizer)
-        clip_grads_(
-            [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_val,
-            total)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Tensor parallel (tp > 1): the model's declared plan, applied by lightning_par.parallel.tensor_parallel
-    # ----------------------------------------------------------------------------------------------------------------
-    @contextmanager
-    def _loss_context(self) -> Generator[None, None, None]:
-        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here, and the
-        step sees that loss as a plain tensor, as under any other layout (:func:`_plain_losses`)."""
-        if self._tensor_parallel is None:
-            yield None
-            return
-        with self._tensor_parallel.loss_context(), ExitStack() as stack:
-            if self._tensor_parallel.vocab_parallel_head and self.lightning_module is not None:
-                stack.enter_context(_plain_losses(self.lightning_module))
-            yield None
+        """The 2-norm of the whole model's gradient (what a single process would compute), on every rank; only
+        ``optimizer``'s parameters if given (:meth:`~lightning_par.strategies.step.LayoutStep.global_grad_norm`)."""
+        return self._step.global_grad_norm(optimizer)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self._loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._step.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Data-parallel gradient sync: every hook goes to the one owner
@@ -907,50 +793,11 @@ class LayoutStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        with no_sync(self._gradient_sync, self._runner):
-            yield None
+    def block_backward_sync(self) -> AbstractContextManager:
+        return self._step.block_backward_sync()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        flags = self.nonfinite_flags
-
-        def checked() -> Any:
-            result = closure()
-            # the one end of every step for the gradients, before they are checked, clipped and stepped -- unless
-            # Lightning's loop skipped the batch (training_step returned None: no backward ran, no gradients)
-            lm = self.lightning_module
-            if result is not None or self._runner.takes_over_step or not lm.automatic_optimization:
-                finalize(self._gradient_sync, self._runner)
-            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
-            flags.add_loss(result)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            flags.add_grads(self._gradient_sync.norm_grads(params))
-            return result
-
-        if flags.policy == "skip" and self._run_guard is not None:
-            result = checked()
-            assert self.lightning_module is not None
-            if any(self._run_guard.agree_now(self.lightning_module.trainer)):
-                self._skip_step(optimizer)
-                return result
-            output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-        else:
-            output = super().optimizer_step(optimizer, checked, model, **kwargs)
-        self._gradient_sync.after_step()
-        return output
-
-    def _skip_step(self, optimizer: Any) -> None:
-        """Discard a non-finite step's gradients on every rank (agreed): the optimizer does not step."""
-        optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_flags.skipped += 1
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        for logger in trainer.loggers:  # loggers write on rank 0 only
-            logger.log_metrics({"train/skipped_steps": float(self.nonfinite_flags.skipped)}, step=trainer.global_step)
-        rank_zero_info(f"lightning-par: step {trainer.global_step}: non-finite loss or gradient norm; the step's "
-                       f"gradients were discarded on every rank ({self.nonfinite_flags.skipped} skipped so far)")
+        return self._step.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Collectives used by Lightning (logging, checkpoint paths, early stopping)
@@ -1114,33 +961,6 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = None
         super().on_exception(exception)
 
-    def on_train_end(self) -> None:
-        if self.compiler is not None:
-            self._report_compile()
-
-    def _report_compile(self) -> None:
-        """The fit's compile summary: rank 0's graphs by block, the most graphs, recompiles and backend seconds of
-        any rank (a warning if any recompiled), and those three as ``compile/*`` scalars in the logger."""
-        assert self.compiler is not None and self.lightning_module is not None
-        summary = self.compiler.summary(self.lightning_module)
-        counts = [(summary.graphs, summary.recompiles, summary.seconds)] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(counts, counts[0])
-        graphs, recompiles, seconds = (max(c[i] for c in counts) for i in range(3))
-        rank_zero_info(f"torch.compile: rank 0: {summary.describe()}; most on any rank: {graphs} graphs, "
-                       f"{recompiles} recompiles, {seconds:.1f} s")
-        if graphs == 0:
-            rank_zero_warn("torch.compile: no block compiled a graph on any rank; the blocks ran eagerly (a graph "
-                           "break before any tensor operation, or a forward replaced by something dynamo skips).")
-        if recompiles:
-            rank_zero_warn(f"torch.compile: a rank compiled {recompiles} block graph(s) again for inputs compiled "
-                           f"before (guards failed){': ' + summary.reasons[-1] if summary.reasons else ''}. Set "
-                           "TORCH_LOGS=recompiles to see why; see docs/compile.md.")
-        trainer = self.lightning_module.trainer
-        for logger in trainer.loggers:
-            logger.log_metrics({"compile/graphs": float(graphs), "compile/recompiles": float(recompiles),
-                                "compile/backend_seconds": seconds}, step=trainer.global_step)
-
     def teardown(self) -> None:
         try:
             if self._async is not None:
@@ -1204,38 +1024,3 @@ def _attempt_store(environment: Any, timeout: timedelta) -> dict[str, Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(environment.main_address, environment.main_port, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"lightning_par/attempt_{attempt}/", store)}
-
-
-@contextmanager
-def _plain_losses(lm: Any) -> Generator[None, None, None]:
-    """Under a vocab-parallel head ``F.cross_entropy`` returns a replicated DTensor, which Lightning's
-    ``self.log(..., sync_dist=True)`` cannot all-reduce (c10d has no DTensor rule). While the step runs, the
-    LightningModule's ``loss_fn`` returns its plain value (``full_tensor()``: no communication for a replicated
-    value, and differentiable) and ``self.log`` takes any DTensor value as its full tensor, so a step written for
-    one device logs as written."""
-    own = {name: lm.__dict__[name] for name in ("loss_fn", "log") if name in lm.__dict__}
-    loss_fn, log = getattr(lm, "loss_fn", None), lm.log
-    if callable(loss_fn):
-        lm.loss_fn = lambda *args, **kwargs: _plain_value(loss_fn(*args, **kwargs))
-    lm.log = lambda name, value, *args, **kwargs: log(name, _plain_value(value), *args, **kwargs)
-    try:
-        yield None
-    finally:
-        for name in ("loss_fn", "log"):
-            lm.__dict__.pop(name, None)
-        lm.__dict__.update(own)
-
-
-def _plain_value(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-@contextmanager
-def _loss_given(lm: Any, compute_loss: Any) -> Generator[None, None, None]:
-    """Run the LightningModule's own step with ``compute_loss`` answered by the pipeline, so its logging is kept."""
-    lm.compute_loss = compute_loss
-    try:
-        yield None
-    finally:
-        del lm.compute_loss
-
