@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_par.examples import HFCausalLMLightningModule, causal_lm_loss
+from lightning_par.parallel.finalize import finalize
+from lightning_par.parallel.gradient_sync import DDPSync
 from lightning_par.parallel.parts import split
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
@@ -230,11 +232,13 @@ def run_pipeline(case: Case, batches: list, eval_batch, mesh) -> dict:
     runtime = PipelineRuntime(parts, mesh["pp"], lm.loss_fn, loss_scale=1.0 / MICROBATCHES, device=torch.device("cpu"))
     runtime.module.forward = runtime.forward_only
     optimizer = lm.configure_optimizers()
+    owner = DDPSync(mesh["dp"], bucket_cap_mb=25.0, deferred=True)  # what the engine picks for ZeRO-0 under pp
+    owner.wrap(runtime.module)
     losses = []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         loss = runtime.train_step(*split_batch(batch))
-        runtime.sync_gradients(mesh["dp"].get_group())
+        finalize(owner, runtime)
         optimizer.step()
         losses.append(loss.item())
     out = {"losses": losses, "units_by_stage": runtime.units_by_stage, "source": parts.found.source,

@@ -410,7 +410,7 @@ def test_offloaded_zero3_owners_keep_parameters_on_host():
     assert gradient_sync.FSDPSync(mesh, shard=True, offload=True).parameters_on_host
     assert not gradient_sync.FSDPSync(mesh, shard=True).parameters_on_host
     assert not gradient_sync.FSDPSync(mesh, shard=False, offload=True).parameters_on_host
-    assert gradient_sync.PipelineFSDPSync(mesh, offload=True).parameters_on_host
+    assert gradient_sync.FSDPSync(mesh, shard=True, offload=True, deferred=True).parameters_on_host
     assert not gradient_sync.NoSync().parameters_on_host
     # one policy for both FSDP paths: pinned where a device copies to the host, unpinned on a CPU mesh
     assert fsdp_offload_policy(True, "cuda").pin_memory and not fsdp_offload_policy(True, "cpu").pin_memory

@@ -100,6 +100,47 @@ def test_the_clips_norm_is_the_steps_gradient_check(one_process_group, counted, 
     assert counted == expected and len(losses) == STEPS
 
 
+class _Manual:
+    """Manual optimization: the step runs backward and the optimizer itself (``clip``: and clips before the step)."""
+
+    clip = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = self.compute_loss(batch)
+        self.manual_backward(loss)
+        if self.clip:
+            self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+        return {"loss": loss.detach()}
+
+
+def test_manual_optimization_finalizes_in_the_optimizer_step_and_refuses_clip_gradients(one_process_group, counted,
+                                                                                        monkeypatch):
+    """The gradients are made final inside optimizer.step() (finalize once per step, the check on this rank's
+    gradients after it); a clip_gradients before the step would see partial gradients, so it is refused."""
+    import lightning_par.strategies.step as step
+    from lightning_par import LayoutStrategy
+    from lightning_par.examples import GPTLightningModule
+    from lightning_par.topology import LayoutError
+
+    finalized: list[int] = []
+    real = step.finalize
+    monkeypatch.setattr(step, "finalize", lambda owner, runner: (finalized.append(1), real(owner, runner))[1])
+    manual = type("Manual", (_Manual, GPTLightningModule), {})
+    _, losses = _fit(manual(preset="tiny", n_layers=2, optimizer="sgd", lr=0.2), LayoutStrategy(), clip=None)
+    assert len(losses) == STEPS and len(finalized) == STEPS
+    assert counted == {"global_norm": 0, "local_check": STEPS, "norm_check": 0}
+    clipping = type("ManualClip", (_Manual, GPTLightningModule), {"clip": True})
+    with pytest.raises(LayoutError, match="clip_gradients under manual optimization"):
+        _fit(clipping(preset="tiny", n_layers=2, optimizer="sgd", lr=0.2), LayoutStrategy(), clip=None)
+
+
 def test_clipped_steps_match_lightnings_own_strategy(one_process_group):
     from lightning_par import LayoutStrategy
 

@@ -464,8 +464,6 @@ class LayoutStrategy(ParallelStrategy):
                 self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
                                                            self.precision_plugin.shard_precision(
                                                                self.layout.zero_stage))
-                if self.pipeline is not None:
-                    self._gradient_sync.bind(self.pipeline)
             self._sync_fits = True
             self.model = self._gradient_sync.wrap_again(self.model)
         if self.pipeline is not None:
@@ -480,6 +478,7 @@ class LayoutStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._gradient_sync.attach(self.lightning_module, self.optimizers)
+            self._runner.grad_sync_func = self._gradient_sync.start_grad_sync  # (a pipeline's stages, as they end)
             # Lightning's clipping computes the norm of what this rank holds; clip by the whole model's instead
             self.precision_plugin.clip_grad_by_norm = self._step.clip_by_global_norm
         self._scope_metrics_to_data_parallel()
@@ -638,7 +637,6 @@ class LayoutStrategy(ParallelStrategy):
                            f"whole batch ({type(self.lightning_module).__name__} defines no loss_fn: the model call "
                            "in its training_step runs the schedule)")
         self._runner = pipeline
-        self._gradient_sync.bind(pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
         pipeline.make_tied_copies_equal()
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
@@ -678,9 +676,6 @@ class LayoutStrategy(ParallelStrategy):
 
     def block_backward_sync(self) -> AbstractContextManager:
         return self._step.block_backward_sync()
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        self._step.after_backward()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return self._step.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)

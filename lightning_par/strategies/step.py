@@ -6,9 +6,11 @@ LayoutStrategy` delegates here (Lightning requires the methods on the strategy).
   batch, and the LightningModule's own ``training_step`` runs with ``compute_loss`` answered by the schedule, so its
   logging is kept; a step written the Hugging Face way (``self.model(**batch).loss``) gets the schedule from its
   model call instead (:meth:`LayoutStep._model_call_step`).
-- Every optimizer step marks the non-finite flag (:mod:`lightning_par.parallel.bad_steps`), clips by the whole
-  model's gradient norm (:mod:`lightning_par.parallel.grad_norm`), and under ``nonfinite="skip"`` discards a bad
-  step's gradients on every rank.
+- Every optimizer step first makes its gradients final (:func:`~lightning_par.parallel.finalize.finalize`: the
+  tied copies summed over the pipeline, the data-parallel owner's reduction finished), then marks the non-finite
+  flag (:mod:`lightning_par.parallel.bad_steps`), clips by the whole model's gradient norm
+  (:mod:`lightning_par.parallel.grad_norm`), and under ``nonfinite="skip"`` discards a bad step's gradients on
+  every rank. Under manual optimization that happens inside ``optimizer.step()``, so ``clip_gradients`` is refused.
 
 Here in ``strategies/`` and not in ``parallel/``: it calls the LightningModule's steps, reads the Trainer and writes
 to its loggers.
@@ -25,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_par.parallel.finalize import finalize, no_sync
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
 from lightning_par.topology import LayoutError
@@ -68,7 +71,6 @@ class LayoutStep:
                 return self._model_call_step(lm, *args, **kwargs)
             with self.loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
                 loss = runner.train_step(*split_batch(batch))
-            self.after_backward()  # Lightning's post_backward does not run: it skips backward
             with _loss_given(lm, lambda _batch: loss):
                 return lm.training_step(*args, **kwargs)
 
@@ -90,7 +92,6 @@ class LayoutStep:
                     "`loss = self.model(**batch).loss`.")
             with self.loss_context():
                 output = runtime.train_call(*call_args, **call_kwargs)
-            self.after_backward()  # Lightning's post_backward does not run: it skips backward
             losses.append(output["loss"])
             return output
 
@@ -171,18 +172,11 @@ class LayoutStep:
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        sync = self._strategy.gradient_sync
-        sync.set_enabled(False)
-        try:
+        with no_sync(self._strategy.gradient_sync, self._strategy._runner):
             yield None
-        finally:
-            sync.set_enabled(True)
-
-    def after_backward(self) -> None:
-        self._strategy.gradient_sync.after_backward()
 
     # ----------------------------------------------------------------------------------------------------------------
-    # The optimizer step: the non-finite flag, the clip by the whole model's norm, the skip
+    # The optimizer step: finalize, the non-finite flag, the clip by the whole model's norm, the skip
     # ----------------------------------------------------------------------------------------------------------------
     def global_grad_norm(self, optimizer: Any = None) -> Tensor:
         """The 2-norm of the whole model's gradient (what a single process would compute), on every rank.
@@ -198,7 +192,15 @@ class LayoutStep:
 
     def clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         """Lightning's clip by norm (the precision plugin's ``clip_grad_by_norm``), by the whole model's norm: the
-        norm of what one rank holds would clip each shard differently."""
+        norm of what one rank holds would clip each shard differently.
+
+        Refused under manual optimization: the gradients are made final (:func:`~lightning_par.parallel.finalize.
+        finalize`) inside ``optimizer.step()``, so a ``clip_gradients`` before it would see partial ones."""
+        lm = self._strategy.lightning_module
+        if lm is not None and not lm.automatic_optimization:
+            raise LayoutError("clip_gradients under manual optimization: gradients are made final in optimizer.step()"
+                              " (finalize.py), so before it they may be partial. Clip under automatic "
+                              "optimization, with Trainer(gradient_clip_val=...).")
         total = self.global_grad_norm(optimizer)
         if self._clip_marks is optimizer:  # this norm is the step's gradient check too
             self._clip_marks = None
@@ -221,8 +223,13 @@ class LayoutStep:
         clip_marks = not agree_first and self._lightning_clips_by_norm()
 
         def checked() -> Any:
-            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
             result = closure()
+            # the one end of every step for the gradients, before they are checked, clipped and stepped -- unless
+            # Lightning's loop skipped the batch (training_step returned None: no backward ran, no gradients)
+            lm = strategy.lightning_module
+            if result is not None or strategy._runner.takes_over_step or not lm.automatic_optimization:
+                finalize(strategy.gradient_sync, strategy._runner)
+            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
             flags.add_loss(result)
             if clip_marks:
                 self._clip_marks = optimizer

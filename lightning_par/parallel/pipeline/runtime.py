@@ -23,9 +23,10 @@ The runtime is built last (split, then transform, then run: :func:`~lightning_pa
 With ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.zero.fully_shard_parts`) torch's schedules
 reduce-scatter each FSDP group's gradient once per step, after the last micro-batch's backward, and the
 stages keep their parameters gathered from the first forward to that reduce-scatter (see :mod:`.fsdp` for the
-counts). The runtime does not synchronise data-parallel gradients itself, except for ZeRO-0, whose owner calls
-:meth:`PipelineRuntime.overlap_dp_reduction` (each stage's gradients all-reduced in buckets as the schedule ends
-that stage's last backward) and :meth:`PipelineRuntime.sync_gradients` (the rest, and the wait, before the step).
+counts). The runtime reduces nothing over data parallel itself: the owner does, told that the runtime defers its
+reduction (:mod:`lightning_par.parallel.gradient_sync`), and :func:`~lightning_par.parallel.finalize.finalize` ends
+each step. The runtime's part: :attr:`PipelineRuntime.grad_sync_func` hears each stage's gradients as the schedule
+ends that stage's last backward, and ``require_sync = False`` holds everything back while gradients accumulate.
 
 Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
 checked once, when the :class:`~lightning_par.parallel.stage_plan.StagePlan` is built (by the layout, in the
@@ -53,8 +54,8 @@ from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.parts import ModelParts, TiedCopy
 from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.batches import split_batch
-from lightning_par.parallel.pipeline.dp_reduce import BucketedAllReduce
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
+from lightning_par.parallel.runners import GradSyncFunc
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan  # noqa: F401 -- SCHEDULES: the old import path
 from lightning_par.topology import LayoutError
 
@@ -200,8 +201,6 @@ class PipelineRuntime:
         self.loss_scale = loss_scale  # read per micro-batch: an elastic resume may change the accumulation
         self.record_next = False  # record the next training step's executed schedule and activation memory
         self.recording: Recording | None = None
-        self.dp_reduce: BucketedAllReduce | None = None  # ZeRO-0: see overlap_dp_reduction
-        self._dp_launched: set[int] = set()  # stages whose buckets this step's schedule launched
 
         self.loss_scale = loss_scale  # (set again when a later fit of the same model accumulates otherwise)
 
@@ -381,77 +380,50 @@ class PipelineRuntime:
     def _tied_copy(self, tied: TiedCopy) -> nn.Parameter | None:
         return self.module.get_parameter(tied.name) if tied.name is not None else None
 
-    def overlap_dp_reduction(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
-        """ZeRO-0: from now on, while ``require_sync``, each stage's gradients start their all-reduce over
-        ``dp_group`` (in buckets, :class:`~.dp_reduce.BucketedAllReduce`) as the schedule returns from that stage's
-        last backward of the step (``last_backward``: its last B, or W in the zero-bubble schedules), overlapping
-        the schedule's remaining actions on this rank (the other stages' backwards, the cooldown's sends and
-        receives). :meth:`sync_gradients` completes them before the step. Parameters whose gradient is still to
-        change then -- tied copies summed over the pipeline, a parameter held by two stages of this rank -- are
-        reduced in :meth:`sync_gradients`."""
-        self.dp_reduce = BucketedAllReduce(dp_group, bucket_cap_mb)
-        for stage in self.stages:
-            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
-                # an instance attribute shadows the method (the schedule calls it by name, with last_backward=)
-                setattr(stage, name, self._reducing(stage, getattr(stage, name)))
+    @property
+    def grad_sync_func(self) -> GradSyncFunc | None:
+        """``grad_sync_func(params)``, called while ``require_sync`` as the schedule returns from a stage's last
+        backward of the step (``last_backward``: its last B, or W in the zero-bubble schedules) with the stage's
+        parameters, less those whose gradient is still to change -- tied copies, summed over the pipeline later, and
+        parameters two stages of this rank share -- so the data-parallel owner can start reducing them while the
+        schedule runs this rank's remaining actions (Megatron-Core's ``config.grad_sync_func``)."""
+        return self._grad_sync_func
 
-    def _reducing(self, stage: Any, backward: Callable[..., Any]) -> Callable[..., Any]:
-        """``backward`` that then launches the stage's buckets after its last backward of the step. It keeps
+    @grad_sync_func.setter
+    def grad_sync_func(self, func: GradSyncFunc | None) -> None:
+        if func is not None and self._grad_sync_func is None:
+            for stage in self.stages:
+                for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                    # an instance attribute shadows the method (the schedule calls it by name, with last_backward=)
+                    setattr(stage, name, self._reporting(stage, getattr(stage, name)))
+        self._grad_sync_func = func
+
+    _grad_sync_func: GradSyncFunc | None = None
+
+    def _reporting(self, stage: Any, backward: Callable[..., Any]) -> Callable[..., Any]:
+        """``backward`` that then reports the stage's gradients after its last backward of the step. It keeps
         ``backward``'s signature (``functools.wraps``): the timeline recorder binds the schedule's arguments to it to
         find the micro-batch."""
 
         @functools.wraps(backward)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._backward_then_reduce(stage, backward, *args, **kwargs)
+            out = backward(*args, **kwargs)
+            if kwargs.get("last_backward") and self.require_sync and self._grad_sync_func is not None:
+                late = self._reduced_last()
+                self._grad_sync_func([p for p in stage.submod.parameters() if id(p) not in late])
+            return out
 
         return call
 
-    def _backward_then_reduce(self, stage: Any, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        out = backward(*args, **kwargs)
-        if kwargs.get("last_backward") and self.require_sync and self.dp_reduce is not None:
-            self._launch_stage(stage)
-        return out
-
     def _reduced_last(self) -> set[int]:
-        """ids of the parameters reduced only in :meth:`sync_gradients`: tied copies (their gradients are summed
-        over the pipeline first) and parameters held by more than one stage of this rank."""
+        """ids of the parameters whose gradient changes after their stage's last backward: tied copies (summed
+        over the pipeline) and parameters held by more than one stage of this rank."""
         late = {id(p) for tied in self._tied if (p := self._tied_copy(tied)) is not None}
         seen: set[int] = set()
         for stage in self.stages:
             for p in stage.submod.parameters():
                 (late if id(p) in seen else seen).add(id(p))
         return late
-
-    def _launch_stage(self, stage: Any) -> None:
-        if stage.stage_index in self._dp_launched:
-            raise RuntimeError(f"pipeline stage {stage.stage_index} ended its last backward twice in one step; its "
-                               "gradients were already being all-reduced over data parallel.")
-        self._dp_launched.add(stage.stage_index)
-        late = self._reduced_last()
-        assert self.dp_reduce is not None
-        self.dp_reduce.launch([_local(p.grad) for p in stage.submod.parameters()
-                               if p.grad is not None and id(p) not in late])
-
-    def sync_gradients(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
-        """ZeRO-0 (plain replicas) only: before the optimizer step, sum the tied copies' gradients over the pipeline
-        (:meth:`sum_tied_gradients`) and average every gradient over the replicas, in buckets: the stages whose
-        buckets :meth:`overlap_dp_reduction` did not launch during the schedule are launched now, then the tied and
-        shared parameters, and every bucket is waited for.
-
-        Other data-parallel owners synchronise the replicas themselves and call only :meth:`sum_tied_gradients`."""
-        if self.dp_reduce is None or self.dp_reduce.group is not dp_group:
-            self.dp_reduce = BucketedAllReduce(dp_group, bucket_cap_mb)
-        try:
-            for stage in self.stages:
-                if stage.stage_index not in self._dp_launched:
-                    self._launch_stage(stage)
-            self.sum_tied_gradients()
-            late = self._reduced_last()
-            params = {id(p): p for stage in self.stages for p in stage.submod.parameters() if id(p) in late}
-            self.dp_reduce.launch([_local(p.grad) for p in params.values() if p.grad is not None])
-            self.dp_reduce.finish()
-        finally:
-            self._dp_launched = set()
 
     def _exchange_meta(self, tied: TiedCopy, local: Tensor | None) -> tuple[list[int], torch.dtype]:
         """The shape and dtype of this rank's part of ``tied``, broadcast from its source rank: ranks without a
@@ -493,11 +465,11 @@ class PipelineRuntime:
     def sum_tied_gradients(self) -> None:
         """Sum the gradients of parameters held on several pipeline ranks, so their copies take the same step.
 
-        Call on every pipeline rank together, once per step: the data-parallel owner decides when (before the
-        ZeRO-1/2 reduce-scatter, on full gradients; after ZeRO-3's reduction, shard by shard). Either way the sum
-        commutes with the data-parallel one; the copies must be laid out alike, which the first call checks. The
-        all-reduce runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this
-        avoids extra process groups.
+        Call on every pipeline rank together, once per step: :func:`~lightning_par.parallel.finalize.finalize`
+        does, after the reductions the schedule ran (ZeRO-3's, shard by shard) and before the owner finishes its
+        own (ZeRO-1/2's reduce-scatter, on full gradients). Either way the sum commutes with the data-parallel one;
+        the copies must be laid out alike, which the first call checks. The all-reduce runs over the whole pipeline
+        group (ranks without a copy add zeros): tied weights are rare and this avoids extra process groups.
         """
         grads = []
         for tied in self._tied:
