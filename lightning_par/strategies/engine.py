@@ -425,10 +425,12 @@ class LayoutStrategy(ParallelStrategy):
         # this rank's stages from the split on, the rest of the model is never materialised
         parts = self._split()
         if parts.pipeline is None:
+            self._log_blocks(parts)
             self._parallelize(parts)
         else:
             cut = parts.pipeline  # its loss is refused before any collective
             loss_fn = last_stage_loss(self.lightning_module, cut.module, cut.model_loss, self.dims.pp)
+            self._log_blocks(parts)
             # this rank's stages differ from the other pipeline ranks': a failure on one stops them all
             agree(self.device_mesh["pp"].get_group(), "prepare its stages", lambda: self._parallelize(parts))
             self._run_pipeline(trainer, fitting, parts, loss_fn)
@@ -597,10 +599,14 @@ class LayoutStrategy(ParallelStrategy):
                      or self.dims.cp > 1)  # (context parallel hooks the module that runs the blocks)
         parts = split(lm, layout.stage_plan, self.device_mesh["pp"] if pipelined else None,
                       block_types=layout.block_types, costs=layout.stage_costs, holder=True, need_blocks=per_block)
-        mine = "rank 0's part: " if pipelined else ""
+        return parts
+
+    def _log_blocks(self, parts: ModelParts) -> None:
+        """Say which repeated blocks were found (ZeRO-3 and replicate groups, pipeline units are built from them);
+        after the checks that can refuse the layout, so that a refusal is the last line of every rank."""
+        mine = "rank 0's part: " if parts.pipeline is not None else ""
         rank_zero_info(f"blocks: {mine}{parts.found.describe()}" if parts.found is not None
                        else "blocks: none found; data parallel treats the model as one unit")
-        return parts
 
     def _scope_metrics_to_data_parallel(self) -> None:
         """torchmetrics sync over the data-parallel group: the tp / pp ranks of one replica saw the same samples."""
