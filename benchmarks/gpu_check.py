@@ -295,13 +295,9 @@ def stage_env(args, p: dict, device, fig: dict) -> None:
     ref_grads = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
-    cp.activate(ctx)
-    try:
-        out = cp.sequence_attention(*leaves, is_causal=True, enable_gqa=True)
-        out.backward(grad_out)
-        fig["cp_seconds"] = timed(lambda: cp.sequence_attention(q, k, v, is_causal=True, enable_gqa=True))
-    finally:
-        cp.activate(None)
+    out = cp.sequence_attention(*leaves, is_causal=True, enable_gqa=True, context=ctx)
+    out.backward(grad_out)
+    fig["cp_seconds"] = timed(lambda: cp.sequence_attention(q, k, v, is_causal=True, enable_gqa=True, context=ctx))
 
     def rel(x, y) -> float:
         return float((x.float() - y.float()).norm() / y.float().norm())

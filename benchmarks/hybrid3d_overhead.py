@@ -94,7 +94,7 @@ class PlainLoop:
         from torch.distributed.device_mesh import init_device_mesh
 
         from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
-        from lightning_par.parallel.blocks import find_blocks
+        from lightning_par.parallel.parts import split
         from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
         from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
         from lightning_par.parallel.zero import ZeroPartitioner
@@ -102,18 +102,13 @@ class PlainLoop:
         mesh = init_device_mesh("cpu", (PP, 1, TP), mesh_dim_names=("pp", "dp", "tp"))
         torch.manual_seed(SEED)
         model = GPT(GPTConfig.from_preset(preset))
-        blocks = find_blocks(model)
-        plans = []
-
-        def prepare(rank_module, stage_modules):
-            plans.append(apply_tensor_parallel(rank_module, mesh["tp"], False, stage=True))
-            return stage_modules
-
         choice = resolve_schedule("1f1b", PP, microbatches)
-        self.runtime = PipelineRuntime(model, mesh["pp"], choice, causal_lm_loss, loss_scale=1.0 / microbatches,
-                                       device=torch.device("cpu"), units=list(blocks.units), prepare=prepare)
+        parts = split(model, choice, mesh["pp"])
+        plan = apply_tensor_parallel(parts.pipeline.module, mesh["tp"], False, stage=True)
+        self.runtime = PipelineRuntime(parts, mesh["pp"], causal_lm_loss, loss_scale=1.0 / microbatches,
+                                       device=torch.device("cpu"))
         self.runtime.make_tied_copies_equal()
-        self.loss_context = plans[0].loss_context
+        self.loss_context = plan.loss_context
         params = [p for p in self.runtime.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},

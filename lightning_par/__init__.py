@@ -8,7 +8,7 @@ working (:mod:`lightning_par._aliases`).
 
 import warnings
 
-from lightning_par._help import light_help
+from lightning_par._light_help import light_help
 
 __version__ = "0.1.0"
 

@@ -137,7 +137,7 @@ cuda_record_memory_history = private("torch", "torch.cuda.memory", "_record_memo
 cuda_memory_snapshot = private("torch", "torch.cuda.memory", "_snapshot")
 ShardedTensorMetadata = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "ShardedTensorMetadata")
 TensorProperties = private("torch", "torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")
-# a ShardedTensor built without a process group (zero_checkpoint.blocks_tensor): its public constructors need one
+# a ShardedTensor built without a process group (zero_state.blocks_tensor): its public constructors need one
 make_wrapper_subclass = private("torch", "torch", "Tensor._make_wrapper_subclass")
 # puts a value at a DCP path inside a nested state dict (sharded_checkpoint.py); DCP has no public setter
 set_element = private("torch", "torch.distributed.checkpoint._traverse", "set_element")
@@ -201,6 +201,9 @@ resolve_process_group = private("torch", "torch.distributed.distributed_c10d", "
 # torch has no public dispatch-mode API
 TorchDispatchMode = private("torch", "torch.utils._python_dispatch", "TorchDispatchMode")
 is_traceable_wrapper_subclass = private("torch", "torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+# context parallel's attention (parallel/context_parallel.py) is a torch function mode entered for the step; a Hugging
+# Face attention implementation finds it on the mode stack (torch has no public accessor of the stack)
+function_mode_stack = private("torch", "torch.overrides", "_get_current_function_mode_stack")
 # shapes without memory for the planner's trace (planner/trace.py); no public fake-tensor API
 FakeTensorMode = private("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
 # nested containers of tensors (torch has no public pytree module)
@@ -306,7 +309,7 @@ default_process_group_backend = private("lightning", "lightning.fabric.utilities
 init_dist_connection = private("lightning", "lightning.fabric.utilities.distributed", "_init_dist_connection")
 sync_ddp_if_available = private("lightning", "lightning.fabric.utilities.distributed", "_sync_ddp_if_available")
 optimizers_to_device = private("lightning", "lightning.fabric.utilities.optimizer", "_optimizers_to_device")
-# the data position a checkpoint saves (strategies/data_position.py): Lightning's own protocol and loader rebuild
+# the data position a checkpoint saves (data_position.py): Lightning's own protocol and loader rebuild
 Stateful = private("lightning", "lightning.fabric.utilities.types", "_Stateful")
 update_dataloader = private("lightning", "lightning.pytorch.utilities.data", "_update_dataloader")
 

@@ -1,23 +1,11 @@
-"""Whether this process is the ``lightning-par`` command asked only for the help of ``plan`` or ``export``: then
-``import lightning_par`` imports neither torch nor Lightning (about 4 s on a CPU machine) and the help is printed at
-once. Every other use of the package -- ``fit --help`` included, which lists Lightning's own Trainer arguments --
-imports it whole."""
+"""The ``lightning-par`` console script: the help of ``plan`` and ``export`` without torch and Lightning (see
+:mod:`lightning_par._light_help`), anything else by :func:`lightning_par.cli.main`."""
 
 from __future__ import annotations
 
-import os
 import sys
 
-#: the subcommands whose help needs no torch and no Lightning (their parsers are plain argparse)
-LIGHT_SUBCOMMANDS = ("plan", "export")
-
-
-def light_help(argv: list[str] | None = None) -> bool:
-    """``lightning-par plan --help`` or ``lightning-par export -h`` (the console script; ``python -m
-    lightning_par.cli`` imports the package before its arguments are known)."""
-    argv = sys.argv if argv is None else argv
-    return (len(argv) >= 3 and os.path.basename(argv[0]) == "lightning-par" and argv[1] in LIGHT_SUBCOMMANDS
-            and any(a in ("-h", "--help") for a in argv[2:]))
+from lightning_par._light_help import light_help
 
 
 def main() -> None:
@@ -25,7 +13,7 @@ def main() -> None:
     no torch), anything else by :func:`lightning_par.cli.main`."""
     if light_help():
         if sys.argv[1] == "plan":
-            from lightning_par.planner.cli import main as plan
+            from lightning_par.plan_cli import main as plan
 
             sys.exit(plan(sys.argv[2:]))
         from lightning_par.plugins.export_args import build_parser

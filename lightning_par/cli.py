@@ -284,7 +284,7 @@ class LightningParCLI(LightningCLI):
     def _rejoined(self) -> bool:
         """A torchrun attempt restarted by a membership change (a node joined; its restart count stays 0): the
         newest version directory's last step was recorded under this job's ``TORCHELASTIC_RUN_ID``."""
-        from lightning_par.strategies.elastic import same_torchelastic_job
+        from lightning_par.elastic import same_torchelastic_job
 
         root = self._logger_root()
         if root is None or "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -559,7 +559,7 @@ def main(args: list[str] | None = None) -> None:
         else:
             args = argv
     if argv and argv[0] == "plan":  # the planner: no Trainer, no LightningCLI
-        from lightning_par.planner.cli import main as plan
+        from lightning_par.plan_cli import main as plan
 
         code = plan(argv[1:])
         if code:

@@ -29,8 +29,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_par._compat import uses_distributed_sampler
+from lightning_par.data_position import resumable_train_loader
 from lightning_par.parallel.data_order import DataParallelSampler
-from lightning_par.strategies.data_position import resumable_train_loader
 
 VOCAB_SIZE = 256
 # Byte written after every document when documents are concatenated; NUL never occurs in normal text,
@@ -778,7 +778,7 @@ class TextDataModule(L.LightningDataModule):
         dataset, not on the layout: one process and any number of data-parallel ranks see the same global batches.
         Built here for every trainer, one process included, so ``shuffle=False`` stays meaningful (Lightning would
         inject a shuffling sampler under a distributed strategy) and the position is saved in checkpoints
-        (:func:`~lightning_par.strategies.data_position.resumable_train_loader`). The split is by data-parallel
+        (:func:`~lightning_par.data_position.resumable_train_loader`). The split is by data-parallel
         rank, from the strategy's ``distributed_sampler_kwargs``. ``None`` where the Trainer has
         ``use_distributed_sampler=False`` under a distributed strategy: the user shards the data then.
         """

@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import LayoutStrategy
 from lightning_par.examples import GPTLightningModule
+from lightning_par.parallel.zero_state import pieces
 from lightning_par.plugins.checkpoint_export import export_lightning
-from lightning_par.plugins.zero_checkpoint import pieces
 from lightning_par.topology import LayoutError
 
 SEED = 1234
@@ -319,7 +319,7 @@ def run(root: Path, name: str) -> None:
         t3.fit(resumed, loader(train, batch), ckpt_path=plain)  # restores, then stops: max_steps reached
         optimizer = t3.strategy.optimizers[0]
         diffs = []
-        partitioner = t3.strategy._partitioner
+        partitioner = getattr(t3.strategy.gradient_sync, "partitioner", None)
         if partitioner is not None:  # ZeRO-1/2: each rank's chunk of a bucket holds flat ranges of parameters
             name_of = {id(p): n for n, p in resumed.named_parameters()}
             for piece in pieces(partitioner):

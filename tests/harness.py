@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -210,6 +211,27 @@ def launch_torchrun(
         procs.append(subprocess.Popen(cmd, cwd=root, env=base_env(cache_dir), stdout=logs[-1].open("w"),
                                       stderr=subprocess.STDOUT))
     return _finish(root, procs, logs, start, timeout)
+
+
+# -- what a preempted torchrun job printed (lightning_par/parallel/preemption.py, lightning_par/cli.py) -------------
+def preempted_at(log: str) -> tuple[int, int, str] | None:
+    """The preemption line: ``(rank that received the signal, step stopped after, checkpoint saved)``, or None."""
+    found = re.search(r"lightning-par: SIG\w+ \(received by rank (\d+)\): stopped after step (\d+) on every rank; "
+                      r"saved (\S+); exit code", log)
+    return (int(found[1]), int(found[2]), found[3]) if found else None
+
+
+def restarted_from(log: str) -> str | None:
+    """The checkpoint the job's restart 1 (``torchrun --max-restarts``) resumed from, or None."""
+    found = re.search(r"lightning-par: restart 1 of this job \(TORCHELASTIC_RESTART_COUNT=1\): "
+                      r"resuming from (\S+?),?(?:\s|$)", log)
+    return found[1] if found else None
+
+
+def torchrun_first_failure(log: str) -> int | None:
+    """The exit code torchrun reported for the first attempt's first failed worker, or None."""
+    found = re.search(r"failed \(exitcode: (-?\d+)\)", log)
+    return int(found[1]) if found else None
 
 
 def launch_command(root: Path, cache_dir: Path, argv: list[str], timeout: float = 300,

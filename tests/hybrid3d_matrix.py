@@ -99,7 +99,7 @@ def _report(trainer: pl.Trainer, path: Path) -> None:
     report = {"coordinates": strategy.coordinates, "gradient_sync": owner.name,
               # what is reduce-scattered once per optimizer step: ZeRO-1/2 buckets, or ZeRO-3's FSDP groups
               "buckets": len(partitioner.buckets) if partitioner is not None else None,
-              "fsdp_groups": fsdp_group_count(strategy.pipeline.stage_modules, strategy._block_names),
+              "fsdp_groups": fsdp_group_count(strategy.pipeline.stage_modules, strategy.pipeline.block_names),
               "units": [u for i in strategy.pipeline.stage_ids for u in strategy.pipeline.units_by_stage[i]],
               "param_bytes": own_bytes, "dims": str(strategy.dims.describe())}
     path.mkdir(parents=True, exist_ok=True)

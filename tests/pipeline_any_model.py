@@ -1,11 +1,11 @@
 """Pipeline parallel on models that declare nothing: Hugging Face causal LMs and a plain nn.ModuleList model.
 
 Run under torchrun on 2 ranks (``tests.harness.launch_matrix``); ``tests/test_pipeline_any_model.py`` reads what it
-writes. Each case builds the model the way the engine does (``find_blocks`` on the LightningModule, then
-``PipelineRuntime(blocks.root, ..., units=blocks.units)`` put in the model's place), trains it for 20 fp32 steps
-with the module's own optimizer, and records the per-step losses next to those of one process training the same
-model (same seed) on the same batches. Every rank computes that reference itself (no communication), at the same
-time, so it costs no extra wall time. Cases run one after another in the same ranks: one start-up for all.
+writes. Each case builds the model the way the engine does (``split(lm, ..., holder=True)``: the blocks found on the
+LightningModule, its model replaced by this rank's stages, then ``PipelineRuntime(parts, ...)``), trains it for 20
+fp32 steps with the module's own optimizer, and records the per-step losses next to those of one process training
+the same model (same seed) on the same batches. Every rank computes that reference itself (no communication), at the
+same time, so it costs no extra wall time. Cases run one after another in the same ranks: one start-up for all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_par.examples import HFCausalLMLightningModule, causal_lm_loss
-from lightning_par.parallel.blocks import find_blocks
+from lightning_par.parallel.finalize import finalize
+from lightning_par.parallel.gradient_sync import DDPSync
+from lightning_par.parallel.parts import split
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 from tests.harness import close_process_group
@@ -225,22 +227,21 @@ def _error(fn, *args, **kwargs) -> str:
 
 def run_pipeline(case: Case, batches: list, eval_batch, mesh) -> dict:
     lm = make_lm(case)
-    blocks = find_blocks(lm)  # what the engine does
     choice = resolve_schedule(case.schedule, PP, MICROBATCHES)
-    runtime = PipelineRuntime(blocks.root, mesh["pp"], choice, lm.loss_fn, loss_scale=1.0 / MICROBATCHES,
-                              device=torch.device("cpu"), units=list(blocks.units))
-    parent_name, _, attr = blocks.path.rpartition(".")
-    setattr(lm.get_submodule(parent_name) if parent_name else lm, attr, runtime.module)
+    parts = split(lm, choice, mesh["pp"], holder=True)  # what the engine does: lm holds this rank's stages
+    runtime = PipelineRuntime(parts, mesh["pp"], lm.loss_fn, loss_scale=1.0 / MICROBATCHES, device=torch.device("cpu"))
     runtime.module.forward = runtime.forward_only
     optimizer = lm.configure_optimizers()
+    owner = DDPSync(mesh["dp"], bucket_cap_mb=25.0, deferred=True)  # what the engine picks for ZeRO-0 under pp
+    owner.wrap(runtime.module)
     losses = []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         loss = runtime.train_step(*split_batch(batch))
-        runtime.sync_gradients(mesh["dp"].get_group())
+        finalize(owner, runtime)
         optimizer.step()
         losses.append(loss.item())
-    out = {"losses": losses, "units_by_stage": runtime.units_by_stage, "source": blocks.source,
+    out = {"losses": losses, "units_by_stage": runtime.units_by_stage, "source": parts.found.source,
            "names": [n for n, _ in lm.named_parameters(remove_duplicate=False)]}
     if case.model == "plain" and case.evaluate:  # errors raised alike on every rank, before any communication
         ids = eval_batch[0]

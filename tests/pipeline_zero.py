@@ -1,11 +1,11 @@
 """ZeRO-3 (FSDP2) and tensor parallel inside pipeline stages, at the parallel level (no Lightning), on 4 ranks.
 
 Run under torchrun on 4 ranks (``tests.harness.launch_matrix``); ``tests/test_pipeline_zero.py`` reads the JSON it
-writes. Each case builds the example GPT on every rank with the same seed, splits it with
-:class:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime` and transforms the stages in its ``prepare``
-callback the way the engine does:
+writes. Each case builds the example GPT on every rank with the same seed, splits it
+(:func:`~lightning_par.parallel.parts.split`), transforms the stages the way the engine does, and runs them with
+:class:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime`:
 
-* ``zero3_*``: pp=2 x dp=2, :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages` (FSDP2 per block and
+* ``zero3_*``: pp=2 x dp=2, :func:`~lightning_par.parallel.zero.fully_shard_parts` (FSDP2 per block and
   per stage module); the collectives of every step are counted with :class:`~lightning_par.measure.CommCounter`;
 * ``tp2_*``: pp=2 x tp=2, :func:`~lightning_par.parallel.tensor_parallel.apply_tensor_parallel` on the rank module
   (``stage=True``: the model's plan, its patterns for other ranks' units skipped); the schedule runs inside the
@@ -31,9 +31,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.measure import CommCounter
 from lightning_par.parallel.blocks import find_blocks
-from lightning_par.parallel.pipeline.fsdp import fsdp_group_count, fully_shard_stages
+from lightning_par.parallel.parts import agree, split
+from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_par.parallel.zero import fully_shard_parts
 from tests.harness import close_process_group
 
 SEED = 1234
@@ -142,6 +144,7 @@ def run_case(name: str, case: Case, batches, eval_batch) -> dict:
     sent_shapes: dict[int, list[int]] = {}  # index of the stage on this rank -> shape of its first output
 
     def prepare(rank_module, stage_modules):
+        """What the engine's parallelize does to the parts, written out: tensor parallel, or FSDP2 of the stages."""
         for index, module in enumerate(stage_modules):
             def record(_module, _args, out, index=index) -> None:
                 sent_shapes.setdefault(index, list(out.shape))
@@ -154,13 +157,15 @@ def run_case(name: str, case: Case, batches, eval_batch) -> dict:
             # the plan of the whole model, its patterns for units of other ranks skipped (stage=True)
             tp_plan.append(apply_tensor_parallel(rank_module, mesh["tp"], case.sequence_parallel, stage=True))
             return stage_modules
-        return fully_shard_stages(stage_modules, mesh["dp"], blocks.blocks,
-                                  reshard_after_forward=case.reshard_after_forward)
+        return fully_shard_parts(model_parts, mesh["dp"], reshard_after_forward=case.reshard_after_forward)
 
     scale = 1.0 / (case.microbatches * case.accumulate)
     try:
-        runtime = PipelineRuntime(model, mesh["pp"], choice, causal_lm_loss, loss_scale=scale,
-                                  device=torch.device("cpu"), units=list(blocks.units), prepare=prepare)
+        model_parts = split(model, choice, mesh["pp"], units=list(blocks.units))
+        # as the engine runs it: a failure on one pipeline rank is raised on every one
+        model_parts.stages = agree(mesh["pp"].get_group(), "prepare its stages",
+                                   lambda: prepare(model_parts.pipeline.module, model_parts.stages))
+        runtime = PipelineRuntime(model_parts, mesh["pp"], causal_lm_loss, loss_scale=scale, device=torch.device("cpu"))
     except Exception as err:  # noqa: BLE001 -- a refused layout: the message is what the test reads
         return {"error": f"{type(err).__name__}: {err}"}
     runtime.make_tied_copies_equal()

@@ -31,9 +31,11 @@ from lightning_par import LayoutStrategy
 from lightning_par.data import TextDataModule
 from lightning_par.examples import GPTLightningModule
 from lightning_par.examples.plain_lm import PlainLM, PlainLMLightningModule
+from lightning_par.parallel.finalize import finalize
 from lightning_par.parallel.gradient_sync import choose_gradient_sync
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ModelParts
+from lightning_par.parallel.runners import SingleRunner
 from lightning_par.plugins.precision import LayoutPrecision
 from tests.harness import close_process_group
 
@@ -120,7 +122,7 @@ def measure_state(stage: int, dp_mesh, precision: str = "bf16-mixed") -> dict:
             logits = wrapped(tokens[:, :-1])
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        sync.after_backward()
+        finalize(sync, SingleRunner())
         optimizer.step()
         sync.after_step()
         optimizer.zero_grad(set_to_none=True)

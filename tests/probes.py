@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -126,6 +127,130 @@ class SignalAt(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._maybe(trainer, "after_save")
+
+
+class PreemptEveryRank(pl.Callback):
+    """A scheduler preempting the job: SIGTERM to every rank's process at once, at a chosen moment of the job's
+    first attempt, and in the next attempt a check of the checkpoint it resumed from. Files go to ``path``.
+
+    Every rank writes its pid to ``pids/rank{N}`` when training starts. On global rank 0, a thread sends the signal
+    to every pid ``fraction`` of a measured duration after the moment begins:
+
+    - ``step``: optimizer step ``step`` (its first batch starting with ``global_step == step``); the duration is the
+      median of the earlier steps' (batch start to batch start);
+    - ``save``: the checkpoint save at ``global_step == step`` (``on_save_checkpoint``); the duration is the previous
+      save's, from its start until no ``*.partial`` is left in the checkpoint directory (a sync save's write, an
+      async save's write in the background until it committed).
+
+    ``signal.json``: the time the signal was sent, the pids (by rank), ``step_started`` (the global step when rank 0's
+    current batch started), ``phase`` (``step``: inside a batch, before its end hooks; ``boundary``: in its end
+    hooks, where saves and the preemption check run) and ``save_in_flight`` (a ``*.partial`` in the checkpoint
+    directory: a save was still being written). Every rank writes the time it stopped (the exception that ends the
+    attempt) to ``pids/stopped_rank{N}``. In a later attempt rank 0 writes ``resumed.json`` when training starts,
+    before any save: the checkpoint resumed from, the global step it restored, and whether it is complete (every file
+    there at its size and checksum, :mod:`lightning_par.plugins.checkpoint_files`)."""
+
+    def __init__(self, path: str, moment: str, step: int, fraction: float) -> None:
+        if moment not in ("step", "save"):
+            raise ValueError(f"moment={moment!r}: 'step' or 'save'")
+        self.path, self.moment, self.step, self.fraction = Path(path), moment, step, fraction
+        self.phase, self.step_started = "start", -1
+        self.step_starts: list[float] = []
+        self.save_seconds: float | None = None
+        self.sent = False
+        self._directory: Path | None = None
+
+    @staticmethod
+    def _attempt() -> int:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self._attempt() > 0:
+            if trainer.is_global_zero:
+                self._check_resumed(trainer)
+            return
+        (self.path / "pids").mkdir(parents=True, exist_ok=True)
+        (self.path / "pids" / f"rank{trainer.global_rank}").write_text(str(os.getpid()))
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        self._directory = Path(dirpath) if dirpath else None
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        """The time this rank stopped (the preemption's checkpoint written, or handed to the async writer)."""
+        if self._attempt() == 0:
+            (self.path / "pids" / f"stopped_rank{trainer.global_rank}").write_text(str(time.time()))
+
+    def _check_resumed(self, trainer) -> None:
+        from lightning_par.plugins import checkpoint_files
+
+        path = Path(str(trainer.ckpt_path))
+        error = None
+        try:
+            target = checkpoint_files.resolve(path)
+            if target.is_dir():
+                files = checkpoint_files.read_manifest(target)
+                checkpoint_files.check_sizes(target, files)
+                checkpoint_files.check_checksums(target, files, sorted(files))
+            else:
+                checkpoint_files.verify_file(path, target)
+        except Exception as err:  # noqa: BLE001 -- reported, not raised: the benchmark says what was wrong
+            error = f"{type(err).__name__}: {err}"
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "resumed.json").write_text(json.dumps(
+            {"path": str(path), "global_step": trainer.global_step, "complete": error is None, "error": error}))
+
+    def _armed(self, trainer) -> bool:
+        return not self.sent and trainer.is_global_zero and self._attempt() == 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.phase, self.step_started = "step", trainer.global_step
+        if not self._armed(trainer):
+            return
+        self.step_starts.append(time.time())
+        if self.moment == "step" and trainer.global_step == self.step:
+            gaps = sorted(b - a for a, b in zip(self.step_starts[:-1], self.step_starts[1:], strict=True))
+            self._send_after(self.fraction * gaps[len(gaps) // 2], trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.phase = "boundary"
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if not self._armed(trainer) or self._directory is None:
+            return
+        if self.moment == "save" and trainer.global_step == self.step:
+            assert self.save_seconds is not None, "a save before the signalled one measures its duration"
+            self._send_after(self.fraction * self.save_seconds, trainer)
+        else:
+            threading.Thread(target=self._time_save, args=(time.time(),), daemon=True).start()
+
+    def _partials(self) -> list[str]:
+        return [p.name for p in self._directory.glob("*.partial")] if self._directory is not None else []
+
+    def _time_save(self, began: float) -> None:
+        """The save's duration: until the partial it writes has appeared and gone again (or 10 s)."""
+        seen = False
+        while time.time() - began < 10:
+            partial = bool(self._partials())
+            seen = seen or partial
+            if seen and not partial:
+                break
+            time.sleep(0.002)
+        self.save_seconds = time.time() - began
+
+    def _send_after(self, delay: float, trainer) -> None:
+        self.sent = True
+        pids = [int(p.read_text()) for p in sorted((self.path / "pids").glob("rank*"))]
+
+        def send() -> None:
+            time.sleep(delay)
+            record = {"time": time.time(), "delay": delay, "pids": pids, "step_started": self.step_started,
+                      "phase": self.phase, "global_step": trainer.global_step, "partials": self._partials()}
+            record["save_in_flight"] = bool(record["partials"])
+            (self.path / "signal.json.tmp").write_text(json.dumps(record))
+            os.replace(self.path / "signal.json.tmp", self.path / "signal.json")  # whole, for whoever watches it
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
+
+        threading.Thread(target=send, daemon=True).start()
 
 
 class GradNorms(pl.Callback):

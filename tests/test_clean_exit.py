@@ -57,6 +57,32 @@ def test_a_thread_inside_a_store_call_at_exit_aborts_unless_exit_waits_for_it(tm
     assert codes["engine"] == (0, False), codes
 
 
+#: a finished run's exit code (here 75, a preemption's) and a SIGTERM that comes during the exit handler (torchrun
+#: sends one to every worker still running once one has exited non-zero); the handler registered first runs last
+SIGTERM_AT_EXIT = textwrap.dedent("""
+    import atexit, os, signal, sys, time
+    import torch.distributed as dist
+    from lightning_par.parallel import shutdown
+
+    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))
+    if sys.argv[1] == "engine":
+        dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+        shutdown.close_at_exit()
+    sys.exit(75)
+""")
+
+
+def test_a_sigterm_during_exit_keeps_the_runs_exit_code(tmp_path):
+    """Seen in benchmarks/preemption_moments.py: after a preemption the first rank exits 75, torchrun SIGTERMs the
+    others, still finalizing, and they reported -15. From the engine's exit handler on, SIGTERM is ignored."""
+    script = tmp_path / "sigterm_at_exit.py"
+    script.write_text(SIGTERM_AT_EXIT)
+    codes = {mode: subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], cwd=REPO,
+                                  env=base_env(tmp_path), capture_output=True, text=True, timeout=120).returncode
+             for mode in ("plain", "engine")}
+    assert codes == {"plain": -15, "engine": 75}, codes
+
+
 SHORT = ["--trainer.max_steps=3", "--data.batch_size=8", "--trainer.limit_val_batches=0", "--sample_tokens=0"]
 LAYOUTS = {"tp2": (2, "megatron_tp2"), "tp2_pp2": (4, "hybrid3d_tp2_pp2")}
 

@@ -101,7 +101,9 @@ def test_a_forward_whose_attention_bypassed_context_parallel_is_refused():
     model = OwnAttention()
     install(model, cp, n_blocks=1)
     inputs, _ = cp.shard((torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)))
-    with pytest.raises(LayoutError, match="only 0 attention calls went through the context-parallel attention"):
+    model(torch.randn(1, 4, 3))  # outside a step the model is the plain model: nothing added, nothing checked
+    assert cp.positions_given == 0
+    with cp.step(), pytest.raises(LayoutError, match="only 0 attention calls went through the context-parallel"):
         model(torch.randn(1, 4, 3))
     assert cp.positions_given == 1
 
@@ -136,7 +138,7 @@ def _attention_and_loss(rank: int) -> dict[str, float]:
     ``-100`` targets fall unevenly on the shards, against the whole sequence in one process (float64)."""
     import torch.distributed as dist
 
-    from lightning_par.parallel.context_parallel import ContextParallel, activate, sequence_attention
+    from lightning_par.parallel.context_parallel import ContextParallel, sequence_attention
     from lightning_par.parallel.pipeline.batches import next_token_targets
 
     torch.manual_seed(0)  # the same whole sequence on both ranks
@@ -154,15 +156,12 @@ def _attention_and_loss(rank: int) -> dict[str, float]:
     cp = ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
     batch = cp.shard({"input_ids": torch.zeros(B, T, dtype=torch.long), "labels": labels})
     index = cp.positions
-    activate(cp)
-    try:
+    with cp.step():
         cp.positions_given = 1  # (a model's forward would have been given them)
         local = sequence_attention(q[:, :, index], k[:, :, index], v[:, :, index], enable_gqa=True)
         mean = cp.mean_loss(lambda lg, tg: torch.nn.functional.cross_entropy(lg.reshape(-1, V), tg.reshape(-1)))
         local_loss = mean(logits[:, index], next_token_targets(batch["labels"]))  # the shard's own shift is ignored
         (local.square().sum() * 2 + local_loss).backward()  # x 2: the owners average the attention term over cp
-    finally:
-        activate(None)
     result = {"attention": _rel(local, out[:, :, index]), "loss": _rel(local_loss, loss)}
     for name, t, want in zip("qkv", (q, k, v), expected, strict=False):
         result[f"grad_{name}"] = _rel(_gradients_over_cp(t.grad), want)
@@ -197,7 +196,7 @@ def _ring_attention(rank: int) -> dict[str, float]:
     against those of the mask the all-gather path made (the probe must see those)."""
     import torch.distributed as dist
 
-    from lightning_par.parallel.context_parallel import ContextParallel, activate, sequence_attention
+    from lightning_par.parallel.context_parallel import ContextParallel, sequence_attention
 
     result: dict[str, float] = {}
     B, H, T, D = 2, 4, 64, 16
@@ -213,14 +212,10 @@ def _ring_attention(rank: int) -> dict[str, float]:
         expected = [t.grad.clone() for t in (q, k, v)]
         for t in (q, k, v):
             t.grad = None
-        activate(cp)
         probe = _LargestOutputs()
-        try:
-            with probe.mode:
-                local = sequence_attention(q[:, :, index], k[:, :, index], v[:, :, index], enable_gqa=kv != H)
-                local.backward(grad[:, :, index])
-        finally:
-            activate(None)
+        with cp.step(), probe.mode:
+            local = sequence_attention(q[:, :, index], k[:, :, index], v[:, :, index], enable_gqa=kv != H)
+            local.backward(grad[:, :, index])
         result[f"{name}_out"] = _rel(local, whole[:, :, index])
         for n, t, want in zip("qkv", (q, k, v), expected, strict=True):
             summed = t.grad.clone()
@@ -242,7 +237,8 @@ def _hugging_face_model(rank: int, arch: str) -> dict[str, float]:
     different number of ``-100`` per row, so per shard): its attention through the registered implementation, its
     rotary positions from the global ``position_ids``, its own loss over the whole sequence; against the whole
     sequence in one process."""
-    import torch.distributed as dist
+
+    from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_par.parallel import context_parallel
     from tests.pipeline_hf_loss import HFStyleLM
@@ -260,17 +256,16 @@ def _hugging_face_model(rank: int, arch: str) -> dict[str, float]:
     whole.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    cp = context_parallel.ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
-    model.loss_function = cp.model_loss(model.loss_function)
-    context_parallel.install(model, cp, n_blocks=4)
-    context_parallel.activate(cp)
-    try:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    blocks = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    cp = context_parallel.apply_context_parallel(lm, [lm], blocks, mesh["cp"])  # lm: no loss_fn, the model's own
+    with cp.step():
         loss = model(**cp.shard(batch)).loss
         loss.backward()
-    finally:
-        context_parallel.activate(None)
     grads = max(_rel(_gradients_over_cp(p.grad), expected[n]) for n, p in model.named_parameters())
-    return {"loss": _rel(loss, whole), "grads": grads}
+    cp.remove()  # the model's own attention and loss again
+    plain = model(**batch).loss
+    return {"loss": _rel(loss, whole), "grads": grads, "removed": _rel(plain, whole)}
 
 
 def _activation_bytes(rank: int) -> dict[str, float]:
@@ -279,7 +274,7 @@ def _activation_bytes(rank: int) -> dict[str, float]:
 
     from lightning_par import examples
     from lightning_par.measure import ActivationMeter
-    from lightning_par.parallel.context_parallel import ContextParallel, activate, attention_redirected
+    from lightning_par.parallel.context_parallel import ContextParallel
     from lightning_par.planner import PRESETS, Candidate, Planner, Workload, build_model, inspect_model
 
     B, T, kwargs = 2, 64, dict(preset="tiny", n_layers=2)
@@ -289,19 +284,66 @@ def _activation_bytes(rank: int) -> dict[str, float]:
     tokens = torch.randint(0, 256, (B, T))
     cp = ContextParallel(group=dist.group.WORLD, size=2, rank=rank)
     inputs, targets = cp.shard((tokens, tokens))
-    activate(cp)
-    try:
-        with ActivationMeter(lm.parameters()) as shard, attention_redirected():
-            cp.positions_given = 1
-            cp.mean_loss(lm.loss_fn)(lm.model(inputs, position_ids=cp.positions[None]), targets)
-    finally:
-        activate(None)
+    with ActivationMeter(lm.parameters()) as shard, cp.step():
+        cp.positions_given = 1
+        cp.mean_loss(lm.loss_fn)(lm.model(inputs, position_ids=cp.positions[None]), targets)
     with ActivationMeter(lm.parameters()) as whole:
         lm.loss_fn(lm.model(tokens), tokens)
     planner = Planner(inspect_model(build_model(examples.GPTLightningModule, kwargs)), PRESETS["cpu"],
                       Workload(B, T, B))
     predicted = planner.estimate(Candidate(1, 1, 1, 0, precision="fp32", cp=2)).ranks[0].activations
     return {"shard": shard.seen_bytes, "whole": whole.seen_bytes, "predicted": predicted}
+
+
+def _transformed_gpt(rank: int, variants: list[str]) -> dict[str, dict[str, float]]:
+    """The example GPT under the cp transform (as parallelize applies it), one step of forward and backward in the
+    step context, plain and with each recompute (recomputed in backward: the attention must be the ring's there
+    too) and compiled blocks; against the whole sequence in one process. After the step, in the same process, torch's
+    F.scaled_dot_product_attention is its own and the model called on the whole sequence is the plain model."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par import examples
+    from lightning_par.parallel.compile import BlockCompiler, CompileOptions
+    from lightning_par.parallel.context_parallel import _TORCH_SDPA, apply_context_parallel, recompute_contexts
+    from lightning_par.parallel.recompute import apply_recompute
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    lm = examples.GPTLightningModule(preset="tiny", n_layers=2)
+    lm.configure_model()
+    tokens = torch.randint(0, 256, (2, 33))
+    batch = (tokens[:, :32], tokens[:, 1:])
+    whole = copy.deepcopy(lm)
+    whole_loss = whole.loss_fn(whole.model(batch[0]), batch[1])
+    whole_loss.backward()
+    result = {}
+    for variant in variants:
+        model = copy.deepcopy(lm)
+        blocks = list(model.model.layers.values())
+        cp = apply_context_parallel(model, [model], blocks, mesh["cp"])
+        apply_recompute(blocks, variant if variant in ("full", "selective") else "none", recompute_contexts)
+        if variant == "compile":
+            compiler = BlockCompiler(CompileOptions.of({"backend": "aot_eager"}))
+            for block in blocks:
+                compiler(block)
+        inputs, targets = cp.shard(batch)
+        with cp.step():  # as the strategy enters it: around forward, and around backward
+            loss = model.loss_fn(model(inputs), targets)
+        with cp.step():
+            loss.backward()
+        attention_calls = cp.attention_calls
+        grads = max(_rel(_gradients_over_cp(p.grad), q.grad) for p, q in
+                    zip(model.parameters(), whole.parameters(), strict=True))
+        outside = model.model(batch[0])  # no step: the plain model on the whole sequence
+        result[variant] = {"loss": _rel(loss, whole_loss), "grads": grads, "attention_calls": attention_calls,
+                           "outside": _rel(outside, whole.model(batch[0])), "calls_outside": cp.attention_calls,
+                           "torch_sdpa": float(F.scaled_dot_product_attention is _TORCH_SDPA)}
+        dist.barrier()
+    return result
 
 
 def _two_ranks(rank: int, store: str, out: str, archs: list[str]) -> None:
@@ -313,7 +355,8 @@ def _two_ranks(rank: int, store: str, out: str, archs: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     result = {"attention": _attention_and_loss(rank), "ring": _ring_attention(rank),
               "activations": _activation_bytes(rank),
-              **{arch: _hugging_face_model(rank, arch) for arch in archs}}
+              **{arch: _hugging_face_model(rank, arch) for arch in archs},
+              "gpt": _transformed_gpt(rank, ["plain", "full", "selective", *(["compile"] if "qwen2" in archs else [])])}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -363,6 +406,20 @@ def test_a_hugging_face_model_loss_over_two_shards_equals_the_whole_sequence(two
     got = two_ranks[arch]
     print(f"{arch}: the model's own loss on two cp shards vs the whole sequence: {got}")
     assert got["loss"] <= 1e-6 and got["grads"] <= 1e-5
+    assert got["removed"] <= 1e-6  # remove() gave the model back its own attention and loss
+
+
+@pytest.mark.parametrize("variant", [*(pytest.param(v, marks=pytest.mark.launch(ranks=2))
+                                       for v in ("plain", "full", "selective")),
+                                     pytest.param("compile", marks=pytest.mark.launch(ranks=2, full=True))])
+def test_the_transform_trains_the_whole_sequence_and_nothing_outside_a_step_sees_it(two_ranks, variant):
+    got = two_ranks["gpt"][variant]
+    print(f"cp=2 transform, GPT, {variant}: {got}")
+    assert got["loss"] <= 1e-6 and got["grads"] <= 1e-5
+    # recomputed blocks called the attention again in backward, through the ring
+    assert got["attention_calls"] == (4 if variant in ("full", "selective") else 2)
+    # after the step, in the same process: torch's own SDPA, and the model is the plain model (nothing redirected)
+    assert got["torch_sdpa"] == 1.0 and got["outside"] <= 1e-6 and got["calls_outside"] == got["attention_calls"]
 
 
 @pytest.mark.launch(ranks=2)

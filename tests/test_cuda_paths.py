@@ -214,7 +214,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(stage: int, offload: bool, mesh, rank: int, world: int) -> dict:
-    """``STEPS`` SGD steps with clipping by the global norm, as the strategy does (engine._clip_by_global_norm)."""
+    """``STEPS`` SGD steps with clipping by the global norm, as the strategy does (LayoutStep.clip_by_global_norm)."""
     from lightning_par.parallel.zero import ZeroPartitioner, fully_shard_units
 
     model = _small_model()
@@ -411,7 +411,7 @@ def test_offloaded_zero3_owners_keep_parameters_on_host():
     assert gradient_sync.FSDPSync(mesh, shard=True, offload=True).parameters_on_host
     assert not gradient_sync.FSDPSync(mesh, shard=True).parameters_on_host
     assert not gradient_sync.FSDPSync(mesh, shard=False, offload=True).parameters_on_host
-    assert gradient_sync.PipelineFSDPSync(mesh, offload=True).parameters_on_host
+    assert gradient_sync.FSDPSync(mesh, shard=True, offload=True, deferred=True).parameters_on_host
     assert not gradient_sync.NoSync().parameters_on_host
     # one policy for both FSDP paths: pinned where a device copies to the host, unpinned on a CPU mesh
     assert fsdp_offload_policy(True, "cuda").pin_memory and not fsdp_offload_policy(True, "cpu").pin_memory

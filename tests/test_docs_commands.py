@@ -170,8 +170,7 @@ def test_the_docs_show_the_commands_this_test_knows():
 
 def _lightning_par(argv: list[str]) -> str:
     """Parse ``lightning-par ARGV`` the way the program does, in this process; return what it printed."""
-    from lightning_par import cli
-    from lightning_par.planner import cli as plan_cli
+    from lightning_par import cli, plan_cli
     from lightning_par.plugins import checkpoint_export
     from lightning_par.strategies.names import unknown_strategy_message
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 
 import pytest
 import yaml
 
 from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.cli import main
-from lightning_par.planner.cli import main as plan_main
+from lightning_par.plan_cli import main as plan_main
 from lightning_par.strategies.names import registered_names, unknown_strategy_message
 from tests.harness import REPO, launch_cli
 
@@ -93,6 +94,20 @@ def test_yaml_names_with_overrides(capsys, tmp_path):
     spec = strategy_of(capsys, f"--config={named}", f"--config={override}")
     assert (spec["init_args"]["pp"], spec["init_args"]["schedule"], spec["init_args"]["n_microbatches"]) == \
         (4, "1f1b", 16)
+
+
+def test_a_config_saved_with_a_presets_old_module_path_still_loads(capsys, tmp_path):
+    """Configs saved before the presets moved into strategies/presets.py hold ``lightning_par.strategies.zero...``:
+    the class is the same one, with one FutureWarning naming the new module; a name now saves the public path."""
+    old = tmp_path / "old.yaml"
+    old.write_text("trainer:\n  strategy:\n    class_path: lightning_par.strategies.zero.ZeroStrategy\n"
+                   "    init_args:\n      stage: 2\n")
+    sys.modules.pop("lightning_par.strategies.zero", None)
+    with pytest.warns(FutureWarning, match="`lightning_par.strategies.zero` is now `lightning_par.strategies.presets`"):
+        spec = strategy_of(capsys, f"--config={old}")
+    assert spec["class_path"].endswith("ZeroStrategy") and spec["init_args"]["stage"] == 2
+    assert strategy_of(capsys, "--trainer.strategy=zero", "--trainer.strategy.stage=3")["class_path"] == \
+        "lightning_par.ZeroStrategy"
 
 
 def test_overrides_after_a_name_that_takes_none_are_refused_clearly(capsys):

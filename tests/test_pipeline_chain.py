@@ -1,8 +1,9 @@
 """A pipeline never changes the function: a model whose forward is not the chain of its units is refused at setup.
 
-All in one process: :func:`check_chain` on the models directly, and :class:`PipelineRuntime` on a fake 2-rank
-process group (``torch.testing``'s ``fake`` backend: no communication), built as rank 0 and as rank 1, to show
-that the error comes from the constructor on every rank, before any collective.
+All in one process: :func:`check_chain` on the models directly, and the pipeline split
+(:func:`~lightning_par.parallel.parts.split`) on a fake 2-rank process group (``torch.testing``'s ``fake`` backend:
+no communication), as rank 0 and as rank 1, to show that the error comes from the split on every rank, before any
+collective.
 """
 
 import warnings
@@ -151,10 +152,11 @@ def test_pipeline_units_model_gets_the_clear_error(variant, expected):
 
 
 def test_runtime_refuses_on_every_rank_before_any_collective():
-    """PipelineRuntime on a fake 2-rank group (no communication): each rank raises from its constructor, the same
-    message; the check runs on the model before it is split."""
+    """The pipeline split on a fake 2-rank group (no communication): each rank raises from split(), the same
+    message; the check runs on the model before it is cut."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from lightning_par.parallel.parts import split
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     assert not dist.is_initialized()
@@ -165,12 +167,11 @@ def test_runtime_refuses_on_every_rank_before_any_collective():
             mesh = dist.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
             for model, units in ((SkipLM("skip"), UNITS), (DeclaredSkipLM("skip"), None)):
                 with pytest.raises(LayoutError, match="used out of order") as info:
-                    PipelineRuntime(model, mesh, resolve_schedule("1f1b", 2, 2), causal_lm_loss, 0.5,
-                                    torch.device("cpu"), units=units)
+                    split(model, resolve_schedule("1f1b", 2, 2), mesh, units=units)
                 messages.append(str(info.value))
             # a chain goes through
-            runtime = PipelineRuntime(SkipLM(), mesh, resolve_schedule("1f1b", 2, 2), causal_lm_loss, 0.5,
-                                      torch.device("cpu"), units=UNITS)
+            runtime = PipelineRuntime(split(SkipLM(), resolve_schedule("1f1b", 2, 2), mesh, units=UNITS), mesh,
+                                      causal_lm_loss, 0.5, torch.device("cpu"))
             assert runtime.chain_check_seconds < 5
         finally:
             dist.destroy_process_group()

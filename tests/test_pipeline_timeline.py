@@ -97,23 +97,26 @@ def test_recorder_records_each_call_and_restores_the_stage():
 
 
 def test_recorder_reads_the_microbatch_through_the_data_parallel_reducer():
-    """Under dp x pp at ZeRO-0 the runtime wraps the backward methods to launch the stage's gradient buckets after
-    its last backward; the recorder binds the schedule's arguments to the wrapped method and must still find the
-    micro-batch (a wrapper with a bare ``*args`` signature crashed every recorded dp2 x pp2 step)."""
+    """Under dp x pp the runtime wraps the backward methods to report a stage's gradients to the data-parallel owner
+    after its last backward (``grad_sync_func``); the recorder binds the schedule's arguments to the wrapped method and
+    must still find the micro-batch (a wrapper with a bare ``*args`` signature crashed every recorded dp2 x pp2 step),
+    and the owner hears the stage once, after its last backward."""
     from types import SimpleNamespace
+
+    from torch import nn
 
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 
-    stage, launched = _FakeStage(), []
-    runtime = SimpleNamespace(_backward_then_reduce=lambda st, backward, *a, **k: (
-        launched.append(k.get("last_backward", False)), backward(*a, **k))[1])
+    stage, reported = _FakeStage(), []
+    stage.submod = nn.Linear(2, 2)
+    runtime = SimpleNamespace(require_sync=True, _grad_sync_func=reported.append, _reduced_last=set)
     for name in ("backward_one_chunk", "backward_weight_one_chunk"):
-        setattr(stage, name, PipelineRuntime._reducing(runtime, stage, getattr(stage, name)))
+        setattr(stage, name, PipelineRuntime._reporting(runtime, stage, getattr(stage, name)))
     with ScheduleRecorder([stage]) as recorder:
         assert stage.backward_one_chunk(1, loss=None, full_backward=False) == ("backward", 1)
         stage.backward_weight_one_chunk(1, last_backward=True)
     assert [(r.kind, r.microbatch, r.full) for r in recorder.records] == [("B", 1, False), ("W", 1, True)]
-    assert launched == [False, True]
+    assert reported == [list(stage.submod.parameters())]
 
 
 def test_draw_timeline_writes_a_png_and_returns_the_figure(tmp_path):

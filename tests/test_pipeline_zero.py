@@ -139,30 +139,24 @@ class _Counting(nn.Module):
 
 
 @pytest.mark.full
-def test_prepare_sees_the_split_and_its_result_is_what_the_stages_run(meshes):
+def test_the_runtime_runs_the_parts_stage_modules_as_transformed(meshes):
+    """Split first, transform, then the runtime: torch's stages run the parts' stage modules as they are then (here
+    replaced by wrappers), over the rank module the split made."""
     from lightning_par.examples.gpt import causal_lm_loss
+    from lightning_par.parallel.parts import split
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     model = _gpt()
-    seen = []
-
-    def prepare(rank_module, stage_modules):
-        seen.append((rank_module, list(stage_modules)))
-        return [_Counting(m) for m in stage_modules]
-
-    runtime = PipelineRuntime(model, meshes["pp"], resolve_schedule("1f1b", 1, 2), causal_lm_loss, 0.5,
-                              torch.device("cpu"), prepare=prepare)
-    ((rank_module, views),) = seen
-    assert rank_module is runtime.module and len(views) == 1
+    parts = split(model, resolve_schedule("1f1b", 1, 2), meshes["pp"])
+    assert len(parts.stages) == 1 and [len(b) for b in parts.stage_blocks] == [2]
+    parts.stages = [_Counting(m) for m in parts.stages]
+    runtime = PipelineRuntime(parts, meshes["pp"], causal_lm_loss, 0.5, torch.device("cpu"))
+    assert runtime.module is parts.pipeline.module and runtime.stage_modules == parts.stages
     assert runtime.stages[0].submod is runtime.stage_modules[0]
     x = torch.randint(0, 256, (4, 16))
     loss = runtime.train_step(x, x)
     assert runtime.stage_modules[0].calls > 0
     assert loss.item() == pytest.approx(causal_lm_loss(model(x), x).item(), rel=1e-6)
-
-    with pytest.raises(TypeError, match="prepare must return this rank's 1 stage modules"):
-        PipelineRuntime(model, meshes["pp"], resolve_schedule("1f1b", 1, 2), causal_lm_loss, 0.5,
-                        torch.device("cpu"), prepare=lambda rank_module, stages: [])
 
 
 @pytest.mark.full
@@ -173,14 +167,16 @@ def test_fsdp_stage_gradients_wait_while_accumulating(meshes):
     from torch.distributed.tensor import DTensor
 
     from lightning_par.examples.gpt import causal_lm_loss
-    from lightning_par.parallel.pipeline.fsdp import fsdp_group_count, fully_shard_stages
+    from lightning_par.parallel.parts import split
+    from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
+    from lightning_par.parallel.zero import fully_shard_parts
 
     model, reference = _gpt(), _gpt()
     blocks = [f"layers.{i}" for i in range(2)]
-    runtime = PipelineRuntime(model, meshes["pp"], resolve_schedule("1f1b", 1, 2), causal_lm_loss, 0.25,
-                              torch.device("cpu"),
-                              prepare=lambda rank_module, stages: fully_shard_stages(stages, meshes["dp"], blocks))
+    parts = split(model, resolve_schedule("1f1b", 1, 2), meshes["pp"])
+    fully_shard_parts(parts, meshes["dp"])
+    runtime = PipelineRuntime(parts, meshes["pp"], causal_lm_loss, 0.25, torch.device("cpu"))
     assert fsdp_group_count(runtime.stage_modules, blocks) == 3  # two blocks, and embedding + norm + head
     x = torch.randint(0, 256, (8, 16))
     runtime.train_step(x[:4], x[:4])  # the first step infers shapes

@@ -101,7 +101,7 @@ class FromTrainer(ReadmeModule):
 
 
 def test_a_module_the_planner_cannot_build_or_fit_is_one_line_naming_it(capsys):
-    from lightning_par.planner.cli import main as plan
+    from lightning_par.plan_cli import main as plan
 
     assert plan([f"--model={__name__}.FromTrainer", "--world", "2", "--hardware", "cpu"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]

@@ -232,8 +232,8 @@ def test_the_example_models_take_the_data_modules_vocabulary(corpus, tmp_path):
 def test_plan_reads_the_vocabulary_of_the_configs_tokenizer(corpus, tmp_path, capsys):
     """``lightning-par plan --config`` gives the model the tokenizer's (padded) vocabulary, as a fit does; the
     corpus is not read (its file here does not even exist, which a TextDataModule would refuse)."""
-    from lightning_par.planner.cli import main as plan_main
-    from lightning_par.planner.fit_config import read_fit_config
+    from lightning_par.fit_config import read_fit_config
+    from lightning_par.plan_cli import main as plan_main
     from lightning_par.planner.model import build_model
     from lightning_par.topology import LayoutError
 

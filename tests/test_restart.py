@@ -132,9 +132,10 @@ def _readme_commands() -> list[str]:
 def test_the_readme_checkpoint_commands_work_as_written(tmp_path, cache_dir):
     """fit the demo (3D, 4 ranks) for 4 steps; then, as the README writes them: resume its ``last.ckpt`` on one
     process (ZeRO stage 0), resume ``--ckpt_path=last`` under ZeRO-2 -- the newest complete checkpoint, the one-process
-    run's in version_1 --, export version_0's, validate it under the demo's 3D layout."""
+    run's in version_1 --, export version_0's (to .safetensors and to a one-file Lightning .ckpt), validate it under the
+    demo's 3D layout."""
     commands = _readme_commands()
-    assert [c.split()[1] for c in commands] == ["fit", "fit", "export", "validate"], commands
+    assert [c.split()[1] for c in commands] == ["fit", "fit", "export", "export", "validate"], commands
     data = [f"--data.cache_dir={cache_dir}"]
     fit = launch_command(tmp_path, cache_dir, ["fit", DEMO, "--trainer.max_steps=4", *TINY_DEMO, *data]).check()
     ckpts = tmp_path / "lightning_logs" / "demo" / "version_0" / "checkpoints"

@@ -4,8 +4,9 @@
   module holding one of its bucket's parameters; the losses equal the old path's (every gather waited for at once)
   bit for bit; ``state_dict`` right after the step sees the stepped values; a forward that reads a parameter outside
   its module fails loudly;
-* ZeRO-0 under pp: the gradients are all-reduced in buckets, launched during the schedule, one all-reduce per
-  bucket, with less extra memory than one copy of the gradients, and the losses equal a flat all-reduce's.
+* ZeRO-0 under pp: the data-parallel owner (``DDPSync``, told that the runner defers) all-reduces the gradients in
+  buckets, each stage's launched as the schedule reports its last backward, one all-reduce per bucket, with less
+  extra memory than one copy of the gradients; ``finalize`` ends the step, and the losses equal a flat all-reduce's.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 # -- ZeRO-1/2: prefetched all-gathers --------------------------------------------------------------------------------
 def _fit_zero(stage: int, prefetch: bool, mesh, rank: int, world: int) -> dict:
+    from lightning_par.parallel import zero_state
     from lightning_par.parallel.zero import ZeroPartitioner
-    from lightning_par.plugins import zero_checkpoint
 
     model = _small_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
@@ -88,7 +89,7 @@ def _fit_zero(stage: int, prefetch: bool, mesh, rank: int, world: int) -> dict:
             outstanding.append(part.gathers_outstanding)
             states = {k: v.flatten().tolist() for k, v in state.items()}
             changed = [k for k in state if not torch.equal(state[k], before[k])]
-            saved = zero_checkpoint.model_state(model, part)
+            saved = zero_state.model_state(model, part)
             assert saved  # the shards (masters): waited for too
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
@@ -205,18 +206,29 @@ def _flat_all_reduce(runtime, group) -> None:
 def _fit_pipeline(schedule: str, bucketed: bool, mesh) -> dict:
     from lightning_par.examples.gpt import GPT, GPTConfig
     from lightning_par.measure import CommCounter
+    from lightning_par.parallel.finalize import finalize
+    from lightning_par.parallel.gradient_sync import DDPSync
+    from lightning_par.parallel.parts import split
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     torch.manual_seed(0)
     # tied embedding and head: on the first and last stage, summed over the pipeline before they are reduced
     model = GPT(GPTConfig(vocab_size=64, dim=16, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8,
                           tie_embeddings=True))
-    runtime = PipelineRuntime(model, mesh["pp"], resolve_schedule(schedule, 2, MICRO),
+    runtime = PipelineRuntime(split(model, resolve_schedule(schedule, 2, MICRO), mesh["pp"]), mesh["pp"],
                               lambda y, t: nn.functional.cross_entropy(y.flatten(0, 1), t.flatten()),
                               loss_scale=1.0 / MICRO, device=torch.device("cpu"))
     group = mesh["dp"].get_group()
+    owner = DDPSync(mesh["dp"], bucket_cap_mb=0.004, deferred=True)
+    reported: list[int] = []  # stages whose gradients the schedule reported, this step
     if bucketed:
-        runtime.overlap_dp_reduction(group, bucket_cap_mb=0.004)
+        owner.wrap(runtime.module)
+
+        def heard(params) -> None:
+            reported.append(1)
+            owner.start_grad_sync(params)
+
+        runtime.grad_sync_func = heard
     optimizer = torch.optim.SGD(runtime.module.parameters(), lr=0.2)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     tokens = torch.randint(0, 64, (PP_BATCH, 8), generator=torch.Generator().manual_seed(1))
@@ -233,15 +245,16 @@ def _fit_pipeline(schedule: str, bucketed: bool, mesh) -> dict:
 
     for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
-        before = runtime.dp_reduce.buckets_launched if bucketed else 0
+        before = owner.reducer.buckets_launched if bucketed else 0
+        reported.clear()
         seen.clear()
         dist.all_reduce = all_reduce
         try:
             with CommCounter() as counter:
                 loss = runtime.train_step(tokens, tokens)
-                launched_in_schedule.append(sorted(runtime._dp_launched))
+                launched_in_schedule.append(len(reported))
                 if bucketed:
-                    runtime.sync_gradients(group, bucket_cap_mb=0.004)
+                    finalize(owner, runtime)
                 else:
                     _flat_all_reduce(runtime, group)
         finally:
@@ -249,14 +262,14 @@ def _fit_pipeline(schedule: str, bucketed: bool, mesh) -> dict:
         # CommCounter sees them too (it wraps the function it finds, here the counting one), among the pipeline's
         assert sum(1 for r in counter.records if r.kind == "all_reduce") >= len(seen)
         all_reduces.append(len(seen))
-        buckets.append(runtime.dp_reduce.buckets_launched - before if bucketed else 1)
+        buckets.append(owner.reducer.buckets_launched - before if bucketed else 1)
         grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in runtime.module.parameters()
                          if p.grad is not None)
         optimizer.step()
         losses.append(float(loss))
     return {"losses": losses, "launched_in_schedule": launched_in_schedule, "all_reduces": all_reduces,
             "buckets": buckets, "grad_bytes": grad_bytes, "stages": list(runtime.stage_ids),
-            "peak_buffer_bytes": runtime.dp_reduce.peak_buffer_bytes if bucketed else grad_bytes}
+            "peak_buffer_bytes": owner.reducer.peak_buffer_bytes if bucketed else grad_bytes}
 
 
 def _pipeline_worker(rank: int, world: int, store: str, out: str) -> None:
@@ -285,7 +298,7 @@ def test_pipeline_zero0_reduces_in_buckets_during_the_schedule(pipeline_reports,
         assert flat["all_reduces"] == [1] * STEPS
         assert bucketed["buckets"][0] >= 3
         assert bucketed["all_reduces"] == bucketed["buckets"]  # one all-reduce per bucket
-        assert bucketed["launched_in_schedule"] == [bucketed["stages"]] * STEPS  # launched by the schedule
+        assert bucketed["launched_in_schedule"] == [len(bucketed["stages"])] * STEPS  # launched by the schedule
         assert 0 < bucketed["peak_buffer_bytes"] < bucketed["grad_bytes"] / 2  # no copy of every gradient
         assert bucketed["losses"] == flat["losses"]  # bit for bit
         assert bucketed["losses"][-1] < bucketed["losses"][0]

@@ -219,7 +219,8 @@ def second_backward_is_refused(mesh: DeviceMesh) -> str:
 
 
 def checkpoint_case(mesh: DeviceMesh, data: torch.Tensor, path: Path) -> dict:
-    from lightning_par.plugins import sharded_checkpoint, zero_checkpoint
+    from lightning_par.parallel import zero_state
+    from lightning_par.plugins import sharded_checkpoint
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -243,25 +244,26 @@ def checkpoint_case(mesh: DeviceMesh, data: torch.Tensor, path: Path) -> dict:
     for batch in data[:3]:
         step(*first, batch)
     model, _, optimizer, _ = first
-    states = [zero_checkpoint.optimizer_state(model, optimizer, first[3])]
+    states = [zero_state.optimizer_state(model, optimizer, first[3])]
     sharded_checkpoint.save({"state_dict": model.state_dict(), "optimizer_states": states}, path,
                             is_writer=dist.get_rank() == 0, barrier=dist.barrier)
     continued = [step(*first, batch) for batch in data[3:6]]
     second = build(1)
-    sharded_checkpoint.load(path, second[0], [second[2]], partitioner=second[3])
+    sharded_checkpoint.load(path, second[0], [second[2]], states=zero_state.ZeroStates(second[3]))
     resumed = [step(*second, batch) for batch in data[3:6]]
     return {"continued": continued, "resumed": resumed}
 
 
 # -- a real pipeline with tied copies ------------------------------------------------------------------------------
 def pipeline_case(mesh: DeviceMesh, stage: int, data: torch.Tensor) -> dict:
+    from lightning_par.parallel.parts import split
     from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 
     model = make_model(tied=True)
     microbatches = 4
     choice = resolve_schedule("1f1b", mesh["pp"].size(), microbatches)
-    runtime = PipelineRuntime(model, mesh["pp"], choice, causal_lm_loss, loss_scale=1.0 / microbatches,
-                              device=torch.device("cpu"))
+    runtime = PipelineRuntime(split(model, choice, mesh["pp"]), mesh["pp"], causal_lm_loss,
+                              loss_scale=1.0 / microbatches, device=torch.device("cpu"))
     optimizer = OPTIMIZERS["adamw"](runtime.module.parameters())
     partitioner = ZeroPartitioner(runtime.module, [optimizer], mesh["dp"], stage, BUCKET_MB, defer_reduction=True)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()

@@ -4,9 +4,10 @@ checkpoint (docs/faults.md).
 Each rank ORs two bits per optimizer step on its device, without a host sync: the loss of any of the step's
 micro-batches is not finite (under a pipeline every stage holds the last stage's loss, which the runtime broadcasts;
 a vocab-parallel loss may be a DTensor: its local value), and the 2-norm of the gradients this rank holds is not
-finite (checked once, before the optimizer step). The bits travel in the per-step flag that
-:class:`~lightning_par.parallel.preemption.PreemptionCheckpoint` already all-reduces (MAX) for SIGTERM: one collective
-per step serves both, and every rank reaches the same verdict at the same step.
+finite (checked once, before the optimizer step; where Lightning clips by norm under ``stop``, the whole model's
+norm that the clip computes is the check, not a second pass over the gradients). The bits travel in the per-step
+flag that :class:`~lightning_par.parallel.preemption.PreemptionCheckpoint` already all-reduces (MAX) for SIGTERM:
+one collective per step serves both, and every rank reaches the same verdict at the same step.
 
 - ``nonfinite="stop"`` (the default): the optimizer has already applied the step when the ranks agree (no host sync
   before it); after ``nonfinite_patience`` consecutive bad steps (default 1: under ``stop`` a bad update has already
@@ -103,6 +104,11 @@ class NonFiniteFlags:
     def add_grads(self, grads: list[Tensor]) -> None:
         if self.check_grads:
             self.add(GRAD, not_finite(grads))
+
+    def add_grad_norm(self, norm: Tensor) -> None:
+        """The gradient bit from a norm computed already (the clip's global norm: no second pass)."""
+        if self.check_grads:
+            self.add(GRAD, ~torch.isfinite(norm))
 
     def local_now(self) -> int:
         """The step's bits on the host now (a device sync on a GPU), cleared."""

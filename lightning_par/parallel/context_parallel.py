@@ -1,80 +1,81 @@
 """Context parallel: each sequence split over the ``cp`` ranks, attention still over the whole sequence.
 
-A batch reaches every ``cp`` rank of a data-parallel replica whole (the sampler is over dp only); each rank keeps
-its share of the sequence, with causal load balancing: the sequence is cut into ``2 * cp`` chunks and rank ``i``
-keeps chunks ``i`` and ``2 * cp - 1 - i``, so every rank holds as many early (cheap) as late (expensive) queries
-of the causal attention. Inputs, targets and position ids are cut the same way (:meth:`ContextParallel.shard`).
+Three pieces, each owned here and applied by someone else in a fixed place:
 
-Everything but attention is per token, so it runs on the shard as it is. Attention runs here
-(:func:`sequence_attention`): ring attention over the cp group. The shards' keys and values travel the ring; at each
-step the pair (local queries, block in hand) is one SDPA call that is either fully visible, causal on its diagonal
-or partly skipped by the load balancing's chunk order, and the partial outputs are merged by their log-sum-exp; no
-mask and nothing of size [T / cp, T] is made, so the flash kernels apply and memory grows as T / cp. Backward
-recomputes each pair from the merged output and log-sum-exp. One implementation serves
+* **the transform** (:func:`apply_context_parallel`), applied by :func:`~lightning_par.parallel.parallelize.parallelize`
+  to this rank's parts, after tensor parallel: global ``position_ids`` into the modules that run the model (the
+  model holding the blocks, or each pipeline stage), a check that every block's attention came through here, a Hugging
+  Face model's attention implementation, and the loss made the whole sequence's. It returns the
+  :class:`ContextParallel` of this rank, which can :meth:`~ContextParallel.remove` all of it;
+* **the batch transform** (:meth:`ContextParallel.shard`, cutting with
+  :func:`~lightning_par.parallel.pipeline.batches.shard_sequence`): a batch reaches every ``cp`` rank of a replica
+  whole (the sampler is over dp only) and each rank keeps its share, with causal load balancing (``2 * cp`` chunks,
+  rank ``i`` keeps ``i`` and ``2 * cp - 1 - i``);
+* **the step context** (:meth:`ContextParallel.step`), entered by the strategy around the step's forward and around
+  its backward (for a pipeline, around the schedule, which runs both): a torch function mode under which
+  ``F.scaled_dot_product_attention`` is the ring attention (:func:`sequence_attention`) and the hooks and the loss are
+  live. Outside it the model is the plain model: torch's own attention, no positions added, the loss unchanged.
+  Autograd does not carry a torch function mode into backward, so a block recomputed there re-enters it
+  (:func:`recompute_contexts`, given to recompute by ``parallelize``); a GPU implementation whose
+  switch is process state is live in backward through the step context around it.
 
-* a model whose attention calls ``F.scaled_dot_product_attention`` (the example GPT): that call is redirected
-  while the model runs under cp (:func:`attention_redirected`, as selective recompute does);
-* Hugging Face models (Llama, Qwen2, ...): an attention implementation registered in ``AttentionInterface``
-  (:data:`HF_ATTENTION`), set on the model's config, with no mask function (so the model makes no local mask).
+Everything but attention is per token, so it runs on the shard as it is. Attention is ring attention over the cp
+group: the shards' keys and values travel the ring; at each step the pair (local queries, block in hand) is one SDPA
+call that is either fully visible, causal on its diagonal or partly skipped by the load balancing's chunk order, and
+the partial outputs are merged by their log-sum-exp; no mask and nothing of size [T / cp, T] is made, so the flash
+kernels apply and memory grows as T / cp. Backward recomputes each pair from the merged output and log-sum-exp. One
+implementation serves a model whose attention calls ``F.scaled_dot_product_attention`` (the example GPT) and Hugging
+Face models (Llama, Qwen2, ...: an implementation registered in ``AttentionInterface``, :data:`HF_ATTENTION`, set on
+the model's config, with no mask function, so the model makes no local mask).
 
 torch's ``torch.distributed.tensor.experimental.context_parallel`` is the same ring on CUDA, but over DTensors and
-with no rule for the CPU kernel, hence the ring written here (see the comment above :class:`_RingAttention`).
+with no rule for the CPU kernel, hence the ring written here (see the comment above :class:`_RingAttention`); the step
+context is where a GPU implementation would be entered instead.
 
 The positions must be global for the model to be right: rotary tables from ``position_ids`` (Hugging Face models,
-the example GPT) are; a learned position embedding indexed by ``arange`` of the local length is not. The strategy
-passes ``position_ids`` to the model's forward and refuses a model whose forward takes none
-(:func:`check_takes_positions`); a forward whose attention did not come here is refused after its first call.
+the example GPT) are; a learned position embedding indexed by ``arange`` of the local length is not. A model whose
+forward takes no ``position_ids`` is refused (:func:`check_takes_positions`); a forward whose attention did not come
+here is refused after its first call.
 
 The loss is the mean over every counted token of the whole sequence: each rank's share (its token-loss sum over the
-replica's token count) is summed over cp in forward (:func:`sum_over_cp`), so every cp rank reports the replica's
-loss, and its gradient is scaled by cp in backward, because the data-parallel owners average gradients over dp x cp.
+replica's token count) is summed over cp in forward (:meth:`ContextParallel.sum_over_cp`), so every cp rank reports
+the replica's loss, and its gradient is scaled by cp in backward, because the data-parallel owners average gradients
+over dp x cp.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
 
-from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
+from lightning_par.parallel.pipeline.batches import (
+    IGNORE_INDEX,
+    check_sequence_length,
+    refuse_padding,
+    shard_positions,
+    shard_sequence,
+)
+from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.topology import LayoutError
+
+__all__ = ["HF_ATTENTION", "ContextParallel", "apply_context_parallel", "check_sequence_length",
+           "check_takes_positions", "sequence_attention", "shard_positions"]
 
 #: the attention implementation name registered with Hugging Face's ``AttentionInterface``
 HF_ATTENTION = "lightning_par_context_parallel"
 
-
-def check_sequence_length(seq_len: int, cp: int) -> None:
-    """The sequence must cut into ``2 * cp`` equal chunks (causal load balancing)."""
-    if seq_len % (2 * cp):
-        raise LayoutError(
-            f"context parallel cp={cp} cuts each sequence into 2 * cp = {2 * cp} equal chunks (rank i keeps chunks i "
-            f"and {2 * cp - 1} - i, balancing the causal attention), but the batch's sequence length is {seq_len}. "
-            f"Use a sequence length divisible by {2 * cp} (e.g. {seq_len + (-seq_len) % (2 * cp)}).")
-
-
-def shard_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
-    """The global positions cp rank ``rank`` holds of a sequence of ``seq_len``: chunks ``rank`` and
-    ``2 * cp - 1 - rank`` of ``2 * cp``, in that order."""
-    check_sequence_length(seq_len, cp)
-    chunk = seq_len // (2 * cp)
-    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk, device=device),
-                      torch.arange(second, second + chunk, device=device)])
-
-
-def _refuse_padding(mask: Tensor) -> None:
-    if not bool(mask.bool().all()):
-        raise LayoutError(
-            "context parallel attends over the whole sequence with a causal mask over sequence order; a padding "
-            "attention_mask (zeros) is not supported. Pack the sequences to full length (no padding), or train this "
-            "data without cp.")
+#: torch's own attention, whatever a recompute wrapper has put in ``F`` meanwhile (selective recompute swaps it)
+_TORCH_SDPA = F.scaled_dot_product_attention
 
 
 class _SumOverCP(torch.autograd.Function):
@@ -92,9 +93,25 @@ class _SumOverCP(torch.autograd.Function):
         return grad * ctx.size, None, None
 
 
+class _StepAttention(TorchFunctionMode):
+    """The step context's mode: torch's ``F.scaled_dot_product_attention`` becomes :func:`sequence_attention`."""
+
+    def __init__(self, context: ContextParallel) -> None:
+        super().__init__()
+        self.context = context
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _TORCH_SDPA:
+            return _attention_call(self.context, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
 @dataclass
 class ContextParallel:
-    """The cp group of this rank, and the positions of the batch it is working on."""
+    """This rank's context parallel: its cp group, the positions of the batch it is working on, and what the
+    transform set on the model (:meth:`remove` undoes it)."""
 
     group: dist.ProcessGroup
     size: int
@@ -104,74 +121,57 @@ class ContextParallel:
     attention_calls: int = 0  # in the model's forward in progress
     positions_given: int = 0  # forwards given this batch's positions since it was cut
     padding_checked: bool = False  # the next batch's attention_mask was checked on the host (check_padding)
+    #: the mode of the step in progress (None outside a step: the model is the plain model)
+    _mode: _StepAttention | None = field(default=None, repr=False)
+    _undo: ExitStack = field(default_factory=ExitStack, repr=False)
+    #: for the setup line: where the positions go, and the loss made the whole sequence's
+    described: str = ""
 
-    # -- the batch -----------------------------------------------------------------------------------------------
+    @classmethod
+    def on(cls, mesh: DeviceMesh) -> ContextParallel:
+        """The context of this rank on the ``cp`` mesh."""
+        return cls(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
+
+    # -- the batch ---------------------------------------------------------------------------------------------
     def shard(self, batch: Any) -> Any:
-        """This rank's share of ``batch`` (a tuple ``(inputs, targets)`` or a Hugging Face dict), cut along the
-        sequence; sets :attr:`positions` (and :attr:`targets` for a dict's labels). Anything else is refused."""
-        if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
-            inputs, targets = batch
-            if inputs.dim() != 2 or targets.shape != inputs.shape:
-                raise LayoutError(f"context parallel cuts a batch (inputs, targets) of token ids [batch, sequence]; "
-                                  f"got shapes {tuple(inputs.shape)} and {tuple(targets.shape)}.")
-            index = self._index(inputs)
-            self.targets = None
-            return type(batch)((inputs[:, index], targets[:, index]))
-        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
-            return self._shard_dict(batch)
-        raise LayoutError(
-            f"context parallel cuts each sequence of a batch over the cp ranks; it accepts a tuple (inputs, targets) "
-            f"of token-id tensors or a Hugging Face dict with 'input_ids' (and 'labels', 'attention_mask', "
-            f"'position_ids'), not {type(batch).__name__}.")
-
-    def _index(self, ids: Tensor) -> Tensor:
-        self.positions_given = 0
-        self.positions = shard_positions(ids.size(1), self.size, self.rank, device=ids.device)
-        return self.positions
-
-    def _shard_dict(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        ids = batch["input_ids"]
-        if ids.dim() != 2:
-            raise LayoutError(f"context parallel: input_ids must be [batch, sequence], got {tuple(ids.shape)}.")
-        mask = batch.get("attention_mask")
-        if isinstance(mask, Tensor) and not self.padding_checked:
-            # a mask not seen on the host (shard called directly, or a loader yielding device tensors): checked
-            # here, which on an accelerator waits for the device
-            _refuse_padding(mask)
+        """The batch transform: this rank's share of ``batch`` (a tuple ``(inputs, targets)`` or a Hugging Face
+        dict), cut along the sequence; its positions (and a dict's shifted targets) are kept for the step."""
+        cut = shard_sequence(batch, self.size, self.rank, padding_checked=self.padding_checked)
         self.padding_checked = False
-        labels = batch.get("labels")
-        targets = next_token_targets(labels) if isinstance(labels, Tensor) else None
-        if targets is not None and ids.size(1) % (2 * self.size) == 1:
-            # seq_len + 1 tokens (the labels aligned with the inputs): the last token has no target and no earlier
-            # token attends to it, so it is dropped, exactly, and the rest cut evenly
-            batch = {k: v[:, :-1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == ids.shape else v
-                     for k, v in batch.items()}
-            ids, targets = batch["input_ids"], targets[:, :-1]
-        index = self._index(ids)
-        out: dict[str, Any] = {}
-        for key, value in batch.items():
-            if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == ids.shape:
-                out[key] = value[:, index]
-            elif isinstance(value, Tensor) and value.dim() >= 1 and value.size(-1) == ids.size(1):
-                raise LayoutError(f"context parallel cannot cut the batch's {key!r} of shape {tuple(value.shape)}: "
-                                  f"only [batch, sequence, ...] tensors shaped like input_ids {tuple(ids.shape)}.")
-            else:
-                out[key] = value
-        if isinstance(batch.get("position_ids"), Tensor):
-            self.positions = out["position_ids"][0] if out["position_ids"].dim() == 2 else self.positions
-        # the model shifts labels inside its loss; shifted above on the whole sequence, then cut
-        self.targets = targets[:, index] if targets is not None else None
-        return out
+        self.positions, self.targets, self.positions_given = cut.positions, cut.targets, 0
+        return cut.batch
+
+    def shard_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A step's ``(batch, ...)`` with the batch cut (:meth:`shard`)."""
+        return (self.shard(args[0]), *args[1:]) if args else args
 
     def check_padding(self, batch: Any) -> None:
         """Refuse a dict batch's padding ``attention_mask`` while the batch is still on the host (before it is
         moved): there the check costs nothing, where on the device it would stop the host every step."""
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if isinstance(mask, Tensor) and mask.device.type == "cpu":
-            _refuse_padding(mask)
+            refuse_padding(mask)
             self.padding_checked = True
 
-    # -- positions into the model -----------------------------------------------------------------------------
+    # -- the step ----------------------------------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        return self._mode is not None
+
+    @contextmanager
+    def step(self) -> Generator[None, None, None]:
+        """The step context: entered around the step's forward and around its backward (nested entries are one)."""
+        if self._mode is not None:
+            yield None
+            return
+        self._mode = _StepAttention(self)
+        try:
+            with self._mode:
+                yield None
+        finally:
+            self._mode = None
+
+    # -- positions into the model ------------------------------------------------------------------------------
     def position_ids(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The forward's keywords with this batch's global ``position_ids`` [1, T / cp] added where none were given
         (for a forward pre-hook); None when there is nothing to add."""
@@ -186,7 +186,7 @@ class ContextParallel:
         self.positions_given += 1
         return {**kwargs, "position_ids": self.positions.unsqueeze(0)}
 
-    # -- the loss ---------------------------------------------------------------------------------------------
+    # -- the loss ----------------------------------------------------------------------------------------------
     def sum_over_cp(self, share: Tensor) -> Tensor:
         """``share`` summed over the cp ranks (forward); backward scales by cp, undoing the owners' cp average."""
         if not self.positions_given:  # the loss of a forward that ran without this batch's positions
@@ -202,9 +202,12 @@ class ContextParallel:
         return count
 
     def mean_loss(self, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
-        """``loss_fn(outputs, targets)`` (a token mean of one shard) made the token mean of the whole sequence."""
+        """``loss_fn(outputs, targets)`` (a token mean of one shard) made the token mean of the whole sequence while
+        a step runs (``loss_fn`` itself outside one)."""
 
         def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+            if not self.in_step:
+                return loss_fn(outputs, targets)
             if self.targets is not None and self.targets.shape == targets.shape:
                 targets = self.targets  # a dict batch's labels shifted on the whole sequence, not on the shard
             local = loss_fn(outputs, targets)
@@ -216,10 +219,14 @@ class ContextParallel:
 
     def model_loss(self, loss_function: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """A Hugging Face model's ``loss_function`` made the token mean (or the sum over ``num_items_in_batch``) of
-        the whole sequence; the labels are shifted on the whole sequence (:attr:`targets`), not on the shard."""
+        the whole sequence while a step runs; the labels are shifted on the whole sequence (:attr:`targets`), not on
+        the shard."""
 
         def loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Any = None,
                  shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+            if not self.in_step:
+                return loss_function(logits=logits, labels=labels, vocab_size=vocab_size,
+                                     num_items_in_batch=num_items_in_batch, shift_labels=shift_labels, **kwargs)
             if shift_labels is None:
                 if self.targets is None or self.targets.shape != labels.shape:
                     raise LayoutError("context parallel: the model's labels are not the shard of the batch's labels "
@@ -233,28 +240,45 @@ class ContextParallel:
 
         return loss
 
-
-#: the context of the step in progress (set by the strategy; read by the attention)
-_active: ContextParallel | None = None
-
-
-def activate(context: ContextParallel | None) -> None:
-    """Make ``context`` the one :func:`sequence_attention` uses (None: none)."""
-    global _active
-    _active = context
+    # -- undoing the transform ---------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Undo what :func:`apply_context_parallel` set on the model: hooks, attention implementation, loss."""
+        self._undo.close()
 
 
-def active() -> ContextParallel:
-    if _active is None or _active.positions is None:
-        raise LayoutError("context-parallel attention ran outside a context-parallel step (no positions set).")
-    return _active
+def _step_mode() -> _StepAttention | None:
+    """The mode of the step in progress on this thread (on the torch function mode stack), or None."""
+    from lightning_par._compat import function_mode_stack
+
+    return next((m for m in reversed(function_mode_stack()) if isinstance(m, _StepAttention)), None)
 
 
+def recompute_contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """``checkpoint``'s ``context_fn`` for a block recomputed under cp (called as its forward starts): the forward
+    runs in the step already; the recomputation, inside backward, gets the step's attention again (autograd does not
+    carry a torch function mode into backward). A function of this module, not a method: torch.compile takes a
+    plain function as a ``context_fn``."""
+    mode = _step_mode()
+    return nullcontext(), (_StepAttention(mode.context) if mode is not None else nullcontext())
+
+
+def _active() -> ContextParallel:
+    """The context of the step in progress on this thread."""
+    mode = _step_mode()
+    if mode is not None:
+        return mode.context
+    raise LayoutError("context-parallel attention ran outside a context-parallel step: the model was called on a "
+                      "shard's attention outside the training, validation or test step (its Hugging Face "
+                      f"attention is {HF_ATTENTION!r} from the layout's setup on).")
+
+
+@torch.compiler.disable  # a graph break in a compiled block: the ring's sends and receives run eagerly
 def sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = True,
-                       scale: float | None = None, dropout_p: float = 0.0, enable_gqa: bool = False) -> Tensor:
+                       scale: float | None = None, dropout_p: float = 0.0, enable_gqa: bool = False,
+                       context: ContextParallel | None = None) -> Tensor:
     """Attention of this rank's queries [B, H, T / cp, D] over the whole sequence: ring attention over the cp group
-    (:class:`_RingAttention`), no mask."""
-    context = active()
+    (:class:`_RingAttention`), no mask. ``context``: default, the step's in progress."""
+    context = context if context is not None else _active()
     context.attention_calls += 1
     if dropout_p:
         raise LayoutError(
@@ -447,33 +471,17 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None
 
 
-_sdpa = F.scaled_dot_product_attention
-
-
-def _redirected_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False) -> Tensor:
-    if _active is None:  # no context-parallel step in this process
-        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa)
+def _attention_call(context: ContextParallel, query: Tensor, key: Tensor, value: Tensor,
+                    attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                    scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention``'s signature, answered by :func:`sequence_attention` (within a step)."""
     if attn_mask is not None:
         raise LayoutError(
             "context parallel: the model called scaled_dot_product_attention with an explicit attn_mask, made for "
             "the local shard of the sequence; only is_causal=True (or no mask) can be applied over the whole "
             "sequence. Use is_causal=True, or train without cp.")
     return sequence_attention(query, key, value, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                              enable_gqa=enable_gqa)
-
-
-@contextlib.contextmanager
-def attention_redirected() -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` calls go to :func:`sequence_attention` while inside."""
-    previous = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _redirected_sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = previous
+                              enable_gqa=enable_gqa, context=context)
 
 
 def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -488,29 +496,28 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     return out.transpose(1, 2).contiguous(), None
 
 
-def use_hf_attention(model: nn.Module) -> bool:
-    """Set a Hugging Face model's attention to :func:`hf_attention`; False when ``model`` is no such model."""
+def use_hf_attention(model: nn.Module, undo: ExitStack | None = None) -> bool:
+    """Set a Hugging Face model's attention to :func:`hf_attention` (``undo`` gets the way back); False when
+    ``model`` is no such model."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return False
     from transformers import AttentionInterface
 
     AttentionInterface.register(HF_ATTENTION, hf_attention)
-    for module in model.modules():
-        sub = getattr(module, "config", None)
-        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-            sub._attn_implementation_internal = HF_ATTENTION
+    configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None),
+                                                              "_attn_implementation_internal")}
+    for sub in configs.values():
+        if undo is not None:
+            undo.callback(setattr, sub, "_attn_implementation_internal", sub._attn_implementation_internal)
+        sub._attn_implementation_internal = HF_ATTENTION
     return True
 
 
 def check_takes_positions(model: nn.Module) -> None:
     """Refuse a model whose forward takes no ``position_ids``: under cp its positions would be the shard's local
     ones (0..T/cp-1), silently wrong."""
-    try:
-        takes = "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if not takes:
+    if not _takes_positions(model):
         raise LayoutError(
             f"context parallel gives each rank a load-balanced share of the sequence, so the model must take the "
             f"global positions of its tokens: {type(model).__name__}.forward has no `position_ids` argument (a "
@@ -519,20 +526,27 @@ def check_takes_positions(model: nn.Module) -> None:
             "embedding), as Hugging Face models and lightning_par.examples.GPT do; or train without cp.")
 
 
+def _takes_positions(model: nn.Module) -> bool:
+    # the class's forward: a pipeline stage's instance forward is the stage adapter's, which passes them on
+    try:
+        return "position_ids" in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def install(model: nn.Module, context: ContextParallel, n_blocks: int) -> list[Any]:
-    """Hooks on ``model`` (the module holding the blocks, called with the batch's inputs): global position ids
-    into its forward, and a check that its ``n_blocks`` blocks' attention ran here. A Hugging Face model gets the
-    registered attention; any other model's SDPA calls are redirected by :func:`attention_redirected`, which the
-    caller keeps entered while it trains (a recompute in backward calls SDPA again). Returns the hook handles."""
-    use_hf_attention(model)
+    """Hooks on ``model`` (a module called with the batch's inputs), live while a step runs: global position ids
+    into its forward, and a check that its ``n_blocks`` blocks' attention ran here. Returns the hook handles."""
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not context.in_step:
+            return None
         context.attention_calls = 0
         added = context.position_ids(args, kwargs)
         return None if added is None else (args, added)
 
     def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if context.attention_calls < n_blocks:
+        if context.in_step and context.attention_calls < n_blocks:
             raise LayoutError(
                 f"context parallel: {type(module).__name__} holds {n_blocks} blocks but only "
                 f"{context.attention_calls} attention calls went through the context-parallel attention, so some "
@@ -541,3 +555,69 @@ def install(model: nn.Module, context: ContextParallel, n_blocks: int) -> list[A
                 "(AttentionInterface); train this model without cp.")
 
     return [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after)]
+
+
+def _model_running(root: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
+    """The module that runs ``root``'s blocks on the batch's inputs: the outermost module between ``root``
+    (exclusive) and the blocks' container whose forward takes ``position_ids`` (a ``GPT``, a ``LlamaForCausalLM``),
+    else the outermost of them (refused by :func:`check_takes_positions`); ``root`` when it holds the blocks."""
+    ids = {id(b) for b in blocks}
+    parents = [name.split(".")[:-1] for name, m in root.named_modules() if id(m) in ids]
+    if not parents:
+        raise LayoutError(f"context parallel needs the model's repeated blocks inside {type(root).__name__}; none "
+                          "were found (declare them with block_types=).")
+    common: list[str] = []
+    for parts in zip(*parents, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    chain = [root.get_submodule(".".join(common[:i])) for i in range(1, len(common) + 1)]
+    return next((m for m in chain if _takes_positions(m)), chain[0] if chain else root)
+
+
+def apply_context_parallel(root: nn.Module, stages: Sequence[nn.Module], blocks: Sequence[nn.Module],
+                           mesh: DeviceMesh, pipelined: bool = False) -> ContextParallel:
+    """Apply context parallel to this rank's part of the model (``root``, the LightningModule; its ``stages`` under
+    pp; the ``blocks`` it holds): see the module docstring. Refused, alike on every rank: a model that takes no
+    ``position_ids``, or that has no loss cp can make the whole sequence's. Returns this rank's context."""
+    runs = list(stages) if pipelined else [_model_running(root, blocks)]
+    for module in runs:
+        check_takes_positions(module)
+    context = ContextParallel.on(mesh)
+    loss = _wrap_loss(context, root, pipelined)
+    for module in runs:
+        use_hf_attention(module, context._undo)
+        inside = {id(m) for m in module.modules()}
+        for handle in install(module, context, sum(id(b) in inside for b in blocks)):
+            context._undo.callback(handle.remove)
+    context.described = (f"global position_ids into {type(runs[0]).__name__}, {loss} the token mean of the whole "
+                         "sequence")
+    return context
+
+
+def _wrap_loss(context: ContextParallel, root: nn.Module, pipelined: bool) -> str:
+    """Make the loss the step computes the whole sequence's (undone by :meth:`ContextParallel.remove`)."""
+    name = type(root).__name__
+    if callable(getattr(root, "loss_fn", None)):
+        own = vars(root).get("loss_fn")  # an instance attribute, restored; else the class's method shows again
+        context._undo.callback(lambda: setattr(root, "loss_fn", own) if own is not None
+                               else vars(root).pop("loss_fn", None))
+        root.loss_fn = context.mean_loss(root.loss_fn)
+        return f"{name}.loss_fn"
+    model = next((m for m in root.modules() if ModelLoss.of(m) is not None), None)
+    if model is None:
+        raise LayoutError(
+            f"context parallel (cp={context.size}) computes the loss over every token of the whole sequence, so it "
+            f"must know the loss: {name} defines no loss_fn(outputs, targets) and holds no Hugging Face causal LM "
+            "with a loss of its own. Define loss_fn (a token mean) and compute the step's loss with it, or train a "
+            "Hugging Face *ForCausalLM returning `self.model(**batch).loss`.")
+    if pipelined:
+        raise LayoutError(
+            f"context parallel with pipeline parallel computes the loss on the last stage, per micro-batch, from "
+            f"{name}.loss_fn(outputs, targets); the model's own loss ({type(model).__name__}.loss_function) is not "
+            "supported there. Define loss_fn (a token mean) and compute_loss(batch), as "
+            "lightning_par.examples.HFCausalLMLightningModule does, or train without pp or without cp.")
+    previous = model.loss_function
+    context._undo.callback(setattr, model, "loss_function", previous)
+    model.loss_function = context.model_loss(previous)
+    return f"{type(model).__name__}.loss_function"

@@ -1,49 +1,51 @@
 """Who synchronises data-parallel gradients: exactly one owner per layout, chosen in one place.
 
-Five mechanisms can average gradients over the ``dp`` mesh, and a layout needs exactly one of them:
+Four mechanisms can average gradients over the ``dp`` mesh, and a layout needs exactly one of them:
 
 =====================  ===================================================================================
 owner                  when
 =====================  ===================================================================================
 :class:`NoSync`        one data-parallel rank, or not fitting (evaluation has no gradients)
-:class:`DDPSync`       ZeRO-0, plain tensors: PyTorch DDP's bucketed all-reduce, overlapped with backward
-:class:`FSDPSync`      ZeRO-3 (FSDP2 ``fully_shard``), or ZeRO-0 with DTensor parameters (FSDP2 ``replicate``)
+:class:`DDPSync`       ZeRO-0, plain tensors: PyTorch DDP's bucketed all-reduce, overlapped with backward; under a
+                       deferring runner, the same average in buckets launched as each stage's gradients complete
+:class:`FSDPSync`      ZeRO-3 (FSDP2 ``fully_shard``), or ZeRO-0 with DTensor parameters (FSDP2 ``replicate``);
+                       under a deferring runner the stages are FSDP2 modules, reduce-scattered once per step
 :class:`ZeroSync`      ZeRO-1/2: :class:`~lightning_par.parallel.zero.ZeroPartitioner` reduce-scatters buckets
-                       (with pp > 1: once per step, after the schedule's last backward)
-:class:`PipelineSync`  ZeRO-0 with pp > 1: bucketed all-reduces, each stage's launched as the schedule ends
-                       that stage's last backward, waited for before the step
-:class:`PipelineFSDPSync`  ZeRO-3 with pp > 1: the stages are FSDP2 modules (sharded when the pipeline was
-                       prepared); torch's schedule reduce-scatters once per step
+                       (under a deferring runner, once per step)
 =====================  ===================================================================================
 
-Under pipeline parallel every owner first sums the gradients of weights held by several pipeline ranks (a tied
-embedding and head) over the pipeline, on full gradients where the owner reduces after the schedule.
+Each owner is told at construction whether the runner **defers** its reduction: a pipeline schedule runs many
+micro-batch backwards (split into input and weight halves in the zero-bubble schedules), and nothing may be reduced
+per micro-batch. The step's gradients are made final in one place,
+:func:`~lightning_par.parallel.finalize.finalize`, which sums the copies of weights held by several pipeline ranks
+and then has the owner finish its reduction.
 
 Each owner has the same hooks, called by the strategy: ``shard`` (inside
 :func:`~lightning_par.parallel.parallelize.parallelize`, last of the transforms, on meta tensors when the model was
-built deferred), ``bind`` (the pipeline runtime, once it exists), ``wrap`` (real tensors, before the optimizers
-exist), ``attach``
-(after), ``set_enabled`` (off on the non-final micro-batches of gradient accumulation), ``after_backward``
-(before clipping and the step), ``after_step``, ``after_load`` (a checkpoint was loaded) and ``unwrap``. Nothing
-here imports Lightning.
+built deferred), ``wrap`` (real tensors, before the optimizers exist), ``attach`` (after), ``set_enabled`` (off on
+the non-final micro-batches of gradient accumulation), ``start_grad_sync`` (a deferring runner's stage finished its
+last backward of the step), ``finish_grad_sync`` (from ``finalize``, before clipping and the step), ``after_step`` and
+``unwrap``. Each owner answers its checkpoint state too (``states``, :mod:`~lightning_par.parallel.param_states`):
+what a rank saves, what a load fills, and the refresh after a load. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par.parallel.blocks import BlockTypes
-from lightning_par.parallel.data_parallel import replicate_data_parallel, replicate_units
+from lightning_par.parallel.blocks import BlockTypes, ModelBlocks
+from lightning_par.parallel.data_parallel import BucketedAllReduce, replicate_data_parallel, replicate_units
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.parallelize import ModelParts
-from lightning_par.parallel.pipeline.fsdp import fully_shard_stages
-from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_units
+from lightning_par.parallel.param_states import PARAM_STATES, ParamStates
+from lightning_par.parallel.parts import ModelParts
+from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_parts
+from lightning_par.parallel.zero_state import ZeroStates
 
 FULL_PRECISION = ShardPrecision()  # the parameters' own dtype for everything
 
@@ -56,17 +58,14 @@ class NoSync:
     #: parameters are then materialised there, as FSDP2 requires, while buffers go to the device
     parameters_on_host = False
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: bool = False) -> None:
         self.enabled = True
-        self.pipeline: Any = None  # the pipeline runtime (pp > 1), from bind()
+        #: the runner defers the reduction to the end of the step (a pipeline schedule: many micro-batch backwards)
+        self.deferred = deferred
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
         """Shard the parameters of ``parts`` over data parallel (ZeRO-3 only); returns the stage modules."""
         return parts.stages
-
-    def bind(self, pipeline: Any) -> None:
-        """The pipeline runtime, once it exists (it is built around the parts :meth:`shard` saw)."""
-        self.pipeline = pipeline
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
@@ -77,17 +76,23 @@ class NoSync:
     def set_enabled(self, enabled: bool) -> None:
         self.enabled = enabled
 
-    def after_backward(self) -> None:
-        pass
+    def start_grad_sync(self, params: Iterable[nn.Parameter]) -> None:
+        """A deferring runner's stage finished its last backward of the step: ``params``' gradients are complete
+        (the runner leaves out those still to change: tied copies, parameters two of its stages share)."""
+
+    def finish_grad_sync(self) -> None:
+        """Finish this step's data-parallel reduction (from :func:`~lightning_par.parallel.finalize.finalize`)."""
 
     def after_step(self) -> None:
         pass
 
-    def after_load(self) -> None:
-        pass
-
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module
+
+    @property
+    def states(self) -> ParamStates:
+        """This layout's checkpoint state: the model's and optimizers' entries by parameter name, and their load."""
+        return PARAM_STATES
 
     def wrap_again(self, module: nn.Module) -> nn.Module:
         """``wrap`` for a later fit of the same model, after ``unwrap``."""
@@ -100,19 +105,53 @@ class NoSync:
 
 
 class DDPSync(NoSync):
-    """ZeRO-0 with plain tensors: PyTorch DDP (buckets all-reduced as backward produces them)."""
+    """ZeRO-0 with replicas: gradients averaged over dp in buckets of ``bucket_cap_mb``.
 
-    name = "ddp"
+    Not deferred: PyTorch DDP, whose reducer all-reduces each bucket as backward produces it. Deferred (a pipeline
+    schedule runs backward in pieces, per micro-batch and split into input and weight halves, so there is no single
+    backward for DDP's reducer to follow): :class:`~lightning_par.parallel.data_parallel.BucketedAllReduce`, each
+    stage's buckets launched as the runner ends that stage's last backward of the step (:meth:`start_grad_sync`),
+    overlapping what the schedule still runs; the rest -- tied copies once summed over the pipeline, parameters two
+    stages share, a stage the runner did not report -- and the wait in :meth:`finish_grad_sync`.
+    """
 
-    def __init__(self, dp_mesh: DeviceMesh, bucket_cap_mb: float) -> None:
-        super().__init__()
+    def __init__(self, dp_mesh: DeviceMesh, bucket_cap_mb: float, deferred: bool = False) -> None:
+        super().__init__(deferred)
+        self.name = "pipeline_allreduce" if deferred else "ddp"
         self.dp_mesh, self.bucket_cap_mb = dp_mesh, bucket_cap_mb
         self.ddp: DistributedDataParallel | None = None
+        self.reducer: BucketedAllReduce | None = None  # deferred: the buckets of the step
+        self.module: nn.Module | None = None  # deferred: whose parameters finish_grad_sync reduces
+        self._launched: set[int] = set()  # deferred: ids of the parameters whose buckets this step launched
 
     def wrap(self, module: nn.Module) -> nn.Module:
+        if self.deferred:
+            self.module = module
+            self.reducer = BucketedAllReduce(self.dp_mesh.get_group(), self.bucket_cap_mb)
+            return module
         wrapped = replicate_data_parallel(module, self.dp_mesh, self.bucket_cap_mb)
         self.ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         return wrapped
+
+    def start_grad_sync(self, params: Iterable[nn.Parameter]) -> None:
+        if self.reducer is None:
+            return
+        params = [p for p in params if p.grad is not None]
+        if any(id(p) in self._launched for p in params):
+            raise RuntimeError("a pipeline stage ended its last backward twice in one step; its gradients were "
+                               "already being all-reduced over data parallel.")
+        self._launched.update(id(p) for p in params)
+        self.reducer.launch([_local(p.grad) for p in params])
+
+    def finish_grad_sync(self) -> None:
+        if self.reducer is None or self.module is None:
+            return
+        try:
+            self.reducer.launch([_local(p.grad) for p in self.module.parameters()
+                                 if p.grad is not None and id(p) not in self._launched])
+            self.reducer.finish()
+        finally:
+            self._launched = set()
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
@@ -123,27 +162,46 @@ class DDPSync(NoSync):
         return module.module if isinstance(module, DistributedDataParallel) else module
 
 
+def _local(tensor: Tensor) -> Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard (alike on every replica), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class FSDPSync(NoSync):
-    """FSDP2 over the dp mesh: ``fully_shard`` per block (ZeRO-3) or ``replicate`` per block (ZeRO-0 on DTensors)."""
+    """FSDP2 over the dp mesh: ``fully_shard`` per block (ZeRO-3) or ``replicate`` per block (ZeRO-0 on DTensors).
+
+    Deferred (ZeRO-3 under a pipeline): the stage modules are made FSDP2 modules
+    (:func:`~lightning_par.parallel.zero.fully_shard_parts`), and torch's schedule reduce-scatters each
+    group once per step, after the last micro-batch's backward; the runner holds that back on the non-final batches
+    of gradient accumulation (:func:`~lightning_par.parallel.finalize.no_sync`).
+    """
 
     def __init__(self, dp_mesh: DeviceMesh, shard: bool, offload: bool = False,
-                 block_types: BlockTypes = None, precision: ShardPrecision = FULL_PRECISION) -> None:
-        super().__init__()
-        self.name = "fsdp2_shard" if shard else "fsdp2_replicate"
+                 block_types: BlockTypes = None, precision: ShardPrecision = FULL_PRECISION,
+                 deferred: bool = False) -> None:
+        super().__init__(deferred)
+        if deferred and not shard:
+            raise ValueError("FSDP2 replicate has no deferred form here: a deferring runner's ZeRO-0 replicas are "
+                             "averaged by DDPSync(deferred=True).")
+        self.name = ("fsdp2_shard_stages" if deferred else "fsdp2_shard") if shard else "fsdp2_replicate"
         self.dp_mesh, self.sharded, self.offload, self.block_types = dp_mesh, shard, offload, block_types
         self.parameters_on_host = shard and offload
         self.precision = precision
         self.roots: list[nn.Module] = []
+        self.found: ModelBlocks | None = None  # the blocks of the parts shard() saw: replicate's groups
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
+        self.found = parts.found
+        if self.deferred:  # the stage modules; the runner holds their reduction back (finalize.no_sync)
+            return fully_shard_parts(parts, self.dp_mesh, offload=self.offload, mp_policy=self.precision.fsdp_policy())
         if self.sharded:
-            self.roots = fully_shard_units(parts.root, self.dp_mesh, offload=self.offload,
-                                           block_types=self.block_types, mp_policy=self.precision.fsdp_policy())
+            self.roots = fully_shard_parts(parts, self.dp_mesh, offload=self.offload,
+                                           mp_policy=self.precision.fsdp_policy())
         return parts.stages
 
     def wrap(self, module: nn.Module) -> nn.Module:
         if not self.sharded:  # FSDP2 replicate needs the real tensors
-            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types)
+            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types, found=self.found)
         return module
 
     def wrap_again(self, module: nn.Module) -> nn.Module:
@@ -163,14 +221,14 @@ class FSDPSync(NoSync):
 class ZeroSync(NoSync):
     """ZeRO-1/2: gradients reduce-scattered into the optimizer's shards, parameters all-gathered after the step.
 
-    With a pipeline (``pipeline`` = its runtime) nothing is reduced during the schedule's many micro-batch
-    backwards: after the last one the tied copies are summed over the pipeline, then every bucket is
-    reduce-scattered once (the partitioner's ``defer_reduction``).
+    Deferred, nothing is reduced during the schedule's many micro-batch backwards: after the last one the tied
+    copies are summed over the pipeline, then every bucket is reduce-scattered once (the partitioner's
+    ``defer_reduction``).
     """
 
     def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_cap_mb: float, offload: bool,
-                 precision: ShardPrecision = FULL_PRECISION) -> None:
-        super().__init__()
+                 precision: ShardPrecision = FULL_PRECISION, deferred: bool = False) -> None:
+        super().__init__(deferred)
         self.name = f"zero{stage}"
         self.dp_mesh, self.stage, self.bucket_cap_mb, self.offload = dp_mesh, stage, bucket_cap_mb, offload
         self.precision = precision
@@ -178,7 +236,7 @@ class ZeroSync(NoSync):
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.partitioner = ZeroPartitioner(module, optimizers, self.dp_mesh, self.stage, self.bucket_cap_mb,
-                                           self.offload, defer_reduction=self.pipeline is not None,
+                                           self.offload, defer_reduction=self.deferred,
                                            param_dtype=self.precision.param_dtype,
                                            reduce_dtype=self.precision.reduce_dtype,
                                            grad_dtype=self.precision.grad_dtype)
@@ -188,21 +246,15 @@ class ZeroSync(NoSync):
         if self.partitioner is not None:
             self.partitioner.require_sync = enabled
 
-    def after_backward(self) -> None:
-        if self.pipeline is not None and self.enabled:
-            self.pipeline.sum_tied_gradients()  # full gradients, before they are reduce-scattered
+    def finish_grad_sync(self) -> None:
         if self.partitioner is not None:
-            self.partitioner.finish_gradient_sync()  # the last buckets (all of them under a pipeline)
+            self.partitioner.finish_gradient_sync()  # the last buckets (all of them when deferred)
 
     def after_step(self) -> None:
         if self.partitioner is not None:
             # each rank stepped its chunk; everyone gets all of them. Left running: each bucket's gather is waited
             # for in a forward pre-hook of its modules; state_dict, checkpoints and unwrap wait for all of them
             self.partitioner.gather_parameters()
-
-    def after_load(self) -> None:
-        if self.partitioner is not None:
-            self.partitioner.refresh_shards()  # offloaded shards are copies: take the loaded parameters
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         if self.partitioner is not None:
@@ -212,73 +264,16 @@ class ZeroSync(NoSync):
             self.partitioner.remove()
         return module
 
+    @property
+    def states(self) -> ParamStates:
+        # once the optimizers hold bucket shards (attach), the weights are saved from and loaded into the shards
+        return ZeroStates(self.partitioner) if self.partitioner is not None else PARAM_STATES
+
     def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:
         # the optimizer holds bucket shards; a tied copy counted elsewhere is zeroed inside its bucket's shard
         if not exclude or self.partitioner is None:
             return super().norm_grads(params)
         return self.partitioner.norm_grads(exclude, shards={id(p) for p in params})
-
-
-class PipelineSync(NoSync):
-    """ZeRO-0 under pipeline parallel: gradients all-reduced over dp in buckets, tied copies summed over the pipeline.
-
-    The schedule runs backward in pieces (per micro-batch, and split into input and weight gradients in the
-    zero-bubble schedules), so there is no single backward for DDP's reducer to overlap with. Instead each stage's
-    buckets are launched as the schedule ends that stage's last backward of the step
-    (:meth:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime.overlap_dp_reduction`), overlapping what the
-    schedule still runs on this rank; the tied copies are summed and reduced, and everything waited for, in
-    ``after_backward``.
-    """
-
-    name = "pipeline_allreduce"
-
-    def __init__(self, dp_mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> None:
-        super().__init__()
-        self.dp_mesh, self.bucket_cap_mb = dp_mesh, bucket_cap_mb
-
-    def bind(self, pipeline: Any) -> None:
-        super().bind(pipeline)
-        if self.dp_mesh.size() > 1:
-            pipeline.overlap_dp_reduction(self.dp_mesh.get_group(), self.bucket_cap_mb)
-
-    def set_enabled(self, enabled: bool) -> None:
-        super().set_enabled(enabled)
-        if self.pipeline is not None:
-            self.pipeline.require_sync = enabled  # no reduction in the schedule while gradients accumulate
-
-    def after_backward(self) -> None:
-        if self.enabled:
-            self.pipeline.sync_gradients(self.dp_mesh.get_group(), self.bucket_cap_mb)
-
-
-class PipelineFSDPSync(NoSync):
-    """ZeRO-3 under pipeline parallel: the stage modules were made FSDP2 modules when the pipeline was prepared
-    (:func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`), and torch's schedule reduce-scatters each
-    group once per step; the runtime holds the reduction back on the non-final batches of gradient accumulation.
-    Left here: the tied copies' (sharded) gradients, summed over the pipeline."""
-
-    name = "fsdp2_shard_stages"
-
-    def __init__(self, dp_mesh: DeviceMesh, offload: bool = False, precision: ShardPrecision = FULL_PRECISION) -> None:
-        super().__init__()
-        self.dp_mesh, self.offload, self.precision = dp_mesh, offload, precision
-        self.parameters_on_host = offload
-
-    def shard(self, parts: ModelParts) -> list[nn.Module]:
-        return fully_shard_stages(parts.stages, self.dp_mesh, parts.block_names, offload=self.offload,
-                                  mp_policy=self.precision.fsdp_policy())
-
-    def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        for optimizer in optimizers:
-            check_partitionable(optimizer, 3)
-
-    def set_enabled(self, enabled: bool) -> None:
-        super().set_enabled(enabled)
-        self.pipeline.require_sync = enabled
-
-    def after_backward(self) -> None:
-        if self.enabled:
-            self.pipeline.sum_tied_gradients()
 
 
 def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
@@ -292,24 +287,18 @@ def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
     """
     stage = layout.zero_stage
     offload = layout.offload_parameters or layout.offload_optimizer
-    if layout.pp > 1:
-        # ZeRO-3 stages are sharded when the pipeline is prepared (for evaluation too: FSDP2 gathers them itself);
-        # the tied copies are summed over the pipeline even with a single replica
-        if stage == 3:
-            return PipelineFSDPSync(dp_mesh, offload=offload, precision=precision)
-        if not fitting:
-            return NoSync()
-        if stage in (1, 2):
-            return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, precision=precision)
-        return PipelineSync(dp_mesh, layout.bucket_cap_mb)
+    # a pipeline schedule runs many micro-batch backwards: the owner reduces once, after the last
+    deferred = layout.pp > 1
     if stage == 3:
-        return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types, precision=precision)
+        return FSDPSync(dp_mesh, shard=True, offload=offload, block_types=layout.block_types, precision=precision,
+                        deferred=deferred)
     if not fitting:
         return NoSync()
     if stage in (1, 2):  # also with one replica: the optimizer state keeps one format for any dp size
-        return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, precision=precision)
+        return ZeroSync(dp_mesh, stage, layout.bucket_cap_mb, layout.offload_optimizer, precision=precision,
+                        deferred=deferred)
     if dp_mesh.size() == 1:
         return NoSync()
-    if layout.tp > 1:
+    if layout.tp > 1 and not deferred:
         return FSDPSync(dp_mesh, shard=False, block_types=layout.block_types)  # DDP cannot take DTensors
-    return DDPSync(dp_mesh, layout.bucket_cap_mb)
+    return DDPSync(dp_mesh, layout.bucket_cap_mb, deferred=deferred)

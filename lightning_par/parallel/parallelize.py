@@ -1,10 +1,12 @@
 """Apply a layout to this rank's part of the model: one fixed order for every layout.
 
-A rank's part is the whole model without pipeline parallelism, or the rank module holding its pipeline stages
-(:class:`~lightning_par.parallel.pipeline.runtime.PipelineRuntime` calls :func:`parallelize` through its ``prepare``
-callback). The order is torchtitan's (``parallelize_llama``), the same for every layout::
+A rank's part (:class:`~lightning_par.parallel.parts.ModelParts`, from :func:`~lightning_par.parallel.parts.split`)
+is the whole model without pipeline parallelism, or the rank module holding its pipeline stages; the pipeline
+runtime is built afterwards, around the transformed stage modules. The order is torchtitan's (``parallelize_llama``),
+the same for every layout::
 
-    replicas identical -> tensor parallel -> recompute -> (compile) -> data-parallel sharding -> materialise share
+    replicas identical -> tensor parallel -> context parallel -> recompute -> (compile) -> data-parallel sharding
+    -> materialise share
 
 Two ways in, one order:
 
@@ -17,6 +19,10 @@ Two ways in, one order:
 * a model built eagerly (in ``__init__``, or handed over whole) is moved to the device first and its replicas are
   made identical by a broadcast; the transforms then cut what exists.
 
+Context parallel (cp > 1) comes right after tensor parallel, as torchtitan applies it to the attention there: it
+hooks the modules that run the model (so recompute and compile wrap the blocks inside them) and returns the context
+the step enters around forward and backward (:mod:`~lightning_par.parallel.context_parallel`).
+
 Pretrained weights (``pretrained``) are read into the share right after it is allocated; their random
 initialisation is never computed. Nothing here imports Lightning.
 """
@@ -24,7 +30,7 @@ initialisation is never computed. Nothing here imports Lightning.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -32,8 +38,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
+from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.rng import dropout_at, has_dropout
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
@@ -50,23 +58,6 @@ class Pretrained(Protocol):
 
 
 @dataclass
-class ModelParts:
-    """This rank's part of the model.
-
-    ``root``: the module whose parameter names are the model's (the LightningModule; under pp it holds only this
-    rank's stages). ``stages``: the rank's pipeline stage modules, or ``[root]`` without pipeline parallelism.
-    ``blocks``: the repeated blocks the rank holds (recompute and ZeRO-3 groups act on them); ``block_names``: every
-    block of the model by name, relative to the split model (for the stage modules' FSDP groups).
-    """
-
-    root: nn.Module
-    stages: list[nn.Module]
-    blocks: list[nn.Module]
-    block_names: list[str] = field(default_factory=list)
-    pipelined: bool = False
-
-
-@dataclass
 class ParallelizeConfig:
     """What :func:`parallelize` applies: the meshes of the dimensions it uses, the per-block options, the device."""
 
@@ -78,21 +69,26 @@ class ParallelizeConfig:
     compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (parallel/compile.py)
     #: where a deferred model's parameters are materialised when not on ``device``: the host, under FSDP2 offload
     parameter_device: torch.device | None = None
+    #: the ``cp`` mesh: context parallel when its size is over 1 (it needs the parts' blocks)
+    cp_mesh: DeviceMesh | None = None
 
 
 @dataclass
 class Parallelized:
     """What :func:`parallelize` made: the rank's stage modules (FSDP2 roots under ZeRO-3), the tensor-parallel plan
-    (tp > 1), and the materialisation figures (``kept_bytes``, ``transient_bytes``, ``pretrained_tensors``)."""
+    (tp > 1), the context-parallel context (cp > 1: the step's batch transform and step context), and the
+    materialisation figures (``kept_bytes``, ``transient_bytes``, ``pretrained_tensors``)."""
 
     stages: list[nn.Module]
     tensor_parallel: TensorParallelPlan | None
     stats: dict[str, int]
+    context_parallel: ContextParallel | None = None
 
 
 def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[ModelParts], Sequence[nn.Module]],
                 deferred: DeferredInit | None = None, pretrained: Pretrained | None = None) -> Parallelized:
-    """Apply the layout to ``parts`` in the fixed order (see the module docstring).
+    """Apply the layout to ``parts`` in the fixed order (see the module docstring), in place: ``parts.stages`` are
+    then the modules to run.
 
     ``shard``: the data-parallel owner's sharding of the parts (FSDP2 ``fully_shard`` at ZeRO-3, on meta tensors
     when ``deferred``; nothing for the owners that act on gradients only); returns the stage modules.
@@ -112,11 +108,14 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
         rng = config.compile is None or config.sequence_parallel or has_dropout(parts.root)
         plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
                                      stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root))
-    apply_recompute(parts.blocks, config.recompute)
+    cp = None
+    if config.cp_mesh is not None and config.cp_mesh.size() > 1:
+        cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)
+    apply_recompute(parts.blocks, config.recompute, context_fn=recompute_contexts if cp is not None else None)
     if config.compile is not None:
         for block in parts.blocks:
             config.compile(block)
-    stages = list(shard(parts))
+    parts.stages = stages = list(shard(parts))  # the modules the runner runs (FSDP2 roots under ZeRO-3)
     fills: Collection[str] = pretrained.check(parts.root) if pretrained is not None else ()
     stats: dict[str, int] = {}
     if deferred is not None:
@@ -124,7 +123,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
                                   parameter_device=config.parameter_device)
     if pretrained is not None:
         stats["pretrained_tensors"] = pretrained.load(parts.root)
-    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats)
+    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats, context_parallel=cp)
 
 
 def make_replicas_identical(module: nn.Module, meshes: Sequence[DeviceMesh]) -> None:

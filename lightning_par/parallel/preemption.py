@@ -94,6 +94,12 @@ class PreemptionCheckpoint(Callback):
         self._stop()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if exception is self._pending:
+            # preempted: the flag-only handler stays through the teardown, where an async save still commits; a
+            # second SIGTERM there (the scheduler again, torchrun closing the ranks) must not run Lightning's, which
+            # broadcasts inside the handler. Lightning's own teardown then puts back what was there before the fit.
+            self._previous.clear()
+            return
         self._restore()
 
     def _restore(self) -> None:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -34,11 +35,15 @@ def check_recompute(kind: str) -> None:
                           "every activation; selective recomputes the attention core; full recomputes each block).")
 
 
+#: ``checkpoint``'s ``context_fn``: the contexts its forward and its recomputation run in (see :func:`apply_recompute`)
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+
+
 @contextmanager
-def _attention_recomputed() -> Iterator[None]:
-    # the attention in place now, which is context parallel's (parallel/context_parallel.py) under cp
+def _attention_recomputed(context_fn: ContextFn | None) -> Iterator[None]:
     inner = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = functools.partial(checkpoint, inner, use_reentrant=False)
+    F.scaled_dot_product_attention = functools.partial(checkpoint, inner, use_reentrant=False) \
+        if context_fn is None else functools.partial(_checkpoint_in, context_fn, inner)
     try:
         yield
     finally:
@@ -51,19 +56,32 @@ def _full(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with _attention_recomputed():
+# torch.compile takes only dispatch modes from a context_fn: with one, the checkpoint call runs eagerly; the block's
+# forward inside it is still compiled, as a frame of its own (recursive=False)
+@torch.compiler.disable(recursive=False)
+def _checkpoint_in(context_fn: ContextFn, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _selective(forward: Callable[..., Any], *args: Any, context_fn: ContextFn | None = None, **kwargs: Any) -> Any:
+    with _attention_recomputed(context_fn):
         return forward(*args, **kwargs)
 
 
-def apply_recompute(blocks: Sequence[nn.Module], kind: str) -> int:
-    """Make each block recompute activations in backward (``kind`` "full" or "selective"); returns how many."""
+def apply_recompute(blocks: Sequence[nn.Module], kind: str, context_fn: ContextFn | None = None) -> int:
+    """Make each block recompute activations in backward (``kind`` "full" or "selective"); returns how many.
+
+    ``context_fn`` (``checkpoint``'s): what the recomputation must run in besides the forward's autocast and RNG
+    state, which backward does not carry: context parallel's attention (its torch function mode is thread-local
+    state autograd leaves behind)."""
     check_recompute(kind)
     if kind == "none":
         return 0
     for block in blocks:
         if kind == "full":
-            block.forward = functools.partial(_full, block.forward)
+            full = _full if context_fn is None else functools.partial(_checkpoint_in, context_fn)
+            block.forward = functools.partial(full, block.forward)
         else:
-            block.forward = functools.partial(_selective, block.forward)
+            block.forward = functools.partial(_selective, block.forward, **(
+                {} if context_fn is None else {"context_fn": context_fn}))
     return len(blocks)

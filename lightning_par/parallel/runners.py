@@ -6,13 +6,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_par.parallel.stage_plan import StagePlan
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-    from torch import Tensor
+    from torch import Tensor, nn
+
+#: ``grad_sync_func(params)``: the gradients of ``params`` are complete for this step (Megatron-Core's
+#: ``config.grad_sync_func``): the data-parallel owner's ``start_grad_sync``
+GradSyncFunc = Callable[[Iterable["nn.Parameter"]], None]
 
 
 class Runner(Protocol):
@@ -27,6 +32,12 @@ class Runner(Protocol):
     model_loss_step: bool
     #: the group whose ranks hold different stages (the pipeline's): the gradient norm sums over it; None for one
     group: dist.ProcessGroup | None
+    #: False on the non-final batches of gradient accumulation: a runner that defers the data-parallel reduction
+    #: starts none (set through :func:`~lightning_par.parallel.finalize.no_sync`)
+    require_sync: bool
+    #: called with a stage's parameters as the runner ends that stage's last backward of a step that synchronises,
+    #: so their reduction overlaps the rest of the schedule; None: nobody listens
+    grad_sync_func: GradSyncFunc | None
 
     def counted_elsewhere(self) -> set[int]:
         """ids of this rank's parameters whose gradient another rank counts in the global norm."""
@@ -35,7 +46,8 @@ class Runner(Protocol):
         """Make the copies of a parameter held by several ranks equal (collective, at setup)."""
 
     def sum_tied_gradients(self) -> None:
-        """Sum the gradients of those copies, so they take the same step (collective, before the step)."""
+        """Sum the gradients of those copies, so they take the same step (collective, from
+        :func:`~lightning_par.parallel.finalize.finalize`)."""
 
     def train_step(self, inputs: Any, targets: Tensor) -> Tensor:
         """Forward and backward of one batch; its loss."""
@@ -59,6 +71,8 @@ class SingleRunner:
 
     def __init__(self) -> None:
         self.plan = StagePlan.single()
+        self.require_sync = True
+        self.grad_sync_func: GradSyncFunc | None = None  # (Lightning's backward is one piece: never called)
 
     def counted_elsewhere(self) -> set[int]:
         return set()

@@ -14,6 +14,13 @@ every rank that finished without an exception joins the threads of ours that out
 barrier (bounded: a rank still busy elsewhere does not hold this one), and destroys the process group: gloo's workers
 finish their queue and are joined, and rank 0's store is closed. A rank that raised skips this: its peers may be
 anywhere, and it exits non-zero anyway.
+
+From the start of that handler on, such a rank ignores SIGTERM: its run ended by agreement (completed, or preempted
+with its checkpoint saved), so a SIGTERM has nothing left to stop and would only replace the exit code the run chose
+(0, or 75 after a preemption) by a signal's. torchrun sends one to every worker still running as soon as one worker
+exits non-zero -- after a preemption, to the ranks still finalizing a fraction of a second behind the first; they
+then reported -15, not 75 (seen in benchmarks/preemption_moments.py). The barrier makes this hold: no rank leaves it
+before every rank has entered the handler.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import signal
 import threading
 from datetime import timedelta
 
@@ -59,6 +67,8 @@ def straggler(thread: threading.Thread) -> None:
 
 
 def _close() -> None:
+    if not _failed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run's exit code stands (see the module doc)
     for thread in _stragglers:
         thread.join(STRAGGLER_TIMEOUT)
     if _failed or not dist.is_initialized():

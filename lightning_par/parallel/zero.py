@@ -56,6 +56,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from lightning_par import _compat
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.parallel.host_memory import fsdp_offload_policy, release_freed_memory
+from lightning_par.parallel.parts import ModelParts, split
+from lightning_par.parallel.pipeline.fsdp import check_disjoint
 from lightning_par.topology import LayoutError
 
 #: Optimizers whose update of an element depends only on that element's own history, so a flat chunk of a
@@ -693,18 +695,6 @@ class ZeroPartitioner:
         if wait or not self.prefetch:
             self.wait_all()
 
-    @torch.no_grad()
-    def refresh_shards(self) -> None:
-        """Copy the owned chunks of the parameters into the shard parameters (after a checkpoint load). Under mixed
-        precision the master takes the bf16 parameters' values: restore an fp32 master into the shard after this."""
-        self.wait_all()
-        for bucket in self.buckets:
-            assert bucket.shard is not None
-            local = bucket.shard.to_local()
-            own = bucket.own(bucket.flat)
-            if local.data_ptr() != own.data_ptr():
-                local.copy_(own)
-
     def remove(self) -> None:
         """Wait for the outstanding gathers (nothing waits for them once the hooks are gone) and remove the
         hooks."""
@@ -857,13 +847,16 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def data_parallel_groups(module: nn.Module, block_types: BlockTypes = None) -> DataParallelGroups:
+def data_parallel_groups(module: nn.Module, block_types: BlockTypes = None,
+                         found: ModelBlocks | None = None) -> DataParallelGroups:
     """Group ``module``'s parameters for FSDP2: each block, then the blocks' root, then whatever lies outside it.
 
-    Raises the :class:`~lightning_par.topology.LayoutError` of ``find_blocks`` (it says how to pass
-    ``block_types=``) where no blocks are found.
+    ``found``: the blocks inside ``module`` (``ModelParts.found``); where not given they are searched for here, and
+    the :class:`~lightning_par.topology.LayoutError` of ``find_blocks`` (it says how to pass ``block_types=``) is
+    raised where there are none.
     """
-    found = find_blocks(module, block_types)
+    if found is None:
+        found = find_blocks(module, block_types)
     root_path = found.path
     blocks = [(_join(root_path, name), found.root.get_submodule(name)) for name in found.blocks]
     groups = DataParallelGroups(found, blocks, (root_path, found.root))
@@ -910,31 +903,58 @@ def _apply_groups(module: nn.Module, groups: DataParallelGroups, apply) -> list[
     return [groups.root[1]] + [unit for _, unit in groups.outside]
 
 
+def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = False, mp_policy: object | None = None,
+                      reshard_after_forward: bool | None = None) -> list[nn.Module]:
+    """ZeRO-3 with FSDP2 on this rank's part of the model: each repeated block its own group, then what holds them.
+
+    Without pipeline parallelism the groups are those of :func:`data_parallel_groups` (the blocks, then the blocks'
+    root, then the modules outside it). Each block is gathered just before its forward and again for its backward,
+    and freed after, so the gathered parameters peak at about one block plus the root group. The rest of the root
+    (embedding, final norm, head -- a small share of a real model) forms the root group, which FSDP2 keeps gathered
+    from forward into backward: the same grouping torchtitan and a hand-written Lightning ``ModelParallelStrategy``
+    use, with fewer, larger collectives than one group per unit. Traffic is therefore 3 Psi_blocks + 2 Psi_root
+    elements (x (N-1)/N) rather than exactly 3 Psi. A tied embedding and head stay together in the root group.
+    Modules with parameters outside the root (e.g. next to it in a LightningModule) are groups of their own;
+    parameters set directly on the LightningModule go into an outermost group around everything, gathered by its
+    ``forward``.
+
+    Under pipeline parallelism each stage module's blocks, then the stage module itself, so that every stage is its
+    own FSDP2 root (see :mod:`lightning_par.parallel.pipeline.fsdp` for what this costs per step); a parameter held
+    by two stages of this rank is refused. ``reshard_after_forward``: default (None) FSDP2's own choice without a
+    pipeline, ``False`` in one -- each group gathered once per step (``True``: freed after each micro-batch's
+    forward, up to ``2 m`` gathers per block per step).
+
+    ``offload``: keep the parameter shards (and the optimizer step) in host memory (FSDP2 ``CPUOffloadPolicy``).
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
+    Returns the FSDP2 roots: the stage modules under pp.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs: dict[str, Any] = dict(mesh=dp_mesh, offload_policy=fsdp_offload_policy(offload, dp_mesh.device_type),
+                                  # mixed precision (bf16-mixed): fp32 shards are the master weights, gathered as
+                                  # bf16, gradients reduced in fp32
+                                  mp_policy=mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy())
+    if parts.pipelined or reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = bool(reshard_after_forward)
+    shard = functools.partial(fully_shard, **kwargs)
+    if not parts.pipelined:
+        groups = data_parallel_groups(parts.root, found=parts.found)
+        return _apply_groups(parts.root, groups, shard)
+    check_disjoint(parts.stages)
+    for stage, blocks in zip(parts.stages, parts.stage_blocks, strict=True):
+        for block in blocks:
+            shard(block)
+        shard(stage)
+    return list(parts.stages)
+
+
 def fully_shard_units(
     module: nn.Module, dp_mesh: DeviceMesh, offload: bool = False, block_types: BlockTypes = None,
     mp_policy: object | None = None,
 ) -> list[nn.Module]:
-    """ZeRO-3 with FSDP2: shard each repeated block as its own group, then the blocks' root, on any model.
-
-    The blocks come from :func:`~lightning_par.parallel.blocks.find_blocks` (a model's own declaration, a
-    Hugging Face model's plan, ``block_types``, or the ``nn.ModuleList`` of blocks it keeps); without blocks this
-    raises find_blocks' :class:`~lightning_par.topology.LayoutError`, which says how to pass ``block_types=``.
-    Each block is gathered just before its forward and again for its backward, and freed after, so the gathered
-    parameters peak at about one block plus the root group. The rest of the root (embedding, final norm, head -- a
-    small share of a real model) forms the root group, which FSDP2 keeps gathered from forward into backward: the
-    same grouping torchtitan and a hand-written Lightning ``ModelParallelStrategy`` use, with fewer, larger
-    collectives than one group per unit. Traffic is therefore 3 Psi_blocks + 2 Psi_root elements (x (N-1)/N)
-    rather than exactly 3 Psi. A tied embedding and head stay together in the root group. Modules with parameters
-    outside the root (e.g. next to it in a LightningModule) are groups of their own; parameters set directly on
-    the LightningModule go into an outermost group around everything, gathered by its ``forward``.
-    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
-    Returns the FSDP2 roots.
+    """:func:`fully_shard_parts` on a whole model (no pipeline split), its blocks found by
+    :func:`~lightning_par.parallel.blocks.find_blocks` -- a model's own declaration, a Hugging Face model's plan,
+    ``block_types``, or the ``nn.ModuleList`` of blocks it keeps; without blocks this raises find_blocks'
+    :class:`~lightning_par.topology.LayoutError`, which says how to pass ``block_types=``. Returns the FSDP2 roots.
     """
-    from torch.distributed.fsdp import fully_shard
-
-    policy = fsdp_offload_policy(offload, dp_mesh.device_type)
-    # mixed precision (bf16-mixed): fp32 shards are the master weights, gathered as bf16, gradients reduced in fp32
-    mp = mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy()
-    groups = data_parallel_groups(module, block_types)
-    return _apply_groups(module, groups,
-                         lambda m: fully_shard(m, mesh=dp_mesh, offload_policy=policy, mp_policy=mp))
+    return fully_shard_parts(split(module, block_types=block_types), dp_mesh, offload=offload, mp_policy=mp_policy)

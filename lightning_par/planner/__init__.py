@@ -1,6 +1,7 @@
 """Plan a layout before launching: will it fit, and which layout is fastest.
 
-``lightning-par plan`` (:mod:`lightning_par.planner.cli`) builds the model on the meta device
+``lightning-par plan`` (:mod:`lightning_par.plan_cli`, outside this package: it reads a fit config, whose strategy
+only the strategies can answer, and the strategies use the planner) builds the model on the meta device
 (:mod:`~lightning_par.planner.model`), traces its units on fake tensors (:mod:`~lightning_par.planner.trace`: bytes
 saved for backward, FLOPs and bytes moved per op), orders each pipeline schedule as torch runs it
 (:mod:`~lightning_par.planner.schedule`), and estimates every layout on a hardware model

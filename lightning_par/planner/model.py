@@ -210,6 +210,17 @@ class ModelInfo:
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
+    @property
+    def default_seq_len(self) -> int:
+        """The sequence length to plan for when none is given: the model's longest (``max_seq_len``,
+        ``max_position_embeddings`` or ``n_positions``, of its config or itself), at most 8192; else 2048."""
+        for holder in (getattr(self.root, "config", None), self.root):
+            for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
+                value = getattr(holder, name, None)
+                if isinstance(value, int) and value > 0:
+                    return min(value, 8192)
+        return 2048
+
     def unit_params(self, unit: str) -> list[ParamInfo]:
         return [p for p in self.params if unit in p.units]
 

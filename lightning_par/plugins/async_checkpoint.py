@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import Shard, ShardedTensor
-from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
+from lightning_par.parallel import zero_state
+from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
 
 
@@ -129,7 +130,7 @@ class _HostCopy(AsyncStager):
     """Stage a checkpoint as a copy in host memory, into buffers reused from one save to the next.
 
     DCP's default stager copies tensors and DTensors but refuses ShardedTensors, which ZeRO-1/2's per-parameter
-    blocks are (:mod:`~lightning_par.plugins.zero_checkpoint`); this one copies all three. The host buffer of each
+    blocks are (:mod:`~lightning_par.parallel.zero_state`); this one copies all three. The host buffer of each
     tensor is kept (by its place in the state dict, shape and dtype) for the next save, as allocating and, on a GPU
     machine, pinning gigabytes per save would cost more than the copy. Device tensors are copied on a side CUDA
     stream, which first waits for the training stream (the values are the step's); the training stream then waits
@@ -198,7 +199,7 @@ class _HostCopy(AsyncStager):
         if isinstance(value, ShardedTensor):
             shards = [Shard(self._tensor(shard.tensor, (*where, tuple(shard.metadata.shard_offsets))), shard.metadata)
                       for shard in value.local_shards()]
-            return zero_checkpoint.blocks_tensor(shards, value.size())
+            return zero_state.blocks_tensor(shards, value.size())
         if isinstance(value, DTensor):
             return DTensor.from_local(self._tensor(value.to_local(), where), value.device_mesh, value.placements,
                                       run_check=False, shape=value.shape, stride=value.stride())

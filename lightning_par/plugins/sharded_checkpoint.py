@@ -25,36 +25,22 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from lightning_par._compat import ShardedTensor, set_element
+from lightning_par.parallel.param_states import PARAM_STATES, ParamStates, materialize_optimizer_state
 from lightning_par.parallel.tensor_parallel import packed_as_slices, restore_packed
-from lightning_par.parallel.zero import ZeroPartitioner
-from lightning_par.plugins import checkpoint_files, checkpoint_meta, zero_checkpoint
+from lightning_par.plugins import checkpoint_files, checkpoint_meta
 from lightning_par.plugins.checkpoint_files import CheckpointError
-
-# Optimizer state flattened to one entry per parameter and field ("state.layers.0.attn.q_proj.weight.exp_avg",
-# "param_groups.layers.0.attn.q_proj.weight.lr"): ranks holding different parameters (pipeline stages) then write
-# different keys -- a nested "param_groups" list would be one key, written by one rank -- and a checkpoint loads
-# into another split of the parameters.
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-_FULL = StateDictOptions(full_state_dict=True)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
     """The model's state keyed by original parameter names (FQNs), as DTensor shards where it is sharded."""
-    return get_model_state_dict(module)
+    return PARAM_STATES.model_state(module)
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state keyed by parameter FQNs (for optimizers over the module's own parameters)."""
-    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    return PARAM_STATES.optimizer_state(module, optimizer)
 
 
 def with_param_names(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -66,25 +52,6 @@ def with_param_names(module: nn.Module, optimizer: torch.optim.Optimizer, state:
         if "param_names" not in saved and all(id(p) in names for p in group["params"]):
             saved["param_names"] = [names[id(p)] for p in group["params"]]
     return state
-
-
-def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create an optimizer's lazily-made state (a step with zero gradients at lr 0), so DCP can load into it."""
-    if optimizer.state:
-        return
-    saved = []
-    for group in optimizer.param_groups:
-        saved.append(group.get("lr"))
-        if "lr" in group:
-            group["lr"] = 0.0
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, saved, strict=True):
-        if lr is not None:
-            group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
 
 
 # -- collectives: every rank saves and loads; without a process group this is the only rank ----------------------
@@ -154,13 +121,14 @@ def finish(partial: Path, path: Path, files: dict[str, dict[str, int]] | None = 
 
 # -- load ----------------------------------------------------------------------------------------------------------
 def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-         partitioner: ZeroPartitioner | None = None, weights_only: bool | None = None,
+         states: ParamStates = PARAM_STATES, weights_only: bool | None = None,
          model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Load the shards into ``module`` and ``optimizers`` in place; return the rest of Lightning's checkpoint.
 
     Every rank calls it, under any layout: states are keyed by parameter name (FQN) with their full shapes, so DCP
-    gives each rank the part it holds however the checkpoint was split. ``partitioner``: the optimizers hold ZeRO-1/2
-    bucket shards (:mod:`~lightning_par.plugins.zero_checkpoint` maps them to parameters). ``weights_only`` (``None``
+    gives each rank the part it holds however the checkpoint was split. ``states``: the data-parallel owner's answers
+    (``owner.states``): which tensors to fill, and the refresh after (ZeRO-1/2's optimizers hold bucket shards,
+    :class:`~lightning_par.parallel.zero_state.ZeroStates`). ``weights_only`` (``None``
     means ``True``, as in ``torch.load``): unpickle only tensors and plain values; ``False`` trusts the checkpoint
     with arbitrary objects. ``model_params``: the unsplit model's parameter names in order, where ``module`` holds
     only some (pipeline stages): a single file without parameter names maps its one group's positions to them.
@@ -172,30 +140,19 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
                        f"during the save: loading {resolved}.")
     if resolved.is_file():
         checkpoint_files.verify_file(path, resolved)  # every rank reads the file, and gets the same verdict
-        return _load_single_file(resolved, module, optimizers, partitioner, safe, model_params)
+        return _load_single_file(resolved, module, optimizers, states, safe, model_params)
     _verify(resolved)
     # under ZeRO-1/2 the weights load into the optimizer's shards (the fp32 masters under mixed precision)
-    weights = zero_checkpoint.model_state(module, partitioner) if partitioner is not None else model_state(module)
-    state: dict[str, Any] = {"state_dict": weights}
+    state: dict[str, Any] = {"state_dict": states.model_state(module)}
     for index, optimizer in enumerate(optimizers):
-        if partitioner is not None:
-            materialize_optimizer_state(optimizer)  # DCP loads into the state tensors' views
-            state[f"optimizer_{index}"] = zero_checkpoint.optimizer_state(module, optimizer, partitioner)
-        else:
-            state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
+        state[f"optimizer_{index}"] = states.optimizer_target(module, optimizer)
     _check_fits(resolved, state, _saved_shapes(resolved, safe))  # before DCP, whose error names no parameter
     packed = packed_as_slices(state)  # saved as one-process tensors: read as slices, then repacked
     _dcp_load(state, resolved, safe)
     restore_packed(packed)
-    if partitioner is not None:
-        zero_checkpoint.finish_model_load(module, partitioner, state["state_dict"])
-    else:
-        set_model_state_dict(module, state["state_dict"])
+    states.load_model_state(module, state["state_dict"])
     for index, optimizer in enumerate(optimizers):
-        if partitioner is not None:
-            zero_checkpoint.set_hyperparameters(module, optimizer, partitioner, state[f"optimizer_{index}"])
-        else:
-            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_FLAT)
+        states.load_optimizer_state(module, optimizer, state[f"optimizer_{index}"])
     return checkpoint_meta.read(resolved, weights_only)
 
 
@@ -372,7 +329,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 # -- a plain single-file Lightning checkpoint into a sharded layout -------------------------------------------------
 def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                      partitioner: ZeroPartitioner | None, safe: bool,
+                      states: ParamStates, safe: bool,
                       model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Every rank reads the file (full tensors, as one process saved them) and keeps its own share."""
     try:
@@ -383,39 +340,29 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
                               "weights_only=False only if you trust this file.") from err
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointError(f"{path} is not a readable checkpoint file (truncated or corrupted?): {err}") from err
-    states = checkpoint.pop("state_dict")
+    weights = checkpoint.pop("state_dict")
     own = model_state(module)  # a pipeline stage holds some of the names
-    missing = [name for name in own if name not in states]
+    missing = [name for name in own if name not in weights]
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} of this model's {len(own)} entries, e.g. {missing[:3]}: "
                               "was it saved from another model?")
     _check_fits(path, {"state_dict": own}, {f"state_dict.{name}": tuple(value.shape) if isinstance(
-        value, torch.Tensor) else None for name, value in states.items()}, extra=False)  # the shapes
+        value, torch.Tensor) else None for name, value in weights.items()}, extra=False)  # the shapes
     saved = checkpoint.pop("optimizer_states", None) or []
     if saved and len(saved) != len(optimizers):
         raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
     # checked before anything is loaded, so a refused checkpoint leaves the model as it was
-    by_name = [_keyed_by_name(module, optimizers[i], state, partitioner, f"{path}: optimizer {i}", model_params)
+    by_name = [_keyed_by_name(module, optimizers[i], state, states, f"{path}: optimizer {i}", model_params)
                for i, state in enumerate(saved)]
-    set_model_state_dict(module, {name: states[name] for name in own}, options=_FULL)  # each rank keeps its shard
-    if partitioner is not None:  # the optimizer's shards (fp32 masters under mixed precision) from the full values
-        zero_checkpoint.copy_full(zero_checkpoint.model_state(module, partitioner), states)
-        partitioner.gather_parameters(wait=True)
+    states.load_full_model_state(module, {name: weights[name] for name in own})  # each rank keeps its share
     for optimizer, state in zip(optimizers, by_name, strict=False):
         materialize_optimizer_state(optimizer)  # full tensors go into existing state (its device, its shards)
-        if partitioner is None:
-            set_optimizer_state_dict(module, optimizer, state, options=_FULL)
-            continue
-        flat = {f"state.{name}.{key}": value for name, entry in state["state"].items() for key, value in entry.items()}
-        for group in state["param_groups"]:
-            flat.update({f"param_groups.{name}.{key}": value for name in group["params"]
-                         for key, value in group.items() if key != "params"})
-        zero_checkpoint.fill_from_full(module, optimizer, partitioner, flat)
+        states.load_full_optimizer_state(module, optimizer, state)
     return checkpoint
 
 
 def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
-                   partitioner: ZeroPartitioner | None, what: str, model_params: Sequence[str] = ()) -> dict[str, Any]:
+                   states: ParamStates, what: str, model_params: Sequence[str] = ()) -> dict[str, Any]:
     """A plain optimizer state (parameters keyed by position) keyed by parameter name instead, for the parameters
     this optimizer holds (a pipeline stage holds some). Positions map to names through the ``param_names`` torch
     saves with each group (lightning-par's one-file saves always add them); without them, only an optimizer holding
@@ -424,8 +371,7 @@ def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: d
     parameters in the model's order (``configure_optimizers`` over ``self.parameters()``, as one process saved it):
     checked by group sizes and by every state tensor's shape."""
     names = {id(p): name for name, p in module.named_parameters()}
-    groups = [partitioner.group_params[id(g)] if partitioner is not None else g["params"]
-              for g in optimizer.param_groups]
+    groups = states.optimizer_groups(optimizer)
     if any(id(p) not in names for g in groups for p in g):
         raise CheckpointError(f"{what}: this optimizer holds parameters that are not the model's own.")
     held = {names[id(p)]: p for g in groups for p in g}

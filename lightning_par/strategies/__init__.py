@@ -1,11 +1,9 @@
-"""Lightning strategies: thin presets of one engine (:class:`LayoutStrategy`)."""
+"""Lightning strategies: one engine (:class:`LayoutStrategy`) and the presets users name (:mod:`.presets`,
+:mod:`.planned`)."""
 
 from lightning_par.strategies.engine import LayoutStrategy
-from lightning_par.strategies.hybrid3d import Hybrid3DStrategy
-from lightning_par.strategies.pipeline import PipelineStrategy
 from lightning_par.strategies.planned import PlannedStrategy
-from lightning_par.strategies.tensor_parallel import MegatronTPStrategy
-from lightning_par.strategies.zero import ZeroStrategy
+from lightning_par.strategies.presets import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 
 ALL_STRATEGIES = (LayoutStrategy, ZeroStrategy, PipelineStrategy, MegatronTPStrategy, Hybrid3DStrategy,
                   PlannedStrategy)

@@ -2,23 +2,23 @@
 
 Every public strategy (ZeroStrategy, MegatronTPStrategy, PipelineStrategy, Hybrid3DStrategy) is a thin preset of
 :class:`LayoutStrategy`. This file holds only Lightning glue -- launcher, cluster environment, process group, mesh,
-sampler, collectives for logging, the step takeover for pipelines, checkpoint hooks. The model transforms live in
+sampler, collectives for logging, the step hooks (strategies/step.py), checkpoint hooks. The model transforms live in
 :mod:`lightning_par.parallel`: :meth:`LayoutStrategy.setup` picks the one owner of data-parallel gradients
-(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part (the
-whole model, or the pipeline stages the runtime keeps) and hands the part to
+(:func:`~lightning_par.parallel.gradient_sync.choose_gradient_sync`), splits the model into this rank's part
+(:func:`~lightning_par.parallel.parts.split`: the whole model, or this rank's pipeline stages), hands the part to
 :func:`~lightning_par.parallel.parallelize.parallelize`, which applies every layout in one order: replicas identical,
 tensor parallel, recompute, (compile), the owner's data-parallel sharding, then materialisation of this rank's share
-of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`).
+of a model built deferred in ``configure_model`` (:meth:`LayoutStrategy.model_sharded_context`) -- and, under
+pipeline parallel, builds the runner of the transformed stages last.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,14 +27,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import _SubprocessScriptLauncher, set_device_mesh, set_skip_backward
 from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
@@ -42,33 +40,31 @@ from lightning_par._compat import distributed_is_initialized as _distributed_is_
 from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
-from lightning_par.parallel import context_parallel, shutdown
-from lightning_par.parallel.bad_steps import CheckpointGuard, NonFiniteFlags, NonFiniteStop, check_policy
+from lightning_par.data_position import resumable_train_loader
+from lightning_par.elastic import AttemptProgress, layouts_for
+from lightning_par.parallel import shutdown
+from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
-from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
-from lightning_par.parallel.parallelize import ModelParts, ParallelizeConfig, parallelize
+from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parallelize import describe as describe_materialized
-from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
-from lightning_par.parallel.pipeline.fsdp import stage_blocks
-from lightning_par.parallel.pipeline.loss import ModelLoss
+from lightning_par.parallel.parts import ModelParts, agree, split
+from lightning_par.parallel.pipeline.loss import last_stage_loss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_packed_layout, check_tp_plan
-from lightning_par.parallel.zero import ZeroPartitioner
-from lightning_par.plugins import checkpoint_files, sharded_checkpoint, zero_checkpoint
-from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
+from lightning_par.plugins.layout_checkpoints import LayoutCheckpoints
 from lightning_par.plugins.precision import LayoutPrecision
-from lightning_par.strategies.data_position import resumable_train_loader
-from lightning_par.strategies.elastic import AttemptProgress, layouts_for
+from lightning_par.strategies.compile_report import CompileReport
+from lightning_par.strategies.step import LayoutStep
 from lightning_par.topology import LayoutError, ParallelDims, Size, build_device_mesh, gradient_mesh
 
 log = logging.getLogger(__name__)
@@ -184,18 +180,13 @@ class LayoutStrategy(ParallelStrategy):
         self._timeout = timeout
         self._heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)  # in the launching process
         self._heartbeat: Heartbeat | None = None
-        if async_save and not self.layout.sharded_checkpoint:
-            raise LayoutError("async_save=True writes sharded (DCP) checkpoints; this layout (ZeRO stage 0 without tp "
-                              "or pp) saves one file. Use a ZeRO stage 1-3, tp or pp layout, or Lightning's "
-                              "AsyncCheckpointIO plugin for one-file checkpoints.")
-        self._async_save = async_save
+        # checkpoint state, save, load, the non-finite guard and `last` links (the owner answers the state)
+        self.checkpoints = LayoutCheckpoints(self, async_save)
         self.nonfinite_flags = NonFiniteFlags(nonfinite, check_policy(nonfinite, nonfinite_patience))
-        self._checkpoint_guard = CheckpointGuard()
         self._run_guard: PreemptionCheckpoint | None = None
+        self._step = LayoutStep(self)  # the step's hooks under this layout (strategies/step.py)
         self.compile_options = CompileOptions.of(compile)  # checked here, in the launching process
         self.compiler: BlockCompiler | None = None  # the blocks' compiler and its counts (from setup)
-        self._async: AsyncSaver | None = None
-        self._restored_here = False  # the last load_checkpoint restored model and optimizers itself
         self._num_nodes = 1
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -207,17 +198,13 @@ class LayoutStrategy(ParallelStrategy):
         self._deferred: DeferredInit | None = None  # the model's construction, replayed per rank (its share)
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
-        self._block_names: list[str] = []  # pp > 1: the model's blocks, by name relative to the split model
-        self._context_parallel: ContextParallel | None = None  # cp > 1 (from setup)
-        self._cp_undo = ExitStack()  # what cp set on the model and on torch, undone at teardown
+        self._context_parallel: ContextParallel | None = None  # cp > 1: the step's batch transform and context
         # the LightningModule this layout was applied to: a later stage of the same Trainer and model (fit, then
         # validate / test / predict, or fit again) keeps it as it is -- split, sliced and sharded once
         self._laid_out: nn.Module | None = None
         self._token = object()  # marks the models this strategy laid out (see _refuse_laid_out_elsewhere)
         self._sync_fits = False  # the data-parallel owner was chosen for fitting (it holds the ZeRO-1/2 shards)
         self._pending_init: DeferredInit | None = None  # the record of Trainer.init_module(empty_init=True)
-        self._model_entries: dict[str, tuple[torch.Size, torch.dtype]] = {}  # pp > 1: the unsplit model's
-        self._model_params: list[str] = []  # pp > 1: the unsplit model's parameter names, in order
 
     @property
     def precision_plugin(self) -> LayoutPrecision:
@@ -314,7 +301,7 @@ class LayoutStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """The training loader gets a sampler whose position is saved in checkpoints, in place of the
-        DistributedSampler Lightning injected (:mod:`~lightning_par.strategies.data_position`): a run resumed from a
+        DistributedSampler Lightning injected (:mod:`~lightning_par.data_position`): a run resumed from a
         mid-epoch checkpoint, under this layout or another with the same global batch, trains on the samples the
         uninterrupted run would have. Evaluation and prediction loaders are left as Lightning made them."""
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -361,8 +348,7 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = Heartbeat(self.global_rank, self.world_size, self.cluster_environment.main_address,
                                         self.cluster_environment.main_port, self._heartbeat_timeout)
             self._heartbeat.start()
-        if self._async_save and self._async is None:
-            self._async = AsyncSaver(self.is_global_zero, self.barrier)  # a process group: every rank, now
+        self.checkpoints.start()  # the async saver's process group: every rank, now
         self._agree_on_rng_state()
         if not self._applied():  # a model laid out already keeps its mesh (its DTensors live on it)
             self._choose_layout()
@@ -410,6 +396,9 @@ class LayoutStrategy(ParallelStrategy):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM: agreed, saved, exit 75 (preemption.py)
         if fitting and not any(isinstance(c, AttemptProgress) for c in trainer.callbacks):
             trainer.callbacks.append(AttemptProgress())  # the step reached, for the next attempt's steps lost
+        if fitting and self.compile_options is not None and not any(isinstance(c, CompileReport)
+                                                                    for c in trainer.callbacks):
+            trainer.callbacks.append(CompileReport())  # the fit's compile summary, at its end
         self._run_guard = next((c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
         # under 16-mixed the gradient scaler skips overflowing steps itself: only the loss is checked
         self.nonfinite_flags.check_grads = self.precision_plugin.precision != "16-mixed"
@@ -421,8 +410,7 @@ class LayoutStrategy(ParallelStrategy):
             record, self._pending_init = self._pending_init, None
             self._adopt(record)
         self.precision_plugin.convert_module(self.model)
-        self._log_blocks()
-        self._own_last_links(trainer)
+        self.checkpoints.own_last_links(trainer)
         if self.dims.tp > 1:
             # the whole model's plan, before any split: a pattern that matches nothing anywhere stays an error, and a
             # size tp does not divide is refused on every rank alike, before any collective
@@ -433,16 +421,19 @@ class LayoutStrategy(ParallelStrategy):
         # MixedPrecisionPolicy at ZeRO-3)
         self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
                                                    self.precision_plugin.shard_precision(self.layout.zero_stage))
-        if self.dims.cp > 1:  # the loss is wrapped before the pipeline takes it
-            self._setup_context_parallel()
-        if self.dims.pp > 1:
-            self._setup_pipeline(trainer, fitting)  # the runtime splits, then calls _parallelize per rank module
+        # split -> parallelize -> runner (torchtitan's pipeline_llm order): under pp the LightningModule holds only
+        # this rank's stages from the split on, the rest of the model is never materialised
+        parts = self._split()
+        if parts.pipeline is None:
+            self._log_blocks(parts)
+            self._parallelize(parts)
         else:
-            per_block = self.layout.recompute != "none" or self.compile_options is not None
-            blocks = self._find_blocks().block_modules() if per_block else []
-            self._parallelize(ModelParts(root=self.lightning_module, stages=[self.lightning_module], blocks=blocks))
-        if self._context_parallel is not None:
-            self._install_context_parallel()
+            cut = parts.pipeline  # its loss is refused before any collective
+            loss_fn = last_stage_loss(self.lightning_module, cut.module, cut.model_loss, self.dims.pp)
+            self._log_blocks(parts)
+            # this rank's stages differ from the other pipeline ranks': a failure on one stops them all
+            agree(self.device_mesh["pp"].get_group(), "prepare its stages", lambda: self._parallelize(parts))
+            self._run_pipeline(trainer, fitting, parts, loss_fn)
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
         self._laid_out, self._sync_fits = self.lightning_module, fitting
         self.model = self._gradient_sync.wrap(self.model)
@@ -470,16 +461,11 @@ class LayoutStrategy(ParallelStrategy):
         the optimizer's bucket shards to parameters for a save); a fit after evaluation gets its owner now."""
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)  # Lightning's teardown moved it to the CPU
-        if self.dims.cp > 1:  # teardown undid context parallel's hooks and loss
-            self._setup_context_parallel(again=True)
-            self._install_context_parallel()
         if fitting:
             if not self._sync_fits and self.layout.zero_stage != 3:  # (ZeRO-3's owner shards for evaluation too)
                 self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
                                                            self.precision_plugin.shard_precision(
                                                                self.layout.zero_stage))
-                if self.pipeline is not None:
-                    self._gradient_sync.bind(self.pipeline)
             self._sync_fits = True
             self.model = self._gradient_sync.wrap_again(self.model)
         if self.pipeline is not None:
@@ -494,8 +480,9 @@ class LayoutStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._gradient_sync.attach(self.lightning_module, self.optimizers)
+            self._runner.grad_sync_func = self._gradient_sync.start_grad_sync  # (a pipeline's stages, as they end)
             # Lightning's clipping computes the norm of what this rank holds; clip by the whole model's instead
-            self.precision_plugin.clip_grad_by_norm = self._clip_by_global_norm
+            self.precision_plugin.clip_grad_by_norm = self._step.clip_by_global_norm
         self._scope_metrics_to_data_parallel()
         over = f"dp={self.dims.dp} x cp={self.dims.cp}" if self.dims.cp > 1 else f"dp={self.dims.dp}"
         rank_zero_info(f"data-parallel gradients: {self._gradient_sync.name} over {over}")
@@ -503,9 +490,9 @@ class LayoutStrategy(ParallelStrategy):
         if fitting and not self.layout.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, parts: ModelParts) -> list[nn.Module]:
-        """Apply the layout to this rank's part (:func:`~lightning_par.parallel.parallelize.parallelize`: one order
-        for every layout); returns the stage modules."""
+    def _parallelize(self, parts: ModelParts) -> None:
+        """Apply the layout to this rank's part, in place (:func:`~lightning_par.parallel.parallelize.parallelize`:
+        one order for every layout)."""
         if self.compile_options is not None:
             self.compile_options.check_device(self.root_device)
             self.compiler = BlockCompiler(self.compile_options,
@@ -515,16 +502,19 @@ class LayoutStrategy(ParallelStrategy):
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
                                    recompute=self.layout.recompute, compile=self.compiler,
                                    parameter_device=torch.device("cpu") if self._gradient_sync.parameters_on_host
-                                   else None)
+                                   else None, cp_mesh=self.device_mesh["cp"])
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._deferred,
                            pretrained=self.pretrained)
         self._deferred = None
-        self._tensor_parallel = done.tensor_parallel
+        self._tensor_parallel, self._context_parallel = done.tensor_parallel, done.context_parallel
         if done.tensor_parallel is not None:
             rank_zero_info(
                 f"tensor parallel over tp={self.dims.tp}: plan applied to {len(done.tensor_parallel.styles)} modules"
                 f"{' with sequence parallelism' if self.layout.sequence_parallel else ''}"
                 f"{', vocab-parallel loss' if done.tensor_parallel.vocab_parallel_head else ''}")
+        if done.context_parallel is not None:
+            rank_zero_info(f"context parallel over cp={self.dims.cp}: load-balanced sequence shards, ring attention "
+                           f"over the cp group, {done.context_parallel.described}")
         if self.layout.recompute != "none":
             rank_zero_info(f"activation recompute ({self.layout.recompute}) on {len(parts.blocks)} blocks of rank 0")
         if self.compiler is not None:
@@ -535,7 +525,6 @@ class LayoutStrategy(ParallelStrategy):
             rank_zero_info(f"pretrained weights: rank 0 read its slices of {done.stats['pretrained_tensors']} tensors "
                            f"from {self.pretrained.path}")
         self.materialized = done.stats
-        return done.stages
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -597,14 +586,27 @@ class LayoutStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return find_blocks(self.lightning_module, self.layout.block_types)
 
-    def _log_blocks(self) -> None:
-        """Say which repeated blocks were found (ZeRO-3 and replicate groups, pipeline units are built from them)."""
-        try:
-            rank_zero_info(f"blocks: {self._find_blocks().describe()}")
-        except LayoutError:
-            if self.layout.zero_stage == 3 or self.dims.pp > 1:
-                raise  # these layouts need the blocks: the error says how to declare them
-            rank_zero_info("blocks: none found; data parallel treats the model as one unit")
+    def _split(self) -> ModelParts:
+        """This rank's part of the model (:func:`~lightning_par.parallel.parts.split`), its blocks found once (ZeRO-3
+        and replicate groups, recompute, compile and the pipeline units are built from them)."""
+        lm = self.lightning_module
+        assert lm is not None
+        pipelined = self.dims.pp > 1
+        if pipelined:
+            self.checkpoints.remember_unsplit(lm)  # the whole model's entries, for lightning_module_state_dict
+        layout = self.layout
+        per_block = (layout.zero_stage == 3 or layout.recompute != "none" or self.compile_options is not None
+                     or self.dims.cp > 1)  # (context parallel hooks the module that runs the blocks)
+        parts = split(lm, layout.stage_plan, self.device_mesh["pp"] if pipelined else None,
+                      block_types=layout.block_types, costs=layout.stage_costs, holder=True, need_blocks=per_block)
+        return parts
+
+    def _log_blocks(self, parts: ModelParts) -> None:
+        """Say which repeated blocks were found (ZeRO-3 and replicate groups, pipeline units are built from them);
+        after the checks that can refuse the layout, so that a refusal is the last line of every rank."""
+        mine = "rank 0's part: " if parts.pipeline is not None else ""
+        rank_zero_info(f"blocks: {mine}{parts.found.describe()}" if parts.found is not None
+                       else "blocks: none found; data parallel treats the model as one unit")
 
     def _scope_metrics_to_data_parallel(self) -> None:
         """torchmetrics sync over the data-parallel group: the tp / pp ranks of one replica saw the same samples."""
@@ -616,61 +618,9 @@ class LayoutStrategy(ParallelStrategy):
                 module.process_group = self.device_mesh["dp"].get_group()
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Context parallel (cp > 1): each step's batch cut along the sequence (lightning_par.parallel.context_parallel)
+    # Context parallel (cp > 1): each step's batch cut along the sequence, attention over the whole of it while the
+    # step runs (lightning_par.parallel.context_parallel; applied in parallelize)
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_context_parallel(self, again: bool = False) -> None:
-        """Check the model can take global positions, make its loss the whole sequence's, and set the context the
-        attention reads. Refused alike on every rank, before any collective of the step. ``again``: a later stage of
-        the model laid out already (checked then; under pp its blocks are now spread over the stages)."""
-        lm = self.lightning_module
-        assert lm is not None
-        blocks = None if again else self._find_blocks()
-        if blocks is not None:
-            context_parallel.check_takes_positions(blocks.root)
-        mesh = self.device_mesh["cp"]
-        cp = ContextParallel(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
-        if callable(getattr(lm, "loss_fn", None)):
-            self._cp_undo.callback(vars(lm).pop, "loss_fn", None)
-            lm.loss_fn = cp.mean_loss(lm.loss_fn)
-        else:
-            own = next((m for m in lm.modules() if ModelLoss.of(m) is not None), None)
-            if own is None:
-                raise LayoutError(
-                    f"context parallel (cp={self.dims.cp}) computes the loss over every token of the whole sequence, "
-                    f"so it must know the loss: {type(lm).__name__} defines no loss_fn(outputs, targets) and holds no "
-                    "Hugging Face causal LM with a loss of its own. Define loss_fn (a token mean) and compute the "
-                    "step's loss with it, or train a Hugging Face *ForCausalLM returning `self.model(**batch).loss`.")
-            previous = own.loss_function
-            self._cp_undo.callback(setattr, own, "loss_function", previous)
-            own.loss_function = cp.model_loss(previous)
-        self._context_parallel = cp
-        if blocks is None:
-            return
-        self._block_types = tuple({type(m) for m in blocks.block_modules()})
-        self._position_root = type(blocks.root)
-        rank_zero_info(f"context parallel over cp={cp.size}: load-balanced sequence shards, ring attention "
-                       f"over the cp group, global position_ids into {type(blocks.root).__name__}")
-
-    def _install_context_parallel(self) -> None:
-        """The position and attention hooks, on the modules that now run the model (the stage modules under pp)."""
-        assert self.lightning_module is not None and self._context_parallel is not None
-        # from here (not during the pipeline's tracing of the model at setup) attention is context parallel's
-        context_parallel.activate(self._context_parallel)
-        self._cp_undo.callback(context_parallel.activate, None)
-        self._cp_undo.enter_context(context_parallel.attention_redirected())
-        hooked = 0
-        # pp > 1: the stage modules the schedule calls (the rank module's forward is the pipeline's)
-        candidates = self.pipeline.stage_modules if self.pipeline is not None else self.lightning_module.modules()
-        for module in candidates:
-            if isinstance(module, self._position_root):  # (FSDP2 subclasses it)
-                n_blocks = sum(isinstance(m, self._block_types) for m in module.modules())
-                for handle in context_parallel.install(module, self._context_parallel, n_blocks):
-                    self._cp_undo.callback(handle.remove)
-                hooked += 1
-        if not hooked:
-            raise LayoutError(f"context parallel: no {self._position_root.__name__} left to give positions to after "
-                              "the layout was applied; this is a bug, please report it with the layout.")
-
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if self._context_parallel is not None:  # on the host, where it costs no device sync
             self._context_parallel.check_padding(batch)
@@ -678,52 +628,21 @@ class LayoutStrategy(ParallelStrategy):
 
     def _shard_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``(batch, ...)`` with the batch cut to this rank's share of each sequence (cp > 1)."""
-        if self._context_parallel is None or not args:
-            return args
-        return (self._context_parallel.shard(args[0]), *args[1:])
+        return args if self._context_parallel is None else self._context_parallel.shard_args(args)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Pipeline parallel (pp > 1): the schedule runs forward and backward inside ``training_step``
     # ----------------------------------------------------------------------------------------------------------------
-    def _setup_pipeline(self, trainer: Trainer, fitting: bool) -> None:
-        lm = self.lightning_module
-        assert lm is not None
-        blocks = self._find_blocks()
-        if not blocks.path:
-            raise LayoutError(
-                f"pipeline parallel needs the model inside {type(lm).__name__} as a submodule (build it in "
-                "`configure_model()` as e.g. `self.model`), but the blocks are held by the LightningModule itself. "
-                f"Found: {blocks.describe()}."
-            )
-        if blocks.units is None:
-            raise LayoutError(
-                f"pipeline parallel needs the units of `{blocks.path}` ({type(blocks.root).__name__}) in a known "
-                "order, but its blocks do not share one parent: declare `pipeline_units()` / a `pp_plan`, or keep the "
-                "blocks in one nn.ModuleList (or nn.Sequential) next to the modules that run before and after them. "
-                f"Found: {blocks.describe()}."
-            )
-        loss_fn = self._pipeline_loss_fn(blocks.root)
-        # the unsplit model's entries, in order (lightning_module_state_dict)
-        self._model_entries = {k: (v.shape, v.dtype) for k, v in lm.state_dict().items() if isinstance(v, Tensor)}
-        self._model_params = [name for name, _ in lm.named_parameters()]  # (a plain one-file optimizer state's order)
-        parent_name, _, attr = blocks.path.rpartition(".")
-        parent = lm.get_submodule(parent_name) if parent_name else lm
-        self._block_names = list(blocks.blocks)
-
-        def prepare(rank_module: nn.Module, stage_modules: list[nn.Module]) -> list[nn.Module] | None:
-            # the LightningModule holds this rank's stages from now on: the rest of the model is never materialised
-            setattr(parent, attr, rank_module)
-            return self._parallelize(ModelParts(root=lm, stages=stage_modules, pipelined=True,
-                                                blocks=stage_blocks(rank_module, self._block_names),
-                                                block_names=self._block_names))
-
+    def _run_pipeline(self, trainer: Trainer, fitting: bool, parts: ModelParts, loss_fn: Any) -> None:
+        """The runner of this rank's transformed stages: torch's stages and schedule (the PipelineRuntime)."""
         accumulate = trainer.accumulate_grad_batches if fitting else 1
-        plan = self.layout.stage_plan
-        pipeline = PipelineRuntime(blocks.root, self.device_mesh["pp"], plan, loss_fn,
-                                   loss_scale=1.0 / (plan.n_microbatches * accumulate), device=self.root_device,
-                                   costs=self.layout.stage_costs, units=list(blocks.units), prepare=prepare)
+        pipeline = PipelineRuntime(parts, self.device_mesh["pp"], loss_fn, device=self.root_device,
+                                   loss_scale=1.0 / (self.layout.stage_plan.n_microbatches * accumulate))
+        if loss_fn is None:
+            rank_zero_info(f"pipeline loss: {pipeline.model_loss.name} on the last stage, the token mean over each "
+                           f"whole batch ({type(self.lightning_module).__name__} defines no loss_fn: the model call "
+                           "in its training_step runs the schedule)")
         self._runner = pipeline
-        self._gradient_sync.bind(pipeline)
         # a weight held by several pipeline ranks (tied embedding and head) starts equal on all of them
         pipeline.make_tied_copies_equal()
         # forward (generation in predict_step, or any other call) runs through the pipeline, output on every rank
@@ -734,171 +653,25 @@ class LayoutStrategy(ParallelStrategy):
             # Lightning must not run backward or zero the gradients: the schedule does both (see training_step)
             set_skip_backward(trainer, True)
 
-    def _pipeline_loss_fn(self, model: nn.Module) -> Any:
-        """The loss the last stage computes: the LightningModule's ``loss_fn`` (its step then gets the batch loss
-        from ``compute_loss``), or None -- the model's own, for a step written the Hugging Face way
-        (``self.model(**batch).loss``, see :meth:`_model_call_step`). Refused here, alike on every rank and before
-        any collective, when there is neither."""
-        lm = self.lightning_module
-        assert lm is not None
-        name = type(lm).__name__
-        if callable(getattr(lm, "loss_fn", None)):
-            if not callable(getattr(lm, "compute_loss", None)):
-                raise LayoutError(
-                    f"pipeline parallel (pp={self.dims.pp}): {name} defines loss_fn() but no compute_loss(batch): "
-                    "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
-                    "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
-                    "lightning_par.examples.GPTLightningModule does.")
-            return lm.loss_fn
-        own = ModelLoss.of(model)
-        if own is None:
-            raise LayoutError(
-                f"pipeline parallel (pp={self.dims.pp}) computes the loss on the last stage, inside the schedule, "
-                f"so it must know the loss: {name} defines no loss_fn(), and its model {type(model).__name__} is not "
-                "a Hugging Face causal LM with a loss of its own. Either train a Hugging Face *ForCausalLM and return "
-                "`self.model(**batch).loss` from training_step (labels in the batch); or define "
-                "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
-                "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
-                "lightning_par.examples.GPTLightningModule does.")
-        rank_zero_info(f"pipeline loss: {own.name} on the last stage, the token mean over each whole batch "
-                       f"({name} defines no loss_fn: the model call in its training_step runs the schedule)")
-        return None
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with unpacked_batch_errors(args[0] if args else None):
-            return self._training_step(*args, **kwargs)
-
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._shard_sequence(args)
-        if not self._runner.takes_over_step:
-            with self._loss_context():
-                return super().training_step(*args, **kwargs)
-        lm = self.lightning_module
-        assert lm is not None
-        batch, batch_idx = args[0], args[1]
-        with self.precision_plugin.train_step_context():
-            if batch_idx % lm.trainer.accumulate_grad_batches == 0:  # where Lightning would zero the gradients
-                for optimizer in self.optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-            if self._runner.model_loss_step:
-                return self._model_call_step(lm, *args, **kwargs)
-            with self._loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
-                loss = self._runner.train_step(*split_batch(batch))
-            self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
-            with _loss_given(lm, lambda _batch: loss):
-                return lm.training_step(*args, **kwargs)
-
-    def _model_call_step(self, lm: Any, *args: Any, **kwargs: Any) -> Any:
-        """A training_step written the Hugging Face way, ``loss = self.model(**batch).loss``: the step runs as
-        written, and its model call runs the schedule (forward and backward of the whole batch, the model's own loss
-        on the last stage) and returns the batch loss. So the step must call the model once, with labels, and
-        return that loss as it is (it was backpropagated already); anything else is refused, alike on every rank
-        (each runs the same step on a batch of the same form)."""
-        runtime = self.pipeline
-        assert runtime is not None
-        losses: list[Tensor] = []
-
-        def train_call(*call_args: Any, **call_kwargs: Any) -> Any:
-            if losses:
-                raise LayoutError(
-                    f"{type(lm).__name__}.training_step called the model twice; under pipeline parallel its call runs "
-                    "forward and backward of the whole batch through the stages, once per step. Call it once, e.g. "
-                    "`loss = self.model(**batch).loss`.")
-            with self._loss_context():
-                output = runtime.train_call(*call_args, **call_kwargs)
-            self._gradient_sync.after_backward()  # Lightning's post_backward does not run: it skips backward
-            losses.append(output["loss"])
-            return output
-
-        runtime.module.forward = train_call
-        try:
-            output = lm.training_step(*args, **kwargs)
-        finally:
-            runtime.module.forward = runtime.forward_only
-        returned = output.get("loss") if isinstance(output, Mapping) else output
-        if not losses:
-            raise LayoutError(
-                f"{type(lm).__name__} defines no loss_fn(), so under pipeline parallel its training_step must get its "
-                "loss from the model's own call, `self.model(**batch).loss` (labels in the batch), which runs the "
-                "schedule; this training_step did not call the model. Call it, or define `loss_fn(outputs, targets)` "
-                "and `compute_loss(batch)` (see lightning_par.examples.GPTLightningModule).")
-        if returned is not None and returned is not losses[0]:
-            raise LayoutError(
-                f"{type(lm).__name__}.training_step returned a loss other than the model's `.loss`: under pipeline "
-                "parallel that loss was computed and backpropagated inside the schedule (the tensor is detached), so "
-                "a loss computed from it (scaled, or with terms added) would not be trained on. Return "
-                "`self.model(**batch).loss` as it is, or define `loss_fn(outputs, targets)` and `compute_loss(batch)` "
-                "to compute your own loss (see lightning_par.examples.GPTLightningModule).")
-        return output
+        return self._step.training_step(super().training_step, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._context_parallel is not None:
-            raise LayoutError(f"predict_step under context parallel (cp={self.dims.cp}) is not supported: predictions "
-                              "(and generation) need the whole sequence on a rank. Predict with a layout without cp.")
-        with unpacked_batch_errors(args[0] if args else None):
-            return super().predict_step(*args, **kwargs)
+        return self._step.predict_step(super().predict_step, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, args = args[0] if args else None, self._shard_sequence(args)
-        with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self._loss_context():
-            return super().validation_step(*args, **kwargs)
+        return self._step.evaluation_step(super().validation_step, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, args = args[0] if args else None, self._shard_sequence(args)
-        with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self._loss_context():
-            return super().test_step(*args, **kwargs)
+        return self._step.evaluation_step(super().test_step, *args, **kwargs)
 
-    @contextmanager
-    def _pipeline_eval_loss(self) -> Generator[None, None, None]:
-        """Evaluation's ``compute_loss`` runs forward-only through the stages; the loss comes from the last. (A
-        step written the Hugging Face way needs nothing here: ``self.model(**batch)`` runs forward-only, and given
-        labels its output's ``.loss`` is the model's own loss, see ``PipelineRuntime.forward_only``.)"""
-        if not self._runner.takes_over_step or self._runner.model_loss_step:
-            yield None
-            return
-        runner = self._runner
-        assert self.lightning_module is not None
-        with _loss_given(self.lightning_module, lambda batch: runner.forward_only(*split_batch(batch))):
-            yield None
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Gradient norm and clipping over the whole model, on any layout
-    # ----------------------------------------------------------------------------------------------------------------
     def global_grad_norm(self, optimizer: Any = None) -> Tensor:
-        """The 2-norm of the whole model's gradient (what a single process would compute), on every rank.
-
-        Sums squares over tensor- and data-parallel shards (DTensor placements) and over pipeline stages, a
-        parameter held by several pipeline ranks counted once. ``optimizer``: only its parameters (default: all).
-        """
-        optimizers = [optimizer] if optimizer is not None else self.optimizers
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        grads = self._gradient_sync.norm_grads(params, self._runner.counted_elsewhere())
-        return global_grad_norm(grads, self._runner.group, device=self.root_device)
-
-    def _clip_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        total = self.global_grad_norm(optimizer)
-        clip_grads_(
-            [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], clip_val,
-            total)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Tensor parallel (tp > 1): the model's declared plan, applied by lightning_par.parallel.tensor_parallel
-    # ----------------------------------------------------------------------------------------------------------------
-    @contextmanager
-    def _loss_context(self) -> Generator[None, None, None]:
-        """A vocab-parallel head's loss runs on vocabulary shards: its forward and backward both run in here, and the
-        step sees that loss as a plain tensor, as under any other layout (:func:`_plain_losses`)."""
-        if self._tensor_parallel is None:
-            yield None
-            return
-        with self._tensor_parallel.loss_context(), ExitStack() as stack:
-            if self._tensor_parallel.vocab_parallel_head and self.lightning_module is not None:
-                stack.enter_context(_plain_losses(self.lightning_module))
-            yield None
+        """The 2-norm of the whole model's gradient (what a single process would compute), on every rank; only
+        ``optimizer``'s parameters if given (:meth:`~lightning_par.strategies.step.LayoutStep.global_grad_norm`)."""
+        return self._step.global_grad_norm(optimizer)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self._loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._step.backward(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Data-parallel gradient sync: every hook goes to the one owner
@@ -907,51 +680,11 @@ class LayoutStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient communication on the non-final micro-steps of ``accumulate_grad_batches``."""
-        self._gradient_sync.set_enabled(False)
-        try:
-            yield None
-        finally:
-            self._gradient_sync.set_enabled(True)
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        self._gradient_sync.after_backward()
+    def block_backward_sync(self) -> AbstractContextManager:
+        return self._step.block_backward_sync()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        flags = self.nonfinite_flags
-
-        def checked() -> Any:
-            # the step's loss and this rank's gradients, marked on the device (no host sync; bad_steps.py)
-            result = closure()
-            flags.add_loss(result)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            flags.add_grads(self._gradient_sync.norm_grads(params))
-            return result
-
-        if flags.policy == "skip" and self._run_guard is not None:
-            result = checked()
-            assert self.lightning_module is not None
-            if any(self._run_guard.agree_now(self.lightning_module.trainer)):
-                self._skip_step(optimizer)
-                return result
-            output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
-        else:
-            output = super().optimizer_step(optimizer, checked, model, **kwargs)
-        self._gradient_sync.after_step()
-        return output
-
-    def _skip_step(self, optimizer: Any) -> None:
-        """Discard a non-finite step's gradients on every rank (agreed): the optimizer does not step."""
-        optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_flags.skipped += 1
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        for logger in trainer.loggers:  # loggers write on rank 0 only
-            logger.log_metrics({"train/skipped_steps": float(self.nonfinite_flags.skipped)}, step=trainer.global_step)
-        rank_zero_info(f"lightning-par: step {trainer.global_step}: non-finite loss or gradient norm; the step's "
-                       f"gradients were discarded on every rank ({self.nonfinite_flags.skipped} skipped so far)")
+        return self._step.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Collectives used by Lightning (logging, checkpoint paths, early stopping)
@@ -991,116 +724,33 @@ class LayoutStrategy(ParallelStrategy):
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        # a single file under stage 0 is Lightning's to restore; everything else was restored in load_checkpoint
-        return not self._restored_here
+        return self.checkpoints.lightning_restores_optimizer
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state on every rank, as Lightning's sharded strategies give it
-        (``ModelParallelStrategy(save_distributed_checkpoint=True)``): the unsplit model's keys in its order, each
-        value as this layout holds it -- a DTensor where parameters are sharded (ZeRO-3, tp), the full replicated
-        tensor under ZeRO-0-2 (waited for after ZeRO-1/2's gathers). Under pipeline parallel another stage's entry
-        is a meta tensor of its full shape and dtype (held by that stage's ranks; no memory, no communication).
-        Sharded checkpoints save their own form (:meth:`_checkpoint_model_state`)."""
-        assert self.lightning_module is not None
-        if self._partitioner is not None:
-            self._partitioner.wait_all()
-        state = super().lightning_module_state_dict() if not self.layout.shards_parameters else \
-            sharded_checkpoint.model_state(self.lightning_module)
-        if self.pipeline is None:
-            return state
-        return {key: state[key] if key in state else torch.empty(shape, dtype=dtype, device="meta")
-                for key, (shape, dtype) in self._model_entries.items()}
-
-    def _checkpoint_model_state(self) -> dict[str, Any]:
-        """The model's entries a sharded checkpoint saves: each rank's own (DCP writes every entry once)."""
-        if self._partitioner is not None:  # weights from the optimizer's shards: the fp32 masters under bf16-mixed
-            return zero_checkpoint.model_state(self.lightning_module, self._partitioner)
-        return sharded_checkpoint.model_state(self.lightning_module)
-
-    @property
-    def _partitioner(self) -> ZeroPartitioner | None:
-        """ZeRO-1/2's partitioner: its optimizers hold bucket shards, saved per parameter through it."""
-        return getattr(self._gradient_sync, "partitioner", None)
+        return self.checkpoints.model_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Under a sharded layout: keyed by parameter name, one entry per parameter and field, with the parameters'
-        full shapes -- the format every layout reads (plugins/zero_checkpoint.py for ZeRO-1/2's bucket shards)."""
-        if not self.layout.sharded_checkpoint:  # one file: by position, as Lightning saves it, with the names
-            return sharded_checkpoint.with_param_names(self.lightning_module, optimizer,
-                                                       super().optimizer_state(optimizer))
-        if self._partitioner is not None:
-            return zero_checkpoint.optimizer_state(self.lightning_module, optimizer, self._partitioner)
-        return sharded_checkpoint.optimizer_state(self.lightning_module, optimizer)
+        return self.checkpoints.optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._restored_here:
-            super().load_model_state_dict(checkpoint, strict=strict)
+        self.checkpoints.load_model_state(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._restored_here:
-            super().load_optimizer_state_dict(checkpoint)
+        self.checkpoints.load_optimizer_state(checkpoint)
 
     @property
     def last_finite_checkpoint(self) -> str | None:
         """The newest checkpoint this run saved with finite weights (None before the first)."""
-        return self._checkpoint_guard.last_finite
+        return self.checkpoints.guard.last_finite
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.lightning_module is not None and not self._checkpoint_guard.allow(self, filepath):
-            return  # non-finite weights never replace the last finite checkpoint (a warning named the step)
-        if not self.layout.sharded_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint["state_dict"] = self._checkpoint_model_state()
-        if self._async is not None:
-            self._async.save(checkpoint, path)
-        else:
-            sharded_checkpoint.save(checkpoint, path, is_writer=self.is_global_zero, barrier=self.barrier)
+        self.checkpoints.save(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Any lightning-par checkpoint into this layout: a DCP directory from any layout (states by parameter
-        name), or one file (Lightning's own format) -- which stage 0 leaves to Lightning."""
-        path = Path(self.broadcast(str(checkpoint_path)))
-        self._restored_here = self.layout.sharded_checkpoint or checkpoint_files.resolve(path).is_dir()
-        if not self._restored_here:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        assert self.lightning_module is not None
-        meta = sharded_checkpoint.load(path, self.lightning_module, self.optimizers, partitioner=self._partitioner,
-                                       weights_only=weights_only, model_params=self._model_params)
-        if self._partitioner is None:  # ZeRO-1/2: the load filled the shards and gathered them into the buckets
-            self._gradient_sync.after_load()
-        return meta
-
-    def _own_last_links(self, trainer: Trainer) -> None:
-        """Make ``ModelCheckpoint(save_last="link")``'s ``last`` link through :meth:`_link_last`. Lightning links
-        as soon as ``save_checkpoint`` returns, deleting the old link first; under ``async_save`` the new checkpoint
-        does not exist yet, so a crash then would leave ``last`` naming nothing and ``ckpt_path="last"`` would start
-        over from step 0. Lightning has no hook for this, hence the callback's (static) method is replaced."""
-        if not self.layout.sharded_checkpoint:
-            return
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
-                callback._link_checkpoint = self._link_last  # type: ignore[method-assign]
-
-    def _link_last(self, trainer: Trainer, filepath: str, linkpath: str) -> None:
-        """Point ``linkpath`` at ``filepath`` atomically, once ``filepath`` is committed (at once for a sync save)."""
-        if self._checkpoint_guard.refused is not None:
-            return  # refused (non-finite): ``last`` keeps naming the last finite checkpoint
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            if self._async is not None:
-                self._async.link(Path(filepath), Path(linkpath))
-            else:
-                checkpoint_files.link(Path(filepath), Path(linkpath))
-        self.barrier()
+        return self.checkpoints.load(checkpoint_path, weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._checkpoint_guard.refused is not None:
-            return  # the newest save was refused: what is on disk may be the last finite checkpoint
-        if self.is_global_zero:
-            if self._async is not None:
-                self._async.remove(Path(filepath))  # after the save in flight commits
-            else:
-                sharded_checkpoint.remove(Path(filepath))
+        self.checkpoints.remove(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, (Preempted, NonFiniteStop)):  # every rank stopped at the same step: agreed
@@ -1115,37 +765,9 @@ class LayoutStrategy(ParallelStrategy):
             self._heartbeat = None
         super().on_exception(exception)
 
-    def on_train_end(self) -> None:
-        if self.compiler is not None:
-            self._report_compile()
-
-    def _report_compile(self) -> None:
-        """The fit's compile summary: rank 0's graphs by block, the most graphs, recompiles and backend seconds of
-        any rank (a warning if any recompiled), and those three as ``compile/*`` scalars in the logger."""
-        assert self.compiler is not None and self.lightning_module is not None
-        summary = self.compiler.summary(self.lightning_module)
-        counts = [(summary.graphs, summary.recompiles, summary.seconds)] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(counts, counts[0])
-        graphs, recompiles, seconds = (max(c[i] for c in counts) for i in range(3))
-        rank_zero_info(f"torch.compile: rank 0: {summary.describe()}; most on any rank: {graphs} graphs, "
-                       f"{recompiles} recompiles, {seconds:.1f} s")
-        if graphs == 0:
-            rank_zero_warn("torch.compile: no block compiled a graph on any rank; the blocks ran eagerly (a graph "
-                           "break before any tensor operation, or a forward replaced by something dynamo skips).")
-        if recompiles:
-            rank_zero_warn(f"torch.compile: a rank compiled {recompiles} block graph(s) again for inputs compiled "
-                           f"before (guards failed){': ' + summary.reasons[-1] if summary.reasons else ''}. Set "
-                           "TORCH_LOGS=recompiles to see why; see docs/compile.md.")
-        trainer = self.lightning_module.trainer
-        for logger in trainer.loggers:
-            logger.log_metrics({"compile/graphs": float(graphs), "compile/recompiles": float(recompiles),
-                                "compile/backend_seconds": seconds}, step=trainer.global_step)
-
     def teardown(self) -> None:
         try:
-            if self._async is not None:
-                self._async.wait()  # the last save commits (or its error is raised) before the run ends
+            self.checkpoints.wait()  # the last save commits (or its error is raised) before the run ends
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.stop()
@@ -1154,8 +776,6 @@ class LayoutStrategy(ParallelStrategy):
                 set_skip_backward(self.lightning_module.trainer, False)
             if self.model is not None:
                 self.model = self._gradient_sync.unwrap(self.model)
-            self._cp_undo.close()
-            self._context_parallel = None
             if self.compiler is not None:
                 # before Lightning moves the model to the CPU (see BlockCompiler.release)
                 self.compiler.release(self.lightning_module)
@@ -1205,38 +825,3 @@ def _attempt_store(environment: Any, timeout: timedelta) -> dict[str, Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(environment.main_address, environment.main_port, is_master=False, timeout=timeout)
     return {"store": dist.PrefixStore(f"lightning_par/attempt_{attempt}/", store)}
-
-
-@contextmanager
-def _plain_losses(lm: Any) -> Generator[None, None, None]:
-    """Under a vocab-parallel head ``F.cross_entropy`` returns a replicated DTensor, which Lightning's
-    ``self.log(..., sync_dist=True)`` cannot all-reduce (c10d has no DTensor rule). While the step runs, the
-    LightningModule's ``loss_fn`` returns its plain value (``full_tensor()``: no communication for a replicated
-    value, and differentiable) and ``self.log`` takes any DTensor value as its full tensor, so a step written for
-    one device logs as written."""
-    own = {name: lm.__dict__[name] for name in ("loss_fn", "log") if name in lm.__dict__}
-    loss_fn, log = getattr(lm, "loss_fn", None), lm.log
-    if callable(loss_fn):
-        lm.loss_fn = lambda *args, **kwargs: _plain_value(loss_fn(*args, **kwargs))
-    lm.log = lambda name, value, *args, **kwargs: log(name, _plain_value(value), *args, **kwargs)
-    try:
-        yield None
-    finally:
-        for name in ("loss_fn", "log"):
-            lm.__dict__.pop(name, None)
-        lm.__dict__.update(own)
-
-
-def _plain_value(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-@contextmanager
-def _loss_given(lm: Any, compute_loss: Any) -> Generator[None, None, None]:
-    """Run the LightningModule's own step with ``compute_loss`` answered by the pipeline, so its logging is kept."""
-    lm.compute_loss = compute_loss
-    try:
-        yield None
-    finally:
-        del lm.compute_loss
-

@@ -31,8 +31,8 @@ def strategy_spec(name: object) -> dict[str, Any] | None:
     entry = dict.get(StrategyRegistry, name.lower())  # the registry's own get() builds the strategy
     if not entry or entry["strategy"] not in ALL_STRATEGIES:
         return None
-    cls = entry["strategy"]
-    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(entry["init_params"])}
+    # the package exports every registered class: a config saved from a name keeps working when a file moves
+    return {"class_path": f"lightning_par.{entry['strategy'].__name__}", "init_args": dict(entry["init_params"])}
 
 
 def unknown_strategy_message(name: object) -> str | None:

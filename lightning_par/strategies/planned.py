@@ -21,16 +21,15 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_par.plugins.precision import LayoutPrecision
 from lightning_par.strategies.engine import LayoutStrategy
+from lightning_par.strategies.presets import engine_options
 from lightning_par.topology import LayoutError
 
 #: the Trainer's precision -> the planner's name for its bytes (bf16-mixed-master: once the planner knows it)
@@ -191,10 +190,9 @@ class PlannedStrategy(LayoutStrategy):
         recompute: the activation recompute kinds to consider (default: all).
         optimizer: what the planner counts states for (``adamw``, ``sgd``, ``sgd_momentum``; default: AdamW).
         seq_len: the sequence length to plan for (default: the datamodule's ``seq_len``, else the model's longest).
-        block_types, offload_optimizer, bucket_cap_mb, process_group_backend, timeout, heartbeat_timeout,
-        async_save, nonfinite, nonfinite_patience, checkpoint_io: as
-        :class:`~lightning_par.strategies.engine.LayoutStrategy` (async_save: with a layout that saves sharded
-        checkpoints; one that does not is then an error at launch).
+
+    The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s; ``async_save`` needs a chosen
+    layout that saves sharded checkpoints (one that does not is an error at launch).
 
     Example::
 
@@ -204,27 +202,18 @@ class PlannedStrategy(LayoutStrategy):
 
     strategy_name = "planned"
 
+    @engine_options("block_types", "offload_optimizer", "bucket_cap_mb", "process_group_backend", "timeout",
+                    "heartbeat_timeout", "async_save", "nonfinite", "nonfinite_patience", "checkpoint_io",
+                    "accelerator", "parallel_devices", "cluster_environment", "precision_plugin")
     def __init__(self, gpu_memory: float | None = None, hardware: str | None = None,
                  zero_stages: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] | None = None,
                  recompute: Sequence[str] | None = None, optimizer: str | None = None, seq_len: int | None = None,
-                 block_types: list[str] | None = None, offload_optimizer: bool = False,
-                 bucket_cap_mb: float = 25.0, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, heartbeat_timeout: float | None = 60.0,
-                 async_save: bool = False, nonfinite: str = "stop",
-                 nonfinite_patience: int | None = None, checkpoint_io: Any = None, accelerator: Any = None,
-                 parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
-                 precision_plugin: Any = None) -> None:
+                 **options: Any) -> None:
         if gpu_memory is not None and not (isinstance(gpu_memory, (int, float)) and 0 < gpu_memory < math.inf):
             raise LayoutError(f"gpu_memory={gpu_memory!r}: give the memory per rank in GiB, a positive number.")
         # the placeholder layout (dp = world) until the plan replaces it at launch; a sharded async save is checked
         # against the chosen layout then
-        super().__init__(block_types=block_types, offload_optimizer=offload_optimizer, bucket_cap_mb=bucket_cap_mb,
-                         process_group_backend=process_group_backend, timeout=timeout,
-                         heartbeat_timeout=heartbeat_timeout, zero_stage=1 if async_save else 0,
-                         async_save=async_save, nonfinite=nonfinite, nonfinite_patience=nonfinite_patience,
-                         checkpoint_io=checkpoint_io, accelerator=accelerator,
-                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-                         precision_plugin=precision_plugin)
+        super().__init__(zero_stage=1 if options["async_save"] else 0, **options)
         self.plan_options = dict(gpu_memory=gpu_memory, hardware=hardware, zero_stages=tuple(zero_stages),
                                  schedules=schedules, recompute=recompute, optimizer=optimizer, seq_len=seq_len)
         self.choice: Choice | None = None
@@ -258,7 +247,7 @@ class PlannedStrategy(LayoutStrategy):
                               offload_optimizer=self.layout.offload_optimizer,
                               offload_parameters=self.layout.offload_parameters)
         self.precision_plugin.check_layout(self.layout.zero_stage, self.layout.tp, self.layout.pp)
-        if self._async_save and not self.layout.sharded_checkpoint:
+        if self.checkpoints.async_save and not self.checkpoints.sharded:
             raise LayoutError(f"async_save=True writes sharded checkpoints; the planned layout {c.label()} saves one "
                               "file. Leave async_save off with strategy='planned'.")
         self._dims = None
@@ -270,7 +259,6 @@ class PlannedStrategy(LayoutStrategy):
 
     def _plan(self, budget: Budget) -> Choice:
         from lightning_par.planner import build_model
-        from lightning_par.planner.cli import _default_seq
         from lightning_par.planner.model import inspect_model
 
         module = self.lightning_module
@@ -289,7 +277,7 @@ class PlannedStrategy(LayoutStrategy):
             raise LayoutError("strategy='planned' plans for the datamodule's batch_size (sequences per replica); "
                               "this run has no datamodule with an integer batch_size.")
         opts = self.plan_options
-        seq = opts["seq_len"] or getattr(data, "seq_len", None) or _default_seq(inspect_model(meta))
+        seq = opts["seq_len"] or getattr(data, "seq_len", None) or inspect_model(meta).default_seq_len
         hardware = opts["hardware"] or default_hardware(self.root_device)
         return plan_layouts(meta, budget, batch, int(seq), self.precision_plugin.precision,
                             accumulate=int(trainer.accumulate_grad_batches or 1), hardware=hardware,

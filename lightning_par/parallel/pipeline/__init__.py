@@ -1,11 +1,11 @@
 """Pipeline parallelism without Lightning: which units each stage holds, the stage modules themselves, how a stage
 calls any model (ours, Hugging Face, a plain nn.ModuleList model), the batch forms a pipeline accepts, a Hugging Face
-model's own loss on the last stage, and ZeRO-3 (FSDP2) of the stage modules."""
+model's own loss on the last stage, and what ZeRO-3 (FSDP2) of the stage modules costs."""
 
 from lightning_par.parallel.pipeline.adapter import PipelineOutput, StageIO, stage_forward, stage_io
 from lightning_par.parallel.pipeline.batches import ACCEPTED_FORMS, next_token_targets, split_batch
 from lightning_par.parallel.pipeline.chain import check_chain
-from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count, fully_shard_stages
+from lightning_par.parallel.pipeline.fsdp import check_disjoint, fsdp_group_count
 from lightning_par.parallel.pipeline.loss import ModelLoss
 from lightning_par.parallel.pipeline.split import (
     KeptModuleList,
@@ -40,7 +40,6 @@ __all__ = [
     "check_disjoint",
     "declared_units",
     "fsdp_group_count",
-    "fully_shard_stages",
     "model_units",
     "next_token_targets",
     "plan_stages",

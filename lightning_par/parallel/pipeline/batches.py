@@ -1,4 +1,8 @@
-"""What a pipeline can cut into micro-batches: the batch forms a LightningModule's dataloader yields.
+"""How the layouts cut a batch: into micro-batches for a pipeline, along the sequence for context parallel.
+
+:func:`split_batch` cuts nothing itself (the schedule cuts its result into micro-batches); :func:`shard_sequence`
+keeps a context-parallel rank's share of every sequence. Both accept the batch forms a LightningModule's dataloader
+yields.
 
 A pipeline schedule feeds the model's inputs to the first stage and the targets to the last stage's
 ``loss_fn(outputs, targets)``, cut along the batch dimension, so the strategy must know which part of a batch is
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,6 +87,96 @@ def split_batch(batch: Any) -> tuple[Tensor | dict[str, Tensor], Tensor]:
     if mask is None or bool(mask.bool().all()):
         return ids, targets
     return {"input_ids": ids, "attention_mask": mask}, targets
+
+
+def check_sequence_length(seq_len: int, cp: int) -> None:
+    """The sequence must cut into ``2 * cp`` equal chunks (causal load balancing)."""
+    if seq_len % (2 * cp):
+        raise LayoutError(
+            f"context parallel cp={cp} cuts each sequence into 2 * cp = {2 * cp} equal chunks (rank i keeps chunks i "
+            f"and {2 * cp - 1} - i, balancing the causal attention), but the batch's sequence length is {seq_len}. "
+            f"Use a sequence length divisible by {2 * cp} (e.g. {seq_len + (-seq_len) % (2 * cp)}).")
+
+
+def shard_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
+    """The global positions cp rank ``rank`` holds of a sequence of ``seq_len``: chunks ``rank`` and
+    ``2 * cp - 1 - rank`` of ``2 * cp``, in that order (every rank as many cheap early queries of the causal
+    attention as expensive late ones)."""
+    check_sequence_length(seq_len, cp)
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
+
+
+def refuse_padding(mask: Tensor) -> None:
+    """Context parallel attends causally over sequence order: a padding ``attention_mask`` (zeros) is refused."""
+    if not bool(mask.bool().all()):
+        raise LayoutError(
+            "context parallel attends over the whole sequence with a causal mask over sequence order; a padding "
+            "attention_mask (zeros) is not supported. Pack the sequences to full length (no padding), or train this "
+            "data without cp.")
+
+
+class SequenceShard(NamedTuple):
+    """What :func:`shard_sequence` made: the rank's ``batch``, the global ``positions`` of its tokens [T / cp],
+    and for a dict batch with labels the next-token ``targets`` of its share, shifted on the whole sequence."""
+
+    batch: Any
+    positions: Tensor
+    targets: Tensor | None
+
+
+def shard_sequence(batch: Any, cp: int, rank: int, padding_checked: bool = False) -> SequenceShard:
+    """Context parallel rank ``rank``'s share of ``batch`` (a tuple ``(inputs, targets)`` or a Hugging Face dict),
+    each sequence cut into ``2 * cp`` chunks of which it keeps ``rank`` and ``2 * cp - 1 - rank``. A dict's
+    ``attention_mask`` is checked for padding unless ``padding_checked`` (on the host already). Anything else is
+    refused."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
+        inputs, targets = batch
+        if inputs.dim() != 2 or targets.shape != inputs.shape:
+            raise LayoutError(f"context parallel cuts a batch (inputs, targets) of token ids [batch, sequence]; "
+                              f"got shapes {tuple(inputs.shape)} and {tuple(targets.shape)}.")
+        index = shard_positions(inputs.size(1), cp, rank, device=inputs.device)
+        return SequenceShard(type(batch)((inputs[:, index], targets[:, index])), index, None)
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
+        return _shard_dict(batch, cp, rank, padding_checked)
+    raise LayoutError(
+        f"context parallel cuts each sequence of a batch over the cp ranks; it accepts a tuple (inputs, targets) "
+        f"of token-id tensors or a Hugging Face dict with 'input_ids' (and 'labels', 'attention_mask', "
+        f"'position_ids'), not {type(batch).__name__}.")
+
+
+def _shard_dict(batch: Mapping[str, Any], cp: int, rank: int, padding_checked: bool) -> SequenceShard:
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise LayoutError(f"context parallel: input_ids must be [batch, sequence], got {tuple(ids.shape)}.")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, Tensor) and not padding_checked:
+        refuse_padding(mask)  # (on an accelerator this waits for the device)
+    labels = batch.get("labels")
+    targets = next_token_targets(labels) if isinstance(labels, Tensor) else None
+    if targets is not None and ids.size(1) % (2 * cp) == 1:
+        # seq_len + 1 tokens (the labels aligned with the inputs): the last token has no target and no earlier
+        # token attends to it, so it is dropped, exactly, and the rest cut evenly
+        batch = {k: v[:, :-1] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == ids.shape else v
+                 for k, v in batch.items()}
+        ids, targets = batch["input_ids"], targets[:, :-1]
+    index = shard_positions(ids.size(1), cp, rank, device=ids.device)
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == ids.shape:
+            out[key] = value[:, index]
+        elif isinstance(value, Tensor) and value.dim() >= 1 and value.size(-1) == ids.size(1):
+            raise LayoutError(f"context parallel cannot cut the batch's {key!r} of shape {tuple(value.shape)}: "
+                              f"only [batch, sequence, ...] tensors shaped like input_ids {tuple(ids.shape)}.")
+        else:
+            out[key] = value
+    positions = index
+    if isinstance(out.get("position_ids"), Tensor) and out["position_ids"].dim() == 2:
+        positions = out["position_ids"][0]
+    # the model shifts labels inside its loss; shifted above on the whole sequence, then cut
+    return SequenceShard(out, positions, targets[:, index] if targets is not None else None)
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_par.parallel.blocks import is_hf_model
 from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
+from lightning_par.topology import LayoutError
 
 #: the Hugging Face loss functions whose token count :class:`ModelLoss` knows (``transformers.loss.loss_utils``)
 KNOWN_LOSSES = ("ForCausalLMLoss",)
@@ -83,3 +84,32 @@ class ModelLoss:
                                       num_items_in_batch=share)
 
         return loss
+
+
+def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss | None,
+                    pp: int) -> Callable[[Any, Any], Tensor] | None:
+    """The loss a pipeline's last stage computes for ``module`` (a LightningModule holding ``model``): its
+    ``loss_fn`` (its step then gets the batch loss from ``compute_loss``), or None -- the model's own
+    (``model_loss``), for a step written the Hugging Face way (``self.model(**batch).loss``). Refused, alike on every
+    rank and before any collective, when there is neither."""
+    name = type(module).__name__
+    if callable(getattr(module, "loss_fn", None)):
+        if not callable(getattr(module, "compute_loss", None)):
+            raise LayoutError(
+                f"pipeline parallel (pp={pp}): {name} defines loss_fn() but no compute_loss(batch): "
+                "the strategy answers compute_loss with the batch loss after the schedule ran, so the step must "
+                "get its loss through it (default: `self.loss_fn(self(inputs), targets)`), as "
+                "lightning_par.examples.GPTLightningModule does.")
+        # read at each call: a transform applied after the split (context parallel's token mean over the whole
+        # sequence) wraps loss_fn on the module
+        return lambda outputs, targets: module.loss_fn(outputs, targets)
+    if model_loss is None:
+        raise LayoutError(
+            f"pipeline parallel (pp={pp}) computes the loss on the last stage, inside the schedule, "
+            f"so it must know the loss: {name} defines no loss_fn(), and its model {type(model).__name__} is "
+            "not a Hugging Face causal LM with a loss of its own. Either train a Hugging Face *ForCausalLM and return "
+            "`self.model(**batch).loss` from training_step (labels in the batch); or define "
+            "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
+            "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
+            "lightning_par.examples.GPTLightningModule does.")
+    return None

@@ -17,14 +17,16 @@ The model's inputs are token ids, or a dict ``{"input_ids": ..., "attention_mask
 :func:`~lightning_par.parallel.pipeline.batches.split_batch`, for a padded batch): the mask is cut into micro-batches
 like the ids and given to every stage, since each stage's attention needs it.
 
-Transforming the stages (tensor parallel, recompute, data parallel) happens in the ``prepare`` callback of
-:class:`PipelineRuntime`, after the split and before torch's ``PipelineStage`` and schedule objects are built. With
-ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages`) torch's schedules
+The runtime is built last (split, then transform, then run: :func:`~lightning_par.parallel.parts.split`, then
+:func:`~lightning_par.parallel.parallelize.parallelize`): it takes the parts' stage modules as they were transformed
+(tensor parallel, recompute, data parallel) and builds torch's ``PipelineStage`` and schedule objects around them.
+With ZeRO-3 (FSDP2 stage modules, :func:`~lightning_par.parallel.zero.fully_shard_parts`) torch's schedules
 reduce-scatter each FSDP group's gradient once per step, after the last micro-batch's backward, and the
 stages keep their parameters gathered from the first forward to that reduce-scatter (see :mod:`.fsdp` for the
-counts). The runtime does not synchronise data-parallel gradients itself, except for ZeRO-0, whose owner calls
-:meth:`PipelineRuntime.overlap_dp_reduction` (each stage's gradients all-reduced in buckets as the schedule ends
-that stage's last backward) and :meth:`PipelineRuntime.sync_gradients` (the rest, and the wait, before the step).
+counts). The runtime reduces nothing over data parallel itself: the owner does, told that the runtime defers its
+reduction (:mod:`lightning_par.parallel.gradient_sync`), and :func:`~lightning_par.parallel.finalize.finalize` ends
+each step. The runtime's part: :attr:`PipelineRuntime.grad_sync_func` hears each stage's gradients as the schedule
+ends that stage's last backward, and ``require_sync = False`` holds everything back while gradients accumulate.
 
 Everything that can be checked without a process group (schedule name, virtual stages, micro-batch counts) is
 checked once, when the :class:`~lightning_par.parallel.stage_plan.StagePlan` is built (by the layout, in the
@@ -37,7 +39,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,22 +51,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par._compat import metadata_inference_without_anomaly, without_p2p_to_itself
 from lightning_par.measure import ActivationMeter
-from lightning_par.parallel.pipeline.adapter import PipelineOutput, stage_forward, stage_io
+from lightning_par.parallel.parts import ModelParts, TiedCopy
+from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.batches import split_batch
-from lightning_par.parallel.pipeline.chain import check_chain
-from lightning_par.parallel.pipeline.dp_reduce import BucketedAllReduce
-from lightning_par.parallel.pipeline.loss import ModelLoss
-from lightning_par.parallel.pipeline.split import (
-    Costs,
-    block_units,
-    model_units,
-    plan_stages,
-    rank_module,
-    removes_to_none,
-    stage_view,
-    tied_parameter_groups,
-)
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
+from lightning_par.parallel.runners import GradSyncFunc
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan  # noqa: F401 -- SCHEDULES: the old import path
 from lightning_par.topology import LayoutError
 
@@ -99,25 +90,8 @@ def _no_reduce(grad_scale_factor: int) -> None:
     ``scale_grads=False``, so there is nothing to scale either)."""
 
 
-class _Tied(NamedTuple):
-    """A parameter with copies on several pipeline ranks, seen from this rank.
-
-    The copy is found by name each time (:meth:`PipelineRuntime._tied_copy`): tensor parallel and FSDP2 replace the
-    ``Parameter`` objects after the split."""
-
-    name: str | None  # this rank's copy's name in the rank module, if it holds one
-    source: int  # the lowest pipeline rank holding a copy: it counts in the global norm and is broadcast from
-    counted_here: bool  # whether this rank's copy counts in the global gradient norm
-    shape: torch.Size
-    dtype: torch.dtype
-
-
 #: the old name of :meth:`StagePlan.for_schedule` (tests and benchmarks build plans with it)
 resolve_schedule = StagePlan.for_schedule
-
-#: ``prepare(rank_module, stage_modules) -> stage_modules`` (see :class:`PipelineRuntime`).
-Prepare = Callable[[nn.Module, list[nn.Module]], Sequence[nn.Module] | None]
-
 
 def _plain(tensor: Tensor) -> Tensor:
     """The value of a loss: a DTensor's full tensor (a vocabulary-parallel loss is a replicated DTensor)."""
@@ -170,40 +144,35 @@ class PipelineRuntime:
     """This rank's share of a pipeline: the module with its stages' units, the stages, the training schedule.
 
     Args:
-        model: the full model, identical on every rank; it is not modified.
-        pp_mesh: the 1-D pipeline mesh this rank belongs to.
-        plan: the stages and schedule (:class:`StagePlan`, e.g. ``Layout.stage_plan``), for this mesh's pp.
+        parts: this rank's part of the model, from :func:`~lightning_par.parallel.parts.split` with the pipeline's
+            plan (:class:`StagePlan`, e.g. ``Layout.stage_plan``), already transformed
+            (:func:`~lightning_par.parallel.parallelize.parallelize`: tensor parallel, recompute, data-parallel
+            sharding): its stage modules are what torch's ``PipelineStage`` objects run.
+        pp_mesh: the 1-D pipeline mesh this rank belongs to (the one the parts were split for).
         loss_fn: ``loss_fn(outputs, targets)`` of one micro-batch, on the last stage; or None: the model's own loss
             (a Hugging Face causal LM's ``loss_function``, :class:`~.loss.ModelLoss`), for batches given with
             ``labels=`` (:meth:`train_step`, :meth:`train_call`, :meth:`forward_only`).
         loss_scale: the factor applied to each micro-batch loss before backward (1 / (m * accumulation)).
         device: where the stages compute.
-        costs: per-unit costs for balancing the split (see :func:`plan_stages`), or None to balance by count.
-        units: the model's pipeline units in execution order (``find_blocks(lm).units``: names relative to
-            ``model``, items of an ``nn.ModuleList`` allowed); default: ``model.pipeline_units()``.
-        prepare: ``prepare(rank_module, stage_modules) -> stage_modules``, called once after the split and
-            before torch's ``PipelineStage`` and schedule objects are built: the place to apply tensor parallel
-            (to ``rank_module``, which holds every stage of this rank), activation recompute and data parallel
-            (e.g. :func:`~lightning_par.parallel.pipeline.fsdp.fully_shard_stages` for ZeRO-3). ``stage_modules``
-            are this rank's stage modules in stage order (views of ``rank_module`` sharing its units). It returns
-            the modules the stages run: the same ones, transformed in place, or replacements (wrappers); ``None``
-            means the same ones. Hooks it registers on ``rank_module`` run only when ``rank_module`` itself is
-            called (evaluation through :meth:`forward_only`), hooks registered on a stage module only when that
-            stage runs. If it raises on one pipeline rank, every pipeline rank raises (they agree right after).
+
+    Hooks registered on the rank module run only when it is called itself (evaluation through
+    :meth:`forward_only`), hooks registered on a stage module only when that stage runs.
 
     Attributes after construction: ``plan``, ``module`` (the rank module: all of this rank's units, original names),
-    ``stage_modules`` (what ``prepare`` returned), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
-    ``units_by_stage``, ``stage_ids``, ``block_units`` (the units that are repeated blocks),
+    ``stage_modules`` (the parts' stages), ``stages`` (torch ``PipelineStage`` objects), ``schedule``,
+    ``units_by_stage``, ``stage_ids``, ``block_names`` (the repeated blocks this rank holds),
     ``require_sync`` (see :meth:`train_step`), ``model_loss`` (the model's own loss, or None).
     """
 
     #: the schedule runs forward and backward itself (see :class:`~lightning_par.parallel.runners.Runner`)
     takes_over_step = True
 
-    def __init__(self, model: nn.Module, pp_mesh: DeviceMesh, plan: StagePlan,
-                 loss_fn: Callable[[Any, Any], Tensor] | None, loss_scale: float, device: torch.device,
-                 costs: Costs = None, units: Sequence[str] | None = None, prepare: Prepare | None = None) -> None:
-        spec = plan.spec
+    def __init__(self, parts: ModelParts, pp_mesh: DeviceMesh, loss_fn: Callable[[Any, Any], Tensor] | None,
+                 loss_scale: float, device: torch.device) -> None:
+        split = parts.pipeline
+        if split is None:
+            raise LayoutError("the pipeline runtime runs the parts of a pipeline split (split() with a plan of pp > 1)")
+        plan, spec = split.plan, split.plan.spec
         if spec is None or plan.pp != pp_mesh.size():
             raise LayoutError(f"the pipeline runtime needs a plan with a schedule for its mesh's pp={pp_mesh.size()}, "
                               f"got {plan}.")
@@ -212,27 +181,17 @@ class PipelineRuntime:
         self.pp_rank, self.pp = pp_mesh.get_local_rank(), plan.pp
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.device = device
-        self.units = model_units(model, units)
-        self.io = stage_io(model)
-        self.model_loss = ModelLoss.of(model)
+        self.units, self.units_by_stage, self.stage_ids = split.units, split.units_by_stage, split.stage_ids
+        self.io, self.model_loss = split.io, split.model_loss
+        self.module = split.module
         if loss_fn is None and self.model_loss is None:
-            raise LayoutError(f"the pipeline was given no loss_fn, and {type(model).__name__} has no loss of its own "
-                              "that it can compute on the last stage (a Hugging Face causal LM's loss_function).")
-        self.units_by_stage = plan_stages(model, plan, costs=costs, units=self.units)
-        # before the split and before any collective, on the (meta) model: the same verdict on every rank
-        self.chain_check_seconds = check_chain(model, self.units, self.units_by_stage, self.io)
-        self.block_units = block_units(model, self.units)
-        self.stage_ids = plan.stages_of(self.pp_rank)
-        self.module = rank_module(model, self.units_by_stage, self.stage_ids, units=self.units)
-        to_none = removes_to_none(model)
-        self.stage_modules = [stage_view(self.module, self.units_by_stage[i], units=self.units, to_none=to_none)
-                              for i in self.stage_ids]
-        for i, view in zip(self.stage_ids, self.stage_modules, strict=True):
-            # an instance attribute, so the stage keeps the model's class and parameter names
-            view.forward = stage_forward(view, self.io, first=i == 0,
-                                         entry=view.get_submodule(self.units_by_stage[i][0]))
+            raise LayoutError(f"the pipeline was given no loss_fn, and {type(self.module).__name__} has no loss of its "
+                              "own that it can compute on the last stage (a Hugging Face causal LM's loss_function).")
+        self.chain_check_seconds = split.chain_check_seconds
+        self.block_names = parts.block_names
+        self.stage_modules = list(parts.stages)
         self.last_rank = plan.rank_of(plan.n_stages - 1)  # pipeline rank that computes the loss
-        self._tied = self._tied_across_ranks(model)
+        self._tied = split.tied
         self._tied_grad_meta: list[tuple[list[int], torch.dtype]] | None = None  # local shapes, after the 1st sum
         # False while Lightning accumulates gradients: FSDP stage modules keep their gradients unreduced
         self.require_sync = True
@@ -242,8 +201,6 @@ class PipelineRuntime:
         self.loss_scale = loss_scale  # read per micro-batch: an elastic resume may change the accumulation
         self.record_next = False  # record the next training step's executed schedule and activation memory
         self.recording: Recording | None = None
-        self.dp_reduce: BucketedAllReduce | None = None  # ZeRO-0: see overlap_dp_reduction
-        self._dp_launched: set[int] = set()  # stages whose buckets this step's schedule launched
 
         self.loss_scale = loss_scale  # (set again when a later fit of the same model accumulates otherwise)
 
@@ -252,8 +209,12 @@ class PipelineRuntime:
             self._micro_losses.append(_plain(loss.detach()))
             return loss * self.loss_scale
 
-        if prepare is not None:
-            self.stage_modules = self._prepare(prepare)
+        if spec.split_backward:
+            # the weight-gradient half of a backward finds the weights through the stage module's parameters:
+            # FSDP2 must keep the gathered ones registered from the forward on (freed after a forward, the
+            # sharded ones would be found, and the weight gradients silently lost)
+            for module in fsdp_modules(self.stage_modules):
+                module.set_reshard_after_forward(False, recurse=False)
         n = plan.n_stages
         self.stages = [without_p2p_to_itself(pipelining.PipelineStage(mod, i, n, device, group=self.group))
                        for i, mod in zip(self.stage_ids, self.stage_modules, strict=True)]
@@ -268,39 +229,6 @@ class PipelineRuntime:
         except ValueError as err:  # raised alike on every rank, before any communication
             raise LayoutError(f"pipeline schedule {plan.schedule!r} with pp={self.pp}, n_microbatches="
                               f"{plan.n_microbatches}, virtual_stages={plan.virtual_stages}: {err}") from err
-
-    def _prepare(self, prepare: Prepare) -> list[nn.Module]:
-        """Run ``prepare`` on this rank's stages; the pipeline ranks then agree (one ``all_gather_object``), so that
-        an error raised on one of them -- a layout its stages cannot take -- is raised on all, not left waiting."""
-        error: BaseException | None = None
-        prepared: list[nn.Module] = self.stage_modules
-        try:
-            out = prepare(self.module, list(self.stage_modules))
-            if out is not None:
-                out = list(out)
-                if len(out) != len(self.stage_modules) or not all(isinstance(m, nn.Module) for m in out):
-                    raise TypeError(f"prepare must return this rank's {len(self.stage_modules)} stage modules (or "
-                                    f"None), got {out!r}")
-                prepared = out
-            if self.plan.spec.split_backward:
-                # the weight-gradient half of a backward finds the weights through the stage module's parameters:
-                # FSDP2 must keep the gathered ones registered from the forward on (freed after a forward, the
-                # sharded ones would be found, and the weight gradients silently lost)
-                for module in fsdp_modules(prepared):
-                    module.set_reshard_after_forward(False, recurse=False)
-        except Exception as err:  # noqa: BLE001 -- re-raised below, after the other ranks heard of it
-            error = err
-        messages: list[str | None] = [None] * self.pp
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}",
-                               group=self.group)
-        if error is not None:
-            raise error
-        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            raise LayoutError(f"pipeline rank {rank} could not prepare its stages (so none of the ranks goes on): "
-                              f"{message}")
-        return prepared
 
     @property
     def model_loss_step(self) -> bool:
@@ -449,57 +377,47 @@ class PipelineRuntime:
         dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
         return tensor
 
-    def _tied_across_ranks(self, model: nn.Module) -> list[_Tied]:
-        """Parameters whose copies live on more than one pipeline rank, with this rank's copy's name (if any)."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        out = []
-        for tied in tied_parameter_groups(model, self.units_by_stage, units=self.units):
-            by_rank: dict[int, str] = {}
-            for stage, name in tied.name_by_stage.items():
-                by_rank.setdefault(self.plan.rank_of(stage), name)
-            if len(by_rank) > 1:
-                source = min(by_rank)
-                out.append(_Tied(by_rank.get(self.pp_rank), source, source == self.pp_rank,
-                                 params[tied.name].shape, params[tied.name].dtype))
-        return out
-
-    def _tied_copy(self, tied: _Tied) -> nn.Parameter | None:
+    def _tied_copy(self, tied: TiedCopy) -> nn.Parameter | None:
         return self.module.get_parameter(tied.name) if tied.name is not None else None
 
-    def overlap_dp_reduction(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
-        """ZeRO-0: from now on, while ``require_sync``, each stage's gradients start their all-reduce over
-        ``dp_group`` (in buckets, :class:`~.dp_reduce.BucketedAllReduce`) as the schedule returns from that stage's
-        last backward of the step (``last_backward``: its last B, or W in the zero-bubble schedules), overlapping
-        the schedule's remaining actions on this rank (the other stages' backwards, the cooldown's sends and
-        receives). :meth:`sync_gradients` completes them before the step. Parameters whose gradient is still to
-        change then -- tied copies summed over the pipeline, a parameter held by two stages of this rank -- are
-        reduced in :meth:`sync_gradients`."""
-        self.dp_reduce = BucketedAllReduce(dp_group, bucket_cap_mb)
-        for stage in self.stages:
-            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
-                # an instance attribute shadows the method (the schedule calls it by name, with last_backward=)
-                setattr(stage, name, self._reducing(stage, getattr(stage, name)))
+    @property
+    def grad_sync_func(self) -> GradSyncFunc | None:
+        """``grad_sync_func(params)``, called while ``require_sync`` as the schedule returns from a stage's last
+        backward of the step (``last_backward``: its last B, or W in the zero-bubble schedules) with the stage's
+        parameters, less those whose gradient is still to change -- tied copies, summed over the pipeline later, and
+        parameters two stages of this rank share -- so the data-parallel owner can start reducing them while the
+        schedule runs this rank's remaining actions (Megatron-Core's ``config.grad_sync_func``)."""
+        return self._grad_sync_func
 
-    def _reducing(self, stage: Any, backward: Callable[..., Any]) -> Callable[..., Any]:
-        """``backward`` that then launches the stage's buckets after its last backward of the step. It keeps
+    @grad_sync_func.setter
+    def grad_sync_func(self, func: GradSyncFunc | None) -> None:
+        if func is not None and self._grad_sync_func is None:
+            for stage in self.stages:
+                for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                    # an instance attribute shadows the method (the schedule calls it by name, with last_backward=)
+                    setattr(stage, name, self._reporting(stage, getattr(stage, name)))
+        self._grad_sync_func = func
+
+    _grad_sync_func: GradSyncFunc | None = None
+
+    def _reporting(self, stage: Any, backward: Callable[..., Any]) -> Callable[..., Any]:
+        """``backward`` that then reports the stage's gradients after its last backward of the step. It keeps
         ``backward``'s signature (``functools.wraps``): the timeline recorder binds the schedule's arguments to it to
         find the micro-batch."""
 
         @functools.wraps(backward)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._backward_then_reduce(stage, backward, *args, **kwargs)
+            out = backward(*args, **kwargs)
+            if kwargs.get("last_backward") and self.require_sync and self._grad_sync_func is not None:
+                late = self._reduced_last()
+                self._grad_sync_func([p for p in stage.submod.parameters() if id(p) not in late])
+            return out
 
         return call
 
-    def _backward_then_reduce(self, stage: Any, backward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        out = backward(*args, **kwargs)
-        if kwargs.get("last_backward") and self.require_sync and self.dp_reduce is not None:
-            self._launch_stage(stage)
-        return out
-
     def _reduced_last(self) -> set[int]:
-        """ids of the parameters reduced only in :meth:`sync_gradients`: tied copies (their gradients are summed
-        over the pipeline first) and parameters held by more than one stage of this rank."""
+        """ids of the parameters whose gradient changes after their stage's last backward: tied copies (summed
+        over the pipeline) and parameters held by more than one stage of this rank."""
         late = {id(p) for tied in self._tied if (p := self._tied_copy(tied)) is not None}
         seen: set[int] = set()
         for stage in self.stages:
@@ -507,38 +425,7 @@ class PipelineRuntime:
                 (late if id(p) in seen else seen).add(id(p))
         return late
 
-    def _launch_stage(self, stage: Any) -> None:
-        if stage.stage_index in self._dp_launched:
-            raise RuntimeError(f"pipeline stage {stage.stage_index} ended its last backward twice in one step; its "
-                               "gradients were already being all-reduced over data parallel.")
-        self._dp_launched.add(stage.stage_index)
-        late = self._reduced_last()
-        assert self.dp_reduce is not None
-        self.dp_reduce.launch([_local(p.grad) for p in stage.submod.parameters()
-                               if p.grad is not None and id(p) not in late])
-
-    def sync_gradients(self, dp_group: dist.ProcessGroup, bucket_cap_mb: float = 25.0) -> None:
-        """ZeRO-0 (plain replicas) only: before the optimizer step, sum the tied copies' gradients over the pipeline
-        (:meth:`sum_tied_gradients`) and average every gradient over the replicas, in buckets: the stages whose
-        buckets :meth:`overlap_dp_reduction` did not launch during the schedule are launched now, then the tied and
-        shared parameters, and every bucket is waited for.
-
-        Other data-parallel owners synchronise the replicas themselves and call only :meth:`sum_tied_gradients`."""
-        if self.dp_reduce is None or self.dp_reduce.group is not dp_group:
-            self.dp_reduce = BucketedAllReduce(dp_group, bucket_cap_mb)
-        try:
-            for stage in self.stages:
-                if stage.stage_index not in self._dp_launched:
-                    self._launch_stage(stage)
-            self.sum_tied_gradients()
-            late = self._reduced_last()
-            params = {id(p): p for stage in self.stages for p in stage.submod.parameters() if id(p) in late}
-            self.dp_reduce.launch([_local(p.grad) for p in params.values() if p.grad is not None])
-            self.dp_reduce.finish()
-        finally:
-            self._dp_launched = set()
-
-    def _exchange_meta(self, tied: _Tied, local: Tensor | None) -> tuple[list[int], torch.dtype]:
+    def _exchange_meta(self, tied: TiedCopy, local: Tensor | None) -> tuple[list[int], torch.dtype]:
         """The shape and dtype of this rank's part of ``tied``, broadcast from its source rank: ranks without a
         copy learn what to send; ranks with one check that their copy is split like the source's (a collective
         flag, so every rank raises alike)."""
@@ -578,11 +465,11 @@ class PipelineRuntime:
     def sum_tied_gradients(self) -> None:
         """Sum the gradients of parameters held on several pipeline ranks, so their copies take the same step.
 
-        Call on every pipeline rank together, once per step: the data-parallel owner decides when (before the
-        ZeRO-1/2 reduce-scatter, on full gradients; after ZeRO-3's reduction, shard by shard). Either way the sum
-        commutes with the data-parallel one; the copies must be laid out alike, which the first call checks. The
-        all-reduce runs over the whole pipeline group (ranks without a copy add zeros): tied weights are rare and this
-        avoids extra process groups.
+        Call on every pipeline rank together, once per step: :func:`~lightning_par.parallel.finalize.finalize`
+        does, after the reductions the schedule ran (ZeRO-3's, shard by shard) and before the owner finishes its
+        own (ZeRO-1/2's reduce-scatter, on full gradients). Either way the sum commutes with the data-parallel one;
+        the copies must be laid out alike, which the first call checks. The all-reduce runs over the whole pipeline
+        group (ranks without a copy add zeros): tied weights are rare and this avoids extra process groups.
         """
         grads = []
         for tied in self._tied:

@@ -292,6 +292,20 @@ def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
     return out
 
 
+def held_blocks(module: nn.Module, names: Sequence[str]) -> list[str]:
+    """The blocks among ``names`` (relative to the model root, e.g. ``layers.3``) that ``module`` -- a stage or rank
+    module -- still holds with their parameters, in the given order."""
+    held = []
+    for name in names:
+        try:
+            block = module.get_submodule(name)
+        except AttributeError:  # a unit of another stage: removed from this one
+            continue
+        if block is not None and any(True for _ in block.parameters()):
+            held.append(name)
+    return held
+
+
 # -- which stage holds which units ---------------------------------------------------------------------------------
 def _unit_costs(units: list[str], costs: Costs) -> list[float]:
     if isinstance(costs, dict):

@@ -8,6 +8,9 @@
     lightning-par plan --model=lightning_par.examples.HFLlamaLightningModule --model.n_layers=8 --world 4 --hardware cpu
     lightning-par plan --hf-config path/to/config.json --world 8
     lightning-par plan --model=lightning_par.examples.GPTLightningModule --model.preset=1b --layout dp=2,tp=2,pp=2
+
+The command stands above :mod:`lightning_par.planner` and the strategies: a fit config's ``trainer.strategy`` is read
+into a layout by the strategy itself (:mod:`lightning_par.fit_config`), and ``strategy="planned"`` uses the planner.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import yaml
 
 # what the parser needs imports no torch (``lightning-par plan --help`` answers at once); the planner itself is
 # imported in _main
+from lightning_par.fit_config import FitPlan, read_fit_config
 from lightning_par.parallel.stage_plan import SCHEDULES
-from lightning_par.planner.fit_config import FitPlan, read_fit_config
 from lightning_par.planner.hardware import PRESETS, load_hardware
 from lightning_par.planner.runtime import PRECISIONS, RUNTIMES
 from lightning_par.topology import RECOMPUTE_KINDS, LayoutError, check_number, is_number
@@ -154,15 +157,6 @@ def parse_layout(text: str) -> dict[str, Any]:
     return out
 
 
-def _default_seq(info) -> int:
-    for holder in (getattr(info.root, "config", None), info.root):
-        for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and value > 0:
-                return min(value, 8192)
-    return 2048
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -213,7 +207,7 @@ def _main(argv: list[str]) -> int:
         raise LayoutError(f"--write-config {args.write_config}: {type(obj).__name__} is not a LightningModule, which "
                           "a fit config needs; plan --model=YOUR_LIGHTNING_MODULE.")
     info = inspect_model(obj, args.block_types.split(",") if args.block_types else None)
-    seq = args.seq or _default_seq(info)
+    seq = args.seq or info.default_seq_len
     global_batch = args.global_batch or 8 * world * args.micro_batch
     if "m" in layout:  # micro-batches per step given: the global batch follows
         global_batch = layout["m"] * (world // (layout.get("tp", 1) * layout.get("pp", 1))) * args.micro_batch

@@ -11,7 +11,8 @@ batches. The state travels in the checkpoint's loop state -- in a one-file check
 sharded one, which every rank reads.
 
 The strategies call it on the training loader (``LayoutStrategy.process_dataloader``); ``TextDataModule`` calls it
-on its own loader, so it resumes exactly under Lightning's own strategies too.
+on its own loader, so it resumes exactly under Lightning's own strategies too. It is data-loading state that the
+strategy saves, so it sits beside :mod:`lightning_par.data`, below the strategies that use it.
 
 Both also call :func:`keep_epoch_count`: Lightning closes an epoch that ``max_steps`` cut short as if it had ended, so
 a checkpoint saved when fit stops is numbered one epoch on and a resumed run trains the rest of that epoch under the
@@ -28,9 +29,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_par import elastic
 from lightning_par._compat import Stateful, update_dataloader
 from lightning_par.parallel.data_order import DataParallelSampler
-from lightning_par.strategies import elastic
 
 _warnings = WarningCache()
 
@@ -187,7 +188,7 @@ class DataPosition:
         return {"epoch": epoch, "consumed_samples": batches * self.global_batch, "epoch_ended": ended,
                 "global_batch": self.global_batch, "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
                 "dataset_length": self.sampler.dataset_length,
-                # what an attempt on another world size needs to keep the run's function (strategies/elastic.py)
+                # what an attempt on another world size needs to keep the run's function (elastic.py)
                 "accumulate_grad_batches": self.trainer.accumulate_grad_batches,
                 "world_size": self.trainer.world_size}
 

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 optimizer states in the per-parameter checkpoint format every other layout writes.
+"""ZeRO-1/2's checkpoint state (:class:`ZeroStates`) in the per-parameter format every other layout writes.
 
 A ZeRO-1/2 optimizer steps one flat chunk per bucket (:class:`~lightning_par.parallel.zero.ZeroPartitioner`), so
 its own ``state_dict`` is keyed by bucket and padded: it would resume only into the same buckets on the same number
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from lightning_par._compat import (
     compute_local_shape_and_global_offset,
     make_wrapper_subclass,
 )
+from lightning_par.parallel.param_states import ParamStates, materialize_optimizer_state
 from lightning_par.parallel.zero import ZeroPartitioner
 
 # DCP reads ShardedTensor's size through its (deprecated) torch function; the objects here never leave DCP
@@ -223,3 +224,49 @@ def finish_model_load(module: nn.Module, partitioner: ZeroPartitioner, loaded: d
     rest = {name: value for name, value in rest.items() if id(own.get(name)) not in partitioned}
     module.load_state_dict(rest, strict=False)
     partitioner.gather_parameters(wait=True)  # outside a forward: nothing else would wait for it
+
+
+class ZeroStates(ParamStates):
+    """The checkpoint state of ZeRO-1/2 (the answers of its owner, ``ZeroSync``): the weights come from, and load
+    into, the optimizer's shards -- the fp32 masters under mixed precision -- and the load's refresh all-gathers the
+    shards into the buckets, the model's parameters (rounded once, as after a step). Refreshing the other way, shards
+    from the buckets, would round the fp32 masters to bf16."""
+
+    def __init__(self, partitioner: ZeroPartitioner) -> None:
+        self.partitioner = partitioner
+
+    def wait(self) -> None:
+        self.partitioner.wait_all()
+
+    def model_state(self, module: nn.Module) -> dict[str, Any]:
+        return model_state(module, self.partitioner)
+
+    def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer_state(module, optimizer, self.partitioner)
+
+    def optimizer_target(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        materialize_optimizer_state(optimizer)  # the load fills the state tensors' views
+        return self.optimizer_state(module, optimizer)
+
+    def load_model_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        finish_model_load(module, self.partitioner, state)
+
+    def load_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        set_hyperparameters(module, optimizer, self.partitioner, state)
+
+    def load_full_model_state(self, module: nn.Module, full: dict[str, Any]) -> None:
+        super().load_full_model_state(module, full)  # buffers and parameters outside the buckets
+        copy_full(model_state(module, self.partitioner), full)  # the shards (fp32 masters) from the full values
+        self.partitioner.gather_parameters(wait=True)
+
+    def optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[Sequence[Tensor]]:
+        # the groups' parameters before the partitioner replaced them by bucket shards
+        return [self.partitioner.group_params[id(group)] for group in optimizer.param_groups]
+
+    def load_full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        flat = {f"state.{name}.{key}": value for name, entry in state["state"].items() for key, value in entry.items()}
+        for group in state["param_groups"]:
+            flat.update({f"param_groups.{name}.{key}": value for name in group["params"]
+                         for key, value in group.items() if key != "params"})
+        fill_from_full(module, optimizer, self.partitioner, flat)
