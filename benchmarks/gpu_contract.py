@@ -1,8 +1,8 @@
 """Lightning's fit -> validate -> test -> save -> fit again on one GPU, under ZeRO-1, ZeRO-2 and ZeRO-3 (dp=1).
 
 Between stages Lightning moves the model to the host and back; on CUDA that replaces ZeRO-1/2's bucket views and
-moves FSDP2's modules, which the CPU contract tests (tests/test_lightning_contract.py) cannot show. Checked here, per
-stage: weights after validate and test equal those after fit (bit for bit), validate and test give the same loss,
+moves FSDP2's modules, which the CPU contract tests (tests/launch/test_lightning_contract.py) cannot show. Checked here,
+per stage: weights after validate and test equal those after fit (bit for bit), validate and test give the same loss,
 a save after test works, and fit 3 + fit 2 more steps gives the losses of 5 steps in one fit (plain SGD, fp32, the
 same batch every step). One JSON line per layout to --out; the last line printed is the summary.
 

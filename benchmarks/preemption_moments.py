@@ -15,7 +15,7 @@ restarted the job and the job then ended with exit 0, and the per-step losses of
 uninterrupted run of the same layout (max abs difference). A moment is ``ok`` when all of that holds.
 
     python benchmarks/preemption_moments.py                  # 20 moments, about 15 min on 2 idle cores
-    python benchmarks/preemption_moments.py --moments 3      # one per layout (tests/test_preemption.py, --full)
+    python benchmarks/preemption_moments.py --moments 3      # one per layout (tests/launch/test_preemption.py, --full)
 
 Writes benchmarks/results/preemption_moments.json; exits 1 if a moment is not ok.
 """

@@ -1,8 +1,8 @@
 """The example GPT tensor-parallel by hand, for Lightning's own ``ModelParallelStrategy`` (the reference for TP).
 
 This is the plan a Lightning user writes inside ``configure_model`` today (torchtitan's Llama plan, adapted to the
-example GPT's module names), and the reference ``benchmarks/tensor_parallel.py`` and ``tests/test_tp_accounting.py``
-measure lightning-par's TP engine against.
+example GPT's module names), and the reference ``benchmarks/tensor_parallel.py`` and
+``tests/unit/test_tp_accounting.py`` measure lightning-par's TP engine against.
 
     lightning-par fit --model=benchmarks.tp_gpt.HandTPGPT \
         --trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy \

@@ -8,7 +8,7 @@ turns it into one warning. Every private name is then loaded here, at import, wi
 release needs (:func:`private`'s ``fallbacks``), so a release that lacks one fails at once with an ImportError naming
 it -- not with an AttributeError deep in a run.
 No other module of lightning_par imports a private name or reaches one as ``torch.x._y``, and the private
-Lightning attributes that steer a run go through the accessors below (tests/test_compat.py checks both). Private
+Lightning attributes that steer a run go through the accessors below (tests/unit/test_compat.py checks both). Private
 attributes of objects (a ShardedTensor's ``_local_shards``; FSDP2's ``_fsdp_param_groups`` and a module's
 ``_trainer``, read with a fallback) stay where they are used.
 """

@@ -52,7 +52,7 @@ RUNS["zero2_offload_dp2"] = (2, [*job(GLOBAL_BATCH // 2), "--trainer.strategy=ze
 
 # pipeline parallel: every schedule at pp=2 and pp=4 (one replica: each rank sees the whole batch of 8), and tied
 # embeddings on the two ends of 4 ranks (1f1b) and on one rank holding both ends of a V (zbv). The `runs` fixture
-# makes all of one size in one launch of tests/pipeline_matrix.py (the same job as `job`); the CLI arguments here
+# makes all of one size in one launch of tests/launch/pipeline_matrix.py (the same job as `job`); the CLI arguments here
 # serve the launches that continue from their checkpoints.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
 PIPELINE_TIED = {2: "zbv", 4: "1f1b"}
@@ -68,9 +68,10 @@ RUNS["single_tied"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--mod
 SGD = ["--model.optimizer=sgd", f"--model.lr={SGD_LR}"]
 RUNS["single_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", *SGD])
 RUNS["single_tied_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--model.tie_embeddings=true", *SGD])
-# the engine matrix's model (weights drawn per rank unless the engine syncs them), plain SGD: tests/test_engine.py
+# the engine matrix's model (weights drawn per rank unless the engine syncs them), plain SGD:
+# tests/launch/test_engine.py
 RUNS["single_rank_seeded_sgd"] = (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto",
-                                      "--model=tests.engine_matrix.RankSeededGPT"])
+                                      "--model=tests.launch.engine_matrix.RankSeededGPT"])
 
 # tensor parallel: the tp ranks of one replica all see the replica's batch (GLOBAL_BATCH / dp). tp=4 needs 4 kv heads
 # (the tiny preset has 2), so it has its own single-process reference. Only tp2_sp samples text after fit (generation
@@ -102,7 +103,7 @@ RUNS["hf_tp2_dict"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2", *HF_DICT))
 
 # context parallel (each sequence split over cp ranks): the example GPT with SGD in the default run (6 steps, against
 # single_sgd's first 6); Hugging Face Llama (tuple batches, AdamW) and Qwen2 (dict batches, SGD), and cp2 x ZeRO-3 dp2
-# (4 ranks), in the full run. tp2 x pp2 x cp2 (8 ranks) is in tests/hybrid3d_matrix.py.
+# (4 ranks), in the full run. tp2 x pp2 x cp2 (8 ranks) is in tests/launch/hybrid3d_matrix.py.
 CP_STEPS = 6
 QWEN2 = ["--model=lightning_par.examples.HFCausalLMLightningModule", "--model.arch=qwen2", "--model.n_layers=4",
          "--model.n_kv_heads=2"]
@@ -139,7 +140,7 @@ FULL_ONLY_RUNS = {
     "compile_matrix",  # compiled vs eager: ZeRO 0-3, tp2 (and SP), pp2 under each schedule, tp2 x pp2 (4 ranks)
     "lightning_contract_4_ranks_full",  # Lightning's contract under tp2 x pp2 and cp2 x pp2 (4 ranks)
     "lightning_contract_2_ranks_full",  # ... and under ZeRO-0, ZeRO-2 and cp2, beside the default set's 2-rank layouts
-    "readme_model_4_ranks",  # the README's recipe under tp2 x pp2 (tests/test_readme_model.py), ~35 s
+    "readme_model_4_ranks",  # the README's recipe under tp2 x pp2 (tests/launch/test_readme_model.py), ~35 s
 }
 #: ranks of the shared launches that are not in `RUNS`
 OTHER_LAUNCHES = {"multinode": 4, "hybrid3d_8_ranks_full": 8, "hybrid3d_4_ranks_full": 4, "hybrid3d_8": 8,
@@ -322,11 +323,11 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-#: runs of `RUNS` made together, one after another in one launch (tests/cli_matrix.py: one start-up instead of one
-#: each), on the first request of any: the single-process references of the parity tests, the 2-rank runs (the ZeRO
+#: runs of `RUNS` made together, one after another in one launch (tests/launch/cli_matrix.py: one start-up instead of
+#: one each), on the first request of any: the single-process references of the parity tests, the 2-rank runs (the ZeRO
 #: matrix, tensor and context parallel) and the full set's 4-rank runs. A member of the full run only joins its
 #: launch in the full run. Under torchrun (TorchElasticEnvironment): dp4 stays a launch of its own, the default
-#: set's run through Lightning's own launcher (LightningEnvironment, tests/test_data_parallel.py).
+#: set's run through Lightning's own launcher (LightningEnvironment, tests/launch/test_data_parallel.py).
 SHARED_LAUNCHES = {
     "references": ("single", "single_accum_clip", "single_tied", "single_sgd", "single_tied_sgd", "hf_single",
                    "single_rank_seeded_sgd", "single_kv4", "qwen2_single_sgd"),
@@ -359,7 +360,7 @@ def runs(tmp_path_factory, cache_dir, request):
             root = tmp_path_factory.mktemp(f"pipeline_matrix_pp{pp}")
             args = ["--root", str(root), "--cache", str(cache_dir), "--pp", str(pp),
                     "--schedules", *PIPELINE_SCHEDULES, "--checkpoint", "1f1b", "--tied", PIPELINE_TIED[pp]]
-            matrix = launch_matrix(root, cache_dir, "tests.pipeline_matrix", args, nproc=pp).check()
+            matrix = launch_matrix(root, cache_dir, "tests.launch.pipeline_matrix", args, nproc=pp).check()
             for run_name in PIPELINE_MATRIX[pp]:
                 done[run_name] = Run(root / run_name, 0, matrix.log, matrix.seconds)
         if name not in done:
@@ -402,7 +403,7 @@ def hybrid3d_matrix(tmp_path_factory, cache_dir):
     """``matrix(name)``: ``(Run, per-rank reports)`` of a case; each rank count's cases in one launch, on first use
     (the 8-rank launch, and the cases marked ``full``, in a launch of the full run only). Shared by the 3D tests and
     the reshard matrix."""
-    from tests.hybrid3d_matrix import CASES
+    from tests.launch.hybrid3d_matrix import CASES
 
     out: dict[str, tuple[Run, list[dict]]] = {}
 
@@ -413,7 +414,7 @@ def hybrid3d_matrix(tmp_path_factory, cache_dir):
             names = [n for n, case in CASES.items()
                      if case.devices == devices and (case.full or case.devices == 8) == full]
             root = tmp_path_factory.mktemp(f"hybrid3d_{devices}{'_full' if full else ''}")
-            run = launch_matrix(root, cache_dir, "tests.hybrid3d_matrix",
+            run = launch_matrix(root, cache_dir, "tests.launch.hybrid3d_matrix",
                                 ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=devices,
                                 timeout=900).check()
             print(f"3D matrix: {len(names)} layouts on {devices} ranks in {run.seconds:.0f} s")

@@ -174,16 +174,16 @@ def launch_cli(
 def launch_cli_group(root: Path, cache_dir: Path, jobs: dict[str, list[str]], devices: int,
                      timeout: float = 900) -> dict[str, Run]:
     """The fits ``jobs`` (name -> arguments, as :func:`launch_cli` takes them), all of ``devices`` ranks, one after
-    another in one launch of :mod:`tests.cli_matrix` (one process, or one torchrun agent): one start-up for all.
+    another in one launch of :mod:`tests.launch.cli_matrix` (one process, or one torchrun agent): one start-up for all.
     Each run is in ``root/NAME`` with its own ``launch.log``; the launch fails if one of them fails."""
     root.mkdir(parents=True, exist_ok=True)
     spec = root / "jobs.json"
     spec.write_text(json.dumps([[str(root / name), cli_argv(root / name, cache_dir, args, devices)]
                                 for name, args in jobs.items()]))
     if devices > 1:
-        group = launch_matrix(root, cache_dir, "tests.cli_matrix", [str(spec)], nproc=devices, timeout=timeout)
+        group = launch_matrix(root, cache_dir, "tests.launch.cli_matrix", [str(spec)], nproc=devices, timeout=timeout)
     else:
-        group = launch_command_module(root, cache_dir, "tests.cli_matrix", [str(spec)], timeout=timeout)
+        group = launch_command_module(root, cache_dir, "tests.launch.cli_matrix", [str(spec)], timeout=timeout)
     group.check()
     return {name: Run(root / name, 0, (root / name / "launch.log").read_text(errors="replace"), group.seconds,
                       _rank_reports(root / name)) for name in jobs}

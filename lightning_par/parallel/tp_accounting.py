@@ -1,6 +1,6 @@
 """Measure what tensor parallelism costs per transformer layer: collectives issued, bytes sent, activations saved.
 
-Used by ``tests/test_tp_accounting.py`` and ``benchmarks/tensor_parallel.py`` to hold a TP layout to the Megatron
+Used by ``tests/unit/test_tp_accounting.py`` and ``benchmarks/tensor_parallel.py`` to hold a TP layout to the Megatron
 formulas (Shoeybi et al. 2019; Korthikanti et al. 2022, table 2) and to an exact formula for the example GPT's block.
 No Lightning import.
 

@@ -4,7 +4,7 @@ A fake tensor (``torch._subclasses.fake_tensor.FakeTensorMode``) has a shape, a 
 so a unit of an 8B model runs in milliseconds and allocates nothing. Its device is the CPU, so PyTorch picks the
 kernels it would pick here (the flash attention of the CPU, RMSNorm unfused), and autograd saves exactly what it
 saves in a real run: the counts below equal :class:`lightning_par.measure.ActivationMeter` on real tensors
-(``tests/test_planner.py``).
+(``tests/launch/test_planner.py``).
 
 For one configuration -- tensor-parallel size, sequence parallel, recompute, precision, micro-batch ``b`` and
 sequence ``s`` -- :func:`trace_model`:

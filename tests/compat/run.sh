@@ -27,15 +27,15 @@ PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q -c "$venv/torch-pin.txt" -e
 versions=$("$venv/bin/python" -c "import torch, lightning, jsonargparse, transformers; print(f'torch {torch.__version__}, lightning {lightning.__version__}, jsonargparse {jsonargparse.__version__}, transformers {transformers.__version__}')")
 echo "smoke set on $versions"
 smoke=(
-    tests/test_compat.py
-    tests/test_engine.py
-    "tests/test_zero.py::test_stage_matches_single_process"
-    "tests/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
-    "tests/test_pipeline_strategy.py::test_schedule_matches_single_process"
-    "tests/test_context_parallel.py::test_attention_and_loss_over_two_shards_equal_the_whole_sequence"
-    "tests/test_hybrid3d.py::test_losses_and_gradient_norms_match_one_process[tp2_pp2_1f1b_selective_sgd]"
-    "tests/test_hybrid3d.py::test_a_3d_checkpoint_resumes_with_the_same_losses"
-    "tests/test_docs_commands.py::test_command_parses"
+    tests/unit/test_compat.py
+    tests/launch/test_engine.py
+    "tests/launch/test_zero.py::test_stage_matches_single_process"
+    "tests/launch/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
+    "tests/launch/test_pipeline_strategy.py::test_schedule_matches_single_process"
+    "tests/launch/test_context_parallel.py::test_attention_and_loss_over_two_shards_equal_the_whole_sequence"
+    "tests/launch/test_hybrid3d.py::test_losses_and_gradient_norms_match_one_process[tp2_pp2_1f1b_selective_sgd]"
+    "tests/launch/test_hybrid3d.py::test_a_3d_checkpoint_resumes_with_the_same_losses"
+    "tests/launch/test_docs_commands.py::test_command_parses"
 )
 start=$(date +%s)
 set +e

@@ -1,7 +1,7 @@
 """Stands in for an install without the optional extras: matplotlib and transformers look absent.
 
-tests/test_install.py puts this folder first on PYTHONPATH for a launched run; Python imports ``sitecustomize`` at
-start-up. Both ways a package is looked for are answered as if it were not installed: an import raises
+tests/launch/test_install.py puts this folder first on PYTHONPATH for a launched run; Python imports ``sitecustomize``
+at start-up. Both ways a package is looked for are answered as if it were not installed: an import raises
 ``ModuleNotFoundError`` and its distribution metadata is not found (libraries such as torchmetrics check the metadata
 before importing, so a module that merely fails to import would break them where a real absence does not).
 """

@@ -1,0 +1,233 @@
+"""A pipeline never changes the function: a model whose forward is not the chain of its units is refused at setup.
+
+All in one process: :func:`check_chain` on the models directly, and the pipeline split
+(:func:`~lightning_par.parallel.parts.split`) on a fake 2-rank process group (``torch.testing``'s ``fake`` backend:
+no communication), as rank 0 and as rank 1, to show that the error comes from the split on every rank, before any
+collective.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par.examples import GPT, GPT2, MLP, GPT2Config, GPTConfig, causal_lm_loss
+from lightning_par.examples import PlainLM as ExamplePlainLM
+from lightning_par.parallel.blocks import find_blocks
+from lightning_par.parallel.deferred_init import deferred_init
+from lightning_par.parallel.pipeline import check_chain, model_units, plan_stages
+from lightning_par.parallel.stage_plan import StagePlan
+from lightning_par.topology import LayoutError
+from tests.launch.pipeline_any_model import Case, make_lm
+
+N_BLOCKS = 4
+UNITS = ["embed", *(f"blocks.{i}" for i in range(N_BLOCKS)), "norm", "head"]
+
+
+class SkipLM(nn.Module):
+    """Declares nothing (blocks in an nn.ModuleList): embedding, blocks, norm, head -- and, with ``variant``, a way
+    of not being a chain. ``"skip"`` is issue 18's model: the embedding's output added after the blocks."""
+
+    def __init__(self, variant: str = "chain"):
+        super().__init__()
+        self.variant = variant
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(N_BLOCKS)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h0 = h = self.embed(tokens)
+        if self.variant == "scaled_embedding":  # stage 0 glue: discarded on a later stage (fed by injection)
+            h = h * 4.0
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.variant == "between_blocks" and i == 1:
+                h = torch.tanh(h)
+        if self.variant == "skip":
+            h = h + h0
+        elif self.variant == "skip_in_place":
+            h += h0
+        elif self.variant == "modified_in_place":
+            h.mul_(2.0)
+        elif self.variant == "skip_argument":
+            return self.head(self.norm(h, h0))
+        out = self.head(self.norm(h))
+        if self.variant == "post_processed":
+            out = out * 0.5
+        if self.variant == "cast_and_view":  # the same values: accepted
+            out = out[:, slice(0, None)].contiguous().float()
+        return out
+
+
+class TwoArgNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x if extra is None else x + extra)
+
+
+class DeclaredSkipLM(nn.Module):
+    """Declares ``pipeline_units()`` (removed units become None, GPT's protocol). ``"skip"``: issue 18's variant,
+    which crashed in the stage forward with "'NoneType' object is not callable"; ``"reembed"`` calls the embedding
+    again after the blocks; ``"scaled_embedding"`` scales the embedding before the first block (a later stage would
+    scale the activation it receives)."""
+
+    def __init__(self, variant: str = "chain"):
+        super().__init__()
+        self.variant = variant
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleDict({str(i): nn.Linear(16, 16) for i in range(N_BLOCKS)})
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32)
+
+    def pipeline_units(self) -> list[str]:
+        return UNITS
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.variant == "skip":  # no None check: what crashed with 'NoneType' object is not callable
+            x = self.embed(tokens)
+        else:
+            x = self.embed(tokens) if self.embed is not None else tokens
+        if self.variant == "scaled_embedding":
+            x = x * 4.0
+        h = x
+        for block in self.blocks.values():
+            h = block(h)
+        if self.variant == "skip":
+            h = h + x
+        if self.variant == "reembed":
+            h = h + self.embed(tokens)
+        h = self.norm(h) if self.norm is not None else h
+        return self.head(h) if self.head is not None else h
+
+
+def check(model: nn.Module, units=None, pp: int = 2, virtual: int = 1, style: str = "loop") -> float:
+    """check_chain on the split the runtime would make; a warning (the check could not run) fails the test."""
+    units = model_units(model, units)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return check_chain(model, units, plan_stages(model, StagePlan(pp, virtual, style), units=units))
+
+
+def refusal(model: nn.Module, units=None, **kwargs) -> str:
+    with pytest.raises(LayoutError) as info:
+        check(model, units, **kwargs)
+    message = str(info.value)
+    assert "is not the chain of its pipeline units" in message
+    assert "form a chain" in message and "pp=1" in message, "the error says how to fix it"
+    return message
+
+
+# -- refused -------------------------------------------------------------------------------------------------------
+def test_skip_connection_is_refused_under_pp2_naming_the_unit():
+    message = refusal(SkipLM("skip"), UNITS)
+    assert "the output of 'embed' is used out of order" in message
+    assert "pipeline unit 'norm' (stage 1)" in message
+    assert "'embed' (stage 0)" in message
+
+
+@pytest.mark.parametrize(("variant", "expected"), [
+    ("skip_in_place", "the output of 'embed' is used out of order"),
+    ("skip_argument", "is given a tensor computed from the output of 'embed' (stage 0) besides its input"),
+    ("modified_in_place", "modifies it in place"),
+    ("between_blocks", "pipeline unit 'blocks.2' (stage 1) does not take the output of 'blocks.1'"),
+    ("post_processed", "the model's output is not the output of its last pipeline unit 'head'"),
+])
+def test_other_forwards_that_are_not_a_chain_are_refused(variant, expected):
+    model = SkipLM(variant)
+    if variant == "skip_argument":
+        model.norm = TwoArgNorm(16)
+    assert expected in refusal(model, UNITS)
+
+
+@pytest.mark.parametrize(("variant", "expected"), [
+    ("skip", "the output of 'embed' is used out of order"),
+    ("reembed", "calls the pipeline unit 'embed' (stage 0) more than once, again after 'blocks.3' (stage 1)"),
+    ("scaled_embedding", "pipeline unit 'blocks.0' (stage 0) does not take the output of 'embed'"),
+])
+def test_pipeline_units_model_gets_the_clear_error(variant, expected):
+    """Issue 18: the declared variant crashed inside the stage forward ('NoneType' object is not callable)."""
+    assert expected in refusal(DeclaredSkipLM(variant))
+
+
+def test_runtime_refuses_on_every_rank_before_any_collective():
+    """The pipeline split on a fake 2-rank group (no communication): each rank raises from split(), the same
+    message; the check runs on the model before it is cut."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_par.parallel.parts import split
+    from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
+
+    assert not dist.is_initialized()
+    messages = []
+    for rank in range(2):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        try:
+            mesh = dist.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+            for model, units in ((SkipLM("skip"), UNITS), (DeclaredSkipLM("skip"), None)):
+                with pytest.raises(LayoutError, match="used out of order") as info:
+                    split(model, resolve_schedule("1f1b", 2, 2), mesh, units=units)
+                messages.append(str(info.value))
+            # a chain goes through
+            runtime = PipelineRuntime(split(SkipLM(), resolve_schedule("1f1b", 2, 2), mesh, units=UNITS), mesh,
+                                      causal_lm_loss, 0.5, torch.device("cpu"))
+            assert runtime.chain_check_seconds < 5
+        finally:
+            dist.destroy_process_group()
+    assert messages[:2] == messages[2:], "every rank gives the same error"
+
+
+# -- accepted ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["chain", "scaled_embedding", "cast_and_view"])
+def test_chains_are_accepted(variant):
+    """Stage 0 glue of a model fed by injection is discarded on later stages; casts and full views keep values."""
+    check(SkipLM(variant), UNITS)
+    check(SkipLM(variant), UNITS, pp=4)
+
+
+def test_a_model_is_checked_only_where_the_split_cuts():
+    """One stage: nothing to check. The glue of the injected model's stage 0 is free wherever stage 0 ends."""
+    model = SkipLM("skip")
+    assert check_chain(model, UNITS, [UNITS]) == pytest.approx(0, abs=1)
+
+
+def gpt(n_layers: int = 4, tie: bool = False) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16,
+                         tie_embeddings=tie))
+
+
+@pytest.mark.parametrize(("pp", "virtual", "style"), [(2, 1, "loop"), (4, 1, "loop"), (2, 2, "loop"), (2, 2, "v")])
+def test_example_gpt_passes(pp, virtual, style):
+    check(gpt(8, tie=True), pp=pp, virtual=virtual, style=style)
+
+
+def test_deferred_gpt_passes_and_is_left_untouched():
+    """At setup the model is deferred (large tensors on meta); the check runs on a copy."""
+    with deferred_init() as record:
+        model = gpt(4)
+    record.capture(model)
+    before = {n: (p.device, p.shape) for n, p in model.named_parameters()}
+    check(model)
+    assert {n: (p.device, p.shape) for n, p in model.named_parameters()} == before
+
+
+def test_other_example_models_pass():
+    check(MLP(8, 4))
+    for model in (GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2)),
+                  ExamplePlainLM(vocab_size=64, dim=16, n_layers=4, n_heads=2, max_seq_len=16)):
+        blocks = find_blocks(model)
+        check(model, list(blocks.units))
+        check(model, list(blocks.units), pp=4)
+
+
+@pytest.mark.parametrize("name", ["plain", "llama", "qwen2", "mistral", "llama_tied"])
+def test_pipeline_any_model_cases_pass(name):
+    """The models tests/launch/pipeline_any_model.py trains under pp=2 (Hugging Face from tiny configs, the plain
+    model), as the engine finds their units; the Hugging Face ones run on meta (value queries on the input answered)."""
+    lm = make_lm(Case(name.removesuffix("_tied"), "1f1b", tied=name.endswith("_tied")))
+    blocks = find_blocks(lm)
+    for virtual in (1, 2):
+        seconds = check(blocks.root, list(blocks.units), virtual=virtual)
+        assert seconds < 10
