@@ -140,8 +140,12 @@ class ParallelDims:
         return next(g for g in self.groups(dim) if rank in g)
 
     def describe(self) -> str:
-        cp = f" x cp={self.cp}" if self.cp > 1 else ""
-        return f"dp={self.dp}{cp} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp innermost, pp outermost)"
+        return f"{self.describe_gradient_group()} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp " \
+               "innermost, pp outermost)"
+
+    def describe_gradient_group(self) -> str:
+        """The ranks data-parallel gradients are averaged over: ``dp=N``, or ``dp=N x cp=M`` under cp > 1."""
+        return f"dp={self.dp} x cp={self.cp}" if self.cp > 1 else f"dp={self.dp}"
 
     def rank_table(self) -> str:
         """Every global rank's coordinates and the groups along each dimension, for the start-up log."""

@@ -123,6 +123,12 @@ class CompileOptions:
                               f"support (untested, and {CUDA_GRAPHS_WHY}). Use mode='max-autotune-no-cudagraphs' "
                               "(the same autotuning without CUDA graphs) or 'default'.")
 
+    def compiler(self, device: torch.device, plan: Any) -> BlockCompiler:
+        """The blocks' compiler for a run on ``device`` under the pipeline ``plan`` (a StagePlan: its schedule may
+        split backward), after the checks that need the device."""
+        self.check_device(device)
+        return BlockCompiler(self, split_backward=plan.spec is not None and plan.spec.split_backward)
+
     @classmethod
     def of(cls, value: bool | dict[str, Any] | CompileOptions | None) -> CompileOptions | None:
         """The options a strategy's ``compile=`` argument means: ``False``/``None`` none (eager), ``True`` the

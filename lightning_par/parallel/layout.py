@@ -111,6 +111,11 @@ class Layout:
         """Parameters are split somewhere (tp, pp or ZeRO-3): states must be keyed by parameter name."""
         return self.zero_stage == 3 or self.pp > 1 or self.tp > 1
 
+    def transforms_blocks(self, compiled: bool) -> bool:
+        """A transform works block by block (ZeRO-3 and replicate groups, recompute, compile, context parallel's
+        hooks on the module that runs the blocks): the model's blocks must be found."""
+        return self.zero_stage == 3 or self.recompute != "none" or compiled or self.cp > 1
+
     @property
     def sharded_checkpoint(self) -> bool:
         """Each rank writes its own part of a checkpoint (a DCP directory) rather than rank 0 one file."""

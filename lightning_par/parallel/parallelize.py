@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_par.parallel.compile import BlockCompiler
 from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.materialize import materialize_share
@@ -66,7 +67,7 @@ class ParallelizeConfig:
     tp_mesh: DeviceMesh
     sequence_parallel: bool = False
     recompute: str = "none"
-    compile: Callable[[nn.Module], None] | None = None  # per block, after recompute (parallel/compile.py)
+    compile: BlockCompiler | None = None  # per block, after recompute
     #: where a deferred model's parameters are materialised when not on ``device``: the host, under FSDP2 offload
     parameter_device: torch.device | None = None
     #: the ``cp`` mesh: context parallel when its size is over 1 (it needs the parts' blocks)
@@ -83,6 +84,28 @@ class Parallelized:
     tensor_parallel: TensorParallelPlan | None
     stats: dict[str, int]
     context_parallel: ContextParallel | None = None
+
+    def summary(self, config: ParallelizeConfig, blocks: int, pretrained_from: Any = None) -> list[str]:
+        """What was applied to this rank's part, a line each (``blocks``: how many it has), for the log."""
+        plan, cp, lines = self.tensor_parallel, self.context_parallel, []
+        if plan is not None:
+            lines.append(f"tensor parallel over tp={config.tp_mesh.size()}: plan applied to {len(plan.styles)} modules"
+                         f"{' with sequence parallelism' if config.sequence_parallel else ''}"
+                         f"{', vocab-parallel loss' if plan.vocab_parallel_head else ''}")
+        if cp is not None:
+            assert config.cp_mesh is not None
+            lines.append(f"context parallel over cp={config.cp_mesh.size()}: load-balanced sequence shards, ring "
+                         f"attention over the cp group, {cp.described}")
+        if config.recompute != "none":
+            lines.append(f"activation recompute ({config.recompute}) on {blocks} blocks of rank 0")
+        if config.compile is not None:
+            lines.append(f"{config.compile.options.describe()}: {blocks} blocks of rank 0")
+        if "kept_bytes" in self.stats:
+            lines.append(f"deferred init: rank 0 {describe(self.stats)}")
+        if "pretrained_tensors" in self.stats:
+            lines.append(f"pretrained weights: rank 0 read its slices of {self.stats['pretrained_tensors']} tensors "
+                         f"from {pretrained_from}")
+        return lines
 
 
 def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[ModelParts], Sequence[nn.Module]],

@@ -104,6 +104,14 @@ class ModelParts:
     def pipelined(self) -> bool:
         return self.pipeline is not None
 
+    def describe_blocks(self) -> str:
+        """Which repeated blocks were found (ZeRO-3 and replicate groups, recompute, compile and pipeline units are
+        built from them), for rank 0's log."""
+        if self.found is None:
+            return "blocks: none found; data parallel treats the model as one unit"
+        mine = "rank 0's part: " if self.pipelined else ""
+        return f"blocks: {mine}{self.found.describe()}"
+
     @property
     def block_names(self) -> list[str]:
         """This rank's blocks by name, relative to the module that holds them (``found.root``)."""

@@ -350,6 +350,14 @@ def check_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -
     return resolve_tp_plan(module, tp, sequence_parallel, stage=False)
 
 
+def check_layout_plan(module: nn.Module, tp: int, sequence_parallel: bool, zero_stage: int) -> None:
+    """The strategy's check at setup, before any split or collective, alike on every rank: the whole model's plan
+    for ``tp`` ranks (:func:`check_tp_plan`: a pattern that matches nothing anywhere stays an error, a size ``tp``
+    does not divide is refused) and its packed styles against the ZeRO stage; nothing to check for tp = 1."""
+    if tp > 1:
+        check_packed_layout(check_tp_plan(module, tp, sequence_parallel), zero_stage)
+
+
 def _removed_units(model: nn.Module) -> set[str]:
     """Names of pipeline units that a stage replaced by a parameter-free stand-in (they hold nothing to split)."""
     from lightning_par.parallel.pipeline.split import RemovedUnit  # (lazy: the pipeline package is heavier)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_par._compat import set_skip_backward
 from lightning_par.parallel.finalize import finalize, no_sync
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
@@ -45,6 +46,36 @@ class LayoutStep:
         # the optimizer whose clip marks this step's gradient bit from its global norm (see optimizer_step)
         self._clip_marks: Any = None
 
+    def attach(self, trainer: Any, fitting: bool) -> None:
+        """Before a stage of the Trainer runs: a runner that takes over the step (the pipeline) scales each
+        micro-batch's loss by 1 / (micro-batches x accumulated batches), and under fit Lightning must not run
+        backward or zero the gradients -- the schedule does both (see :meth:`training_step`)."""
+        runner = self._strategy._runner
+        if runner.takes_over_step:
+            accumulate = trainer.accumulate_grad_batches if fitting else 1
+            runner.loss_scale = 1.0 / (runner.plan.n_microbatches * accumulate)
+            set_skip_backward(trainer, fitting)
+
+    def detach(self) -> None:
+        """At teardown: Lightning's backward as it was."""
+        lm = self._strategy.lightning_module
+        if self._strategy._runner.takes_over_step and lm is not None:
+            set_skip_backward(lm.trainer, False)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Context parallel (cp > 1): each step's batch cut along the sequence, attention over the whole of it while the
+    # step runs (lightning_par.parallel.context_parallel; applied in parallelize)
+    # ----------------------------------------------------------------------------------------------------------------
+    def check_batch(self, batch: Any) -> None:
+        """A batch the layout cannot cut (padding under cp) refused as it reaches the device."""
+        if self._strategy._context_parallel is not None:
+            self._strategy._context_parallel.check_padding(batch)
+
+    def _shard_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``(batch, ...)`` with the batch cut to this rank's share of each sequence (cp > 1)."""
+        cp = self._strategy._context_parallel
+        return args if cp is None else cp.shard_args(args)
+
     # ----------------------------------------------------------------------------------------------------------------
     # Training, evaluation and prediction steps
     # ----------------------------------------------------------------------------------------------------------------
@@ -55,7 +86,7 @@ class LayoutStep:
 
     def _training_step(self, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         strategy = self._strategy
-        args = strategy._shard_sequence(args)
+        args = self._shard_sequence(args)
         runner = strategy._runner
         if not runner.takes_over_step:
             with self.loss_context():
@@ -118,7 +149,7 @@ class LayoutStep:
 
     def evaluation_step(self, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A validation or test step (``lightning_step``: Lightning's own of that kind)."""
-        batch, args = args[0] if args else None, self._strategy._shard_sequence(args)
+        batch, args = args[0] if args else None, self._shard_sequence(args)
         with unpacked_batch_errors(batch), self._pipeline_eval_loss(), self.loss_context():
             return lightning_step(*args, **kwargs)
 
