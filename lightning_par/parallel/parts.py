@@ -12,15 +12,16 @@ stage modules). Nothing downstream searches the model for blocks again.
 
 Everything here is single-process module surgery on the model as built (meta tensors when it was built deferred):
 every refusal is a :class:`~lightning_par.topology.LayoutError` raised alike on every rank, before any collective.
-The one collective is :func:`agree`, which the strategy runs around the transforms of the parts, since those may fail
+The one collective is :func:`agreed`, which the strategy runs around the transforms of the parts, since those may fail
 on one pipeline rank only (its stages differ from the others'). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,6 @@ from lightning_par.parallel.pipeline.split import (
 )
 from lightning_par.parallel.stage_plan import StagePlan
 from lightning_par.topology import LayoutError
-
-T = TypeVar("T")
 
 
 class TiedCopy(NamedTuple):
@@ -220,14 +219,14 @@ def _tied_across_ranks(model: nn.Module, plan: StagePlan, units_by_stage: list[l
     return out
 
 
-def agree(group: dist.ProcessGroup, what: str, step: Callable[[], T]) -> T:
-    """Run ``step`` on every rank of ``group``, then agree (one ``all_gather_object``): an error raised on one rank
+@contextmanager
+def agreed(group: dist.ProcessGroup, what: str) -> Generator[None, None, None]:
+    """Run the block on every rank of ``group``, then agree (one ``all_gather_object``): an error raised on one rank
     -- a layout its pipeline stages cannot take -- is raised on all of them, not left waiting in a later collective.
     ``what`` names the step in the error the other ranks raise."""
     error: BaseException | None = None
-    result = None
     try:
-        result = step()
+        yield None
     except Exception as err:  # noqa: BLE001 -- re-raised below, after the other ranks heard of it
         error = err
     messages: list[str | None] = [None] * dist.get_world_size(group)
@@ -238,4 +237,3 @@ def agree(group: dist.ProcessGroup, what: str, step: Callable[[], T]) -> T:
     if failed:
         rank, message = failed[0]
         raise LayoutError(f"pipeline rank {rank} could not {what} (so none of the ranks goes on): {message}")
-    return result  # type: ignore[return-value]

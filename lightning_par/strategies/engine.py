@@ -39,7 +39,7 @@ from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
-from lightning_par.parallel.parts import ModelParts, agree, split
+from lightning_par.parallel.parts import ModelParts, agreed, split
 from lightning_par.parallel.pipeline.loss import last_stage_loss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
 from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
@@ -241,7 +241,8 @@ class LayoutStrategy(MeshStrategy):
             loss_fn = last_stage_loss(self.lightning_module, cut.module, cut.model_loss, self.dims.pp)
             rank_zero_info(parts.describe_blocks())  # after the checks that can refuse the layout
             # this rank's stages differ from the other pipeline ranks': a failure on one stops them all
-            agree(self.device_mesh["pp"].get_group(), "prepare its stages", lambda: self._parallelize(parts))
+            with agreed(self.device_mesh["pp"].get_group(), "prepare its stages"):
+                self._parallelize(parts)
             self._run_pipeline(parts, loss_fn)
         self.pretrained = None  # read into the shards (FromPretrained sets it again before each run)
         self._construction.done(self.lightning_module)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_par.examples.gpt import GPT, GPTConfig, causal_lm_loss
 from lightning_par.measure import CommCounter
 from lightning_par.parallel.blocks import find_blocks
-from lightning_par.parallel.parts import agree, split
+from lightning_par.parallel.parts import agreed, split
 from lightning_par.parallel.pipeline.fsdp import fsdp_group_count
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime, resolve_schedule
 from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
@@ -163,8 +163,8 @@ def run_case(name: str, case: Case, batches, eval_batch) -> dict:
     try:
         model_parts = split(model, choice, mesh["pp"], units=list(blocks.units))
         # as the engine runs it: a failure on one pipeline rank is raised on every one
-        model_parts.stages = agree(mesh["pp"].get_group(), "prepare its stages",
-                                   lambda: prepare(model_parts.pipeline.module, model_parts.stages))
+        with agreed(mesh["pp"].get_group(), "prepare its stages"):
+            model_parts.stages = prepare(model_parts.pipeline.module, model_parts.stages)
         runtime = PipelineRuntime(model_parts, mesh["pp"], causal_lm_loss, loss_scale=scale, device=torch.device("cpu"))
     except Exception as err:  # noqa: BLE001 -- a refused layout: the message is what the test reads
         return {"error": f"{type(err).__name__}: {err}"}
