@@ -29,7 +29,7 @@ def test_process_group_backend_for_the_device(monkeypatch, device, given, expect
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-    from lightning_par.strategies import engine
+    from lightning_par.strategies import engine, mesh
 
     class Joined(Exception):
         pass
@@ -40,7 +40,7 @@ def test_process_group_backend_for_the_device(monkeypatch, device, given, expect
         seen.append(backend)
         raise Joined  # stop before any process group is made
 
-    monkeypatch.setattr(engine, "_init_dist_connection", init_dist_connection)
+    monkeypatch.setattr(mesh, "_init_dist_connection", init_dist_connection)  # (the engine's base joins the group)
     monkeypatch.setattr(ParallelStrategy, "setup_environment", lambda self: None)  # the accelerator's device setup
     strategy = engine.LayoutStrategy(zero_stage=1, process_group_backend=given, parallel_devices=[device],
                                      cluster_environment=LightningEnvironment())
