@@ -1,0 +1,148 @@
+"""Expert parallel under Lightning, against one process, in one torchrun launch.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N -m tests.launch.expert_parallel_worker OUT_DIR
+
+for tests/launch/test_expert_parallel.py. On N ranks (2: ep2; 4: ep2 x expert_dp2), one ``Trainer.fit`` per case of
+the example MoE GPT (built in ``configure_model``, so deferred: each rank materialises its experts only) under
+``ZeroStrategy(stage=0, ep=2)``: ``sgd`` (plain SGD) and ``adamw`` (AdamW, constant learning rate, with a shared
+expert). Every rank writes ``OUT_DIR/rank{R}.json``: per case, the global loss of each step (the ranks' mean), the
+global gradient norm before each step (``strategy.global_grad_norm``), the bytes of expert and other parameters it
+materialised and holds, the expert slices it holds, the gradient owner. Rank 0 then trains one process, in this
+process, from the same initial weights (gathered at the start of the fit) on the same global batches (gathered each
+step) and adds its losses and norms (``reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par import ZeroStrategy
+from lightning_par.examples.gpt import causal_lm_loss
+from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
+from tests.harness import close_process_group
+
+SEQ, PER_RANK, STEPS = 32, 4, 6
+CASES = {
+    "sgd": dict(optimizer="sgd", lr=0.2),
+    "adamw": dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, shared_ffn_dim=32),
+}
+
+
+def sequences(n: int) -> torch.Tensor:
+    """``n`` byte sequences of the embedded corpus (text: the model trains, the gradient norm is not noise)."""
+    from lightning_par.data import default_corpus_files
+
+    size = n * (SEQ + 1)
+    raw = b"".join(Path(f).read_bytes() for f in default_corpus_files(size))
+    return torch.frombuffer(bytearray(raw[:size]), dtype=torch.uint8).long().view(n, SEQ + 1)
+
+
+class Record(pl.Callback):
+    """The initial full weights, each step's global batch, loss and pre-step gradient norm, this rank's bytes."""
+
+    def __init__(self) -> None:
+        self.initial: dict[str, torch.Tensor] = {}
+        self.batches: list[torch.Tensor] = []
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.held: dict = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # every rank, in the same order: full_tensor() gathers an expert weight over the ep ranks
+        self.initial = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                        for n, p in pl_module.named_parameters()}
+        experts = {n: p for n, p in pl_module.named_parameters() if isinstance(p, DTensor)}
+        others = [p for p in pl_module.parameters() if not isinstance(p, DTensor)]
+        rank = trainer.strategy.expert_mesh["ep"].get_local_rank()
+        self.held = {
+            "expert_bytes": sum(p.to_local().numel() * p.element_size() for p in experts.values()),
+            "expert_bytes_total": sum(p.numel() * p.element_size() for p in experts.values()),
+            "other_bytes": sum(p.numel() * p.element_size() for p in others),
+            "materialized": trainer.strategy.materialized.get("kept_bytes"),
+            "ep_rank": rank,
+            # each expert slice equals its rows of the full tensor (the slice one process's init drew)
+            "slices_match": all(torch.equal(p.to_local(), self.initial[n][rank * p.to_local().shape[0]:
+                                                                          (rank + 1) * p.to_local().shape[0]])
+                                for n, p in experts.items()),
+            "expert_names": sorted(experts),
+            "gradient_sync": trainer.strategy.gradient_sync.name,
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        inputs, targets = batch
+        both = torch.cat([inputs, targets[:, -1:]], dim=1)
+        gathered = [torch.empty_like(both) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, both)
+        self.batches.append(torch.cat(gathered))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.norms.append(float(trainer.strategy.global_grad_norm(optimizer)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().clone()
+        dist.all_reduce(loss)
+        self.losses.append(float(loss) / dist.get_world_size())
+
+
+def fit(name: str, root: Path) -> Record:
+    pl.seed_everything(1234)
+    model = MoEGPTLightningModule(preset="tiny", **CASES[name])
+    world = int(os.environ["WORLD_SIZE"])  # (Lightning joins the process group in fit)
+    data = sequences(PER_RANK * world * STEPS)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK, shuffle=False)
+    record = Record()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=0, ep=2),
+                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root / name, callbacks=[record])
+    trainer.fit(model, loader)
+    return record
+
+
+def reference(name: str, record: Record) -> dict:
+    """One process: the same initial weights, the ranks' global batches, the module's own optimizer and loss."""
+    module = MoEGPTLightningModule(preset="tiny", **CASES[name])
+    module.model = MoEGPT(module.config)
+    module.model.load_state_dict({n.removeprefix("model."): t for n, t in record.initial.items()})
+    if CASES[name]["optimizer"] == "sgd":
+        optimizer = torch.optim.SGD(module.parameters(), lr=CASES[name]["lr"])
+    else:  # the module's groups (decay on matrices only); warmup_steps=0, min_lr_ratio=1: a constant rate
+        params = list(module.parameters())
+        optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                      lr=CASES[name]["lr"], betas=(0.9, 0.95))
+    losses, norms = [], []
+    for batch in record.batches:
+        loss = causal_lm_loss(module.model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    records = {name: fit(name, out) for name in CASES}
+    rank, report = dist.get_rank(), {"world": dist.get_world_size()}
+    for name, record in records.items():
+        report[name] = {"losses": record.losses, "norms": record.norms, **record.held}
+        if rank == 0:
+            report[name]["reference"] = reference(name, record)
+    report["rank"] = rank
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()

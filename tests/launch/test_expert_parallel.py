@@ -1,0 +1,77 @@
+"""Expert parallel (``ZeroStrategy(stage=0, ep=2)``) on the example MoE GPT, against one process.
+
+One launch of ``tests/launch/expert_parallel_worker.py`` per world size (see its docstring): 2 ranks (ep2, each expert
+on one rank) in the default set, 4 ranks (ep2 x expert_dp2: each expert on two ranks, its gradient averaged over
+them) in the full run. Each launch fits plain SGD and AdamW (the latter with a shared expert); the tests read every
+rank's report.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.harness import launch_matrix, max_rel_diff
+
+PARITY_RTOL = 1e-5  # per-step loss against one process
+NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once
+EP = 2
+CASES = ("sgd", "adamw")
+
+
+def _launch(tmp_path_factory, cache_dir, ranks: int) -> list[dict]:
+    root = tmp_path_factory.mktemp(f"expert_parallel_{ranks}")
+    run = launch_matrix(root, cache_dir, "tests.launch.expert_parallel_worker", [str(root / "out")], nproc=ranks,
+                        timeout=400).check()
+    print(f"tests.launch.expert_parallel_worker on {ranks} ranks: {run.seconds:.1f} s")
+    return [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory, cache_dir) -> list[dict]:
+    return _launch(tmp_path_factory, cache_dir, 2)
+
+
+@pytest.fixture(scope="module")
+def ep2_dp2(tmp_path_factory, cache_dir) -> list[dict]:
+    return _launch(tmp_path_factory, cache_dir, 4)
+
+
+LAUNCHES = [pytest.param("ep2", marks=pytest.mark.launch(ranks=2)),
+            pytest.param("ep2_dp2", marks=pytest.mark.launch(ranks=4, full=True))]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("case", CASES)
+def test_losses_and_gradient_norms_match_one_process(request, launch, case):
+    ranks = request.getfixturevalue(launch)
+    reference = ranks[0][case]["reference"]
+    for report in ranks:
+        run = report[case]
+        loss_diff, norm_diff = max_rel_diff(run["losses"], reference["losses"]), max_rel_diff(run["norms"],
+                                                                                            reference["norms"])
+        print(f"{launch} {case} rank {report['rank']}: loss {loss_diff:.2e}, gradient norm {norm_diff:.2e} (max "
+              f"relative over {len(run['losses'])} steps)")
+        assert len(run["losses"]) == len(reference["losses"]) == 6
+        assert loss_diff <= PARITY_RTOL and norm_diff <= NORM_RTOL
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it trains: the parity is not of a flat line
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_each_rank_holds_and_materialises_one_ep_th_of_the_experts(request, launch):
+    ranks = request.getfixturevalue(launch)
+    for case in CASES:
+        held = [report[case] for report in ranks]
+        total = held[0]["expert_bytes_total"]
+        # the example tiny MoE: 2 layers x 3 weights of 4 experts x 64 x 96, fp32
+        assert total == 2 * 3 * 4 * 64 * 96 * 4
+        for report in held:
+            assert report["expert_bytes"] * EP == total, report
+            assert report["slices_match"]  # its experts' rows of the weights one process drew
+            assert report["gradient_sync"] == "ddp"
+            assert len(report["expert_names"]) == 6
+            # built deferred: what a rank materialised holds its experts only, never the others'
+            assert report["expert_bytes"] <= report["materialized"] <= report["expert_bytes"] + report["other_bytes"]
+        # consecutive ranks split the experts; each ep rank holds other experts
+        assert [r["ep_rank"] for r in held] == [r % EP for r in range(len(held))]
