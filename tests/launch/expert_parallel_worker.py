@@ -3,13 +3,19 @@
     python -m torch.distributed.run --standalone --nproc_per_node=N -m tests.launch.expert_parallel_worker OUT_DIR
 
 for tests/launch/test_expert_parallel.py. On N ranks (2: ep2; 4: ep2 x expert_dp2), one ``Trainer.fit`` per case of
-the example MoE GPT (built in ``configure_model``, so deferred: each rank materialises its experts only) under
-``ZeroStrategy(stage=0, ep=2)``: ``sgd`` (plain SGD) and ``adamw`` (AdamW, constant learning rate, with a shared
-expert). Every rank writes ``OUT_DIR/rank{R}.json``: per case, the global loss of each step (the ranks' mean), the
-global gradient norm before each step (``strategy.global_grad_norm``), the bytes of expert and other parameters it
+the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
+
+* ``sgd`` (plain SGD) and ``adamw`` (AdamW, constant learning rate, with a shared expert): the model built in
+  ``configure_model``, so deferred: each rank materialises its experts only;
+* ``accumulate_eager``: plain SGD over 2 accumulated batches per step (expert gradients accumulate unreduced, then
+  are averaged once), of a model built eagerly before the fit from another seed on each rank (the strategy makes
+  the replicas equal; the experts are sliced from real tensors).
+
+Every rank writes ``OUT_DIR/rank{R}.json``: per case, the global loss of each step (the ranks' mean), the global
+gradient norm before each step (``strategy.global_grad_norm``), the bytes of expert and other parameters it
 materialised and holds, the expert slices it holds, the gradient owner. Rank 0 then trains one process, in this
 process, from the same initial weights (gathered at the start of the fit) on the same global batches (gathered each
-step) and adds its losses and norms (``reference``).
+batch) and adds its losses and norms (``reference``).
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
 from tests.harness import close_process_group
 
 SEQ, PER_RANK, STEPS = 32, 4, 6
-CASES = {
-    "sgd": dict(optimizer="sgd", lr=0.2),
-    "adamw": dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, shared_ffn_dim=32),
+CASES = {  # the module's arguments, and how the fit runs
+    "sgd": dict(module=dict(optimizer="sgd", lr=0.2)),
+    "adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, shared_ffn_dim=32)),
+    "accumulate_eager": dict(module=dict(optimizer="sgd", lr=0.2), accumulate=2, eager=True),
 }
 
 
@@ -94,33 +101,40 @@ class Record(pl.Callback):
 
 
 def fit(name: str, root: Path) -> Record:
-    pl.seed_everything(1234)
-    model = MoEGPTLightningModule(preset="tiny", **CASES[name])
-    world = int(os.environ["WORLD_SIZE"])  # (Lightning joins the process group in fit)
+    case, world = CASES[name], int(os.environ["WORLD_SIZE"])  # (Lightning joins the process group in fit)
+    accumulate = case.get("accumulate", 1)
+    pl.seed_everything(1234 + (int(os.environ["RANK"]) if case.get("eager") else 0))
+    model = MoEGPTLightningModule(preset="tiny", **case["module"])
+    if case.get("eager"):
+        model.configure_model()  # built whole, here, before the strategy sees it
     data = sequences(PER_RANK * world * STEPS)
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK, shuffle=False)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = Record()
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=0, ep=2),
-                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=root / name, callbacks=[record])
+                         max_steps=STEPS, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
+                         callbacks=[record])
     trainer.fit(model, loader)
     return record
 
 
 def reference(name: str, record: Record) -> dict:
-    """One process: the same initial weights, the ranks' global batches, the module's own optimizer and loss."""
-    module = MoEGPTLightningModule(preset="tiny", **CASES[name])
+    """One process: the same initial weights, the ranks' global batches (an optimizer step's accumulated batches
+    in one), the module's own optimizer and loss."""
+    args, accumulate = CASES[name]["module"], CASES[name].get("accumulate", 1)
+    module = MoEGPTLightningModule(preset="tiny", **args)
     module.model = MoEGPT(module.config)
     module.model.load_state_dict({n.removeprefix("model."): t for n, t in record.initial.items()})
-    if CASES[name]["optimizer"] == "sgd":
-        optimizer = torch.optim.SGD(module.parameters(), lr=CASES[name]["lr"])
+    if args["optimizer"] == "sgd":
+        optimizer = torch.optim.SGD(module.parameters(), lr=args["lr"])
     else:  # the module's groups (decay on matrices only); warmup_steps=0, min_lr_ratio=1: a constant rate
         params = list(module.parameters())
         optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                                        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                      lr=CASES[name]["lr"], betas=(0.9, 0.95))
+                                      lr=args["lr"], betas=(0.9, 0.95))
     losses, norms = [], []
-    for batch in record.batches:
+    for step in range(len(record.batches) // accumulate):
+        batch = torch.cat(record.batches[step * accumulate:(step + 1) * accumulate])
         loss = causal_lm_loss(module.model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])))
@@ -136,7 +150,10 @@ def main() -> None:
     records = {name: fit(name, out) for name in CASES}
     rank, report = dist.get_rank(), {"world": dist.get_world_size()}
     for name, record in records.items():
-        report[name] = {"losses": record.losses, "norms": record.norms, **record.held}
+        # each step's loss: the sum of its batches' (Lightning divides each by the accumulated batches)
+        accumulate = CASES[name].get("accumulate", 1)
+        losses = [sum(record.losses[i:i + accumulate]) for i in range(0, len(record.losses), accumulate)]
+        report[name] = {"losses": losses, "norms": record.norms, **record.held}
         if rank == 0:
             report[name]["reference"] = reference(name, record)
     report["rank"] = rank
