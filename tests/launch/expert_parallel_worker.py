@@ -7,6 +7,8 @@ the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
 
 * ``sgd`` (plain SGD) and ``adamw`` (AdamW, constant learning rate, with a shared expert): the model built in
   ``configure_model``, so deferred: each rank materialises its experts only;
+* ``cp2``: plain SGD under ``LayoutStrategy(cp=2, ep=2)``: each sequence split over the 2 cp ranks, which split the
+  experts too (2 ranks: dp1 x cp2; 4 ranks: dp2 x cp2, each expert on 2 ranks);
 * ``accumulate_eager``: plain SGD over 2 accumulated batches per step (expert gradients accumulate unreduced, then
   are averaged once), of a model built eagerly before the fit from another seed on each rank (the strategy makes
   the replicas equal; the experts are sliced from real tensors).
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_par import ZeroStrategy
+from lightning_par import LayoutStrategy, ZeroStrategy
 from lightning_par.examples.gpt import causal_lm_loss
 from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
 from tests.harness import close_process_group
@@ -41,6 +43,7 @@ CASES = {  # the module's arguments, and how the fit runs
     "sgd": dict(module=dict(optimizer="sgd", lr=0.2)),
     "adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, shared_ffn_dim=32)),
     "accumulate_eager": dict(module=dict(optimizer="sgd", lr=0.2), accumulate=2, eager=True),
+    "cp2": dict(module=dict(optimizer="sgd", lr=0.2), cp=2),
 }
 
 
@@ -85,10 +88,13 @@ class Record(pl.Callback):
         }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # the whole batches of the data-parallel ranks (the cp ranks of a replica share theirs; the strategy cuts
+        # each sequence inside training_step)
         inputs, targets = batch
         both = torch.cat([inputs, targets[:, -1:]], dim=1)
-        gathered = [torch.empty_like(both) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, both)
+        group = trainer.strategy.device_mesh["dp"].get_group()
+        gathered = [torch.empty_like(both) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, both, group=group)
         self.batches.append(torch.cat(gathered))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -102,15 +108,16 @@ class Record(pl.Callback):
 
 def fit(name: str, root: Path) -> Record:
     case, world = CASES[name], int(os.environ["WORLD_SIZE"])  # (Lightning joins the process group in fit)
-    accumulate = case.get("accumulate", 1)
+    accumulate, cp = case.get("accumulate", 1), case.get("cp", 1)
     pl.seed_everything(1234 + (int(os.environ["RANK"]) if case.get("eager") else 0))
     model = MoEGPTLightningModule(preset="tiny", **case["module"])
     if case.get("eager"):
         model.configure_model()  # built whole, here, before the strategy sees it
-    data = sequences(PER_RANK * world * STEPS)
+    data = sequences(PER_RANK * world // cp * STEPS)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = Record()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=0, ep=2),
+    strategy = LayoutStrategy(cp=cp, ep=2) if cp > 1 else ZeroStrategy(stage=0, ep=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                          max_steps=STEPS, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
                          callbacks=[record])

@@ -3,7 +3,8 @@
 One launch of ``tests/launch/expert_parallel_worker.py`` per world size (see its docstring): 2 ranks (ep2, each expert
 on one rank) in the default set, 4 ranks (ep2 x expert_dp2: each expert on two ranks, its gradient averaged over
 them) in the full run. Each launch fits plain SGD, AdamW (with a shared expert) and SGD over accumulated batches of
-a model built eagerly; the tests read every rank's report.
+a model built eagerly, and SGD with context parallel (cp2, the experts over the cp ranks); the tests read every
+rank's report.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.harness import launch_matrix, max_rel_diff
 PARITY_RTOL = 1e-5  # per-step loss against one process
 NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once
 EP = 2
-CASES = ("sgd", "adamw", "accumulate_eager")
+CASES = ("sgd", "adamw", "accumulate_eager", "cp2")
 
 
 def _launch(tmp_path_factory, cache_dir, ranks: int) -> list[dict]:

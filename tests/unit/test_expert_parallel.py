@@ -45,7 +45,7 @@ def test_an_ep_that_does_not_divide_dp_x_cp_is_refused(world, kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs,named", [
-    (dict(tp=2), "tp=2"), (dict(pp=2), "pp=2"), (dict(cp=2), "cp=2"), (dict(zero_stage=1), "zero_stage=1"),
+    (dict(tp=2), "tp=2"), (dict(pp=2), "pp=2"), (dict(zero_stage=1), "zero_stage=1"),
     (dict(ep=0), None),
 ])
 def test_expert_parallel_refuses_what_it_does_not_compose_with_yet(kwargs, named):
@@ -59,6 +59,7 @@ def test_expert_parallel_refuses_what_it_does_not_compose_with_yet(kwargs, named
 
 def test_the_ep_option_and_its_names():
     assert ZeroStrategy(stage=0, ep=2).layout.ep == 2 and LayoutStrategy(ep=4).layout.ep == 4
+    assert LayoutStrategy(cp=2, ep=2).layout.cp == 2  # experts over the cp ranks of a replica
     assert Layout(ep=2).shards_parameters  # a model built in configure_model materialises only its experts
     assert not Layout().shards_parameters
     strategy = Trainer(accelerator="cpu", devices=2, strategy="zero0_ep2", logger=False).strategy
