@@ -247,7 +247,8 @@ class ZeroSync(NoSync):
                                            self.offload, defer_reduction=self.deferred,
                                            param_dtype=self.precision.param_dtype,
                                            reduce_dtype=self.precision.reduce_dtype,
-                                           grad_dtype=self.precision.grad_dtype)
+                                           grad_dtype=self.precision.grad_dtype,
+                                           exclude=self.experts.parameters if self.experts is not None else ())
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
@@ -285,14 +286,22 @@ class ZeroSync(NoSync):
 
 
 def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
-                         precision: ShardPrecision = FULL_PRECISION) -> NoSync:
+                         precision: ShardPrecision = FULL_PRECISION, experts: ExpertGradients | None = None) -> NoSync:
     """The one owner of data-parallel gradient synchronisation for this layout (see the table above).
 
     ``precision``: the ZeRO owners' dtypes under mixed precision (the precision plugin's ``shard_precision``).
+    ``experts``: expert parallel's expert weights, which the owner leaves out (known once the model is laid out:
+    the owner chosen before is given them then).
 
     ZeRO-3 shards parameters for evaluation too (that is what lets a model larger than one device be evaluated);
     every other owner exists only while fitting.
     """
+    owner = _owner(layout, dp_mesh, fitting, precision)
+    owner.experts = experts
+    return owner
+
+
+def _owner(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, precision: ShardPrecision) -> NoSync:
     stage = layout.zero_stage
     offload = layout.offload_parameters or layout.offload_optimizer
     # a pipeline schedule runs many micro-batch backwards: the owner reduces once, after the last

@@ -133,6 +133,7 @@ class LayoutStrategy(MeshStrategy):
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
         self._context_parallel: ContextParallel | None = None  # cp > 1: the step's batch transform and context
         self._sync_fits = False  # the data-parallel owner was chosen for fitting (it holds the ZeRO-1/2 shards)
+        self._experts: ExpertGradients | None = None  # ep > 1: the expert weights, no data-parallel owner's (setup)
 
     @property
     def precision_plugin(self) -> LayoutPrecision:
@@ -258,7 +259,8 @@ class LayoutStrategy(MeshStrategy):
 
     def _choose_gradient_sync(self, fitting: bool) -> None:
         self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
-                                                   self.precision_plugin.shard_precision(self.layout.zero_stage))
+                                                   self.precision_plugin.shard_precision(self.layout.zero_stage),
+                                                   self._experts)
         self._sync_fits = fitting
 
     def _setup_again(self, trainer: Trainer, fitting: bool) -> None:
@@ -302,8 +304,8 @@ class LayoutStrategy(MeshStrategy):
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._construction.take(),
                            pretrained=self.pretrained)
         self._tensor_parallel, self._context_parallel = done.tensor_parallel, done.context_parallel
-        if done.experts is not None:  # the expert weights' gradients: averaged over their replicas in finalize
-            self._gradient_sync.experts = ExpertGradients(done.experts, self.dims.dp * self.dims.cp)
+        self._experts = None if done.experts is None else ExpertGradients(done.experts, self.dims.dp * self.dims.cp)
+        self._gradient_sync.experts = self._experts  # averaged over their replicas in finalize, not by the owner
         for line in done.summary(config, len(parts.blocks), getattr(self.pretrained, "path", None)):
             rank_zero_info(line)
         self.materialized = done.stats

@@ -78,7 +78,7 @@ class ZeroStrategy(LayoutStrategy):
     The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s.
 
     ``ep``: expert parallel for a mixture-of-experts model, each layer's experts split over ep of the ranks
-    (ZeRO-0 only, so far).
+    (with stages 0-2, so far).
 
     Example::
 

@@ -9,6 +9,10 @@ the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
   ``configure_model``, so deferred: each rank materialises its experts only;
 * ``cp2``: plain SGD under ``LayoutStrategy(cp=2, ep=2)``: each sequence split over the 2 cp ranks, which split the
   experts too (2 ranks: dp1 x cp2; 4 ranks: dp2 x cp2, each expert on 2 ranks);
+* ``zero1_adamw``, ``zero2_sgd``: the other weights under ZeRO-1 / ZeRO-2 (their optimizer state, and at stage 2
+  their gradients, sharded over dp), the experts stepped whole beside them;
+* ``validate_then_fit``: ``trainer.validate`` first (the model laid out without a gradient owner), then the fit
+  with the same Trainer (its owner chosen then must leave the experts out too);
 * ``accumulate_eager``: plain SGD over 2 accumulated batches per step (expert gradients accumulate unreduced, then
   are averaged once), of a model built eagerly before the fit from another seed on each rank (the strategy makes
   the replicas equal; the experts are sliced from real tensors).
@@ -44,6 +48,9 @@ CASES = {  # the module's arguments, and how the fit runs
     "adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, shared_ffn_dim=32)),
     "accumulate_eager": dict(module=dict(optimizer="sgd", lr=0.2), accumulate=2, eager=True),
     "cp2": dict(module=dict(optimizer="sgd", lr=0.2), cp=2),
+    "zero1_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=1),
+    "zero2_sgd": dict(module=dict(optimizer="sgd", lr=0.2), zero=2),
+    "validate_then_fit": dict(module=dict(optimizer="sgd", lr=0.2), validate_first=True),
 }
 
 
@@ -116,11 +123,13 @@ def fit(name: str, root: Path) -> Record:
     data = sequences(PER_RANK * world // cp * STEPS)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = Record()
-    strategy = LayoutStrategy(cp=cp, ep=2) if cp > 1 else ZeroStrategy(stage=0, ep=2)
+    strategy = LayoutStrategy(cp=cp, ep=2) if cp > 1 else ZeroStrategy(stage=case.get("zero", 0), ep=2)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                          max_steps=STEPS, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
-                         callbacks=[record])
+                         callbacks=[record], limit_val_batches=2)
+    if case.get("validate_first"):
+        trainer.validate(model, loader)
     trainer.fit(model, loader)
     return record
 

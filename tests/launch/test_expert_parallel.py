@@ -3,7 +3,8 @@
 One launch of ``tests/launch/expert_parallel_worker.py`` per world size (see its docstring): 2 ranks (ep2, each expert
 on one rank) in the default set, 4 ranks (ep2 x expert_dp2: each expert on two ranks, its gradient averaged over
 them) in the full run. Each launch fits plain SGD, AdamW (with a shared expert) and SGD over accumulated batches of
-a model built eagerly, and SGD with context parallel (cp2, the experts over the cp ranks); the tests read every
+a model built eagerly, SGD with context parallel (cp2, the experts over the cp ranks), and the other weights
+under ZeRO-1 (AdamW) and ZeRO-2 (SGD), and SGD after a ``trainer.validate`` of the same model; the tests read every
 rank's report.
 """
 
@@ -18,7 +19,8 @@ from tests.harness import launch_matrix, max_rel_diff
 PARITY_RTOL = 1e-5  # per-step loss against one process
 NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once
 EP = 2
-CASES = ("sgd", "adamw", "accumulate_eager", "cp2")
+CASES = ("sgd", "adamw", "accumulate_eager", "cp2", "zero1_adamw", "zero2_sgd", "validate_then_fit")
+OWNER = {"zero1_adamw": "zero1", "zero2_sgd": "zero2"}  # the other weights' gradient owner (DDP unless named)
 
 
 def _launch(tmp_path_factory, cache_dir, ranks: int) -> list[dict]:
@@ -70,7 +72,7 @@ def test_each_rank_holds_and_materialises_one_ep_th_of_the_experts(request, laun
         for report in held:
             assert report["expert_bytes"] * EP == total, report
             assert report["slices_match"]  # its experts' rows of the weights one process drew
-            assert report["gradient_sync"] == "ddp"
+            assert report["gradient_sync"] == OWNER.get(case, "ddp")
             assert len(report["expert_names"]) == 6
             if case != "accumulate_eager":  # built deferred: a rank materialised its experts only, never the others'
                 assert report["expert_bytes"] <= report["materialized"] <= report["expert_bytes"] + \
