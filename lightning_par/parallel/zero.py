@@ -933,6 +933,7 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
     forward, up to ``2 m`` gathers per block per step).
 
     ``offload``: keep the parameter shards (and the optimizer step) in host memory (FSDP2 ``CPUOffloadPolicy``).
+    ``parts.experts`` (expert parallel) are left out (FSDP2 ``ignored_params``).
     ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
     Returns the FSDP2 roots: the stage modules under pp.
     """
@@ -944,6 +945,8 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
                                   mp_policy=mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy())
     if parts.pipelined or reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = bool(reshard_after_forward)
+    if parts.experts:  # expert parallel's: split over ep, their gradients averaged over their own replicas
+        kwargs["ignored_params"] = set(parts.experts)
     shard = functools.partial(fully_shard, **kwargs)
     if not parts.pipelined:
         groups = data_parallel_groups(parts.root, found=parts.found)

@@ -78,7 +78,7 @@ class ZeroStrategy(LayoutStrategy):
     The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s.
 
     ``ep``: expert parallel for a mixture-of-experts model, each layer's experts split over ep of the ranks
-    (with stages 0-2, so far).
+    (without offload, so far).
 
     Example::
 

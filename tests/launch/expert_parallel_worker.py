@@ -9,8 +9,9 @@ the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
   ``configure_model``, so deferred: each rank materialises its experts only;
 * ``cp2``: plain SGD under ``LayoutStrategy(cp=2, ep=2)``: each sequence split over the 2 cp ranks, which split the
   experts too (2 ranks: dp1 x cp2; 4 ranks: dp2 x cp2, each expert on 2 ranks);
-* ``zero1_adamw``, ``zero2_sgd``: the other weights under ZeRO-1 / ZeRO-2 (their optimizer state, and at stage 2
-  their gradients, sharded over dp), the experts stepped whole beside them;
+* ``zero1_adamw``, ``zero2_sgd``, ``zero3_adamw``: the other weights under ZeRO-1 / ZeRO-2 (their optimizer state,
+  and at stage 2 their gradients, sharded over dp; the experts stepped whole beside them) and ZeRO-3 (FSDP2 shards
+  them and leaves the experts out);
 * ``validate_then_fit``: ``trainer.validate`` first (the model laid out without a gradient owner), then the fit
   with the same Trainer (its owner chosen then must leave the experts out too);
 * ``accumulate_eager``: plain SGD over 2 accumulated batches per step (expert gradients accumulate unreduced, then
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import LayoutStrategy, ZeroStrategy
 from lightning_par.examples.gpt import causal_lm_loss
-from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
+from lightning_par.examples.moe import MoEFeedForward, MoEGPT, MoEGPTLightningModule
 from tests.harness import close_process_group
 
 SEQ, PER_RANK, STEPS = 32, 4, 6
@@ -51,6 +52,7 @@ CASES = {  # the module's arguments, and how the fit runs
     "zero1_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=1),
     "zero2_sgd": dict(module=dict(optimizer="sgd", lr=0.2), zero=2),
     "validate_then_fit": dict(module=dict(optimizer="sgd", lr=0.2), validate_first=True),
+    "zero3_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=3),
 }
 
 
@@ -77,13 +79,15 @@ class Record(pl.Callback):
         # every rank, in the same order: full_tensor() gathers an expert weight over the ep ranks
         self.initial = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                         for n, p in pl_module.named_parameters()}
-        experts = {n: p for n, p in pl_module.named_parameters() if isinstance(p, DTensor)}
-        others = [p for p in pl_module.parameters() if not isinstance(p, DTensor)]
+        # (by name: under ZeRO-3 the other weights are DTensors too, FSDP2's shards)
+        experts = {n: p for n, p in pl_module.named_parameters()
+                   if n.rsplit(".", 1)[-1] in MoEFeedForward.expert_parameters}
+        others = [_held(p) for n, p in pl_module.named_parameters() if n not in experts]
         rank = trainer.strategy.expert_mesh["ep"].get_local_rank()
         self.held = {
             "expert_bytes": sum(p.to_local().numel() * p.element_size() for p in experts.values()),
             "expert_bytes_total": sum(p.numel() * p.element_size() for p in experts.values()),
-            "other_bytes": sum(p.numel() * p.element_size() for p in others),
+            "other_bytes": sum(p.numel() * p.element_size() for p in others),  # this rank's part of them
             "materialized": trainer.strategy.materialized.get("kept_bytes"),
             "ep_rank": rank,
             # each expert slice equals its rows of the full tensor (the slice one process's init drew)
@@ -111,6 +115,18 @@ class Record(pl.Callback):
         loss = outputs["loss"].detach().clone()
         dist.all_reduce(loss)
         self.losses.append(float(loss) / dist.get_world_size())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # the optimizer state this rank holds for its experts (AdamW: two moments of each of its expert weights)
+        experts = [p for n, p in pl_module.named_parameters() if n.rsplit(".", 1)[-1] in
+                   MoEFeedForward.expert_parameters]
+        state = trainer.optimizers[0].state
+        self.held["expert_state_bytes"] = sum(_held(t).numel() * t.element_size() for p in experts
+                                              for t in state.get(p, {}).values() if t.dim() > 0)
+
+
+def _held(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def fit(name: str, root: Path) -> Record:

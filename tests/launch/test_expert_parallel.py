@@ -2,9 +2,9 @@
 
 One launch of ``tests/launch/expert_parallel_worker.py`` per world size (see its docstring): 2 ranks (ep2, each expert
 on one rank) in the default set, 4 ranks (ep2 x expert_dp2: each expert on two ranks, its gradient averaged over
-them) in the full run. Each launch fits plain SGD, AdamW (with a shared expert) and SGD over accumulated batches of
-a model built eagerly, SGD with context parallel (cp2, the experts over the cp ranks), and the other weights
-under ZeRO-1 (AdamW) and ZeRO-2 (SGD), and SGD after a ``trainer.validate`` of the same model; the tests read every
+them) in the full run. Each launch fits plain SGD, AdamW (with a shared expert), SGD over accumulated batches of a
+model built eagerly, SGD with context parallel (cp2, the experts over the cp ranks), the other weights under ZeRO-1
+(AdamW), ZeRO-2 (SGD) and ZeRO-3 (AdamW), and SGD after a ``trainer.validate`` of the same model; the tests read every
 rank's report.
 """
 
@@ -19,8 +19,9 @@ from tests.harness import launch_matrix, max_rel_diff
 PARITY_RTOL = 1e-5  # per-step loss against one process
 NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once
 EP = 2
-CASES = ("sgd", "adamw", "accumulate_eager", "cp2", "zero1_adamw", "zero2_sgd", "validate_then_fit")
-OWNER = {"zero1_adamw": "zero1", "zero2_sgd": "zero2"}  # the other weights' gradient owner (DDP unless named)
+CASES = ("sgd", "adamw", "accumulate_eager", "cp2", "zero1_adamw", "zero2_sgd", "zero3_adamw", "validate_then_fit")
+#: the other weights' gradient owner (DDP unless named)
+OWNER = {"zero1_adamw": "zero1", "zero2_sgd": "zero2", "zero3_adamw": "fsdp2_shard"}
 
 
 def _launch(tmp_path_factory, cache_dir, ranks: int) -> list[dict]:
@@ -62,7 +63,7 @@ def test_losses_and_gradient_norms_match_one_process(request, launch, case):
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
-def test_each_rank_holds_and_materialises_one_ep_th_of_the_experts(request, launch):
+def test_each_rank_holds_materialises_and_steps_one_ep_th_of_the_experts(request, launch):
     ranks = request.getfixturevalue(launch)
     for case in CASES:
         held = [report[case] for report in ranks]
@@ -71,6 +72,8 @@ def test_each_rank_holds_and_materialises_one_ep_th_of_the_experts(request, laun
         assert total == 2 * 3 * 4 * 64 * 96 * 4
         for report in held:
             assert report["expert_bytes"] * EP == total, report
+            # and its experts' optimizer state: AdamW's two moments of 1/ep of the experts; SGD keeps none
+            assert report["expert_state_bytes"] == (2 * report["expert_bytes"] if "adamw" in case else 0), report
             assert report["slices_match"]  # its experts' rows of the weights one process drew
             assert report["gradient_sync"] == OWNER.get(case, "ddp")
             assert len(report["expert_names"]) == 6
