@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_par._compat import all_to_all_single_autograd, foreach_mul_
 from lightning_par.topology import LayoutError
@@ -139,9 +139,13 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh) -> ExpertParallel
         held = layer.num_experts // ep_mesh.size()
         for pname in layer.expert_parameters:
             full = getattr(layer, pname)
-            piece = full.detach()[rank * held:(rank + 1) * held].clone()
-            split = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
-                                       stride=full.stride())
+            # under tensor parallel a weight outside the plan is already replicated over tp: split over (ep, tp)
+            on_tp = isinstance(full, DTensor)
+            whole = full.to_local() if on_tp else full
+            piece = whole.detach()[rank * held:(rank + 1) * held].clone()
+            split = DTensor.from_local(piece, mesh["ep", "tp"] if on_tp else ep_mesh,
+                                       [Shard(0), Replicate()] if on_tp else [Shard(0)], run_check=False,
+                                       shape=full.shape, stride=full.stride())
             param = nn.Parameter(split, requires_grad=full.requires_grad)
             setattr(layer, pname, param)
             params.append(param)

@@ -12,6 +12,9 @@ the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
 * ``zero1_adamw``, ``zero2_sgd``, ``zero3_adamw``: the other weights under ZeRO-1 / ZeRO-2 (their optimizer state,
   and at stage 2 their gradients, sharded over dp; the experts stepped whole beside them) and ZeRO-3 (FSDP2 shards
   them and leaves the experts out);
+* ``tp2_zero1``, ``tp2_zero2_adamw`` (4 ranks only): dp2 x tp2, ZeRO-1 (SGD) and ZeRO-2 (AdamW): attention,
+  embedding and head split over tp, the experts over ep (each expert weight a DTensor on the (ep, tp) mesh,
+  replicated over tp);
 * ``validate_then_fit``: ``trainer.validate`` first (the model laid out without a gradient owner), then the fit
   with the same Trainer (its owner chosen then must leave the experts out too);
 * ``accumulate_eager``: plain SGD over 2 accumulated batches per step (expert gradients accumulate unreduced, then
@@ -53,6 +56,9 @@ CASES = {  # the module's arguments, and how the fit runs
     "zero2_sgd": dict(module=dict(optimizer="sgd", lr=0.2), zero=2),
     "validate_then_fit": dict(module=dict(optimizer="sgd", lr=0.2), validate_first=True),
     "zero3_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=3),
+    "tp2_zero1": dict(module=dict(optimizer="sgd", lr=0.2), tp=2, zero=1, world=4),
+    "tp2_zero2_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), tp=2, zero=2,
+                            world=4),
 }
 
 
@@ -90,6 +96,7 @@ class Record(pl.Callback):
             "other_bytes": sum(p.numel() * p.element_size() for p in others),  # this rank's part of them
             "materialized": trainer.strategy.materialized.get("kept_bytes"),
             "ep_rank": rank,
+            "ep_group": trainer.strategy.expert_mesh["ep"].mesh.tolist(),
             # each expert slice equals its rows of the full tensor (the slice one process's init drew)
             "slices_match": all(torch.equal(p.to_local(), self.initial[n][rank * p.to_local().shape[0]:
                                                                           (rank + 1) * p.to_local().shape[0]])
@@ -131,15 +138,16 @@ def _held(p: torch.Tensor) -> torch.Tensor:
 
 def fit(name: str, root: Path) -> Record:
     case, world = CASES[name], int(os.environ["WORLD_SIZE"])  # (Lightning joins the process group in fit)
-    accumulate, cp = case.get("accumulate", 1), case.get("cp", 1)
+    accumulate, cp, tp = case.get("accumulate", 1), case.get("cp", 1), case.get("tp", 1)
     pl.seed_everything(1234 + (int(os.environ["RANK"]) if case.get("eager") else 0))
     model = MoEGPTLightningModule(preset="tiny", **case["module"])
     if case.get("eager"):
         model.configure_model()  # built whole, here, before the strategy sees it
-    data = sequences(PER_RANK * world // cp * STEPS)
+    data = sequences(PER_RANK * world // cp // tp * STEPS)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = Record()
-    strategy = LayoutStrategy(cp=cp, ep=2) if cp > 1 else ZeroStrategy(stage=case.get("zero", 0), ep=2)
+    zero = case.get("zero", 0)
+    strategy = ZeroStrategy(stage=zero, ep=2) if cp == tp == 1 else LayoutStrategy(cp=cp, tp=tp, ep=2, zero_stage=zero)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                          max_steps=STEPS, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
@@ -179,7 +187,8 @@ def reference(name: str, record: Record) -> dict:
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    records = {name: fit(name, out) for name in CASES}
+    world = int(os.environ["WORLD_SIZE"])
+    records = {name: fit(name, out) for name, case in CASES.items() if case.get("world", world) == world}
     rank, report = dist.get_rank(), {"world": dist.get_world_size()}
     for name, record in records.items():
         # each step's loss: the sum of its batches' (Lightning divides each by the accumulated batches)
