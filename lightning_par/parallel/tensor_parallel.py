@@ -56,6 +56,12 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
 ``replicate``                        parameters replicated on every TP rank
 ``replicated_with_grad_allreduce``   replicated, gradients summed over tp: for parameters used inside a region,
                                      on this rank's heads only (e.g. a q/k norm)
+``moe_tp_experts``                   a module of experts with 3-D weights [experts, out, in] (transformers' MoE
+                                     models): each expert's intermediate features split over tp by the entries
+                                     that name its parameters -- ``packed_colwise`` (fused gate|up, each part
+                                     split), ``colwise`` or ``rowwise`` -- and the partial outputs summed
+                                     (:mod:`~lightning_par.parallel.experts_tp`). Every parameter of the module
+                                     must have one; a parameter entry is applied only inside such a module
 ==================================== ============================================================================
 """
 
@@ -82,6 +88,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_par._compat import StridedShard
+from lightning_par.parallel import experts_tp
 from lightning_par.parallel.rng import TensorParallelRNG
 from lightning_par.topology import LayoutError
 
@@ -100,6 +107,7 @@ PLAN_STYLES: tuple[str, ...] = (
     "sequence_parallel",
     "replicate",
     "replicated_with_grad_allreduce",
+    experts_tp.EXPERTS_STYLE,
     "block_input",
 )
 _COLUMN_STYLES = ("colwise", "packed_colwise", "colwise_rep", "colwise_gather_output")
@@ -242,7 +250,10 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     names = [name for name, _ in model.named_modules() if name]
     removed = _removed_units(model)
     candidates = [name for name in names if name not in removed]
+    parameters = [name for name, _ in model.named_parameters()
+                  if not any(name.startswith(f"{unit}.") for unit in removed)]
     resolved: dict[str, str] = {}
+    planned_parameters: dict[str, str] = {}  # an expert parameter's split, applied by its module's style
     for pattern, style in plan.items():
         if not isinstance(style, str) or not _valid_style(style):
             allowed = ", ".join(s for s in PLAN_STYLES if s != "block_input")
@@ -252,8 +263,14 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
             )
         regex = _pattern_regex(pattern)
         matched = [name for name in candidates if regex.fullmatch(name)]
-        if not matched and stage:
-            continue  # held by another pipeline stage (the whole model was checked by check_tp_plan)
+        if not matched and (params := [name for name in parameters if regex.fullmatch(name)]):
+            planned_parameters.update(dict.fromkeys(params, style))
+            continue
+        if not matched and (stage or _is_hf_model(model)):
+            # held by another pipeline stage (the whole model was checked by check_tp_plan); or an entry of a
+            # published plan for a variant this config does not build (a dense MLP in a model of experts only),
+            # which transformers skips too: the module it would split does not exist, nothing stays unsplit
+            continue
         if not matched:
             raise LayoutError(
                 f"{model_name}.tp_plan names {pattern!r}, but {model_name} has no module of that name (\"*\" "
@@ -262,6 +279,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
             )
         for name in matched:
             resolved[name] = style
+    _fold_expert_parameters(model_name, model, resolved, planned_parameters, tp)
 
     for name, style in resolved.items():
         _check_module(model_name, name, model.get_submodule(name), style, tp)
@@ -297,10 +315,36 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
 
 
+def _fold_expert_parameters(model_name: str, model: nn.Module, resolved: dict[str, str],
+                            planned_parameters: dict[str, str], tp: int) -> None:
+    """Fold the plan's entries that name parameters (Hugging Face's 3-D expert weights) into their module's
+    ``moe_tp_experts`` style, in place; refuse, before any collective, a parameter entry whose module is not planned
+    ``moe_tp_experts`` and an experts module that style cannot split exactly (:func:`experts_tp.check_experts`)."""
+    owners: dict[str, dict[str, str]] = {}
+    for fqn, style in planned_parameters.items():
+        owner, _, param = fqn.rpartition(".")
+        if style_name(resolved.get(owner, "")) != experts_tp.EXPERTS_STYLE:
+            raise LayoutError(
+                f"{model_name}.tp_plan splits the parameter {fqn} ({style!r}), but its module {owner} is planned "
+                f"{resolved.get(owner, 'nothing')!r}: lightning-par splits a bare parameter only inside a module "
+                f"planned '{experts_tp.EXPERTS_STYLE}' (an experts module, which sums the ranks' partial outputs). "
+                f"Plan {owner} '{experts_tp.EXPERTS_STYLE}', or remove the entry (the parameter stays whole)."
+            )
+        owners.setdefault(owner, {})[param] = style
+    for name, style in resolved.items():
+        if style == experts_tp.EXPERTS_STYLE:
+            module = model.get_submodule(name)
+            splits = {p: owners.get(name, {})[p] for p, _ in module.named_parameters() if p in owners.get(name, {})}
+            experts_tp.check_experts(f"{model_name}.{name} ({type(module).__name__})", module, splits, tp)
+            resolved[name] = experts_tp.encode(splits)
+
+
 def check_packed_layout(plan: dict[str, str], zero_stage: int) -> None:
     """``packed_colwise`` with ZeRO: refused (before any collective) until the ZeRO shards and their checkpoints
     handle a tensor-parallel shard that is not one slice of the parameter (this rank's slice of each part)."""
-    packed = [name for name, style in plan.items() if style_name(style) == "packed_colwise"]
+    packed = [name for name, style in plan.items() if style_name(style) == "packed_colwise"
+              or (style_name(style) == experts_tp.EXPERTS_STYLE
+                  and any(style_name(s) == "packed_colwise" for s in experts_tp.decode(style).values()))]
     if packed and zero_stage > 0:
         raise LayoutError(
             f"{packed[0]} is planned {plan[packed[0]]!r}, which zero_stage={zero_stage} cannot shard yet: its "
@@ -367,6 +411,11 @@ def _removed_units(model: nn.Module) -> set[str]:
 
 def _planned_split(style: str, module: nn.Module, param: str) -> str:
     """How ``style`` will place ``module``'s parameter ``param``: "Shard(d)" or "Replicate()"."""
+    if style_name(style) == experts_tp.EXPERTS_STYLE:  # [experts, out, in]: split over out, or in for rowwise
+        inside = experts_tp.decode(style)[param]
+        if style_name(inside) == "packed_colwise":
+            return f"_StridedShard(1, {packed_parts(inside)})"
+        return "Shard(2)" if inside == "rowwise" else "Shard(1)"
     if style_name(style) == "packed_colwise":
         return f"_StridedShard(0, {packed_parts(style)})"  # each part split over the output features
     if style in _COLUMN_STYLES or (style == "vocab_parallel" and isinstance(module, nn.Linear)):
@@ -744,6 +793,8 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, child
     parallelism, where the current sequence length is kept (for position embeddings).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    if style_name(style) == experts_tp.EXPERTS_STYLE:
+        return experts_tp.ExpertsTensorParallel(experts_tp.decode(style))
     if style_name(style) == "packed_colwise":
         return PackedColumnParallel(packed_parts(style), input_layouts=seq)
     if style == "colwise":
