@@ -65,19 +65,20 @@ def check_experts(where: str, module: nn.Module, splits: dict[str, str], tp: int
     """Refuse, before any collective, an experts module that ``moe_tp_experts`` cannot split exactly: a parameter
     without a split (the summed outputs would count it tp times), one that is not ``[experts, out, in]``, a size tp
     does not divide, weights stored transposed or gate/up interleaved, a forward without routing weights."""
+    module_where = f"{where} ({type(module).__name__})"
     fix = (f"Plan every parameter of it ({', '.join(f'{n!r}' for n, _ in module.named_parameters())}) with one of "
            f"{', '.join(EXPERT_PARAMETER_STYLES)}, or remove its '{EXPERTS_STYLE}' entry (the experts then stay "
            "whole on every tp rank).")
     unplanned = [name for name, _ in module.named_parameters() if name not in splits]
     if unplanned:
         raise LayoutError(
-            f"{where} is planned '{EXPERTS_STYLE}', which sums the tp ranks' partial expert outputs, but its "
+            f"{module_where} is planned '{EXPERTS_STYLE}', which sums the tp ranks' partial expert outputs, but its "
             f"{unplanned[0]!r} has no split in the plan (it would be counted {tp} times). {fix}")
     layout = ("transposed" if getattr(module, "is_transposed", False) else
               "with gate and up interleaved" if getattr(module, "is_concatenated", True) is False else None)
     if layout:
         raise LayoutError(
-            f"{where} stores its expert weights {layout}, which '{EXPERTS_STYLE}' does not split (it splits "
+            f"{module_where} stores its expert weights {layout}, which '{EXPERTS_STYLE}' does not split (it splits "
             "[experts, out, in] weights with gate|up concatenated). Remove its entries from the tp plan: the experts "
             "then stay whole on every tp rank.")
     for name, style in splits.items():
@@ -91,15 +92,15 @@ def check_experts(where: str, module: nn.Module, splits: dict[str, str], tp: int
                 f"{where}.{name} has shape {tuple(param.shape)}, but '{EXPERTS_STYLE}' splits expert parameters of "
                 f"shape [experts, out, in]. {fix}")
         dim = 2 if kind == "rowwise" else 1
-        pieces = tp * (int(parts or 2) if kind == "packed_colwise" else 1)
-        if param.shape[dim] % pieces:
+        n_parts = int(parts or 2) if kind == "packed_colwise" else 1
+        if param.shape[dim] % (n_parts * tp):
             raise LayoutError(
-                f"{where}.{name}: dimension {dim} is {param.shape[dim]}, which {style!r} cannot cut into {pieces} "
-                f"equal slices (tp={tp}{' per part' if kind == 'packed_colwise' else ''}). Use a tp that divides "
-                "the experts' intermediate size (config.moe_intermediate_size or intermediate_size).")
+                f"{where}.{name}: dimension {dim} is {param.shape[dim]}, which {style!r} cannot cut into "
+                f"{n_parts * tp} equal slices ({f'{n_parts} parts x ' if n_parts > 1 else ''}tp={tp}). Use a tp that "
+                "divides the experts' intermediate size (config.moe_intermediate_size or intermediate_size).")
     if _weights_position(module) is None:
         raise LayoutError(
-            f"{where}: {type(module).__name__}.forward takes no routing weights (forward(hidden_states, top_k_index, "
+            f"{module_where}: its forward takes no routing weights (forward(hidden_states, top_k_index, "
             f"top_k_weights) expected), which '{EXPERTS_STYLE}' needs: they multiply each rank's partial output, so "
             "their gradient is summed over tp. Remove its entries from the tp plan.")
 

@@ -335,7 +335,7 @@ def _fold_expert_parameters(model_name: str, model: nn.Module, resolved: dict[st
         if style == experts_tp.EXPERTS_STYLE:
             module = model.get_submodule(name)
             splits = {p: owners.get(name, {})[p] for p, _ in module.named_parameters() if p in owners.get(name, {})}
-            experts_tp.check_experts(f"{model_name}.{name} ({type(module).__name__})", module, splits, tp)
+            experts_tp.check_experts(f"{model_name}.{name}", module, splits, tp)
             resolved[name] = experts_tp.encode(splits)
 
 
@@ -346,11 +346,13 @@ def check_packed_layout(plan: dict[str, str], zero_stage: int) -> None:
               or (style_name(style) == experts_tp.EXPERTS_STYLE
                   and any(style_name(s) == "packed_colwise" for s in experts_tp.decode(style).values()))]
     if packed and zero_stage > 0:
+        experts = style_name(plan[packed[0]]) == experts_tp.EXPERTS_STYLE
         raise LayoutError(
             f"{packed[0]} is planned {plan[packed[0]]!r}, which zero_stage={zero_stage} cannot shard yet: its "
             "tensor-parallel shard (this rank's slice of each part) is not one slice of the parameter, and the ZeRO "
-            "shards and their checkpoints need one. Use zero_stage=0 (data-parallel replicas), or separate "
-            "q/k/v (gate/up) projections planned 'colwise'."
+            "shards and their checkpoints need one. Use zero_stage=0 (data-parallel replicas), or "
+            + ("ZeRO without tp (tp=1: every rank holds every expert, ZeRO shards them)." if experts else
+               "separate q/k/v (gate/up) projections planned 'colwise'.")
         )
 
 

@@ -1,0 +1,302 @@
+"""Hugging Face mixture-of-experts models (tiny configs of transformers' own classes, no download) trained through
+``Trainer.fit`` under the layouts without expert parallelism -- tp2 from the model's own plan (``moe_tp_experts``),
+ZeRO-3 over dp2, a 2-stage pipeline -- next to one process on the same batches.
+
+Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks; ``tests/launch/test_hf_moe.py`` reads what it writes.
+Rank 0 also trains the reference: the same module and seed in one process, ``self.model(**batch).loss`` on the whole
+batch -- with the router's load-balancing loss on, the model's loss includes ``router_aux_loss_coef`` times that loss
+over all layers' router logits of the whole batch, which tp (it does not split tokens) must match exactly.
+
+The error cases run a fit that must be refused at setup, and record what each rank raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from tests.harness import close_process_group
+from tests.launch.pipeline_any_model import corpus_blocks
+
+SEED = 1234
+STEPS = 6
+BATCH = 8
+MICROBATCHES = 4
+AUX_COEF = 0.05  # large enough that the load-balancing term moves the loss well beyond the parity tolerance
+LR = {"sgd": 0.5, "adamw": 3e-3}
+#: arch -> its causal LM class in transformers
+ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
+def moe_config(arch: str, aux: bool):
+    """A tiny config of ``arch``: 2 layers, 4 experts of which each token takes 2, its experts' weights large enough
+    (4 x 64 x 64) to be built deferred (on the meta device) and materialised per rank."""
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux,
+                  router_aux_loss_coef=AUX_COEF if aux else 0.0)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                           head_dim=16)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4)
+    if arch == "qwen2_moe":  # a gated shared expert beside the routed ones
+        return transformers.Qwen2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                           shared_expert_intermediate_size=64)
+    if arch == "olmoe":  # q/k norms over all heads: its plan gathers q, k and v
+        return transformers.OlmoeConfig(**common, intermediate_size=32, num_experts=4, eos_token_id=None)
+    if arch == "deepseek_v3":  # a dense first layer, shared experts, grouped top-k routing, MLA attention
+        return transformers.DeepseekV3Config(**common, intermediate_size=128, moe_intermediate_size=32,
+                                             n_routed_experts=4, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16)
+    raise ValueError(f"unknown arch {arch!r}; use one of {list(ARCHS)}")
+
+
+def moe_model(arch: str, aux: bool = False) -> torch.nn.Module:
+    """The tiny ``arch`` model, its weights drawn from :data:`SEED`."""
+    import transformers
+
+    config = moe_config(arch, aux)
+    torch.manual_seed(SEED)
+    return getattr(transformers, ARCHS[arch])(config)
+
+
+class HFMoELM(L.LightningModule):
+    """A tiny Hugging Face MoE causal LM trained as its documentation shows: dict batches, ``self.model(**batch)
+    .loss`` (with ``aux``, the load-balancing loss included by the model itself). Built in ``configure_model`` from a
+    fixed seed, as a user's model would be under a layout that builds it deferred."""
+
+    def __init__(self, arch: str = "qwen3_moe", optimizer: str = "sgd", aux: bool = False):
+        super().__init__()
+        self.arch, self.optimizer, self.aux = arch, optimizer, aux
+        self.model = None
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = moe_model(self.arch, self.aux)
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.log("train/loss", out.loss, batch_size=batch["input_ids"].size(0), sync_dist=True)
+        return out.loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=LR["sgd"])
+        return torch.optim.AdamW(self.parameters(), lr=LR["adamw"], weight_decay=0.1)
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    optimizer: str
+    layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp: which strategy
+    aux: bool = False
+    full: bool = False  # in the full run only (pytest --full)
+
+
+CASES: dict[str, Case] = {
+    # the default set: one launch
+    "qwen3_moe_tp2_sgd_aux": Case("qwen3_moe", "sgd", aux=True),
+    "mixtral_tp2_adamw": Case("mixtral", "adamw"),
+    # the full set
+    "qwen3_moe_tp2_sgd": Case("qwen3_moe", "sgd", full=True),
+    "qwen3_moe_tp2_adamw": Case("qwen3_moe", "adamw", full=True),
+    "qwen3_moe_tp2_adamw_aux": Case("qwen3_moe", "adamw", aux=True, full=True),
+    "mixtral_tp2_sgd": Case("mixtral", "sgd", full=True),
+    "mixtral_tp2_sgd_aux": Case("mixtral", "sgd", aux=True, full=True),
+    "mixtral_tp2_adamw_aux": Case("mixtral", "adamw", aux=True, full=True),
+    "deepseek_v3_tp2_sgd": Case("deepseek_v3", "sgd", full=True),
+    "deepseek_v3_tp2_adamw": Case("deepseek_v3", "adamw", full=True),
+    "qwen3_moe_zero3_dp2_adamw": Case("qwen3_moe", "adamw", {"zero_stage": 3}, full=True),
+    "mixtral_zero3_dp2_sgd": Case("mixtral", "sgd", {"zero_stage": 3}, full=True),
+    "qwen3_moe_pp2_1f1b_sgd": Case("qwen3_moe", "sgd", {"pp": 2}, full=True),
+    "mixtral_pp2_1f1b_adamw": Case("mixtral", "adamw", {"pp": 2}, full=True),
+}
+#: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
+ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
+    "packed_experts_under_zero1": (
+        Case("qwen3_moe", "sgd"), {"tp": 2, "zero_stage": 1},
+        "LayoutError: model.model.layers.0.mlp.experts is planned 'moe_tp_experts:gate_up_proj=packed_colwise,"
+        "down_proj=rowwise', which zero_stage=1 cannot shard yet"),
+}
+
+
+def make_rows(n_batches: int) -> list[dict[str, torch.Tensor]]:
+    """``n_batches * BATCH`` rows of real text; every token counted (no padding), so a rank's mean over its half of a
+    batch averages with the other's into the whole batch's mean."""
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in corpus_blocks(n_batches * BATCH)]
+
+
+def batches_of(rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+    return [{k: torch.stack([r[k] for r in rows[i:i + BATCH]]) for k in rows[0]} for i in range(0, len(rows), BATCH)]
+
+
+def reference(case: Case, train: list[dict]) -> dict:
+    """One process: the module's own step on whole batches, its optimizer; the load-balancing term of each step."""
+    lm = HFMoELM(case.arch, case.optimizer, case.aux)
+    lm.configure_model()
+    optimizer = lm.configure_optimizers()
+    losses, aux = [], []
+    for batch in train:
+        out = lm.model(**batch)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        aux.append(AUX_COEF * out.aux_loss.item() if case.aux else 0.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"losses": losses, "aux_terms": aux}
+
+
+class _Record(L.Callback):
+    def __init__(self):
+        self.train: list[float] = []
+        self.placements: dict[str, str] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train.append(float(trainer.callback_metrics["train/loss"]))
+        if not self.placements:  # how the first MoE layer's experts are held
+            from torch.distributed.tensor import DTensor
+
+            for name, param in pl_module.named_parameters():
+                if ".mlp.experts." in name and isinstance(param, DTensor):
+                    self.placements[name.split(".mlp.experts.")[1]] = (
+                        f"{param.placements} local {tuple(param.to_local().shape)} of {tuple(param.shape)}")
+
+
+def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
+    from lightning_par import MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+
+    options: dict[str, Any] = {} if heartbeat else {"heartbeat_timeout": None}
+    if "pp" in layout:
+        return PipelineStrategy(pp=layout["pp"], schedule="1f1b", n_microbatches=MICROBATCHES, **options)
+    if "tp" in layout:
+        return MegatronTPStrategy(**layout, **options)
+    return ZeroStrategy(stage=layout["zero_stage"], **options)
+
+
+def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None = None,
+        heartbeat: bool = True) -> _Record:
+    layout = layout or case.layout
+    data_parallel = "zero_stage" in layout and "tp" not in layout
+    record = _Record()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy_for(layout, heartbeat), max_epochs=1,
+        limit_train_batches=STEPS, num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # (Lightning's injected sampler shuffles a training loader)
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[record], default_root_dir=root,
+    )
+    if data_parallel:  # rank r takes rows r, r + 2, ...: its half of each batch of one process
+        rows = rows[dist.get_rank()::2]
+    loader = torch.utils.data.DataLoader(rows, batch_size=BATCH // 2 if data_parallel else BATCH, shuffle=False)
+    trainer.fit(HFMoELM(case.arch, case.optimizer, case.aux), loader)
+    return record
+
+
+def styles(tp_mesh) -> dict[str, dict]:
+    """The styles alone, without Lightning: each published MoE plan applied by ``apply_tensor_parallel`` on 2 ranks,
+    one forward and backward with the load-balancing loss on (DeepSeek-V3 has none), against one process: the loss,
+    every gradient, and what rank r holds of the first MoE layer's experts (its slices of the one-process tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+
+    out = {}
+    rank = tp_mesh.get_local_rank()
+    tokens = torch.stack([r["input_ids"] for r in make_rows(1)])
+    for arch in ARCHS:
+        aux = arch != "deepseek_v3"
+        reference, split = moe_model(arch, aux), moe_model(arch, aux)
+        apply_tensor_parallel(split, tp_mesh)
+        ref_loss = reference(input_ids=tokens, labels=tokens).loss
+        ref_loss.backward()
+        loss = split(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        worst, worst_name = 0.0, ""
+        for (name, param), ref in zip(split.named_parameters(), reference.parameters(), strict=True):
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            diff = float((grad - ref.grad).abs().max() / ref.grad.abs().max().clamp_min(1e-12))
+            worst, worst_name = max((worst, worst_name), (diff, name))
+        layer = 1 if arch == "deepseek_v3" else 0  # (DeepSeek-V3's first layer is dense)
+        experts = split.get_submodule(f"model.layers.{layer}.mlp.experts")
+        full = reference.get_submodule(f"model.layers.{layer}.mlp.experts")
+        inter = full.down_proj.shape[2]
+        half = inter // 2
+        mine = slice(rank * half, (rank + 1) * half)  # this rank's slice of the intermediate features
+        gate_up = torch.cat([full.gate_up_proj[:, mine], full.gate_up_proj[:, inter:][:, mine]], dim=1)
+        out[arch] = {
+            "loss_rel": abs(float(loss) - float(ref_loss)) / float(ref_loss), "grad_rel": worst, "worst": worst_name,
+            "all_dtensors": all(isinstance(p, DTensor) for p in split.parameters()),
+            "gate_up_slices": torch.equal(experts.gate_up_proj.to_local(), gate_up.detach()),
+            "down_slices": torch.equal(experts.down_proj.to_local(), full.down_proj[:, :, mine].detach()),
+            "aux": aux and float(reference(input_ids=tokens, labels=tokens).aux_loss) > 0,
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="*", default=[])
+    parser.add_argument("--errors", nargs="*", default=[])
+    parser.add_argument("--styles", action="store_true", help="also apply the plans without Lightning (styles())")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, "the cases run on 2 ranks"
+    results: dict[str, Any] = {}
+    root = Path(args.out).parent
+    rows = make_rows(STEPS)
+    if args.styles:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        applied = styles(init_device_mesh("cpu", (world,)))
+        gathered: list[dict | None] = [None] * world
+        dist.all_gather_object(gathered, applied)
+        results["styles"] = gathered
+    for name in args.cases:
+        case = CASES[name]
+        start = time.perf_counter()
+        record = fit(case, rows, root / name)
+        seconds = time.perf_counter() - start
+        placements: list[dict | None] = [None] * world
+        dist.all_gather_object(placements, record.placements)
+        if rank == 0:
+            ref = reference(case, batches_of(rows))
+            results[name] = {"fit": record.train, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
+                             "placements": placements, "seconds": seconds}
+            print(f"{name}: {seconds:.1f} s, losses {record.train[:3]} vs {ref['losses'][:3]}", flush=True)
+    for name in args.errors:
+        case, layout, _ = ERROR_CASES[name]
+        error = "no error"
+        try:
+            fit(case, rows[:BATCH], root / name, layout, heartbeat=False)
+        except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
+            chained = err.__cause__ or err.__context__
+            error = f"{type(err).__name__}: {err}" + (f" [chained: {type(chained).__name__}: {chained}]"
+                                                     if chained else "")
+        errors: list[str | None] = [None] * world
+        dist.all_gather_object(errors, error)
+        if rank == 0:
+            results[name] = {"errors": errors}
+            print(f"{name}: {errors[0][:200]}", flush=True)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()
