@@ -5,7 +5,7 @@
     process, plain SGD and AdamW, with the router's load-balancing loss off and on (the model computes it from all
     layers' router logits of the whole batch; tp does not split tokens, so it must match exactly). ZeRO-3 over dp2
     and a 2-stage 1F1B pipeline on the same tiny models, at parity too (load-balancing loss off). All in launches of
-    ``tests/launch/hf_moe.py`` on 2 ranks: the default set's one launch runs two fits, a refusal and the styles
+    ``tests/launch/hf_moe.py`` on 2 ranks: the default set's one launch runs two fits, the refusals and the styles
     alone (each published plan of qwen3_moe, mixtral, deepseek_v3, qwen2_moe and olmoe applied without Lightning:
     one step's loss and every gradient against one process, and each rank's slices of the experts); the full
     set's launch adds the other fits.
@@ -56,7 +56,7 @@ def test_moe_model_trains_as_one_process(results, name):
           f"({result['reference'][0]:.3f} -> {result['reference'][-1]:.3f}), {result['seconds']:.1f} s; "
           f"load-balancing term {result['aux_terms'][0]:.4f}; experts on rank 0: {result['placements'][0]}")
     assert len(result["fit"]) == STEPS and diff <= PARITY_RTOL
-    assert min(result["reference"][1:]) < result["reference"][0] - 0.3, "the model must learn for parity to mean much"
+    assert result["reference"][-1] < result["reference"][0] - 1.0, "the model must learn for parity to mean much"
     if case.aux:  # the load-balancing term is in the loss, far above the tolerance
         assert min(result["aux_terms"]) > 1e3 * PARITY_RTOL * max(result["reference"])
     if "tp" in case.layout:  # each rank holds its slice of every expert: gate|up packed, down by input columns
@@ -84,7 +84,9 @@ def test_published_moe_plan_gives_one_process_gradients(results, arch):
 @pytest.mark.parametrize("name", list(ERROR_CASES))
 def test_a_refused_moe_layout_is_one_error_on_every_rank(results, name):
     """Refused at setup before any collective: the same LayoutError on both ranks, not followed by another (the
-    teardown of a model still on the meta device raised "Cannot copy out of meta tensor" over it once)."""
+    teardown of a model still on the meta device raised "Cannot copy out of meta tensor" over it once). The packed
+    experts under ZeRO-1; the load-balancing loss under pp (the last stage would compute the language-model loss
+    alone: another function than one process)."""
     errors = results[name]["errors"]
     _, _, expected = ERROR_CASES[name]
     assert len(errors) == 2
