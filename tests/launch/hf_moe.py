@@ -209,13 +209,18 @@ def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None 
     return record
 
 
-def styles(tp_mesh) -> dict[str, dict]:
+def styles(tp_mesh, out_dir: Path) -> dict[str, dict]:
     """The styles alone, without Lightning: each published MoE plan applied by ``apply_tensor_parallel`` on 2 ranks,
     one forward and backward with the load-balancing loss on (DeepSeek-V3 has none), against one process: the loss,
-    every gradient, and what rank r holds of the first MoE layer's experts (its slices of the one-process tensors)."""
+    every gradient, the global gradient norm (what clipping uses), what rank r holds of the first MoE layer's experts
+    (its slices of the one-process tensors), and a DCP checkpoint of the split model read back as one process's
+    state dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.tensor import DTensor
 
-    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+    from lightning_par.parallel.grad_norm import global_grad_norm
+    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel, packed_as_slices
 
     out = {}
     rank = tp_mesh.get_local_rank()
@@ -233,6 +238,20 @@ def styles(tp_mesh) -> dict[str, dict]:
             grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
             diff = float((grad - ref.grad).abs().max() / ref.grad.abs().max().clamp_min(1e-12))
             worst, worst_name = max((worst, worst_name), (diff, name))
+        norm = float(global_grad_norm([p.grad for p in split.parameters()]))
+        ref_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])))
+        # the checkpoint: packed expert weights saved as the one-process tensors (as the engine's checkpoint IO does)
+        state = {"model": split.state_dict()}
+        packed_as_slices(state)
+        ckpt = out_dir / f"styles_{arch}"
+        dcp.save(state, checkpoint_id=str(ckpt))
+        dist.barrier()
+        if rank == 0:
+            dcp_to_torch_save(str(ckpt), str(ckpt) + ".pt")
+        dist.barrier()
+        saved = torch.load(str(ckpt) + ".pt", weights_only=True)["model"]
+        expected = reference.state_dict()
+        saved_equal = sorted(saved) == sorted(expected) and all(torch.equal(saved[n], t) for n, t in expected.items())
         layer = 1 if arch == "deepseek_v3" else 0  # (DeepSeek-V3's first layer is dense)
         experts = split.get_submodule(f"model.layers.{layer}.mlp.experts")
         full = reference.get_submodule(f"model.layers.{layer}.mlp.experts")
@@ -246,6 +265,7 @@ def styles(tp_mesh) -> dict[str, dict]:
             "gate_up_slices": torch.equal(experts.gate_up_proj.to_local(), gate_up.detach()),
             "down_slices": torch.equal(experts.down_proj.to_local(), full.down_proj[:, :, mine].detach()),
             "aux": aux and float(reference(input_ids=tokens, labels=tokens).aux_loss) > 0,
+            "norm_rel": abs(norm - ref_norm) / ref_norm, "checkpoint_equal": saved_equal,
         }
     return out
 
@@ -267,7 +287,7 @@ def main() -> None:
     if args.styles:
         from torch.distributed.device_mesh import init_device_mesh
 
-        applied = styles(init_device_mesh("cpu", (world,)))
+        applied = styles(init_device_mesh("cpu", (world,)), root)
         gathered: list[dict | None] = [None] * world
         dist.all_gather_object(gathered, applied)
         results["styles"] = gathered

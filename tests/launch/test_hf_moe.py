@@ -69,12 +69,15 @@ def test_moe_model_trains_as_one_process(results, name):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_published_moe_plan_gives_one_process_gradients(results, arch):
     """``apply_tensor_parallel`` alone on 2 ranks, one step with the load-balancing loss on (DeepSeek-V3 routes without
-    one): the loss and every gradient against one process, and each rank's slices of the experts."""
+    one): the loss, every gradient and the global gradient norm against one process, each rank's slices of the
+    experts, and the DCP checkpoint as one process's state dict."""
     for rank, applied in enumerate(results["styles"]):
         got = applied[arch]
-        print(f"{arch} rank {rank}: loss {got['loss_rel']:.1e}, worst gradient {got['grad_rel']:.1e} ({got['worst']})")
+        print(f"{arch} rank {rank}: loss {got['loss_rel']:.1e}, worst gradient {got['grad_rel']:.1e} ({got['worst']}), "
+              f"gradient norm {got['norm_rel']:.1e}")
         assert got["loss_rel"] <= PARITY_RTOL and got["grad_rel"] <= PARITY_RTOL
-        assert got["all_dtensors"]  # one kind of tensor for the global gradient norm
+        assert got["all_dtensors"] and got["norm_rel"] <= PARITY_RTOL  # the global gradient norm of one process
+        assert got["checkpoint_equal"]  # DCP holds the one-process tensors: any layout, or one process, reads it
         # rank r: rows [r*I/2, (r+1)*I/2) of gate and the same of up; the same columns of down
         assert got["gate_up_slices"] and got["down_slices"]
         assert got["aux"] == (arch != "deepseek_v3")
