@@ -105,6 +105,19 @@ def check_experts(where: str, module: nn.Module, splits: dict[str, str], tp: int
             "their gradient is summed over tp. Remove its entries from the tp plan.")
 
 
+def sample_inputs(module: nn.Module, splits: dict[str, str], generator: torch.Generator,
+                  tokens: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A test input for an experts module: hidden states, each token's top-2 experts (distinct) and their weights,
+    drawn from ``generator``, on the module's device."""
+    weight = module.get_parameter(next(iter(splits)))
+    n_experts, width = weight.shape[0], weight.shape[2]  # [experts, out, in] (gate|up's in: the hidden size)
+    top_k = min(2, n_experts)
+    hidden = torch.randn(tokens, width, generator=generator)
+    index = torch.rand(tokens, n_experts, generator=generator).argsort(dim=-1)[:, :top_k]
+    weights = torch.rand(tokens, top_k, generator=generator)
+    return hidden.to(weight.device), index.to(weight.device), weights.to(weight.device)
+
+
 def _weights_position(module: nn.Module) -> int | str | None:
     """Where the experts forward takes its routing weights: positional index 2, or a keyword of that name."""
     try:

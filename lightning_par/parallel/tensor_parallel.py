@@ -1036,6 +1036,52 @@ def self_check(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, mod
     return time.perf_counter() - start
 
 
+def self_check_experts(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, model_name: str,
+                       prefix: str = "") -> None:
+    """Run each kind of ``moe_tp_experts`` module once split and once whole on a seeded input and random routing,
+    and refuse it if the two differ (a collective on the tp group; every tp rank calls it; once per kind and
+    process). The style sums the ranks' partial outputs, which is one process's function only for experts that are,
+    per chosen expert, ``down(act(gate) * up)`` times its routing weight -- not for one that normalises or adds a
+    bias after ``down``, whatever it is called, Hugging Face's or a user's."""
+    tp = tp_mesh.size()
+    for name, style in plan.items():
+        if style_name(style) != experts_tp.EXPERTS_STYLE:
+            continue
+        unit = module.get_submodule(name)
+        key = (type(unit), tp, style)
+        if key in _SELF_CHECKED:
+            continue
+        generator = torch.Generator().manual_seed(0)
+        whole = _seeded_copy(unit, _mesh_device(tp_mesh), generator)
+        inputs = experts_tp.sample_inputs(whole, experts_tp.decode(style), generator)
+        error: BaseException | None = None
+        diff = 0.0
+        try:
+            with torch.no_grad():
+                expected = whole(*inputs)
+                split = copy.deepcopy(whole)
+                parallelize_module(split, tp_mesh, parallel_style(style, split, sequence_parallel=False))
+                got = split(*inputs)
+            diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+        except Exception as caught:  # noqa: BLE001 -- reported by name below, on every rank
+            error = caught
+        verdict = torch.tensor([float(error is not None), diff], device=inputs[0].device)
+        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX, group=tp_mesh.get_group())
+        if verdict[0] > 0 or verdict[1] > SELF_CHECK_RTOL:
+            failed = (f"fails ({type(error).__name__}: {error})" if error is not None else
+                      "fails on another tp rank" if verdict[0] > 0 else
+                      f"computes another function (largest difference from the unsplit module {float(verdict[1]):.1e} "
+                      "of its output, on a test input)")
+            raise LayoutError(
+                f"{model_name}.{name[len(prefix):]} ({type(unit).__name__}) {failed} when "
+                f"'{experts_tp.EXPERTS_STYLE}' splits it over tp={tp}: that style sums the ranks' partial outputs, "
+                "which is the whole only for experts computing, per chosen expert, down(act(gate) * up) times its "
+                "routing weight (nothing after down but the weighting). Remove its entries from the tp plan (the "
+                "experts then stay whole on every tp rank)."
+            )
+        _SELF_CHECKED.add(key)
+
+
 def _compare(whole: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, x: torch.Tensor,
              expected: torch.Tensor) -> tuple[BaseException | None, float]:
     """The split block's failure, or its largest difference from ``expected`` relative to ``expected``'s largest
@@ -1150,6 +1196,7 @@ def apply_tensor_parallel(
     sequence = _SequenceLength()
     if not _is_hf_model(model):  # (a transformers model's published plan and forward are written for each other)
         self_check(module, plan, tp_mesh, type(model).__name__, declared, prefix)
+    self_check_experts(module, plan, tp_mesh, type(model).__name__, prefix)
     styles = _styles(module, plan, sequence_parallel, sequence)
     parallelize_module(module, tp_mesh, styles)
     for names in tied:  # (differing planned splits were refused by resolve_tp_plan; this checks the actual ones)

@@ -209,6 +209,75 @@ def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None 
     return record
 
 
+class UserExperts(torch.nn.Module):
+    """Experts written as a user would, in transformers' layout ([experts, out, in], gate|up fused)."""
+
+    def __init__(self, n_experts: int = 4, hidden: int = 16, inter: int = 8):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(n_experts, 2 * inter, hidden) / hidden ** 0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(n_experts, hidden, inter) / inter ** 0.5)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down_proj[e])
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for k in range(top_k_index.size(1)):
+            for e in range(self.gate_up_proj.size(0)):
+                rows = top_k_index[:, k] == e
+                out[rows] += top_k_weights[rows, k, None] * self.expert(e, hidden_states[rows])
+        return out
+
+
+class SquashedExperts(UserExperts):
+    """The same with each expert's output squashed after down (tanh): not a sum of the ranks' slices."""
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().expert(e, x))
+
+
+class UserMoE(torch.nn.Module):
+    """A plain PyTorch MoE layer (a top-2 router and experts) declaring transformers' plan for its experts."""
+
+    tp_plan = {"experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts"}
+
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        self.router = torch.nn.Linear(16, 4, bias=False)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.router(x).softmax(dim=-1).topk(2, dim=-1)
+        return self.experts(x, index, weights)
+
+
+def user_experts(tp_mesh) -> dict:
+    """The experts self-check at setup on a user's MoE: correct experts pass it and match one process (output and
+    gradients); experts squashing their output after down are refused by name."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_par import LayoutError
+    from lightning_par.parallel.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(SEED)
+    reference = UserMoE(UserExperts())
+    split = UserMoE(UserExperts())
+    split.load_state_dict(reference.state_dict())
+    apply_tensor_parallel(split, tp_mesh)
+    x = torch.randn(16, 16)
+    (reference(x) ** 2).sum().backward()
+    (split(x) ** 2).sum().backward()
+    worst = max(float(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - r.grad).abs().max()
+                      / r.grad.abs().max()) for p, r in zip(split.parameters(), reference.parameters(), strict=True))
+    error = None
+    try:
+        apply_tensor_parallel(UserMoE(SquashedExperts()), tp_mesh)
+    except LayoutError as refused:
+        error = str(refused)
+    return {"grad_rel": worst, "squashed_error": error}
+
+
 def styles(tp_mesh, out_dir: Path) -> dict[str, dict]:
     """The styles alone, without Lightning: each published MoE plan applied by ``apply_tensor_parallel`` on 2 ranks,
     one forward and backward with the load-balancing loss on (DeepSeek-V3 has none), against one process: the loss,
@@ -267,6 +336,7 @@ def styles(tp_mesh, out_dir: Path) -> dict[str, dict]:
             "aux": aux and float(reference(input_ids=tokens, labels=tokens).aux_loss) > 0,
             "norm_rel": abs(norm - ref_norm) / ref_norm, "checkpoint_equal": saved_equal,
         }
+    out["user_experts"] = user_experts(tp_mesh)
     return out
 
 

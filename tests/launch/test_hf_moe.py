@@ -84,6 +84,19 @@ def test_published_moe_plan_gives_one_process_gradients(results, arch):
 
 
 @pytest.mark.launch(ranks=2)
+def test_experts_of_a_users_moe_are_self_checked_at_setup(results):
+    """A plain PyTorch MoE declaring transformers' plan: its experts match one process; experts that squash their
+    output after down would not be a sum of the ranks' slices, and the self-check at setup refuses them by name."""
+    for applied in results["styles"]:
+        got = applied["user_experts"]
+        print(f"user's experts: worst gradient {got['grad_rel']:.1e}; squashed: {got['squashed_error']}")
+        assert got["grad_rel"] <= PARITY_RTOL
+        assert got["squashed_error"].startswith(
+            "UserMoE.experts (SquashedExperts) computes another function (largest difference from the unsplit module")
+        assert "when 'moe_tp_experts' splits it over tp=2" in got["squashed_error"]
+
+
+@pytest.mark.launch(ranks=2)
 @pytest.mark.parametrize("name", list(ERROR_CASES))
 def test_a_refused_moe_layout_is_one_error_on_every_rank(results, name):
     """Refused at setup before any collective: the same LayoutError on both ranks, not followed by another (the
