@@ -2,7 +2,8 @@
 ``Trainer.fit`` under the layouts without expert parallelism -- tp2 from the model's own plan (``moe_tp_experts``),
 ZeRO-3 over dp2, a 2-stage pipeline -- next to one process on the same batches.
 
-Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks; ``tests/launch/test_hf_moe.py`` reads what it writes.
+Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (the styles and the refusals too) or 4;
+``tests/launch/test_hf_moe.py`` reads what it writes.
 Rank 0 also trains the reference: the same module and seed in one process, ``self.model(**batch).loss`` on the whole
 batch -- with the router's load-balancing loss on, the model's loss includes ``router_aux_loss_coef`` times that loss
 over all layers' router logits of the whole batch, which tp (it does not split tokens) must match exactly.
@@ -104,6 +105,7 @@ class Case:
     layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp: which strategy
     aux: bool = False
     full: bool = False  # in the full run only (pytest --full)
+    world: int = 2
 
 
 CASES: dict[str, Case] = {
@@ -123,6 +125,9 @@ CASES: dict[str, Case] = {
     "mixtral_zero3_dp2_sgd": Case("mixtral", "sgd", {"zero_stage": 3}, full=True),
     "qwen3_moe_pp2_1f1b_sgd": Case("qwen3_moe", "sgd", {"pp": 2}, full=True),
     "mixtral_pp2_1f1b_adamw": Case("mixtral", "adamw", {"pp": 2}, full=True),
+    # 4 ranks: the experts split over tp in each of two replicas, or on each of two stages
+    "qwen3_moe_dp2_tp2_adamw": Case("qwen3_moe", "adamw", {"tp": 2, "dp": 2}, full=True, world=4),
+    "mixtral_tp2_pp2_1f1b_sgd": Case("mixtral", "sgd", {"tp": 2, "pp": 2}, full=True, world=4),
 }
 #: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
 ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
@@ -180,11 +185,14 @@ class _Record(L.Callback):
 
 
 def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
-    from lightning_par import MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+    from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 
     options: dict[str, Any] = {} if heartbeat else {"heartbeat_timeout": None}
     if "pp" in layout:
-        return PipelineStrategy(pp=layout["pp"], schedule="1f1b", n_microbatches=MICROBATCHES, **options)
+        pipeline = dict(schedule="1f1b", n_microbatches=MICROBATCHES, **options)
+        if "tp" in layout:  # (ZeRO-0: its default ZeRO-1 refuses packed expert weights)
+            return Hybrid3DStrategy(**layout, zero_stage=0, **pipeline)
+        return PipelineStrategy(pp=layout["pp"], **pipeline)
     if "tp" in layout:
         return MegatronTPStrategy(**layout, **options)
     return ZeroStrategy(stage=layout["zero_stage"], **options)
@@ -193,18 +201,19 @@ def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
 def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None = None,
         heartbeat: bool = True) -> _Record:
     layout = layout or case.layout
-    data_parallel = "zero_stage" in layout and "tp" not in layout
+    world, tp = dist.get_world_size(), layout.get("tp", 1)
+    dp = world // (tp * layout.get("pp", 1))
+    dp_rank = dist.get_rank() // tp % dp  # (the mesh is (pp, dp, tp), tp innermost)
     record = _Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_for(layout, heartbeat), max_epochs=1,
+        accelerator="cpu", devices=world, strategy=strategy_for(layout, heartbeat), max_epochs=1,
         limit_train_batches=STEPS, num_sanity_val_steps=0,
         use_distributed_sampler=False,  # (Lightning's injected sampler shuffles a training loader)
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[record], default_root_dir=root,
     )
-    if data_parallel:  # rank r takes rows r, r + 2, ...: its half of each batch of one process
-        rows = rows[dist.get_rank()::2]
-    loader = torch.utils.data.DataLoader(rows, batch_size=BATCH // 2 if data_parallel else BATCH, shuffle=False)
+    # replica r takes rows r, r + dp, ...: its share of each batch of one process
+    loader = torch.utils.data.DataLoader(rows[dp_rank::dp], batch_size=BATCH // dp, shuffle=False)
     trainer.fit(HFMoELM(case.arch, case.optimizer, case.aux), loader)
     return record
 
@@ -350,7 +359,6 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2, "the cases run on 2 ranks"
     results: dict[str, Any] = {}
     root = Path(args.out).parent
     rows = make_rows(STEPS)
@@ -363,6 +371,7 @@ def main() -> None:
         results["styles"] = gathered
     for name in args.cases:
         case = CASES[name]
+        assert case.world == world, f"{name} runs on {case.world} ranks, this launch has {world}"
         start = time.perf_counter()
         record = fit(case, rows, root / name)
         seconds = time.perf_counter() - start

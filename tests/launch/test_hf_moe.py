@@ -4,11 +4,12 @@
     down, ``moe_tp_experts`` on the experts module -- through ``Trainer.fit``, per-step losses within 1e-5 of one
     process, plain SGD and AdamW, with the router's load-balancing loss off and on (the model computes it from all
     layers' router logits of the whole batch; tp does not split tokens, so it must match exactly). ZeRO-3 over dp2
-    and a 2-stage 1F1B pipeline on the same tiny models, at parity too (load-balancing loss off). All in launches of
-    ``tests/launch/hf_moe.py`` on 2 ranks: the default set's one launch runs two fits, the refusals and the styles
-    alone (each published plan of qwen3_moe, mixtral, deepseek_v3, qwen2_moe and olmoe applied without Lightning:
-    one step's loss and every gradient against one process, and each rank's slices of the experts); the full
-    set's launch adds the other fits.
+    and a 2-stage 1F1B pipeline on the same tiny models, at parity too (load-balancing loss off); on 4 ranks (full
+    set), dp2 x tp2 and tp2 x pp2. All in launches of ``tests/launch/hf_moe.py``, one per rank count: the default
+    set's one launch (2 ranks) runs two fits, the refusals and the styles alone (each published plan of qwen3_moe,
+    mixtral, deepseek_v3, qwen2_moe and olmoe applied without Lightning: one step's loss, every gradient and the
+    gradient norm against one process, each rank's slices of the experts, the DCP checkpoint; a user's plain PyTorch
+    MoE, and the experts self-check); the full set adds the other fits.
 (b) In this process: the resolved plans of qwen3_moe, qwen2_moe, mixtral, olmoe and deepseek_v3 at tp2, and the
     refusals of what ``moe_tp_experts`` cannot split exactly, each naming the module, the style and the fix.
 """
@@ -34,23 +35,33 @@ PARITY_RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, cache_dir, request):
-    """The cases of this run (the default set: those not marked ``full``, and the refusals), in one launch."""
+    """``results(world)``: the cases of this run on ``world`` ranks (the default set: those not marked ``full``), in
+    one launch on first use; the 2-rank launch also runs the refusals and the styles alone."""
     full = full_run(request.config)
-    names = [n for n, case in CASES.items() if full or not case.full]
-    root = tmp_path_factory.mktemp("hf_moe")
-    path = root / "results.json"
-    run = launch_matrix(root, cache_dir, "tests.launch.hf_moe",
-                        ["--out", str(path), "--cases", *names, "--errors", *ERROR_CASES, "--styles"], nproc=2,
-                        timeout=900).check()
-    print(f"hf_moe: {len(names)} fits + {len(ERROR_CASES)} refusals in {run.seconds:.1f} s")
-    return json.loads(path.read_text())
+    out: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in out:
+            names = [n for n, case in CASES.items() if case.world == world and (full or not case.full)]
+            extra = ["--errors", *ERROR_CASES, "--styles"] if world == 2 else []
+            root = tmp_path_factory.mktemp(f"hf_moe_{world}")
+            path = root / "results.json"
+            run = launch_matrix(root, cache_dir, "tests.launch.hf_moe", ["--out", str(path), "--cases", *names, *extra],
+                                nproc=world, timeout=900).check()
+            print(f"hf_moe on {world} ranks: {len(names)} fits{' + the refusals and styles' if extra else ''} in "
+                  f"{run.seconds:.1f} s")
+            out[world] = json.loads(path.read_text())
+        return out[world]
+
+    return get
 
 
 # -- (a) parity with one process ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.launch(ranks=2, full=c.full))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.launch(ranks=c.world, full=c.full))
                                   for n, c in CASES.items()])
 def test_moe_model_trains_as_one_process(results, name):
-    case, result = CASES[name], results[name]
+    case = CASES[name]
+    result = results(case.world)[name]
     diff = max_rel_diff(result["fit"], result["reference"])
     print(f"{name}: max relative per-step loss difference {diff:.2e} over {STEPS} steps "
           f"({result['reference'][0]:.3f} -> {result['reference'][-1]:.3f}), {result['seconds']:.1f} s; "
@@ -60,9 +71,13 @@ def test_moe_model_trains_as_one_process(results, name):
     if case.aux:  # the load-balancing term is in the loss, far above the tolerance
         assert min(result["aux_terms"]) > 1e3 * PARITY_RTOL * max(result["reference"])
     if "tp" in case.layout:  # each rank holds its slice of every expert: gate|up packed, down by input columns
+        assert len(result["placements"]) == case.world
         for rank, held in enumerate(result["placements"]):
-            assert held["gate_up_proj"].startswith("(_StridedShard(dim=1, sf=2),) local (4, 32, 64) of (4, 64, 64)")
-            assert held["down_proj"] == "(Shard(dim=2),) local (4, 64, 16) of (4, 64, 32)", (rank, held)
+            # (with dp2, FSDP2's replicas add a Replicate() over dp before the tp placement)
+            assert "_StridedShard(dim=1, sf=2)" in held["gate_up_proj"], (rank, held)
+            assert held["gate_up_proj"].endswith(" local (4, 32, 64) of (4, 64, 64)"), (rank, held)
+            assert "Shard(dim=2)" in held["down_proj"] and "_StridedShard" not in held["down_proj"], (rank, held)
+            assert held["down_proj"].endswith(" local (4, 64, 16) of (4, 64, 32)"), (rank, held)
 
 
 @pytest.mark.launch(ranks=2)
@@ -71,7 +86,7 @@ def test_published_moe_plan_gives_one_process_gradients(results, arch):
     """``apply_tensor_parallel`` alone on 2 ranks, one step with the load-balancing loss on (DeepSeek-V3 routes without
     one): the loss, every gradient and the global gradient norm against one process, each rank's slices of the
     experts, and the DCP checkpoint as one process's state dict."""
-    for rank, applied in enumerate(results["styles"]):
+    for rank, applied in enumerate(results(2)["styles"]):
         got = applied[arch]
         print(f"{arch} rank {rank}: loss {got['loss_rel']:.1e}, worst gradient {got['grad_rel']:.1e} ({got['worst']}), "
               f"gradient norm {got['norm_rel']:.1e}")
@@ -87,7 +102,7 @@ def test_published_moe_plan_gives_one_process_gradients(results, arch):
 def test_experts_of_a_users_moe_are_self_checked_at_setup(results):
     """A plain PyTorch MoE declaring transformers' plan: its experts match one process; experts that squash their
     output after down would not be a sum of the ranks' slices, and the self-check at setup refuses them by name."""
-    for applied in results["styles"]:
+    for applied in results(2)["styles"]:
         got = applied["user_experts"]
         print(f"user's experts: worst gradient {got['grad_rel']:.1e}; squashed: {got['squashed_error']}")
         assert got["grad_rel"] <= PARITY_RTOL
@@ -103,7 +118,7 @@ def test_a_refused_moe_layout_is_one_error_on_every_rank(results, name):
     teardown of a model still on the meta device raised "Cannot copy out of meta tensor" over it once). The packed
     experts under ZeRO-1; the load-balancing loss under pp (the last stage would compute the language-model loss
     alone: another function than one process)."""
-    errors = results[name]["errors"]
+    errors = results(2)[name]["errors"]
     _, _, expected = ERROR_CASES[name]
     assert len(errors) == 2
     for error in errors:
