@@ -295,6 +295,8 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     column = [n for n, s in resolved.items() if style_name(s) in _LOCAL_COLUMN_STYLES]
     _check_head_counts(model_name, model, column, tp)
     parents = sorted({n.rpartition(".")[0] for n in column if "." in n}, key=names.index)
+    if not sequence_parallel:
+        _check_grad_allreduce_in_regions(model_name, model, resolved, set(parents), tp)
     additions: dict[str, str] = {}
     for parent in parents:
         if parent not in resolved:
@@ -313,6 +315,24 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     ordered = {**additions, **resolved}
     _check_tied(model_name, model, ordered)
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
+
+
+def _check_grad_allreduce_in_regions(model_name: str, model: nn.Module, resolved: dict[str, str],
+                                     regions: set[str], tp: int) -> None:
+    """``replicated_with_grad_allreduce`` sums a replicated module's gradients over tp: right inside a region, where
+    the module sees this rank's heads or features only (a q/k norm after column-parallel projections); outside every
+    region (a router, a block's norm) its input and gradient are already whole on every rank, and the sum would
+    multiply the gradient by tp. Refused there, before any collective."""
+    for name, style in resolved.items():
+        if style == "replicated_with_grad_allreduce" and not regions.intersection(_ancestors(name)):
+            raise LayoutError(
+                f"{model_name}.{name} ({type(model.get_submodule(name)).__name__}) is planned "
+                "'replicated_with_grad_allreduce', which sums its gradients over the tp ranks: right for a module "
+                "that sees only this rank's heads or features (a q/k norm inside attention), but no module holding "
+                f"{name} has a column-parallel projection, so its input is the same on every rank and its gradient "
+                f"already whole -- the sum would multiply it by {tp}. Plan it 'replicate' (or leave it out of the "
+                "plan: the engine replicates it)."
+            )
 
 
 def _fold_expert_parameters(model_name: str, model: nn.Module, resolved: dict[str, str],

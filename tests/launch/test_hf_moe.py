@@ -236,3 +236,16 @@ def test_packed_experts_with_zero_are_refused_with_a_fix_for_experts():
                                           r"packed_colwise,down_proj=rowwise', which zero_stage=3 cannot shard yet.*"
                                           r"Use zero_stage=0 \(data-parallel replicas\), or ZeRO without tp"):
         check_layout_plan(_model("qwen3_moe"), 2, False, 3)
+
+
+def test_a_router_planned_replicated_with_grad_allreduce_is_refused():
+    """Every rank routes every token: the router's gradient is whole on every rank (the routing weights' gradient is
+    summed over tp by moe_tp_experts), so summing it again would multiply it by tp. A q/k norm inside attention keeps
+    the style (Qwen3-MoE's own plan)."""
+    model = _model("qwen3_moe")
+    assert resolve_tp_plan(model, 2)["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate": "replicated_with_grad_allreduce"}
+    with pytest.raises(LayoutError, match=r"Qwen3MoeForCausalLM.model.layers.0.mlp.gate \(Qwen3MoeTopKRouter\) is "
+                                          r"planned 'replicated_with_grad_allreduce'.*the sum would multiply it by 2. "
+                                          r"Plan it 'replicate'"):
+        resolve_tp_plan(model, 2)
