@@ -31,6 +31,7 @@ SEED = 1234
 STEPS = 6
 BATCH = 8
 MICROBATCHES = 4
+RESUME_EPOCH = STEPS // 2  # batches per epoch of a resumed case: two epochs make the STEPS steps
 AUX_COEF = 0.05  # large enough that the load-balancing term moves the loss well beyond the parity tolerance
 LR = {"sgd": 0.2, "adamw": 3e-3}  # (SGD at 0.3 already makes these tiny models' losses jump after step 3)
 #: arch -> its causal LM class in transformers
@@ -106,6 +107,7 @@ class Case:
     aux: bool = False
     full: bool = False  # in the full run only (pytest --full)
     world: int = 2
+    resume: bool = False  # one epoch of 3 batches, then a second one resumed from its checkpoint in a new Trainer
 
 
 CASES: dict[str, Case] = {
@@ -125,6 +127,7 @@ CASES: dict[str, Case] = {
     "mixtral_zero3_dp2_sgd": Case("mixtral", "sgd", {"zero_stage": 3}, full=True),
     "qwen3_moe_pp2_1f1b_sgd": Case("qwen3_moe", "sgd", {"pp": 2}, full=True),
     "mixtral_pp2_1f1b_adamw": Case("mixtral", "adamw", {"pp": 2}, full=True),
+    "qwen3_moe_tp2_adamw_resumed": Case("qwen3_moe", "adamw", aux=True, full=True, resume=True),
     # 4 ranks: the experts split over tp in each of two replicas, or on each of two stages
     "qwen3_moe_dp2_tp2_adamw": Case("qwen3_moe", "adamw", {"tp": 2, "dp": 2}, full=True, world=4),
     "mixtral_tp2_pp2_1f1b_sgd": Case("mixtral", "sgd", {"tp": 2, "pp": 2}, full=True, world=4),
@@ -199,23 +202,38 @@ def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
 
 
 def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None = None,
-        heartbeat: bool = True) -> _Record:
+        heartbeat: bool = True, epochs: int = 1, ckpt_path: str | None = None) -> _Record:
+    """``Trainer.fit`` of ``case`` on ``rows``, one replica's share of each batch per rank; with ``epochs``, epochs of
+    all ``rows`` (a checkpoint in ``root / "ckpt"`` at each end), continuing from ``ckpt_path`` if given."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     layout = layout or case.layout
     world, tp = dist.get_world_size(), layout.get("tp", 1)
     dp = world // (tp * layout.get("pp", 1))
     dp_rank = dist.get_rank() // tp % dp  # (the mesh is (pp, dp, tp), tp innermost)
     record = _Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy_for(layout, heartbeat), max_epochs=1,
+        accelerator="cpu", devices=world, strategy=strategy_for(layout, heartbeat), max_epochs=epochs,
         limit_train_batches=STEPS, num_sanity_val_steps=0,
         use_distributed_sampler=False,  # (Lightning's injected sampler shuffles a training loader)
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[record], default_root_dir=root,
+        logger=False, enable_checkpointing=case.resume, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[record, *([ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)] if case.resume else [])],
+        default_root_dir=root,
     )
     # replica r takes rows r, r + dp, ...: its share of each batch of one process
     loader = torch.utils.data.DataLoader(rows[dp_rank::dp], batch_size=BATCH // dp, shuffle=False)
-    trainer.fit(HFMoELM(case.arch, case.optimizer, case.aux), loader)
+    trainer.fit(HFMoELM(case.arch, case.optimizer, case.aux), loader, ckpt_path=ckpt_path)
     return record
+
+
+def fit_and_resume(case: Case, rows: list[dict], root: Path) -> list[float]:
+    """Two epochs of ``rows``: the first in one fit, which saves its checkpoint; the second in another Trainer with a
+    new model, resumed from it (the experts' split weights and their optimizer states through DCP)."""
+    first = fit(case, rows, root)
+    dist.barrier()
+    (ckpt,) = sorted((root / "ckpt").glob(f"*step={len(rows) // BATCH}.ckpt"))
+    second = fit(case, rows, root, epochs=2, ckpt_path=str(ckpt))
+    return first.train + second.train
 
 
 class UserExperts(torch.nn.Module):
@@ -373,15 +391,20 @@ def main() -> None:
         case = CASES[name]
         assert case.world == world, f"{name} runs on {case.world} ranks, this launch has {world}"
         start = time.perf_counter()
-        record = fit(case, rows, root / name)
+        if case.resume:
+            losses, placements_of = fit_and_resume(case, rows[:RESUME_EPOCH * BATCH], root / name), {}
+        else:
+            record = fit(case, rows, root / name)
+            losses, placements_of = record.train, record.placements
         seconds = time.perf_counter() - start
         placements: list[dict | None] = [None] * world
-        dist.all_gather_object(placements, record.placements)
+        dist.all_gather_object(placements, placements_of)
         if rank == 0:
-            ref = reference(case, batches_of(rows))
-            results[name] = {"fit": record.train, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
+            batches = batches_of(rows[:RESUME_EPOCH * BATCH]) * 2 if case.resume else batches_of(rows)
+            ref = reference(case, batches)
+            results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}
-            print(f"{name}: {seconds:.1f} s, losses {record.train[:3]} vs {ref['losses'][:3]}", flush=True)
+            print(f"{name}: {seconds:.1f} s, losses {losses[:3]} vs {ref['losses'][:3]}", flush=True)
     for name in args.errors:
         case, layout, _ = ERROR_CASES[name]
         error = "no error"
