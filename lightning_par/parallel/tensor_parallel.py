@@ -2,7 +2,9 @@
 
 A model declares how it may be split in Hugging Face form: a ``tp_plan`` mapping module-name patterns (``"*"``
 matches one name component) to style strings. Our GPT declares ``GPT.tp_plan``; a ``transformers`` model publishes
-``config.base_model_tp_plan`` plus its head's ``_tp_plan`` (merged on the instance as ``model.tp_plan``).
+``config.base_model_tp_plan`` plus its head's ``_tp_plan`` (merged on the instance as ``model.tp_plan``); a pattern
+may name a parameter inside a ``moe_tp_experts`` module (transformers' 3-D expert weights), and a published plan's
+pattern that matches nothing in this config is skipped, as transformers does.
 :func:`resolve_tp_plan` expands the patterns to module names and checks every size against ``tp`` without touching
 a process group, so a bad layout fails before any rank waits; :func:`apply_tensor_parallel` turns the resolved
 strings into ``torch.distributed.tensor.parallel`` styles and applies them with ``parallelize_module``.
