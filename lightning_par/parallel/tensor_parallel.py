@@ -217,9 +217,10 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
 
     Returns ``{module FQN (relative to module): style}`` in application order, including the entries the engine adds
     (``block_input``, ``replicate``, ``sequence_parallel`` on norms). Raises :class:`LayoutError` that names the
-    module, the sizes and the fix for: no plan, an unknown style, a pattern that matches no module, a head count,
-    hidden/FFN size, vocabulary or sharded Linear/Embedding dimension that ``tp`` does not divide, and sequence
-    parallelism on a model it cannot be applied to.
+    module, the sizes and the fix for: no plan, an unknown style, a pattern that matches no module or parameter (but
+    in a Hugging Face model's plan), experts ``moe_tp_experts`` cannot split exactly, a head count, hidden/FFN size,
+    vocabulary or sharded Linear/Embedding dimension that ``tp`` does not divide, and sequence parallelism on a model
+    it cannot be applied to.
 
     ``stage=True``: ``module`` is one pipeline stage (or one pipeline rank's stages) of the model, holding only some
     of its units, so a plan pattern that matches nothing here is skipped (the embedding lives on the first stage, the
