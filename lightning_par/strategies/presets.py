@@ -113,10 +113,12 @@ class MegatronTPStrategy(LayoutStrategy):
     ``"rowwise"``, ``"vocab_parallel"``, ...; a ``transformers`` model's own published plan works unchanged) and
     the engine applies it with DTensor. Attention q/k/v and MLP gate/up are column-parallel, the output projections
     row-parallel; heads and key/value heads are divided over the tp ranks (attention must reshape with the local
-    head count); a fused q|k|v ``nn.Linear`` is ``"packed_colwise:3"``. A plan under which a block computes another
-    function is refused at setup by a self-check (docs/tensor-parallel.md). A ``"vocab_parallel"`` head keeps the
-    logits split over the vocabulary and the cross-entropy runs on the shards. Per transformer block and step, on
-    the tp group (b batch, s sequence, h hidden; activations in elements):
+    head count); a fused q|k|v ``nn.Linear`` is ``"packed_colwise:3"``; a mixture-of-experts layer's experts
+    (transformers' ``"moe_tp_experts"`` with its 3-D expert weights) have each expert's intermediate features
+    split. A plan under which a block computes another function is refused at setup by a self-check
+    (docs/tensor-parallel.md). A ``"vocab_parallel"`` head keeps the logits split over the vocabulary and the
+    cross-entropy runs on the shards. Per transformer block and step, on the tp group (b batch, s sequence, h hidden;
+    activations in elements):
 
     ================== =================================== ===================================== =================
     sequence_parallel  forward                             backward                              norm activations
