@@ -127,8 +127,7 @@ class LayoutStrategy(MeshStrategy):
         self._runner: Runner = SingleRunner()  # the PipelineRuntime under pp > 1 (from setup)
         self._tensor_parallel: TensorParallelPlan | None = None
         self._gradient_sync: NoSync = NoSync()
-        # the model built deferred (until setup materialises this rank's share), and laid out once
-        self._construction = Construction()
+        self._construction = Construction()  # a model built deferred (until setup materialises its share), laid out
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
         self._context_parallel: ContextParallel | None = None  # cp > 1: the step's batch transform and context
