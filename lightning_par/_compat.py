@@ -227,6 +227,14 @@ functorch_config = private("torch", "torch._functorch", "config")
 # gradients instead of several per gradient, as torch.nn.utils.clip_grad_norm_ does; torch has no public form
 foreach_norm = private("torch", "torch", "_foreach_norm")
 foreach_mul_ = private("torch", "torch", "_foreach_mul_")
+# expert parallel (parallel/expert_parallel.py): the expert weights, split over ep ranks, left out of DDP (their
+# gradients are averaged over their own replicas); DDP's one way to skip parameters is this static method
+ddp_ignore_parameters = private("torch", "torch.nn.parallel", "DistributedDataParallel."
+                                "_set_params_and_buffers_to_ignore_for_model")
+# ... and its token exchange: the differentiable all-to-all with variable splits of the functional collectives (torch
+# 2.13 deprecates torch.distributed.nn.functional's in its favour; torchtitan's expert parallel uses it too)
+all_to_all_single_autograd = private("torch", "torch.distributed._functional_collectives",
+                                     "all_to_all_single_autograd")
 # every dropout module's base class (parallel/rng.py finds dropout regions by it); torch exports no public base
 DropoutNd = private("torch", "torch.nn.modules.dropout", "_DropoutNd")
 

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 #: the flattened (dp, cp) mesh data-parallel gradients are averaged over
 GRAD_MESH = "dp_cp"
+#: the expert-parallel mesh's dimensions (:func:`build_expert_mesh`): the (dp, cp) ranks of one (pp, tp) coordinate
+#: regrouped as (expert replicas, ep), ep innermost
+EXPERT_MESH_DIMS: tuple[str, ...] = ("pp", "expert_dp", "ep", "tp")
 
 Size = int | Literal["auto"]
 
@@ -64,21 +67,29 @@ def _check_size(name: str, value: object, allow_auto: bool) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved sizes of the parallel dimensions; ``dp * cp * tp * pp`` equals the world size."""
+    """Resolved sizes of the parallel dimensions; ``dp * cp * tp * pp`` equals the world size.
+
+    ``ep`` (expert parallel) is no dimension of its own: the dp x cp ranks of one (pp, tp) coordinate, taken in
+    groups of ``ep`` consecutive ones, split the experts between them (Megatron-Core's and torchtitan's expert
+    parallel), so ``ep`` divides ``dp * cp``; each expert is then replicated on ``dp * cp / ep`` ranks.
+    """
 
     dp: int
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp: Size = "auto", tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
+    def resolve(cls, world_size: int, dp: Size = "auto", tp: int = 1, pp: int = 1, cp: int = 1,
+                ep: int = 1) -> ParallelDims:
         """Validate sizes against ``world_size``; ``dp="auto"`` takes what the others leave: world / (tp * pp * cp)."""
         _check_size("world_size", world_size, allow_auto=False)
         _check_size("dp", dp, allow_auto=True)
         _check_size("tp", tp, allow_auto=False)
         _check_size("pp", pp, allow_auto=False)
         _check_size("cp", cp, allow_auto=False)
+        _check_size("ep", ep, allow_auto=False)
         model_parallel = tp * pp * cp
         named = f"tp={tp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
         if world_size % model_parallel:
@@ -95,7 +106,13 @@ class ParallelDims:
                 f'Set dp="auto" (it becomes {world_size // model_parallel}) or change devices x num_nodes to '
                 f"{dp * model_parallel}."
             )
-        return cls(dp=dp, tp=tp, pp=pp, cp=cp)
+        if (dp * cp) % ep:
+            carved = f"dp={dp} x cp={cp} = {dp * cp}" if cp > 1 else f"dp={dp}"
+            raise LayoutError(
+                f"ep={ep} does not divide {carved}: the experts are split over ep of the data-parallel ranks. "
+                f"Choose an ep that divides {dp * cp}, or launch more data-parallel ranks."
+            )
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -139,9 +156,28 @@ class ParallelDims:
         """The ranks in ``rank``'s group along ``dim``."""
         return next(g for g in self.groups(dim) if rank in g)
 
+    @property
+    def expert_dp(self) -> int:
+        """How many ranks hold each expert (its gradient is averaged over them): ``dp * cp / ep``."""
+        return self.dp * self.cp // self.ep
+
+    def expert_groups(self, dim: str = "ep") -> list[list[int]]:
+        """The groups of :func:`build_expert_mesh`'s ``dim``: ``"ep"`` (ranks splitting the experts: consecutive
+        data-parallel ranks) or ``"expert_dp"`` (ranks holding the same experts), by arithmetic alone."""
+        if dim not in ("ep", "expert_dp"):
+            raise LayoutError(f"unknown expert mesh dimension {dim!r}; the dimensions are ('ep', 'expert_dp').")
+
+        def rank(p: int, t: int, g: int) -> int:  # g: the flattened (dp, cp) index
+            return self.rank_of(pp=p, dp=g // self.cp, cp=g % self.cp, tp=t)
+
+        outer, inner = (self.expert_dp, self.ep) if dim == "ep" else (self.ep, self.expert_dp)
+        return sorted([rank(p, t, r * self.ep + i if dim == "ep" else i * self.ep + r) for i in range(inner)]
+                      for p in range(self.pp) for t in range(self.tp) for r in range(outer))
+
     def describe(self) -> str:
-        return f"{self.describe_gradient_group()} x tp={self.tp} x pp={self.pp} (world {self.world_size}; tp " \
-               "innermost, pp outermost)"
+        experts = f", experts over ep={self.ep} of them" if self.ep > 1 else ""
+        return f"{self.describe_gradient_group()}{experts} x tp={self.tp} x pp={self.pp} (world {self.world_size}; " \
+               "tp innermost, pp outermost)"
 
     def describe_gradient_group(self) -> str:
         """The ranks data-parallel gradients are averaged over: ``dp=N``, or ``dp=N x cp=M`` under cp > 1."""
@@ -164,6 +200,11 @@ class ParallelDims:
                 listed = " ".join(str(g) for g in groups[:8]) + (f" ... ({len(groups) - 8} more)" if len(groups) > 8
                                                                  else "")
                 lines.append(f"{dim} groups: {listed}")
+        if self.ep > 1:
+            for dim in ("ep", "expert_dp"):
+                groups = self.expert_groups(dim)
+                lines.append(f"{dim} groups: " + " ".join(str(g) for g in groups[:8]) +
+                             (f" ... ({len(groups) - 8} more)" if len(groups) > 8 else ""))
         return "\n".join(lines)
 
 
@@ -180,6 +221,19 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     if dist.get_world_size() != dims.world_size:
         raise LayoutError(f"the process group has {dist.get_world_size()} ranks but the layout {dims.describe()}.")
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+
+
+def build_expert_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The mesh of expert parallel (``dims.ep > 1``; needs an initialized process group): the same ranks as
+    :func:`build_device_mesh`'s, the (dp, cp) ranks flattened and regrouped as (``expert_dp``, ``ep``) --
+    :data:`EXPERT_MESH_DIMS`. ``mesh["ep"]``: the ranks that split one layer's experts and exchange tokens;
+    ``mesh["expert_dp"]``: the ranks holding the same experts, over which their gradients are averaged.
+
+    Its own mesh (torch cannot split one dimension of a mesh into two without private calls); the ranks' order is
+    :func:`build_device_mesh`'s, row-major, so ep groups are consecutive data-parallel ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dims.pp, dims.expert_dp, dims.ep, dims.tp), mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -5,6 +5,7 @@ from lightning_par.examples.gpt2 import GPT2, GPT2Config, GPT2LightningModule
 from lightning_par.examples.hf_causal_lm import HFCausalLMLightningModule, HFLlamaLightningModule
 from lightning_par.examples.lit_gpt import GPTLightningModule, TokenPerplexity
 from lightning_par.examples.mlp import MLP, MLPDataModule, MLPLightningModule
+from lightning_par.examples.moe import MOE_PRESETS, MoEConfig, MoEGPT, MoEGPTLightningModule
 from lightning_par.examples.plain_lm import PlainLM, PlainLMLightningModule
 
 __all__ = [
@@ -20,6 +21,10 @@ __all__ = [
     "MLP",
     "MLPDataModule",
     "MLPLightningModule",
+    "MOE_PRESETS",
+    "MoEConfig",
+    "MoEGPT",
+    "MoEGPTLightningModule",
     "PlainLM",
     "PlainLMLightningModule",
     "TokenPerplexity",

@@ -152,12 +152,14 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
+    mlp_type: type[nn.Module] = FeedForward  # a mixture of experts in examples/moe.py
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.mlp = FeedForward(config)
+        self.mlp = self.mlp_type(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), position_ids)
@@ -192,11 +194,13 @@ class GPT(nn.Module):
         "head": (["hidden"], ["logits"]),
     }
 
+    block_type: type[nn.Module] = Block  # the repeated block (examples/moe.py: one with a mixture of experts)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_type(config) for i in range(config.n_layers)})
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -58,6 +58,7 @@ class GPTLightningModule(L.LightningModule):
             no weight decay).
     """
 
+    model_type: type[GPT] = GPT  # what configure_model builds from `config` (examples/moe.py: MoEGPT)
     # predict_step: the first `predict_prompt_len` input tokens are the prompt for this many new tokens.
     predict_prompt_len = 16
     predict_new_tokens = 32
@@ -102,7 +103,7 @@ class GPTLightningModule(L.LightningModule):
             self.config = replace(self.config, vocab_size=vocab_size)
             if recorded:
                 self.hparams.vocab_size = vocab_size  # what the checkpoint records, so the model is rebuilt alike
-            self.model = GPT(self.config)
+            self.model = self.model_type(self.config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -39,8 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_par._compat import ddp_ignore_parameters
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks
 from lightning_par.parallel.data_parallel import BucketedAllReduce, replicate_data_parallel, replicate_units
+from lightning_par.parallel.expert_parallel import ExpertGradients
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.param_states import PARAM_STATES, ParamStates
 from lightning_par.parallel.parts import ModelParts
@@ -62,6 +64,9 @@ class NoSync:
         self.enabled = True
         #: the runner defers the reduction to the end of the step (a pipeline schedule: many micro-batch backwards)
         self.deferred = deferred
+        #: expert parallel: the expert weights, left out of this owner's reduction and averaged over their own
+        #: replicas in ``finalize`` (set before ``wrap``)
+        self.experts: ExpertGradients | None = None
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
         """Shard the parameters of ``parts`` over data parallel (ZeRO-3 only); returns the stage modules."""
@@ -129,6 +134,9 @@ class DDPSync(NoSync):
             self.module = module
             self.reducer = BucketedAllReduce(self.dp_mesh.get_group(), self.bucket_cap_mb)
             return module
+        if self.experts is not None:  # each rank holds other experts: DDP must neither broadcast nor average them
+            ids = {id(p) for p in self.experts.parameters}
+            ddp_ignore_parameters(module, [n for n, p in module.named_parameters() if id(p) in ids])
         wrapped = replicate_data_parallel(module, self.dp_mesh, self.bucket_cap_mb)
         self.ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
         return wrapped
@@ -239,7 +247,8 @@ class ZeroSync(NoSync):
                                            self.offload, defer_reduction=self.deferred,
                                            param_dtype=self.precision.param_dtype,
                                            reduce_dtype=self.precision.reduce_dtype,
-                                           grad_dtype=self.precision.grad_dtype)
+                                           grad_dtype=self.precision.grad_dtype,
+                                           exclude=self.experts.parameters if self.experts is not None else ())
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
@@ -277,14 +286,22 @@ class ZeroSync(NoSync):
 
 
 def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,
-                         precision: ShardPrecision = FULL_PRECISION) -> NoSync:
+                         precision: ShardPrecision = FULL_PRECISION, experts: ExpertGradients | None = None) -> NoSync:
     """The one owner of data-parallel gradient synchronisation for this layout (see the table above).
 
     ``precision``: the ZeRO owners' dtypes under mixed precision (the precision plugin's ``shard_precision``).
+    ``experts``: expert parallel's expert weights, which the owner leaves out (known once the model is laid out:
+    the owner chosen before is given them then).
 
     ZeRO-3 shards parameters for evaluation too (that is what lets a model larger than one device be evaluated);
     every other owner exists only while fitting.
     """
+    owner = _owner(layout, dp_mesh, fitting, precision)
+    owner.experts = experts
+    return owner
+
+
+def _owner(layout: Layout, dp_mesh: DeviceMesh, fitting: bool, precision: ShardPrecision) -> NoSync:
     stage = layout.zero_stage
     offload = layout.offload_parameters or layout.offload_optimizer
     # a pipeline schedule runs many micro-batch backwards: the owner reduces once, after the last

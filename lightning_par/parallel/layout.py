@@ -26,6 +26,8 @@ class Layout:
         dp, tp, pp: sizes (``dp="auto"``: world / (tp * pp * cp)).
         cp: context-parallel size: each sequence split over cp ranks (causal load balancing), attention over the
             whole sequence, gradients averaged over dp x cp (:mod:`lightning_par.parallel.context_parallel`).
+        ep: expert-parallel size: each mixture-of-experts layer's experts split over ep of the dp x cp ranks,
+            tokens sent to their experts and back (:mod:`lightning_par.parallel.expert_parallel`).
         zero_stage: 0 replicas, 1 optimizer states sharded, 2 + gradients, 3 + parameters (FSDP2).
         offload_optimizer, offload_parameters: ZeRO offload to host memory.
         schedule, n_microbatches, virtual_stages, stage_costs: the pipeline (pp > 1).
@@ -39,6 +41,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_parameters: bool = False
@@ -56,6 +59,7 @@ class Layout:
         _check_size("tp", self.tp, allow_auto=False)
         _check_size("pp", self.pp, allow_auto=False)
         _check_size("cp", self.cp, allow_auto=False)
+        _check_size("ep", self.ep, allow_auto=False)
         check_schedule_name(self.schedule)
         for name in ("n_microbatches", "virtual_stages"):  # checked here even where pp = 1 leaves them unused
             if getattr(self, name) is not None:
@@ -87,6 +91,8 @@ class Layout:
             raise LayoutError(
                 "sequence_parallel=True with cp > 1 is not supported: both split the sequence (sequence parallel "
                 "over tp, context parallel over cp) and their composition is untested. Use one of them.")
+        if self.ep > 1:
+            _check_expert_parallel_composes(self)
         check_number("bucket_cap_mb", self.bucket_cap_mb, "a positive, finite number of MiB (default 25)", above=0)
         if self.block_types is not None and (isinstance(self.block_types, str | type) or not all(
                 isinstance(t, str | type) for t in self.block_types)):
@@ -99,7 +105,7 @@ class Layout:
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The concrete sizes for ``world_size`` ranks, or a :class:`LayoutError` that says how to fix them."""
-        return ParallelDims.resolve(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        return ParallelDims.resolve(world_size, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
     @property
     def stage_plan(self) -> StagePlan:
@@ -108,8 +114,9 @@ class Layout:
 
     @property
     def shards_parameters(self) -> bool:
-        """Parameters are split somewhere (tp, pp or ZeRO-3): states must be keyed by parameter name."""
-        return self.zero_stage == 3 or self.pp > 1 or self.tp > 1
+        """Parameters are split somewhere (tp, pp, ep or ZeRO-3): states must be keyed by parameter name, and a model
+        built in ``configure_model`` is built deferred, each rank materialising its share."""
+        return self.zero_stage == 3 or self.pp > 1 or self.tp > 1 or self.ep > 1
 
     def transforms_blocks(self, compiled: bool) -> bool:
         """A transform works block by block (ZeRO-3 and replicate groups, recompute, compile, context parallel's
@@ -120,3 +127,17 @@ class Layout:
     def sharded_checkpoint(self) -> bool:
         """Each rank writes its own part of a checkpoint (a DCP directory) rather than rank 0 one file."""
         return self.zero_stage > 0 or self.pp > 1 or self.tp > 1
+
+
+def _check_expert_parallel_composes(layout: Layout) -> None:
+    """ep > 1 is built so far with ZeRO 0-3 data parallel and context parallel, and with tensor parallel under ZeRO-1/2
+    (issue 29's first slice); any other composition is refused, naming what to change, rather than run untested."""
+    others = {"tp": layout.tp > 1 and layout.zero_stage not in (1, 2), "pp": layout.pp > 1,
+              "offload_optimizer": layout.offload_optimizer, "sequence_parallel": layout.sequence_parallel}
+    if any(others.values()):
+        named = ", ".join(f"{k}={getattr(layout, k)}" for k, on in others.items() if on)
+        raise LayoutError(
+            f"ep={layout.ep} with {named} is not supported yet: expert parallel composes with ZeRO 0-3 data "
+            "parallel and cp, and with tp under zero_stage 1 or 2, so far; not with pp, sequence parallel or "
+            "offload. Use ep=1 for this layout, or change "
+            f"{' and '.join(k for k, on in others.items() if on)}.")

@@ -5,8 +5,8 @@ is the whole model without pipeline parallelism, or the rank module holding its 
 runtime is built afterwards, around the transformed stage modules. The order is torchtitan's (``parallelize_llama``),
 the same for every layout::
 
-    replicas identical -> tensor parallel -> context parallel -> recompute -> (compile) -> data-parallel sharding
-    -> materialise share
+    replicas identical -> tensor parallel -> expert parallel -> context parallel -> recompute -> (compile)
+    -> data-parallel sharding -> materialise share
 
 Two ways in, one order:
 
@@ -19,9 +19,12 @@ Two ways in, one order:
 * a model built eagerly (in ``__init__``, or handed over whole) is moved to the device first and its replicas are
   made identical by a broadcast; the transforms then cut what exists.
 
-Context parallel (cp > 1) comes right after tensor parallel, as torchtitan applies it to the attention there: it
-hooks the modules that run the model (so recompute and compile wrap the blocks inside them) and returns the context
-the step enters around forward and backward (:mod:`~lightning_par.parallel.context_parallel`).
+Expert parallel (ep > 1) splits the expert layers' stacked weights over the ep ranks and sets their token exchange
+(:mod:`~lightning_par.parallel.expert_parallel`); a model that cannot take it is refused first, before the replicas'
+broadcast, on every rank alike. Context parallel (cp > 1) comes next, right after tensor parallel as torchtitan
+applies it to the attention: it hooks the modules that run the model (so recompute and compile wrap the blocks inside
+them) and returns the context the step enters around forward and backward
+(:mod:`~lightning_par.parallel.context_parallel`).
 
 Pretrained weights (``pretrained``) are read into the share right after it is allocated; their random
 initialisation is never computed. Nothing here imports Lightning.
@@ -41,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_par.parallel.compile import BlockCompiler
 from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
+from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel, check_expert_parallel
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
@@ -72,6 +76,8 @@ class ParallelizeConfig:
     parameter_device: torch.device | None = None
     #: the ``cp`` mesh: context parallel when its size is over 1 (it needs the parts' blocks)
     cp_mesh: DeviceMesh | None = None
+    #: expert parallel (ep > 1): the mesh of topology.build_expert_mesh
+    expert_mesh: DeviceMesh | None = None
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Parallelized:
     tensor_parallel: TensorParallelPlan | None
     stats: dict[str, int]
     context_parallel: ContextParallel | None = None
+    experts: ExpertParallel | None = None
 
     def summary(self, config: ParallelizeConfig, blocks: int, pretrained_from: Any = None) -> list[str]:
         """What was applied to this rank's part, a line each (``blocks``: how many it has), for the log."""
@@ -92,6 +99,8 @@ class Parallelized:
             lines.append(f"tensor parallel over tp={config.tp_mesh.size()}: plan applied to {len(plan.styles)} modules"
                          f"{' with sequence parallelism' if config.sequence_parallel else ''}"
                          f"{', vocab-parallel loss' if plan.vocab_parallel_head else ''}")
+        if self.experts is not None:
+            lines.append(self.experts.describe())
         if cp is not None:
             assert config.cp_mesh is not None
             lines.append(f"context parallel over cp={config.cp_mesh.size()}: load-balanced sequence shards, ring "
@@ -117,6 +126,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     when ``deferred``; nothing for the owners that act on gradients only); returns the stage modules.
     ``deferred``: the record of the model's construction when it was built deferred.
     """
+    if config.expert_mesh is not None:
+        check_expert_parallel(parts.root, config.expert_mesh["ep"].size())
     if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
         parts.root.to(config.device)
         make_replicas_identical(parts.root, (config.dp_mesh, config.tp_mesh))
@@ -131,6 +142,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
         rng = config.compile is None or config.sequence_parallel or has_dropout(parts.root)
         plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
                                      stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root))
+    experts = apply_expert_parallel(parts.root, config.expert_mesh) if config.expert_mesh is not None else None
+    parts.experts = experts.parameters if experts is not None else []  # (the owner's sharding leaves them alone)
     cp = None
     if config.cp_mesh is not None and config.cp_mesh.size() > 1:
         cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)
@@ -146,7 +159,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
                                   parameter_device=config.parameter_device)
     if pretrained is not None:
         stats["pretrained_tensors"] = pretrained.load(parts.root)
-    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats, context_parallel=cp)
+    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats, context_parallel=cp, experts=experts)
 
 
 def make_replicas_identical(module: nn.Module, meshes: Sequence[DeviceMesh]) -> None:

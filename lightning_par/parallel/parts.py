@@ -86,6 +86,7 @@ class ModelParts:
     ``stage_blocks``: the same per stage module. ``found``: where the blocks are (names, the path of the module that
     holds them inside ``root``, how they were found), this rank's part of it under pp; None for a model without
     repeated blocks that no transform needs. ``pipeline``: the split's record under pp, else None.
+    ``experts``: expert parallel's expert weights (set by its transform), which data-parallel sharding leaves alone.
     """
 
     root: nn.Module
@@ -94,6 +95,7 @@ class ModelParts:
     stage_blocks: list[list[nn.Module]] = field(default_factory=list)
     found: ModelBlocks | None = None
     pipeline: StageSplit | None = None
+    experts: list[nn.Parameter] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.stage_blocks:

@@ -2,7 +2,9 @@
 
 A model declares how it may be split in Hugging Face form: a ``tp_plan`` mapping module-name patterns (``"*"``
 matches one name component) to style strings. Our GPT declares ``GPT.tp_plan``; a ``transformers`` model publishes
-``config.base_model_tp_plan`` plus its head's ``_tp_plan`` (merged on the instance as ``model.tp_plan``).
+``config.base_model_tp_plan`` plus its head's ``_tp_plan`` (merged on the instance as ``model.tp_plan``); a pattern
+may name a parameter inside a ``moe_tp_experts`` module (transformers' 3-D expert weights), and a published plan's
+pattern that matches nothing in this config is skipped, as transformers does.
 :func:`resolve_tp_plan` expands the patterns to module names and checks every size against ``tp`` without touching
 a process group, so a bad layout fails before any rank waits; :func:`apply_tensor_parallel` turns the resolved
 strings into ``torch.distributed.tensor.parallel`` styles and applies them with ``parallelize_module``.
@@ -56,6 +58,12 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
 ``replicate``                        parameters replicated on every TP rank
 ``replicated_with_grad_allreduce``   replicated, gradients summed over tp: for parameters used inside a region,
                                      on this rank's heads only (e.g. a q/k norm)
+``moe_tp_experts``                   a module of experts with 3-D weights [experts, out, in] (transformers' MoE
+                                     models): each expert's intermediate features split over tp by the entries
+                                     that name its parameters -- ``packed_colwise`` (fused gate|up, each part
+                                     split), ``colwise`` or ``rowwise`` -- and the partial outputs summed
+                                     (:mod:`~lightning_par.parallel.experts_tp`). Every parameter of the module
+                                     must have one; a parameter entry is applied only inside such a module
 ==================================== ============================================================================
 """
 
@@ -82,6 +90,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_par._compat import StridedShard
+from lightning_par.parallel import experts_tp
 from lightning_par.parallel.rng import TensorParallelRNG
 from lightning_par.topology import LayoutError
 
@@ -100,6 +109,7 @@ PLAN_STYLES: tuple[str, ...] = (
     "sequence_parallel",
     "replicate",
     "replicated_with_grad_allreduce",
+    experts_tp.EXPERTS_STYLE,
     "block_input",
 )
 _COLUMN_STYLES = ("colwise", "packed_colwise", "colwise_rep", "colwise_gather_output")
@@ -207,9 +217,10 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
 
     Returns ``{module FQN (relative to module): style}`` in application order, including the entries the engine adds
     (``block_input``, ``replicate``, ``sequence_parallel`` on norms). Raises :class:`LayoutError` that names the
-    module, the sizes and the fix for: no plan, an unknown style, a pattern that matches no module, a head count,
-    hidden/FFN size, vocabulary or sharded Linear/Embedding dimension that ``tp`` does not divide, and sequence
-    parallelism on a model it cannot be applied to.
+    module, the sizes and the fix for: no plan, an unknown style, a pattern that matches no module or parameter (but
+    in a Hugging Face model's plan), experts ``moe_tp_experts`` cannot split exactly, a head count, hidden/FFN size,
+    vocabulary or sharded Linear/Embedding dimension that ``tp`` does not divide, and sequence parallelism on a model
+    it cannot be applied to.
 
     ``stage=True``: ``module`` is one pipeline stage (or one pipeline rank's stages) of the model, holding only some
     of its units, so a plan pattern that matches nothing here is skipped (the embedding lives on the first stage, the
@@ -242,7 +253,10 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     names = [name for name, _ in model.named_modules() if name]
     removed = _removed_units(model)
     candidates = [name for name in names if name not in removed]
+    parameters = [name for name, _ in model.named_parameters()
+                  if not any(name.startswith(f"{unit}.") for unit in removed)]
     resolved: dict[str, str] = {}
+    planned_parameters: dict[str, str] = {}  # an expert parameter's split, applied by its module's style
     for pattern, style in plan.items():
         if not isinstance(style, str) or not _valid_style(style):
             allowed = ", ".join(s for s in PLAN_STYLES if s != "block_input")
@@ -252,8 +266,14 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
             )
         regex = _pattern_regex(pattern)
         matched = [name for name in candidates if regex.fullmatch(name)]
-        if not matched and stage:
-            continue  # held by another pipeline stage (the whole model was checked by check_tp_plan)
+        if not matched and (params := [name for name in parameters if regex.fullmatch(name)]):
+            planned_parameters.update(dict.fromkeys(params, style))
+            continue
+        if not matched and (stage or _is_hf_model(model)):
+            # held by another pipeline stage (the whole model was checked by check_tp_plan); or an entry of a
+            # published plan for a variant this config does not build (a dense MLP in a model of experts only),
+            # which transformers skips too: the module it would split does not exist, nothing stays unsplit
+            continue
         if not matched:
             raise LayoutError(
                 f"{model_name}.tp_plan names {pattern!r}, but {model_name} has no module of that name (\"*\" "
@@ -262,6 +282,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
             )
         for name in matched:
             resolved[name] = style
+    _fold_expert_parameters(model_name, model, resolved, planned_parameters, tp)
 
     for name, style in resolved.items():
         _check_module(model_name, name, model.get_submodule(name), style, tp)
@@ -277,6 +298,8 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     column = [n for n, s in resolved.items() if style_name(s) in _LOCAL_COLUMN_STYLES]
     _check_head_counts(model_name, model, column, tp)
     parents = sorted({n.rpartition(".")[0] for n in column if "." in n}, key=names.index)
+    if not sequence_parallel:
+        _check_grad_allreduce_in_regions(model_name, model, resolved, set(parents), tp)
     additions: dict[str, str] = {}
     for parent in parents:
         if parent not in resolved:
@@ -297,16 +320,62 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
 
 
+def _check_grad_allreduce_in_regions(model_name: str, model: nn.Module, resolved: dict[str, str],
+                                     regions: set[str], tp: int) -> None:
+    """``replicated_with_grad_allreduce`` sums a replicated module's gradients over tp: right inside a region, where
+    the module sees this rank's heads or features only (a q/k norm after column-parallel projections); outside every
+    region (a router, a block's norm) its input and gradient are already whole on every rank, and the sum would
+    multiply the gradient by tp. Refused there, before any collective."""
+    for name, style in resolved.items():
+        if style == "replicated_with_grad_allreduce" and not regions.intersection(_ancestors(name)):
+            raise LayoutError(
+                f"{model_name}.{name} ({type(model.get_submodule(name)).__name__}) is planned "
+                "'replicated_with_grad_allreduce', which sums its gradients over the tp ranks: right for a module "
+                "that sees only this rank's heads or features (a q/k norm inside attention), but no module holding "
+                f"{name} has a column-parallel projection, so its input is the same on every rank and its gradient "
+                f"already whole -- the sum would multiply it by {tp}. Plan it 'replicate' (or leave it out of the "
+                "plan: the engine replicates it)."
+            )
+
+
+def _fold_expert_parameters(model_name: str, model: nn.Module, resolved: dict[str, str],
+                            planned_parameters: dict[str, str], tp: int) -> None:
+    """Fold the plan's entries that name parameters (Hugging Face's 3-D expert weights) into their module's
+    ``moe_tp_experts`` style, in place; refuse, before any collective, a parameter entry whose module is not planned
+    ``moe_tp_experts`` and an experts module that style cannot split exactly (:func:`experts_tp.check_experts`)."""
+    owners: dict[str, dict[str, str]] = {}
+    for fqn, style in planned_parameters.items():
+        owner, _, param = fqn.rpartition(".")
+        if style_name(resolved.get(owner, "")) != experts_tp.EXPERTS_STYLE:
+            raise LayoutError(
+                f"{model_name}.tp_plan splits the parameter {fqn} ({style!r}), but its module {owner} is planned "
+                f"{resolved.get(owner, 'nothing')!r}: lightning-par splits a bare parameter only inside a module "
+                f"planned '{experts_tp.EXPERTS_STYLE}' (an experts module, which sums the ranks' partial outputs). "
+                f"Plan {owner} '{experts_tp.EXPERTS_STYLE}', or remove the entry (the parameter stays whole)."
+            )
+        owners.setdefault(owner, {})[param] = style
+    for name, style in resolved.items():
+        if style == experts_tp.EXPERTS_STYLE:
+            module = model.get_submodule(name)
+            splits = {p: owners.get(name, {})[p] for p, _ in module.named_parameters() if p in owners.get(name, {})}
+            experts_tp.check_experts(f"{model_name}.{name}", module, splits, tp)
+            resolved[name] = experts_tp.encode(splits)
+
+
 def check_packed_layout(plan: dict[str, str], zero_stage: int) -> None:
     """``packed_colwise`` with ZeRO: refused (before any collective) until the ZeRO shards and their checkpoints
     handle a tensor-parallel shard that is not one slice of the parameter (this rank's slice of each part)."""
-    packed = [name for name, style in plan.items() if style_name(style) == "packed_colwise"]
+    packed = [name for name, style in plan.items() if style_name(style) == "packed_colwise"
+              or (style_name(style) == experts_tp.EXPERTS_STYLE
+                  and any(style_name(s) == "packed_colwise" for s in experts_tp.decode(style).values()))]
     if packed and zero_stage > 0:
+        experts = style_name(plan[packed[0]]) == experts_tp.EXPERTS_STYLE
         raise LayoutError(
             f"{packed[0]} is planned {plan[packed[0]]!r}, which zero_stage={zero_stage} cannot shard yet: its "
             "tensor-parallel shard (this rank's slice of each part) is not one slice of the parameter, and the ZeRO "
-            "shards and their checkpoints need one. Use zero_stage=0 (data-parallel replicas), or separate "
-            "q/k/v (gate/up) projections planned 'colwise'."
+            "shards and their checkpoints need one. Use zero_stage=0 (data-parallel replicas), or "
+            + ("ZeRO without tp (tp=1: every rank holds every expert, ZeRO shards them)." if experts else
+               "separate q/k/v (gate/up) projections planned 'colwise'.")
         )
 
 
@@ -367,6 +436,11 @@ def _removed_units(model: nn.Module) -> set[str]:
 
 def _planned_split(style: str, module: nn.Module, param: str) -> str:
     """How ``style`` will place ``module``'s parameter ``param``: "Shard(d)" or "Replicate()"."""
+    if style_name(style) == experts_tp.EXPERTS_STYLE:  # [experts, out, in]: split over out, or in for rowwise
+        inside = experts_tp.decode(style)[param]
+        if style_name(inside) == "packed_colwise":
+            return f"_StridedShard(1, {packed_parts(inside)})"
+        return "Shard(2)" if inside == "rowwise" else "Shard(1)"
     if style_name(style) == "packed_colwise":
         return f"_StridedShard(0, {packed_parts(style)})"  # each part split over the output features
     if style in _COLUMN_STYLES or (style == "vocab_parallel" and isinstance(module, nn.Linear)):
@@ -744,6 +818,8 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, child
     parallelism, where the current sequence length is kept (for position embeddings).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    if style_name(style) == experts_tp.EXPERTS_STYLE:
+        return experts_tp.ExpertsTensorParallel(experts_tp.decode(style))
     if style_name(style) == "packed_colwise":
         return PackedColumnParallel(packed_parts(style), input_layouts=seq)
     if style == "colwise":
@@ -983,6 +1059,52 @@ def self_check(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, mod
     return time.perf_counter() - start
 
 
+def self_check_experts(module: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, model_name: str,
+                       prefix: str = "") -> None:
+    """Run each kind of ``moe_tp_experts`` module once split and once whole on a seeded input and random routing,
+    and refuse it if the two differ (a collective on the tp group; every tp rank calls it; once per kind and
+    process). The style sums the ranks' partial outputs, which is one process's function only for experts that are,
+    per chosen expert, ``down(act(gate) * up)`` times its routing weight -- not for one that normalises or adds a
+    bias after ``down``, whatever it is called, Hugging Face's or a user's."""
+    tp = tp_mesh.size()
+    for name, style in plan.items():
+        if style_name(style) != experts_tp.EXPERTS_STYLE:
+            continue
+        unit = module.get_submodule(name)
+        key = (type(unit), tp, style)
+        if key in _SELF_CHECKED:
+            continue
+        generator = torch.Generator().manual_seed(0)
+        whole = _seeded_copy(unit, _mesh_device(tp_mesh), generator)
+        inputs = experts_tp.sample_inputs(whole, experts_tp.decode(style), generator)
+        error: BaseException | None = None
+        diff = 0.0
+        try:
+            with torch.no_grad():
+                expected = whole(*inputs)
+                split = copy.deepcopy(whole)
+                parallelize_module(split, tp_mesh, parallel_style(style, split, sequence_parallel=False))
+                got = split(*inputs)
+            diff = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+        except Exception as caught:  # noqa: BLE001 -- reported by name below, on every rank
+            error = caught
+        verdict = torch.tensor([float(error is not None), diff], device=inputs[0].device)
+        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX, group=tp_mesh.get_group())
+        if verdict[0] > 0 or verdict[1] > SELF_CHECK_RTOL:
+            failed = (f"fails ({type(error).__name__}: {error})" if error is not None else
+                      "fails on another tp rank" if verdict[0] > 0 else
+                      f"computes another function (largest difference from the unsplit module {float(verdict[1]):.1e} "
+                      "of its output, on a test input)")
+            raise LayoutError(
+                f"{model_name}.{name[len(prefix):]} ({type(unit).__name__}) {failed} when "
+                f"'{experts_tp.EXPERTS_STYLE}' splits it over tp={tp}: that style sums the ranks' partial outputs, "
+                "which is the whole only for experts computing, per chosen expert, down(act(gate) * up) times its "
+                "routing weight (nothing after down but the weighting). Remove its entries from the tp plan (the "
+                "experts then stay whole on every tp rank)."
+            )
+        _SELF_CHECKED.add(key)
+
+
 def _compare(whole: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, x: torch.Tensor,
              expected: torch.Tensor) -> tuple[BaseException | None, float]:
     """The split block's failure, or its largest difference from ``expected`` relative to ``expected``'s largest
@@ -1097,6 +1219,7 @@ def apply_tensor_parallel(
     sequence = _SequenceLength()
     if not _is_hf_model(model):  # (a transformers model's published plan and forward are written for each other)
         self_check(module, plan, tp_mesh, type(model).__name__, declared, prefix)
+    self_check_experts(module, plan, tp_mesh, type(model).__name__, prefix)
     styles = _styles(module, plan, sequence_parallel, sequence)
     parallelize_module(module, tp_mesh, styles)
     for names in tied:  # (differing planned splits were refused by resolve_tp_plan; this checks the actual ones)

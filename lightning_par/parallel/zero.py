@@ -239,6 +239,9 @@ class ZeroPartitioner:
             the modules holding its parameters; ``False`` (the default): wait for all of them in
             :meth:`gather_parameters` (on NCCL that is a wait of the compute stream, not of the host: the gathers
             still overlap Lightning's host work between the steps, but not the next forward's kernels).
+        exclude: parameters the partitioner leaves alone -- not bucketed, reduced or sharded: they stay in their
+            optimizer group, stepped whole (expert parallel's experts: their gradients are averaged over their own
+            replicas, :mod:`~lightning_par.parallel.expert_parallel`).
 
     The prefetch needs every parameter to be read inside the forward of a module that holds it (``module.weight``
     in ``module.forward``: every torch layer, the project's and Hugging Face's models), and nothing to read the
@@ -293,6 +296,7 @@ class ZeroPartitioner:
         reduce_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         prefetch: bool = False,
+        exclude: Collection[nn.Parameter] = (),
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
@@ -319,7 +323,9 @@ class ZeroPartitioner:
         optimizers = list(optimizers)
         for optimizer in optimizers:
             check_partitionable(optimizer, stage)
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        left_out = {id(p) for p in exclude}
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]
+                  if p.requires_grad and id(p) not in left_out]
         self.tp_mesh = _tensor_parallel_mesh(params)
         self.shard_mesh = _shard_mesh(dp_mesh, self.tp_mesh)
         cap = max(1, int(bucket_cap_mb * 2**20))
@@ -327,9 +333,11 @@ class ZeroPartitioner:
             optimizer.state.clear()
             for group in optimizer.param_groups:
                 # the group's own order, which a plain (position-keyed) optimizer state refers to
-                self.group_params[id(group)] = [p for p in group["params"] if p.requires_grad]
+                self.group_params[id(group)] = [p for p in group["params"] if p.requires_grad
+                                                and id(p) not in left_out]
                 buckets = self._make_buckets(self.group_params[id(group)], cap)
-                group["params"] = [b.shard for b in buckets]
+                # the parameters left out stay the optimizer's own, stepped whole
+                group["params"] = [b.shard for b in buckets] + [p for p in group["params"] if id(p) in left_out]
                 self.buckets += buckets
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
@@ -925,6 +933,7 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
     forward, up to ``2 m`` gathers per block per step).
 
     ``offload``: keep the parameter shards (and the optimizer step) in host memory (FSDP2 ``CPUOffloadPolicy``).
+    ``parts.experts`` (expert parallel) are left out (FSDP2 ``ignored_params``).
     ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
     Returns the FSDP2 roots: the stage modules under pp.
     """
@@ -936,6 +945,8 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
                                   mp_policy=mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy())
     if parts.pipelined or reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = bool(reshard_after_forward)
+    if parts.experts:  # expert parallel's: split over ep, their gradients averaged over their own replicas
+        kwargs["ignored_params"] = set(parts.experts)
     shard = functools.partial(fully_shard, **kwargs)
     if not parts.pipelined:
         groups = data_parallel_groups(parts.root, found=parts.found)

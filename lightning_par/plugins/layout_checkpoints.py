@@ -29,6 +29,9 @@ from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.topology import LayoutError
 
+_NO_EXPERT_CHECKPOINTS = ("checkpoints of an expert-parallel layout (ep > 1) are not supported yet: each rank holds "
+                          "other experts and no format reassembles them yet (issue 29). Train with ep=1 to save.")
+
 
 class LayoutCheckpoints:
     """The checkpoints of ``strategy`` (a :class:`~lightning_par.strategies.engine.LayoutStrategy`), which it reads
@@ -98,8 +101,16 @@ class LayoutCheckpoints:
         return self.strategy.gradient_sync.states.optimizer_state(module, optimizer)
 
     # -- save ----------------------------------------------------------------------------------------------------
+    def check_layout(self, trainer: Trainer) -> None:
+        """At setup, on every rank alike: a layout with no checkpoint format yet is refused when the
+        Trainer would save (expert parallel: each rank holds other experts, and no format reassembles them yet)."""
+        if trainer.checkpoint_callbacks and self.strategy.layout.ep > 1:
+            raise LayoutError(_NO_EXPERT_CHECKPOINTS + " Pass Trainer(enable_checkpointing=False).")
+
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         strategy = self.strategy
+        if strategy.layout.ep > 1:  # trainer.save_checkpoint: refused on every rank alike
+            raise LayoutError(_NO_EXPERT_CHECKPOINTS)
         if strategy.lightning_module is not None and not self.guard.allow(strategy, filepath):
             return  # non-finite weights never replace the last finite checkpoint (a warning named the step)
         if not self.sharded:

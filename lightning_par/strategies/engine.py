@@ -34,6 +34,7 @@ from lightning_par.parallel import shutdown
 from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
+from lightning_par.parallel.expert_parallel import ExpertGradients
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
@@ -74,6 +75,7 @@ class LayoutStrategy(MeshStrategy):
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         zero_stage: int = 0,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
@@ -106,7 +108,7 @@ class LayoutStrategy(MeshStrategy):
             precision_plugin=precision_plugin,
         )
         self.layout = Layout(
-            dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
+            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, stage_costs=stage_costs, sequence_parallel=sequence_parallel,
             recompute=recompute, block_types=block_types, bucket_cap_mb=bucket_cap_mb,
@@ -125,12 +127,12 @@ class LayoutStrategy(MeshStrategy):
         self._runner: Runner = SingleRunner()  # the PipelineRuntime under pp > 1 (from setup)
         self._tensor_parallel: TensorParallelPlan | None = None
         self._gradient_sync: NoSync = NoSync()
-        # the model built deferred (until setup materialises this rank's share), and laid out once
-        self._construction = Construction()
+        self._construction = Construction()  # a model built deferred (until setup materialises its share), laid out
         self.pretrained: Any = None  # weights read into the shards instead of the initialisation (FromPretrained)
         self.materialized: dict[str, int] = {}  # bytes this rank materialised at setup (deferred init)
         self._context_parallel: ContextParallel | None = None  # cp > 1: the step's batch transform and context
         self._sync_fits = False  # the data-parallel owner was chosen for fitting (it holds the ZeRO-1/2 shards)
+        self._experts: ExpertGradients | None = None  # ep > 1: the expert weights, no data-parallel owner's (setup)
 
     @property
     def precision_plugin(self) -> LayoutPrecision:
@@ -224,6 +226,7 @@ class LayoutStrategy(MeshStrategy):
         self._claim()
         self._construction.adopt_pending(self.lightning_module)  # init_module(empty_init=True), no configure_model
         self.precision_plugin.convert_module(self.model)
+        self.checkpoints.check_layout(trainer)
         self.checkpoints.own_last_links(trainer)
         check_layout_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel, self.layout.zero_stage)
         # the one owner of data-parallel gradients, chosen first: its `shard` is the last transform of `parallelize`
@@ -256,7 +259,8 @@ class LayoutStrategy(MeshStrategy):
 
     def _choose_gradient_sync(self, fitting: bool) -> None:
         self._gradient_sync = choose_gradient_sync(self.layout, self.grad_mesh, fitting,
-                                                   self.precision_plugin.shard_precision(self.layout.zero_stage))
+                                                   self.precision_plugin.shard_precision(self.layout.zero_stage),
+                                                   self._experts)
         self._sync_fits = fitting
 
     def _setup_again(self, trainer: Trainer, fitting: bool) -> None:
@@ -296,10 +300,12 @@ class LayoutStrategy(MeshStrategy):
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
                                    recompute=self.layout.recompute, compile=self.compiler,
                                    parameter_device=torch.device("cpu") if self._gradient_sync.parameters_on_host
-                                   else None, cp_mesh=self.device_mesh["cp"])
+                                   else None, cp_mesh=self.device_mesh["cp"], expert_mesh=self.expert_mesh)
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._construction.take(),
                            pretrained=self.pretrained)
         self._tensor_parallel, self._context_parallel = done.tensor_parallel, done.context_parallel
+        self._experts = None if done.experts is None else ExpertGradients(done.experts, self.dims.dp * self.dims.cp)
+        self._gradient_sync.experts = self._experts  # averaged over their replicas in finalize, not by the owner
         for line in done.summary(config, len(parts.blocks), getattr(self.pretrained, "path", None)):
             rank_zero_info(line)
         self.materialized = done.stats

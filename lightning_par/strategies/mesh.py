@@ -29,7 +29,7 @@ from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_availabl
 from lightning_par.elastic import layouts_for
 from lightning_par.parallel import shutdown
 from lightning_par.parallel.layout import Layout
-from lightning_par.topology import LayoutError, ParallelDims, build_device_mesh, gradient_mesh
+from lightning_par.topology import LayoutError, ParallelDims, build_device_mesh, build_expert_mesh, gradient_mesh
 
 
 class MeshStrategy(ParallelStrategy):
@@ -45,6 +45,7 @@ class MeshStrategy(ParallelStrategy):
         self._dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
         self._grad_mesh: DeviceMesh | None = None
+        self._expert_mesh: DeviceMesh | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -96,6 +97,12 @@ class MeshStrategy(ParallelStrategy):
         return self._grad_mesh
 
     @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The mesh of expert parallel (``ep``, ``expert_dp``; :func:`~lightning_par.topology.build_expert_mesh`),
+        None when ep = 1."""
+        return self._expert_mesh
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # By data-parallel rank, not global rank: every TP/PP rank of one replica must see the same batch.
         return {"num_replicas": self.dims.dp, "rank": self.coordinates["dp"]}
@@ -140,6 +147,7 @@ class MeshStrategy(ParallelStrategy):
     def _build_mesh(self) -> None:
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
         self._grad_mesh = None
+        self._expert_mesh = build_expert_mesh(self.dims, self.root_device.type) if self.dims.ep > 1 else None
 
     def _agree_on_rng_state(self) -> None:
         """Every rank continues from global rank 0's RNG state, as ``seed_everything`` would leave them: a model that

@@ -22,6 +22,12 @@ OPTIONS = """
             chunks i and 2cp-1-i of 2cp), attention runs over the whole sequence (keys and values all-gathered),
             the model gets global ``position_ids``, the loss is the token mean of the whole batch and gradients are
             averaged over dp x cp. The sequence length must divide by 2 * cp (see docs/context-parallel.md).
+        ep: expert-parallel size: each mixture-of-experts layer's experts are split over ``ep`` of the dp x cp
+            ranks (``ep`` divides dp x cp and the experts), tokens are sent to the rank holding their expert and
+            back with all-to-all (dropless: routing as one process), and expert gradients are averaged over the
+            ranks holding the same experts (``lightning_par.parallel.expert_parallel``). So far with ZeRO 0-3 (the
+            experts held whole beside the sharded weights), cp, and tp under ZeRO-1/2; without pp, sequence
+            parallel, offload or checkpoints.
         zero_stage: ZeRO stage across data parallel: 0 replicas, gradients all-reduced (DDP); 1 optimizer states
             sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.

@@ -77,6 +77,9 @@ class ZeroStrategy(LayoutStrategy):
 
     The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s.
 
+    ``ep``: expert parallel for a mixture-of-experts model, each layer's experts split over ep of the ranks
+    (without offload, so far).
+
     Example::
 
         Trainer(accelerator="cpu", devices=4, strategy=ZeroStrategy(stage=0))
@@ -85,7 +88,7 @@ class ZeroStrategy(LayoutStrategy):
 
     strategy_name = "zero"
 
-    @engine_options(*ZERO_OPTIONS, *RUN_OPTIONS)
+    @engine_options("ep", *ZERO_OPTIONS, *RUN_OPTIONS)
     def __init__(self, stage: int = 0, **options: Any) -> None:
         super().__init__(dp="auto", tp=1, pp=1, zero_stage=stage, **options)
 
@@ -99,6 +102,7 @@ class ZeroStrategy(LayoutStrategy):
         presets.update({f"zero{stage}": {"stage": stage} for stage in SUPPORTED_ZERO_STAGES})
         presets.update({f"zero{stage}_offload": {"stage": stage, "offload_optimizer": True} for stage in (1, 2)})
         presets["zero3_offload"] = {"stage": 3, "offload_optimizer": True, "offload_parameters": True}
+        presets.update({f"zero0_ep{ep}": {"stage": 0, "ep": ep} for ep in (2, 4)})  # expert parallel, ZeRO-0
         _register(cls, strategy_registry, presets)
 
 
@@ -109,10 +113,12 @@ class MegatronTPStrategy(LayoutStrategy):
     ``"rowwise"``, ``"vocab_parallel"``, ...; a ``transformers`` model's own published plan works unchanged) and
     the engine applies it with DTensor. Attention q/k/v and MLP gate/up are column-parallel, the output projections
     row-parallel; heads and key/value heads are divided over the tp ranks (attention must reshape with the local
-    head count); a fused q|k|v ``nn.Linear`` is ``"packed_colwise:3"``. A plan under which a block computes another
-    function is refused at setup by a self-check (docs/tensor-parallel.md). A ``"vocab_parallel"`` head keeps the
-    logits split over the vocabulary and the cross-entropy runs on the shards. Per transformer block and step, on
-    the tp group (b batch, s sequence, h hidden; activations in elements):
+    head count); a fused q|k|v ``nn.Linear`` is ``"packed_colwise:3"``; a mixture-of-experts layer's experts
+    (transformers' ``"moe_tp_experts"`` with its 3-D expert weights) have each expert's intermediate features
+    split. A plan under which a block computes another function is refused at setup by a self-check
+    (docs/tensor-parallel.md). A ``"vocab_parallel"`` head keeps the logits split over the vocabulary and the
+    cross-entropy runs on the shards. Per transformer block and step, on the tp group (b batch, s sequence, h hidden;
+    activations in elements):
 
     ================== =================================== ===================================== =================
     sequence_parallel  forward                             backward                              norm activations

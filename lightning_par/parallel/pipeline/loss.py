@@ -112,4 +112,15 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
             "`loss_fn(outputs, targets)` (the loss of one micro-batch) and get the step's loss from "
             "`compute_loss(batch)` (default: `self.loss_fn(self(inputs), targets)`), as "
             "lightning_par.examples.GPTLightningModule does.")
+    config = getattr(model, "config", None)
+    coefficient = getattr(config, "router_aux_loss_coef", 0) if getattr(config, "output_router_logits", False) else 0
+    if coefficient:
+        # the model's `.loss` adds a term of all layers' router logits, which live on different stages: the last
+        # stage computing the language-model loss alone would train another function than one process does
+        raise LayoutError(
+            f"pipeline parallel (pp={pp}): {type(model).__name__} adds its routers' load-balancing loss to its "
+            f"`.loss` (config.output_router_logits=True, router_aux_loss_coef={coefficient}), from the router "
+            "logits of all its layers, which live on different stages; the last stage computes the language-model "
+            "loss alone. Set config.router_aux_loss_coef=0 (or output_router_logits=False) to train under pp, or "
+            "train with the load-balancing loss without pp (tp, ZeRO).")
     return None

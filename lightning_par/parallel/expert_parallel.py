@@ -1,0 +1,178 @@
+"""Expert parallel: each mixture-of-experts layer's experts split over ``ep`` ranks, tokens sent to them and back.
+
+The ``ep`` ranks of a group are data-parallel ranks (:func:`~lightning_par.topology.build_expert_mesh`): they hold
+different tokens and the same non-expert weights, and split each layer's experts -- rank r keeps experts
+``[r E/ep, (r+1) E/ep)``, the expert weights becoming DTensors ``Shard(0)`` over the ``ep`` mesh (a deferred model
+materialises only that slice, :mod:`~lightning_par.parallel.materialize`; the global gradient norm counts each
+expert once, :mod:`~lightning_par.parallel.grad_norm`). In the forward, every rank routes its own tokens exactly as
+one process would, groups them by expert, and :class:`TokenExchange` sends each group to the rank holding its
+expert (``all_to_all_single`` with the counts exchanged first: variable splits, nothing dropped), runs the local
+experts there and sends the outputs back, with autograd through both exchanges; the layer then combines them with
+its routing weights. This is Megatron-Core's all-to-all token dispatcher and torchtitan's expert parallel.
+
+A layer takes part by declaring (the example :class:`~lightning_par.examples.moe.MoEFeedForward`):
+
+* ``num_experts`` and ``expert_parameters``: the names of its parameters stacked over the experts on dimension 0;
+* ``experts(tokens, counts)``: the experts it holds on tokens grouped by expert (``counts`` per held expert);
+* ``token_exchange``: None, or what this transform sets, called as ``token_exchange(tokens, counts, experts)``
+  with tokens grouped by global expert.
+
+Gradients: a rank's expert gradient sums what the tokens of its whole ep group contributed;
+:class:`ExpertGradients` (run by :func:`~lightning_par.parallel.finalize.finalize`, after the data-parallel owner)
+sums it over the ranks holding the same experts (``expert_dp``) and divides by dp x cp, so it is the average over
+every data-parallel rank's loss, as the non-expert gradients are. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_par._compat import all_to_all_single_autograd, foreach_mul_
+from lightning_par.topology import LayoutError
+
+#: what a layer declares to take part (see the module docstring)
+EXPERT_LAYER_ATTRIBUTES = ("num_experts", "expert_parameters", "experts", "token_exchange")
+
+
+def expert_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The modules inside ``module`` that declare experts, by name."""
+    return {name: m for name, m in module.named_modules()
+            if all(hasattr(m, attribute) for attribute in EXPERT_LAYER_ATTRIBUTES)}
+
+
+def check_expert_parallel(module: nn.Module, ep: int) -> dict[str, nn.Module]:
+    """The expert layers of ``module``, or a :class:`LayoutError` naming the layer and the fix when ``ep`` cannot
+    split them: no expert layer at all, experts not divisible by ``ep``, a declared parameter that is not stacked over
+    the experts. Arithmetic on shapes only (meta tensors too): every rank refuses alike, before any collective."""
+    layers = expert_layers(module)
+    if not layers:
+        raise LayoutError(
+            f"ep={ep} but {type(module).__name__} has no expert layers: expert parallel splits mixture-of-experts "
+            f"layers, found by the attributes {', '.join(EXPERT_LAYER_ATTRIBUTES)} (see "
+            "lightning_par.examples.moe.MoEFeedForward). Use ep=1 for a dense model.")
+    for name, layer in layers.items():
+        experts = layer.num_experts
+        if experts % ep:
+            allowed = [n for n in range(1, experts + 1) if experts % n == 0]
+            raise LayoutError(f"{name} has {experts} experts, which ep={ep} does not divide: every ep rank holds "
+                              f"the same number of them. Use ep in {allowed}.")
+        for pname in layer.expert_parameters:
+            param = getattr(layer, pname, None)
+            if not isinstance(param, nn.Parameter) or param.dim() == 0 or param.shape[0] != experts:
+                shape = tuple(param.shape) if isinstance(param, Tensor) else type(param).__name__
+                raise LayoutError(f"{name}.{pname} is declared in expert_parameters but is not a parameter stacked "
+                                  f"over the {experts} experts on dimension 0 (it is {shape}): list only those.")
+    return layers
+
+
+class TokenExchange:
+    """A layer's ``token_exchange`` under expert parallel: tokens grouped by global expert to the ranks holding
+    them, the local experts run there, outputs back in the tokens' order; differentiable."""
+
+    def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
+        self.group = mesh.get_group()
+        self.ranks = mesh.size()
+        self.local_experts = num_experts // self.ranks
+
+    def __call__(self, tokens: Tensor, counts: list[int], experts: Callable[[Tensor, list[int]], Tensor]) -> Tensor:
+        ranks, local = self.ranks, self.local_experts
+        # the counts first: how many tokens each rank sends this rank for each of its experts ([source, expert])
+        sent = torch.tensor(counts, dtype=torch.int64, device=tokens.device)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.group)
+        by_source = received.view(ranks, local).tolist()
+        send_splits = sent.view(ranks, local).sum(dim=1).tolist()
+        recv_splits = [sum(row) for row in by_source]
+        # (each result waits for its collective when first used)
+        arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
+        # arrived in (source, expert) order; the experts take them in (expert, source) order
+        order = _regroup(by_source, tokens.device)
+        out = experts(arrived[order], [sum(row[i] for row in by_source) for i in range(local)])
+        back = out[torch.argsort(order)]
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+
+def _regroup(counts: list[list[int]], device: torch.device) -> Tensor:
+    """The row order that turns blocks laid out ``[source][expert]`` (``counts[s][e]`` rows each) into
+    ``[expert][source]``."""
+    starts, at = [], 0
+    for row in counts:
+        starts.append([])
+        for n in row:
+            starts[-1].append(at)
+            at += n
+    pieces = [torch.arange(starts[s][e], starts[s][e] + counts[s][e], device=device)
+              for e in range(len(counts[0])) for s in range(len(counts))]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+@dataclass
+class ExpertParallel:
+    """What :func:`apply_expert_parallel` did: the layers, their expert parameters (DTensors split over ``ep``)."""
+
+    layers: dict[str, nn.Module]
+    parameters: list[nn.Parameter]
+    mesh: DeviceMesh  # the expert mesh (topology.build_expert_mesh)
+
+    def describe(self) -> str:
+        local = sum(p.to_local().numel() for p in self.parameters)
+        total = sum(p.numel() for p in self.parameters)
+        return (f"expert parallel over ep={self.mesh['ep'].size()}: {len(self.layers)} expert layers, "
+                f"{local}/{total} expert parameters on each rank, tokens exchanged by all_to_all, expert gradients "
+                f"averaged over expert_dp={self.mesh['expert_dp'].size()}")
+
+
+def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh) -> ExpertParallel:
+    """Split every expert layer of ``module`` over ``mesh["ep"]`` in place (meta tensors too: the slice is then
+    what a deferred model materialises) and set its ``token_exchange``."""
+    ep_mesh = mesh["ep"]
+    layers = check_expert_parallel(module, ep_mesh.size())
+    rank, params = ep_mesh.get_local_rank(), []
+    for layer in layers.values():
+        held = layer.num_experts // ep_mesh.size()
+        for pname in layer.expert_parameters:
+            full = getattr(layer, pname)
+            # under tensor parallel a weight outside the plan is already replicated over tp: split over (ep, tp)
+            on_tp = isinstance(full, DTensor)
+            whole = full.to_local() if on_tp else full
+            piece = whole.detach()[rank * held:(rank + 1) * held].clone()
+            split = DTensor.from_local(piece, mesh["ep", "tp"] if on_tp else ep_mesh,
+                                       [Shard(0), Replicate()] if on_tp else [Shard(0)], run_check=False,
+                                       shape=full.shape, stride=full.stride())
+            param = nn.Parameter(split, requires_grad=full.requires_grad)
+            setattr(layer, pname, param)
+            params.append(param)
+        layer.token_exchange = TokenExchange(ep_mesh, layer.num_experts)
+    return ExpertParallel(layers=layers, parameters=params, mesh=mesh)
+
+
+class ExpertGradients:
+    """The expert weights' share of :func:`~lightning_par.parallel.finalize.finalize`: each expert gradient summed
+    over the ranks holding that expert (``expert_dp``) and divided by the data-parallel ranks (dp x cp), in one
+    flat all-reduce; the data-parallel owner leaves these parameters out."""
+
+    def __init__(self, experts: ExpertParallel, data_parallel: int) -> None:
+        self.parameters = experts.parameters
+        replicas = experts.mesh["expert_dp"]
+        self.group = replicas.get_group() if replicas.size() > 1 else None
+        self.scale = 1.0 / data_parallel
+
+    def finish(self) -> None:
+        grads = [p.grad.to_local() for p in self.parameters if p.grad is not None]
+        if not grads:
+            return
+        if self.group is None:
+            foreach_mul_(grads, self.scale)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat.mul_(self.scale)
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))

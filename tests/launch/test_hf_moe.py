@@ -1,0 +1,252 @@
+"""Hugging Face mixture-of-experts models under the layouts without expert parallelism (issue 29, first slice).
+
+(a) tp2 from the model's own published plan -- ``packed_colwise`` on the fused expert gate|up weights, ``rowwise`` on
+    down, ``moe_tp_experts`` on the experts module -- through ``Trainer.fit``, per-step losses within 1e-5 of one
+    process, plain SGD and AdamW, with the router's load-balancing loss off and on (the model computes it from all
+    layers' router logits of the whole batch; tp does not split tokens, so it must match exactly). ZeRO-3 over dp2
+    and a 2-stage 1F1B pipeline on the same tiny models, at parity too (load-balancing loss off); on 4 ranks (full
+    set), dp2 x tp2 and tp2 x pp2; and tp2 resumed from its checkpoint in a new Trainer after 3 of the 6 steps
+    (full set). All in launches of ``tests/launch/hf_moe.py``, one per rank count: the default
+    set's one launch (2 ranks) runs two fits, the refusals and the styles alone (each published plan of qwen3_moe,
+    mixtral, deepseek_v3, qwen2_moe and olmoe applied without Lightning: one step's loss, every gradient and the
+    gradient norm against one process, each rank's slices of the experts, the DCP checkpoint; a user's plain PyTorch
+    MoE, and the experts self-check); the full set adds the other fits.
+(b) In this process: the resolved plans of qwen3_moe, qwen2_moe, mixtral, olmoe and deepseek_v3 at tp2, and the
+    refusals of what ``moe_tp_experts`` cannot split exactly, each naming the module, the style and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_par import LayoutError
+from lightning_par.parallel.tensor_parallel import check_layout_plan, planned_split_dim, resolve_tp_plan
+from tests.conftest import full_run
+from tests.harness import launch_matrix, max_rel_diff
+from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_config
+
+transformers = pytest.importorskip("transformers")
+
+PARITY_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, cache_dir, request):
+    """``results(world)``: the cases of this run on ``world`` ranks (the default set: those not marked ``full``), in
+    one launch on first use; the 2-rank launch also runs the refusals and the styles alone."""
+    full = full_run(request.config)
+    out: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in out:
+            names = [n for n, case in CASES.items() if case.world == world and (full or not case.full)]
+            extra = ["--errors", *ERROR_CASES, "--styles"] if world == 2 else []
+            root = tmp_path_factory.mktemp(f"hf_moe_{world}")
+            path = root / "results.json"
+            run = launch_matrix(root, cache_dir, "tests.launch.hf_moe", ["--out", str(path), "--cases", *names, *extra],
+                                nproc=world, timeout=900).check()
+            print(f"hf_moe on {world} ranks: {len(names)} fits{' + the refusals and styles' if extra else ''} in "
+                  f"{run.seconds:.1f} s")
+            out[world] = json.loads(path.read_text())
+        return out[world]
+
+    return get
+
+
+# -- (a) parity with one process ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.launch(ranks=c.world, full=c.full))
+                                  for n, c in CASES.items()])
+def test_moe_model_trains_as_one_process(results, name):
+    case = CASES[name]
+    result = results(case.world)[name]
+    diff = max_rel_diff(result["fit"], result["reference"])
+    print(f"{name}: max relative per-step loss difference {diff:.2e} over {STEPS} steps "
+          f"({result['reference'][0]:.3f} -> {result['reference'][-1]:.3f}), {result['seconds']:.1f} s; "
+          f"load-balancing term {result['aux_terms'][0]:.4f}; experts on rank 0: {result['placements'][0]}")
+    assert len(result["fit"]) == STEPS and diff <= PARITY_RTOL
+    assert result["reference"][-1] < result["reference"][0] - 1.0, "the model must learn for parity to mean much"
+    if case.aux:  # the load-balancing term is in the loss, far above the tolerance
+        assert min(result["aux_terms"]) > 1e3 * PARITY_RTOL * max(result["reference"])
+    if "tp" in case.layout and not case.resume:  # each rank its slice of every expert: gate|up packed, down by input
+        assert len(result["placements"]) == case.world
+        for rank, held in enumerate(result["placements"]):
+            # (with dp2, FSDP2's replicas add a Replicate() over dp before the tp placement)
+            assert "_StridedShard(dim=1, sf=2)" in held["gate_up_proj"], (rank, held)
+            assert held["gate_up_proj"].endswith(" local (4, 32, 64) of (4, 64, 64)"), (rank, held)
+            assert "Shard(dim=2)" in held["down_proj"] and "_StridedShard" not in held["down_proj"], (rank, held)
+            assert held["down_proj"].endswith(" local (4, 64, 16) of (4, 64, 32)"), (rank, held)
+
+
+@pytest.mark.launch(ranks=2)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_published_moe_plan_gives_one_process_gradients(results, arch):
+    """``apply_tensor_parallel`` alone on 2 ranks, one step with the load-balancing loss on (DeepSeek-V3 routes without
+    one): the loss, every gradient and the global gradient norm against one process, each rank's slices of the
+    experts, and the DCP checkpoint as one process's state dict."""
+    for rank, applied in enumerate(results(2)["styles"]):
+        got = applied[arch]
+        print(f"{arch} rank {rank}: loss {got['loss_rel']:.1e}, worst gradient {got['grad_rel']:.1e} ({got['worst']}), "
+              f"gradient norm {got['norm_rel']:.1e}")
+        assert got["loss_rel"] <= PARITY_RTOL and got["grad_rel"] <= PARITY_RTOL
+        assert got["all_dtensors"] and got["norm_rel"] <= PARITY_RTOL  # the global gradient norm of one process
+        assert got["checkpoint_equal"]  # DCP holds the one-process tensors: any layout, or one process, reads it
+        # rank r: rows [r*I/2, (r+1)*I/2) of gate and the same of up; the same columns of down
+        assert got["gate_up_slices"] and got["down_slices"]
+        assert got["aux"] == (arch != "deepseek_v3")
+
+
+@pytest.mark.launch(ranks=2)
+def test_experts_of_a_users_moe_are_self_checked_at_setup(results):
+    """A plain PyTorch MoE declaring transformers' plan: its experts match one process; experts that squash their
+    output after down would not be a sum of the ranks' slices, and the self-check at setup refuses them by name."""
+    for applied in results(2)["styles"]:
+        got = applied["user_experts"]
+        print(f"user's experts: worst gradient {got['grad_rel']:.1e}; squashed: {got['squashed_error']}")
+        assert got["grad_rel"] <= PARITY_RTOL
+        assert got["squashed_error"].startswith(
+            "UserMoE.experts (SquashedExperts) computes another function (largest difference from the unsplit module")
+        assert "when 'moe_tp_experts' splits it over tp=2" in got["squashed_error"]
+
+
+@pytest.mark.launch(ranks=2)
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_a_refused_moe_layout_is_one_error_on_every_rank(results, name):
+    """Refused at setup before any collective: the same LayoutError on both ranks, not followed by another (the
+    teardown of a model still on the meta device raised "Cannot copy out of meta tensor" over it once). The packed
+    experts under ZeRO-1; the load-balancing loss under pp (the last stage would compute the language-model loss
+    alone: another function than one process)."""
+    errors = results(2)[name]["errors"]
+    _, _, expected = ERROR_CASES[name]
+    assert len(errors) == 2
+    for error in errors:
+        assert error.startswith(expected), error
+        assert "[chained" not in error and "meta" not in error, error
+
+
+# -- (b) plans and refusals, in this process ------------------------------------------------------------------------
+def _model(arch: str):
+    return getattr(transformers, ARCHS[arch])(moe_config(arch, aux=False))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_published_moe_plans_resolve(arch):
+    model = _model(arch)
+    plan = resolve_tp_plan(model, 2)
+    experts = "model.layers.1.mlp.experts"
+    assert plan[experts] == "moe_tp_experts:gate_up_proj=packed_colwise,down_proj=rowwise"
+    assert plan["model.layers.1.mlp.gate"] == "replicate"  # the router: every rank routes every token
+    assert not any(name.endswith(("gate_up_proj", "down_proj")) and name.startswith(experts) for name in plan)
+    # the planner's view of each expert parameter: the dimension tp splits
+    module = model.get_submodule(experts)
+    assert planned_split_dim(plan[experts], module, "gate_up_proj") == 1
+    assert planned_split_dim(plan[experts], module, "down_proj") == 2
+    if arch == "deepseek_v3":  # a dense first layer, the shared experts a Megatron MLP, MLA attention replicated
+        assert plan["model.layers.0.mlp.gate_proj"] == plan["model.layers.1.mlp.shared_experts.up_proj"] == "colwise"
+        assert plan["model.layers.1.mlp.shared_experts"] == "block_input"
+        assert plan["model.layers.1.self_attn.q_a_proj"] == "replicate"
+
+
+class _Experts(nn.Module):
+    """An experts module as transformers writes one, with knobs for what cannot be split."""
+
+    def __init__(self, bias: bool = False, dims: int = 3):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(4, 36, 32) if dims == 3 else torch.zeros(36, 32))
+        self.down_proj = nn.Parameter(torch.zeros(4, 32, 32))
+        if bias:
+            self.down_proj_bias = nn.Parameter(torch.zeros(4, 32))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+class _NoWeights(_Experts):
+    def forward(self, hidden_states, top_k_index):
+        return hidden_states
+
+
+class _MoE(nn.Module):
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.experts = experts
+
+
+class _Tiny(nn.Module):
+    tp_plan = {"layers.*.experts.gate_up_proj": "packed_colwise", "layers.*.experts.down_proj": "rowwise",
+               "layers.*.experts": "moe_tp_experts"}
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList([_MoE(experts)])
+
+
+@pytest.mark.parametrize(
+    "experts,plan,tp,match",
+    [
+        (_Experts(bias=True), {}, 2,
+         r"layers.0.experts \(_Experts\) is planned 'moe_tp_experts'.*its 'down_proj_bias' has no split in the plan "
+         r"\(it would be counted 2 times\). Plan every parameter"),
+        (_Experts(dims=2), {}, 2, r"layers.0.experts.gate_up_proj has shape \(36, 32\), but 'moe_tp_experts' "
+                                  r"splits expert parameters of shape \[experts, out, in\]"),
+        (_Experts(), {}, 4, r"layers.0.experts.gate_up_proj: dimension 1 is 36, which 'packed_colwise' cannot cut "
+                            r"into 8 equal slices \(2 parts x tp=4\)"),
+        (_NoWeights(), {}, 2, r"layers.0.experts \(_NoWeights\): its forward takes no routing weights"),
+        (_Experts(), {"layers.*.experts": "replicate"}, 2,
+         r"splits the parameter layers.0.experts.gate_up_proj \('packed_colwise'\), but its module layers.0.experts "
+         r"is planned 'replicate': lightning-par splits a bare parameter only inside a module planned "
+         r"'moe_tp_experts'"),
+        (_Experts(), {"layers.*.experts.down_proj": "vocab_parallel"}, 2,
+         r"down_proj is planned 'vocab_parallel', which lightning-par does not apply to an expert parameter: use one "
+         r"of packed_colwise, colwise, rowwise"),
+    ],
+)
+def test_experts_that_cannot_be_split_exactly_are_refused(experts, plan, tp, match):
+    model = _Tiny(experts)
+    model.tp_plan = {**_Tiny.tp_plan, **plan}
+    with pytest.raises(LayoutError, match=match):
+        resolve_tp_plan(model, tp)
+
+
+def test_transposed_or_interleaved_expert_weights_are_refused():
+    experts = _Experts()
+    experts.is_transposed = True
+    with pytest.raises(LayoutError, match=r"stores its expert weights transposed, which 'moe_tp_experts' does not "
+                                          r"split.*Remove its entries from the tp plan"):
+        resolve_tp_plan(_Tiny(experts), 2)
+    experts = _Experts()
+    experts.is_concatenated = False
+    with pytest.raises(LayoutError, match=r"with gate and up interleaved"):
+        resolve_tp_plan(_Tiny(experts), 2)
+
+
+def test_an_unknown_style_lists_the_styles_lightning_par_applies():
+    model = _Tiny(_Experts())
+    model.tp_plan = {**_Tiny.tp_plan, "layers.*.experts": "ep_dispatch_experts"}
+    with pytest.raises(LayoutError, match=r"'ep_dispatch_experts' is not a style lightning-par applies; use one of: "
+                                          r"colwise, packed_colwise, .*replicated_with_grad_allreduce, "
+                                          r"moe_tp_experts"):
+        resolve_tp_plan(model, 2)
+
+
+def test_packed_experts_with_zero_are_refused_with_a_fix_for_experts():
+    with pytest.raises(LayoutError, match=r"model.layers.0.mlp.experts is planned 'moe_tp_experts:gate_up_proj="
+                                          r"packed_colwise,down_proj=rowwise', which zero_stage=3 cannot shard yet.*"
+                                          r"Use zero_stage=0 \(data-parallel replicas\), or ZeRO without tp"):
+        check_layout_plan(_model("qwen3_moe"), 2, False, 3)
+
+
+def test_a_router_planned_replicated_with_grad_allreduce_is_refused():
+    """Every rank routes every token: the router's gradient is whole on every rank (the routing weights' gradient is
+    summed over tp by moe_tp_experts), so summing it again would multiply it by tp. A q/k norm inside attention keeps
+    the style (Qwen3-MoE's own plan)."""
+    model = _model("qwen3_moe")
+    assert resolve_tp_plan(model, 2)["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate": "replicated_with_grad_allreduce"}
+    with pytest.raises(LayoutError, match=r"Qwen3MoeForCausalLM.model.layers.0.mlp.gate \(Qwen3MoeTopKRouter\) is "
+                                          r"planned 'replicated_with_grad_allreduce'.*the sum would multiply it by 2. "
+                                          r"Plan it 'replicate'"):
+        resolve_tp_plan(model, 2)

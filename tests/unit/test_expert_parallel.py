@@ -1,0 +1,134 @@
+"""The example MoE GPT, ``ep`` in the layout and expert parallel's refusals (one process; the multi-rank parity is
+tests/launch/test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_par import Layout, LayoutError, LayoutStrategy, ParallelDims, ZeroStrategy
+from lightning_par.examples import GPT, GPT_PRESETS, MOE_PRESETS, MoEConfig, MoEGPT
+from lightning_par.parallel.expert_parallel import _regroup, check_expert_parallel, expert_layers
+from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
+from lightning_par.parallel.parts import split
+from lightning_par.plugins.layout_checkpoints import LayoutCheckpoints
+
+
+def moe(**overrides) -> MoEGPT:
+    torch.manual_seed(0)
+    return MoEGPT(MoEConfig(**{**vars(MOE_PRESETS["tiny"]), **overrides}))
+
+
+# -- ep in the layout ------------------------------------------------------------------------------------------------
+def test_ep_groups_are_consecutive_data_parallel_ranks():
+    dims = ParallelDims.resolve(8, dp=4, tp=2, ep=2)
+    assert dims.expert_dp == 2
+    assert dims.expert_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # dp neighbours, one tp coordinate
+    assert dims.expert_groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "experts over ep=2" in dims.describe() and "expert_dp groups: [0, 4]" in dims.rank_table()
+    with_cp = ParallelDims.resolve(4, dp=1, cp=4, ep=2)  # carved from dp x cp
+    assert with_cp.expert_groups("ep") == [[0, 1], [2, 3]] and with_cp.expert_groups("expert_dp") == [[0, 2], [1, 3]]
+    plain = ParallelDims.resolve(8, tp=2)
+    assert plain.ep == 1 and "ep" not in plain.describe() and "ep groups" not in plain.rank_table()
+
+
+@pytest.mark.parametrize("world,kwargs,match", [
+    (6, dict(ep=4), r"ep=4 does not divide dp=6: .*Choose an ep that divides 6"),
+    (8, dict(cp=2, ep=3), r"ep=3 does not divide dp=4 x cp=2 = 8"),
+])
+def test_an_ep_that_does_not_divide_dp_x_cp_is_refused(world, kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        ParallelDims.resolve(world, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    (dict(tp=2), "tp=2"), (dict(tp=2, zero_stage=3), "tp=2"), (dict(pp=2), "pp=2"),
+    (dict(zero_stage=1, offload_optimizer=True), "offload_optimizer=True"),
+    (dict(tp=2, zero_stage=1, sequence_parallel=True), "sequence_parallel=True"),
+    (dict(ep=0), None),
+])
+def test_expert_parallel_refuses_what_it_does_not_compose_with_yet(kwargs, named):
+    if named is None:
+        with pytest.raises(LayoutError, match="ep=0 is not a valid size"):
+            Layout(**kwargs)
+        return
+    with pytest.raises(LayoutError, match=rf"ep=2 with {named} is not supported yet.*ZeRO 0-3.*tp under zero_stage "
+                                          r"1 or 2.*or change"):
+        Layout(ep=2, **kwargs)
+
+
+def test_the_ep_option_and_its_names():
+    assert ZeroStrategy(stage=0, ep=2).layout.ep == 2 and LayoutStrategy(ep=4).layout.ep == 4
+    assert LayoutStrategy(cp=2, ep=2).layout.cp == 2  # experts over the cp ranks of a replica
+    assert ZeroStrategy(stage=3, ep=2).layout.zero_stage == 3  # the other weights' ZeRO beside the experts
+    assert LayoutStrategy(tp=2, ep=2, zero_stage=1).layout.tp == 2  # attention over tp, experts over ep
+    assert Layout(ep=2).shards_parameters  # a model built in configure_model materialises only its experts
+    assert not Layout().shards_parameters
+    strategy = Trainer(accelerator="cpu", devices=2, strategy="zero0_ep2", logger=False).strategy
+    assert isinstance(strategy, ZeroStrategy) and strategy.layout.ep == 2 and strategy.dims.expert_dp == 1
+    with pytest.raises(LayoutError, match="ep=4 does not divide dp=2"):
+        Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(ep=4), logger=False)
+
+
+# -- expert parallel's refusals, before any collective -----------------------------------------------------------------
+def test_a_model_without_experts_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(LayoutError, match=r"ep=2 but GPT has no expert layers.*MoEFeedForward.*ep=1"):
+        check_expert_parallel(GPT(GPT_PRESETS["tiny"]), 2)
+
+
+def test_experts_that_ep_does_not_divide_are_refused_naming_the_layer():
+    with pytest.raises(LayoutError, match=r"layers\.0\.mlp has 4 experts, which ep=3 does not divide.*\[1, 2, 4\]"):
+        check_expert_parallel(moe(), 3)
+    assert list(check_expert_parallel(moe(), 4)) == ["layers.0.mlp", "layers.1.mlp"]
+
+
+def test_a_declared_parameter_not_stacked_over_the_experts_is_refused():
+    model = moe()
+    for layer in expert_layers(model).values():
+        layer.expert_parameters = ("w_gate", "router")
+    with pytest.raises(LayoutError, match=r"layers\.0\.mlp\.router is declared in expert_parameters but is not"):
+        check_expert_parallel(model, 2)
+
+
+class NoCollectives:
+    """A mesh of 2 ranks whose process group must never be asked for."""
+
+    def __getitem__(self, name):
+        return self
+
+    def size(self) -> int:
+        return 2
+
+    def get_group(self):
+        raise AssertionError("a collective was reached before the refusal")
+
+
+def test_parallelize_refuses_a_dense_model_before_any_collective():
+    torch.manual_seed(0)
+    mesh = NoCollectives()
+    parts = split(GPT(GPT_PRESETS["tiny"]), need_blocks=False)
+    config = ParallelizeConfig(device=torch.device("cpu"), dp_mesh=mesh, tp_mesh=mesh, expert_mesh=mesh)
+    with pytest.raises(LayoutError, match="has no expert layers"):
+        parallelize(parts, config, shard=lambda p: p.stages)
+
+
+def test_a_trainer_that_would_save_checkpoints_is_refused_at_setup():
+    checkpoints = LayoutCheckpoints(SimpleNamespace(layout=Layout(ep=2)))
+    with pytest.raises(LayoutError, match=r"expert-parallel layout \(ep > 1\) are not supported yet.*"
+                                          r"enable_checkpointing=False"):
+        checkpoints.check_layout(SimpleNamespace(checkpoint_callbacks=[object()]))
+    checkpoints.check_layout(SimpleNamespace(checkpoint_callbacks=[]))
+    LayoutCheckpoints(SimpleNamespace(layout=Layout())).check_layout(SimpleNamespace(checkpoint_callbacks=[object()]))
+
+
+def test_arrived_tokens_are_regrouped_by_expert_then_source():
+    # 2 sources x 2 local experts: source 0 sent 2 rows for expert 0 and 1 for expert 1; source 1: 0 and 3
+    order = _regroup([[2, 1], [0, 3]], torch.device("cpu"))
+    assert order.tolist() == [0, 1, 2, 3, 4, 5]  # [s0e0 s0e0 | s1e0 (none)] then [s0e1 | s1e1 x3]
+    order = _regroup([[1, 2], [3, 1]], torch.device("cpu"))
+    # arrived: s0e0 [0], s0e1 [1, 2], s1e0 [3, 4, 5], s1e1 [6]; by expert: e0 (s0, s1), e1 (s0, s1)
+    assert order.tolist() == [0, 3, 4, 5, 1, 2, 6]
