@@ -282,6 +282,23 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+def every_ranks_error(call: Callable[[], object]) -> list[str]:
+    """Run ``call`` on every rank of the default group and gather what each raised: ``"Type: message"``, with
+    ``[chained: Type: message]`` when it was raised from another exception (a refusal must be one clear error),
+    or ``"no error"``. A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    error = "no error"
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
+        chained = err.__cause__ or err.__context__
+        error = f"{type(err).__name__}: {err}" + (f" [chained: {type(chained).__name__}: {chained}]" if chained else "")
+    errors: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
+
+
 def close_process_group() -> None:
     """End a worker's process group: collect the DDP / FSDP2 objects that still hold it (often in reference cycles)
     and let every rank finish first -- a gloo thread that outlives its group aborts the process at exit ("terminate

@@ -17,6 +17,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from tests.harness import close_process_group
+from tests.harness import close_process_group, every_ranks_error
 from tests.launch.pipeline_any_model import corpus_blocks
 
 SEED = 1234
@@ -407,15 +408,7 @@ def main() -> None:
             print(f"{name}: {seconds:.1f} s, losses {losses[:3]} vs {ref['losses'][:3]}", flush=True)
     for name in args.errors:
         case, layout, _ = ERROR_CASES[name]
-        error = "no error"
-        try:
-            fit(case, rows[:BATCH], root / name, layout, heartbeat=False)
-        except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
-            chained = err.__cause__ or err.__context__
-            error = f"{type(err).__name__}: {err}" + (f" [chained: {type(chained).__name__}: {chained}]"
-                                                     if chained else "")
-        errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error)
+        errors = every_ranks_error(partial(fit, case, rows[:BATCH], root / name, layout, heartbeat=False))
         if rank == 0:
             results[name] = {"errors": errors}
             print(f"{name}: {errors[0][:200]}", flush=True)

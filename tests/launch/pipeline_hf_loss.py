@@ -17,6 +17,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import close_process_group
+from tests.harness import close_process_group, every_ranks_error
 from tests.launch.pipeline_any_model import corpus_blocks
 
 SEED = 1234
@@ -245,14 +246,7 @@ def main() -> None:
     for name in args.errors:
         case, _ = ERROR_CASES[name]
         rows = make_rows(2)
-        error = "no error"
-        try:
-            fit(case, rows[:BATCH], rows[BATCH:], root / name, heartbeat=False)
-        except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
-            chained = err.__cause__ or err.__context__
-            error = f"{type(err).__name__}: {err}" + (f" [chained: {type(chained).__name__}]" if chained else "")
-        errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error)
+        errors = every_ranks_error(partial(fit, case, rows[:BATCH], rows[BATCH:], root / name, heartbeat=False))
         if rank == 0:
             results[name] = {"errors": errors}
             print(f"{name}: {errors[0][:160]}", flush=True)
