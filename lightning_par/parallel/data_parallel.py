@@ -10,6 +10,7 @@ mesh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ def replicate_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, bucket_cap_m
 
 
 def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTypes = None,
-                    found: ModelBlocks | None = None) -> list[nn.Module]:
+                    found: ModelBlocks | None = None, ignored: Sequence[nn.Parameter] = ()) -> list[nn.Module]:
     """Stage 0 for a model whose parameters are DTensors (tensor parallel): replicas, gradients all-reduced.
 
     DistributedDataParallel's reducer takes only plain tensors. ``_pre_dp_module_transform`` would make it accept a
@@ -57,8 +58,8 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
     :func:`~lightning_par.parallel.zero.fully_shard_units` (each repeated block found by
     :func:`~lightning_par.parallel.blocks.find_blocks`, then the blocks' root, then what lies outside it). A model
     without blocks is one unit: each direct child holding parameters is replicated as its own root. ``found``: the
-    blocks the split found (``ModelParts.found``), else they are searched for here.
-    Returns the roots (empty with a single data-parallel rank: nothing to reduce).
+    blocks the split found (``ModelParts.found``), else they are searched for here. ``ignored``: parameters left out
+    (expert parallel's experts, each rank holding others). Returns the roots (empty with a single data-parallel rank: nothing to reduce).
     """
     from lightning_par._compat import replicate
     from lightning_par.parallel.zero import _apply_groups, data_parallel_groups
@@ -66,6 +67,7 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
 
     if dp_mesh.size() == 1:
         return []
+    apply = functools.partial(replicate, mesh=dp_mesh, ignored_params=set(ignored) or None)
     try:
         groups = data_parallel_groups(module, block_types, found=found)
     except LayoutError:
@@ -73,9 +75,9 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
             raise  # the user named block types that match nothing: say so
         roots = [child for child in module.children() if any(True for _ in child.parameters())]
         for child in roots:
-            replicate(child, mesh=dp_mesh)
+            apply(child)
         return roots
-    return _apply_groups(module, groups, lambda m: replicate(m, mesh=dp_mesh))
+    return _apply_groups(module, groups, apply)
 
 
 class BucketedAllReduce:

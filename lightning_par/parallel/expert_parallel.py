@@ -160,6 +160,7 @@ class ExpertGradients:
 
     def __init__(self, experts: ExpertParallel, data_parallel: int) -> None:
         self.parameters = experts.parameters
+        self.mesh, self.data_parallel = experts.mesh, data_parallel
         replicas = experts.mesh["expert_dp"]
         self.group = replicas.get_group() if replicas.size() > 1 else None
         self.scale = 1.0 / data_parallel

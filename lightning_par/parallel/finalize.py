@@ -12,8 +12,9 @@ gradients what one process would hold, in the order of Megatron-Core's ``finaliz
    buckets -- all of them under a pipeline, since a bucket mixes the tied copy with other gradients and each
    pipeline rank's buckets are cut differently: they are reduce-scattered only once the copies are summed, on full
    gradients; a deferring ZeRO-0 owner's tied copies and shared parameters; then every bucket is waited for;
-   Expert weights under expert parallel are no data-parallel owner's: their gradients are averaged over the ranks
-   holding the same experts right after (:class:`~lightning_par.parallel.expert_parallel.ExpertGradients`);
+   Expert weights under expert parallel are averaged over the ranks holding the same experts: by the ZeRO 1-3
+   owners, which shard them there too, or else right after
+   (:class:`~lightning_par.parallel.expert_parallel.ExpertGradients`);
 4. **scale**: nothing is left to scale. Each micro-batch's loss carries ``1 / (micro-batches x accumulation)`` and
    every reduction averages; a per-token scale (Megatron's ``num_tokens``) would be applied here.
 
@@ -39,7 +40,7 @@ def finalize(owner: NoSync, runner: Runner) -> None:
         return
     runner.sum_tied_gradients()  # (one process holds one copy: nothing to sum)
     owner.finish_grad_sync()
-    if owner.experts is not None:
+    if owner.experts is not None and not owner.shards_experts:
         owner.experts.finish()
 
 

@@ -32,6 +32,7 @@ what a rank saves, what a load fills, and the refresh after a load. Nothing here
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +68,12 @@ class NoSync:
         #: expert parallel: the expert weights, left out of this owner's reduction and averaged over their own
         #: replicas in ``finalize`` (set before ``wrap``)
         self.experts: ExpertGradients | None = None
+
+    @property
+    def shards_experts(self) -> bool:
+        """The owner reduces (and shards, at its stage) the expert weights over their own replicas itself (ZeRO 1-3):
+        ``finalize`` then leaves them alone."""
+        return False
 
     def shard(self, parts: ModelParts) -> list[nn.Module]:
         """Shard the parameters of ``parts`` over data parallel (ZeRO-3 only); returns the stage modules."""
@@ -207,9 +214,14 @@ class FSDPSync(NoSync):
                                            mp_policy=self.precision.fsdp_policy())
         return parts.stages
 
+    @property
+    def shards_experts(self) -> bool:
+        return self.sharded
+
     def wrap(self, module: nn.Module) -> nn.Module:
-        if not self.sharded:  # FSDP2 replicate needs the real tensors
-            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types, found=self.found)
+        if not self.sharded:  # FSDP2 replicate needs the real tensors; it leaves the experts out, as DDP does
+            self.roots = replicate_units(module, self.dp_mesh, block_types=self.block_types, found=self.found,
+                                         ignored=self.experts.parameters if self.experts is not None else ())
         return module
 
     def wrap_again(self, module: nn.Module) -> nn.Module:
@@ -241,36 +253,58 @@ class ZeroSync(NoSync):
         self.dp_mesh, self.stage, self.bucket_cap_mb, self.offload = dp_mesh, stage, bucket_cap_mb, offload
         self.precision = precision
         self.partitioner: ZeroPartitioner | None = None
+        #: expert parallel: a second partitioner, of the expert weights over their own replicas (``expert_dp``)
+        self.expert_partitioner: ZeroPartitioner | None = None
+
+    @property
+    def shards_experts(self) -> bool:
+        return True
 
     def attach(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.partitioner = ZeroPartitioner(module, optimizers, self.dp_mesh, self.stage, self.bucket_cap_mb,
-                                           self.offload, defer_reduction=self.deferred,
-                                           param_dtype=self.precision.param_dtype,
-                                           reduce_dtype=self.precision.reduce_dtype,
-                                           grad_dtype=self.precision.grad_dtype,
-                                           exclude=self.experts.parameters if self.experts is not None else ())
+        experts = self.experts.parameters if self.experts is not None else ()
+        self.partitioner = self._partitioner(module, optimizers, self.dp_mesh, exclude=experts)
+        if self.experts is not None:
+            # the experts' optimizer state (stage 2: and gradients) sharded over the ranks holding the same experts,
+            # with fp32 masters under bf16-mixed-master as the others; their reduce-scatter divides by dp x cp
+            ids = {id(p) for p in experts}
+            others = [p for opt in optimizers for group in opt.param_groups for p in group["params"]
+                      if id(p) not in ids]
+            self.expert_partitioner = self._partitioner(
+                module, optimizers, self.experts.mesh["expert_dp"], exclude=others,
+                gradient_divide_factor=self.experts.data_parallel)
+
+    def _partitioner(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], mesh: DeviceMesh,
+                     **kwargs: Any) -> ZeroPartitioner:
+        return ZeroPartitioner(module, optimizers, mesh, self.stage, self.bucket_cap_mb, self.offload,
+                               defer_reduction=self.deferred, param_dtype=self.precision.param_dtype,
+                               reduce_dtype=self.precision.reduce_dtype, grad_dtype=self.precision.grad_dtype,
+                               **kwargs)
+
+    @property
+    def partitioners(self) -> list[ZeroPartitioner]:
+        return [p for p in (self.partitioner, self.expert_partitioner) if p is not None]
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)
-        if self.partitioner is not None:
-            self.partitioner.require_sync = enabled
+        for partitioner in self.partitioners:
+            partitioner.require_sync = enabled
 
     def finish_grad_sync(self) -> None:
-        if self.partitioner is not None:
-            self.partitioner.finish_gradient_sync()  # the last buckets (all of them when deferred)
+        for partitioner in self.partitioners:
+            partitioner.finish_gradient_sync()  # the last buckets (all of them when deferred)
 
     def after_step(self) -> None:
-        if self.partitioner is not None:
+        for partitioner in self.partitioners:
             # each rank stepped its chunk; everyone gets all of them. Left running: each bucket's gather is waited
             # for in a forward pre-hook of its modules; state_dict, checkpoints and unwrap wait for all of them
-            self.partitioner.gather_parameters()
+            partitioner.gather_parameters()
 
     def unwrap(self, module: nn.Module) -> nn.Module:
-        if self.partitioner is not None:
+        for partitioner in self.partitioners:
             # its hooks go, the partitioner stays: the optimizers still hold its bucket shards, and a save after fit
             # (trainer.save_checkpoint) maps them to the parameters through it. remove() first waits for the
             # gathers of the last step, which no forward waits for now
-            self.partitioner.remove()
+            partitioner.remove()
         return module
 
     @property

@@ -143,7 +143,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
         plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
                                      stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root))
     experts = apply_expert_parallel(parts.root, config.expert_mesh) if config.expert_mesh is not None else None
-    parts.experts = experts.parameters if experts is not None else []  # (the owner's sharding leaves them alone)
+    # (the owner's sharding leaves them alone, or shards them over their own replicas)
+    parts.experts, parts.expert_mesh = (experts.parameters, experts.mesh) if experts is not None else ([], None)
     cp = None
     if config.cp_mesh is not None and config.cp_mesh.size() > 1:
         cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)

@@ -86,7 +86,8 @@ class ModelParts:
     ``stage_blocks``: the same per stage module. ``found``: where the blocks are (names, the path of the module that
     holds them inside ``root``, how they were found), this rank's part of it under pp; None for a model without
     repeated blocks that no transform needs. ``pipeline``: the split's record under pp, else None.
-    ``experts``: expert parallel's expert weights (set by its transform), which data-parallel sharding leaves alone.
+    ``experts``: expert parallel's expert weights (set by its transform), which data-parallel sharding leaves alone
+    (ZeRO-3 shards them over their own replicas instead, on ``expert_mesh``'s ``expert_dp``).
     """
 
     root: nn.Module
@@ -96,6 +97,7 @@ class ModelParts:
     found: ModelBlocks | None = None
     pipeline: StageSplit | None = None
     experts: list[nn.Parameter] = field(default_factory=list)
+    expert_mesh: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         if not self.stage_blocks:

@@ -113,10 +113,11 @@ class ShardPrecision:
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
 
-#: What a bucket holds, which decides how its gradient enters the global norm: ``"plain"`` parameters (no tensor
-#: parallel), ``"tp_shard"`` (each tp rank holds a different piece: squares are summed over tp) or
-#: ``"tp_replicate"`` (every tp rank holds the same value: counted once).
-PLAIN, TP_SHARD, TP_REPLICATE = "plain", "tp_shard", "tp_replicate"
+#: What a bucket holds, which decides how its gradient enters the global norm: for each dimension of the mesh its
+#: parameters are DTensors on (tp; for expert weights ep, or (ep, tp)), whether those ranks hold different pieces
+#: (True: squares summed over it) or the same value (False: counted once). ``PLAIN``: no such mesh.
+PLAIN: tuple[bool, ...] = ()
+TP_SHARD, TP_REPLICATE = (True,), (False,)
 
 
 def _local_data(param: Tensor) -> Tensor:
@@ -125,10 +126,10 @@ def _local_data(param: Tensor) -> Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param.data  # type: ignore[attr-defined]
 
 
-def _kind(param: Tensor, tensor_parallel: bool) -> str:
+def _kind(param: Tensor, mesh_dims: int) -> tuple[bool, ...]:
     if not isinstance(param, DTensor):
-        return TP_REPLICATE if tensor_parallel else PLAIN
-    return TP_SHARD if any(p.is_shard() for p in param.placements) else TP_REPLICATE
+        return (False,) * mesh_dims
+    return tuple(p.is_shard() for p in param.placements)
 
 
 class _HostCopies:
@@ -169,7 +170,7 @@ class _Bucket:
     flat: Tensor  # parameter storage, padded to a multiple of N
     rank: int
     world: int
-    kind: str = PLAIN
+    kind: tuple[bool, ...] = PLAIN
     mesh: DeviceMesh | None = None  # where the shard DTensor lives: dp, or (dp, tp)
     placements: tuple[Placement, ...] = ()
     global_numel: int = 0  # the shard DTensor's global size
@@ -195,7 +196,7 @@ class _Bucket:
     @property
     def reduce_over_tp(self) -> bool:
         """The global gradient norm sums this bucket's squares over the tp ranks (they hold different elements)."""
-        return self.kind == TP_SHARD
+        return any(self.kind)
 
     def own(self, flat: Tensor) -> Tensor:
         return flat[self.rank * self.chunk : (self.rank + 1) * self.chunk]
@@ -242,6 +243,9 @@ class ZeroPartitioner:
         exclude: parameters the partitioner leaves alone -- not bucketed, reduced or sharded: they stay in their
             optimizer group, stepped whole (expert parallel's experts: their gradients are averaged over their own
             replicas, :mod:`~lightning_par.parallel.expert_parallel`).
+        gradient_divide_factor: the reduced sum of gradients is divided by this (default: the size of ``dp_mesh``,
+            an average). Expert weights partitioned over their replicas (``expert_dp``) divide by dp x cp, so their
+            gradient is the average over every data-parallel rank's loss, as the other weights'.
 
     The prefetch needs every parameter to be read inside the forward of a module that holds it (``module.weight``
     in ``module.forward``: every torch layer, the project's and Hugging Face's models), and nothing to read the
@@ -297,6 +301,7 @@ class ZeroPartitioner:
         grad_dtype: torch.dtype | None = None,
         prefetch: bool = False,
         exclude: Collection[nn.Parameter] = (),
+        gradient_divide_factor: int | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise LayoutError(f"ZeroPartitioner handles stages 1 and 2, not {stage}.")
@@ -307,6 +312,7 @@ class ZeroPartitioner:
         self.group = dp_mesh.get_group()
         self.world = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
+        self.divide_factor = gradient_divide_factor or self.world
         self.offload = offload_optimizer
         self.overlap = overlap
         self.defer_reduction = defer_reduction
@@ -326,7 +332,7 @@ class ZeroPartitioner:
         left_out = {id(p) for p in exclude}
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]
                   if p.requires_grad and id(p) not in left_out]
-        self.tp_mesh = _tensor_parallel_mesh(params)
+        self.tp_mesh = _tensor_parallel_mesh(params, dp_mesh)
         self.shard_mesh = _shard_mesh(dp_mesh, self.tp_mesh)
         cap = max(1, int(bucket_cap_mb * 2**20))
         for optimizer in optimizers:
@@ -450,9 +456,9 @@ class ZeroPartitioner:
         if not isinstance(param, DTensor) or self.tp_mesh is None:
             return _local_data(param).numel()
         shape = list(param.shape)
-        for placement in param.placements:
+        for dim, placement in enumerate(param.placements):
             if isinstance(placement, Shard):
-                shape[placement.dim] = -(-shape[placement.dim] // self.tp_mesh.size())
+                shape[placement.dim] = -(-shape[placement.dim] // self.tp_mesh.size(dim))
         return math.prod(shape)
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
@@ -462,10 +468,10 @@ class ZeroPartitioner:
         buckets: list[_Bucket] = []
         filling: dict[tuple, list[nn.Parameter]] = {}
         filled: dict[tuple, int] = {}  # bytes in each bucket being filled
-        tensor_parallel = self.tp_mesh is not None
+        mesh_dims = self.tp_mesh.ndim if self.tp_mesh is not None else 0
         for p in reversed(params):
             dtype = self.param_dtype or p.dtype
-            key = (dtype, p.dtype, p.device, _kind(p, tensor_parallel))
+            key = (dtype, p.dtype, p.device, _kind(p, mesh_dims))
             size = self._slot(p) * dtype.itemsize
             current = filling.setdefault(key, [])
             if current and filled[key] + size > cap_bytes:
@@ -478,7 +484,7 @@ class ZeroPartitioner:
         buckets += [self._pack(current, key[3]) for key, current in filling.items() if current]
         return buckets
 
-    def _pack(self, params: list[nn.Parameter], kind: str) -> _Bucket:
+    def _pack(self, params: list[nn.Parameter], kind: tuple[bool, ...]) -> _Bucket:
         slots = [self._slot(p) for p in params]
         padded = -(-sum(slots) // self.world) * self.world
         dtype = self.param_dtype or params[0].dtype
@@ -577,7 +583,7 @@ class ZeroPartitioner:
         """Wait for ``bucket``'s reduce-scatter, average, and make the result its shard's gradient."""
         assert bucket.work is not None and bucket.reduced_chunk is not None and bucket.flat_grad is not None
         bucket.work.wait()
-        chunk = bucket.reduced_chunk.div_(self.world)
+        chunk = bucket.reduced_chunk.div_(self.divide_factor)
         bucket.send = None
         if self.stage == 1:
             # keep the full gradient buffer (stage 1 partitions only optimizer state); the shard's gradient is a
@@ -744,50 +750,55 @@ def _retype_dtensor(param: nn.Parameter, local: Tensor) -> None:
     param._spec = retyped._spec  # type: ignore[attr-defined]
 
 
-def _tensor_parallel_mesh(params: list[Tensor]) -> DeviceMesh | None:
-    """The 1-D mesh the DTensor parameters live on (tensor parallel), or None when there are none."""
+def _tensor_parallel_mesh(params: list[Tensor], dp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh the DTensor parameters live on (tensor parallel: tp; expert weights: ep, or (ep, tp)), or None when
+    there are none."""
     mesh = None
+    dp_names = set(dp_mesh.mesh_dim_names or ())
     for p in params:
         if not isinstance(p, DTensor):
             continue
-        if p.device_mesh.ndim != 1:
+        if dp_names & set(p.device_mesh.mesh_dim_names or ()):
             raise LayoutError(
-                f"ZeRO stages 1/2 pack tensor-parallel parameters split over one 1-D mesh; a parameter of shape "
-                f"{tuple(p.shape)} is a DTensor on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names} "
-                "(already data-parallel sharded, e.g. by FSDP2?). Apply ZeRO-1/2 after tensor parallel only."
+                f"ZeRO stages 1/2 pack parameters split over a mesh beside the data-parallel one; a parameter of shape "
+                f"{tuple(p.shape)} is a DTensor on {p.device_mesh.mesh_dim_names}, which holds the data-parallel "
+                f"dimension {sorted(dp_names)} (already data-parallel sharded, e.g. by FSDP2?). Apply ZeRO-1/2 after "
+                "tensor and expert parallel only."
             )
         if mesh is None:
             mesh = p.device_mesh
         elif p.device_mesh is not mesh and p.device_mesh != mesh:
-            raise LayoutError("ZeRO stages 1/2: the tensor-parallel parameters live on different meshes "
-                              f"({mesh} and {p.device_mesh}); put them all on the one tp mesh.")
+            raise LayoutError("ZeRO stages 1/2: the split parameters of one partitioner live on different meshes "
+                              f"({mesh} and {p.device_mesh}); put them all on the one tp (or ep, tp) mesh.")
     return mesh
 
 
 @dataclass
 class _ShardMesh:
-    """Where the shard DTensors live: the dp mesh, or the (dp, tp) mesh under tensor parallel."""
+    """Where the shard DTensors live: the dp mesh, or the (dp, tp) mesh under tensor parallel (experts: (expert_dp,
+    ep) or (expert_dp, ep, tp))."""
 
     mesh: DeviceMesh
     dp_dim: int
-    tp_dim: int | None = None
+    tp_dims: tuple[int, ...] = ()
 
-    def layout(self, kind: str, padded: int) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
+    def layout(self, kind: tuple[bool, ...], padded: int) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
         """``(mesh, placements, global numel)`` of the shard DTensor of a bucket of ``padded`` elements."""
         placements: list[Placement] = [Shard(0)] * self.mesh.ndim
         global_numel = padded
-        if self.tp_dim is not None:
-            if kind == TP_SHARD:
-                global_numel *= self.mesh.size(self.tp_dim)  # the tp ranks' buckets are different elements
+        for dim, split in zip(self.tp_dims, kind, strict=True):
+            if split:
+                global_numel *= self.mesh.size(dim)  # those ranks' buckets are different elements
             else:
-                placements[self.tp_dim] = Replicate()
+                placements[dim] = Replicate()
         return self.mesh, tuple(placements), global_numel
 
 
-def _same_ranks(root: DeviceMesh, name: str, mesh: DeviceMesh) -> bool:
-    """Whether ``root[name]`` is, on this rank, the group of ranks ``mesh`` is."""
+def _same_ranks(root: DeviceMesh, names: str | tuple[str, ...], mesh: DeviceMesh) -> bool:
+    """Whether ``root[names]`` is, on this rank, the group of ranks ``mesh`` is."""
+    key = names if isinstance(names, str) or len(names) > 1 else names[0]
     try:
-        return root[name].mesh.tolist() == mesh.mesh.tolist()
+        return root[key].mesh.tolist() == mesh.mesh.tolist()
     except (KeyError, RuntimeError, ValueError):
         return False
 
@@ -797,26 +808,26 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
         return _ShardMesh(dp_mesh, 0)
     root = dp_mesh._get_root_mesh()
     dp_name = (dp_mesh.mesh_dim_names or (None,))[0]
-    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    tp_names = tuple(tp_mesh.mesh_dim_names or ())
     # a flattened dp (the dp_cp mesh of context parallel) is named among the root's flattened dimensions
     names = (*(root.mesh_dim_names or ()), *getattr(root, "_flatten_mapping", {}))
-    # tp must be the dimension of dp's root that holds the same ranks. Asked of dp's root, not of tp_mesh's: a later
+    # tp must be the dimensions of dp's root that hold the same ranks. Asked of dp's root, not of tp_mesh's: a later
     # Trainer in the same process builds a new mesh, and torch may hand back, as tp's root, the root it recorded for
     # an earlier one (of another shape once cp changes it)
-    if (dp_name is None or tp_name is None or dp_name == tp_name or dp_name not in names or tp_name not in names
-            or not _same_ranks(root, tp_name, tp_mesh)):
+    if (dp_name is None or not tp_names or dp_name in tp_names or dp_name not in names
+            or any(n not in names for n in tp_names) or not _same_ranks(root, tp_names, tp_mesh)):
         raise LayoutError(
             "ZeRO stages 1/2 with tensor parallel need the dp mesh and the tensor-parallel parameters' mesh to be "
-            f"two named dimensions of one DeviceMesh (got dp {dp_mesh.mesh_dim_names}, tp "
+            f"named dimensions of one DeviceMesh (got dp {dp_mesh.mesh_dim_names}, tp "
             f"{tp_mesh.mesh_dim_names}); build them as init_device_mesh(..., mesh_dim_names=(..., 'dp', 'tp'))."
         )
-    order = sorted((dp_name, tp_name), key=names.index)
+    order = sorted((dp_name, *tp_names), key=names.index)
     if dp_name not in (root.mesh_dim_names or ()):  # dp_cp: its dimensions lie outside tp's (pp, dp, cp, tp)
-        order = [dp_name, tp_name]
+        order = [dp_name, *tp_names]
     with warnings.catch_warnings():  # torch deprecates slicing a flattened dimension; no other way to pair it
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         mesh = root[tuple(order)]
-    return _ShardMesh(mesh, order.index(dp_name), order.index(tp_name))
+    return _ShardMesh(mesh, order.index(dp_name), tuple(order.index(n) for n in tp_names))
 
 
 # -- stage 3 ------------------------------------------------------------------------------------------------------
@@ -933,7 +944,8 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
     forward, up to ``2 m`` gathers per block per step).
 
     ``offload``: keep the parameter shards (and the optimizer step) in host memory (FSDP2 ``CPUOffloadPolicy``).
-    ``parts.experts`` (expert parallel) are left out (FSDP2 ``ignored_params``).
+    ``parts.experts`` (expert parallel) are sharded over the ranks holding the same experts instead
+    (:func:`fully_shard_experts`).
     ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (default: compute and reduce in the parameters' dtype).
     Returns the FSDP2 roots: the stage modules under pp.
     """
@@ -945,8 +957,9 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
                                   mp_policy=mp_policy if mp_policy is not None else ShardPrecision().fsdp_policy())
     if parts.pipelined or reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = bool(reshard_after_forward)
-    if parts.experts:  # expert parallel's: split over ep, their gradients averaged over their own replicas
-        kwargs["ignored_params"] = set(parts.experts)
+    if parts.experts:  # expert parallel's: their own groups, inside the blocks' (innermost first)
+        assert parts.expert_mesh is not None
+        fully_shard_experts(parts.root, parts.experts, parts.expert_mesh, kwargs)
     shard = functools.partial(fully_shard, **kwargs)
     if not parts.pipelined:
         groups = data_parallel_groups(parts.root, found=parts.found)
@@ -957,6 +970,36 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
             shard(block)
         shard(stage)
     return list(parts.stages)
+
+
+def fully_shard_experts(module: nn.Module, experts: Collection[nn.Parameter], mesh: DeviceMesh,
+                        kwargs: dict[str, Any]) -> None:
+    """ZeRO-3 of expert parallel's weights (torchtitan's): each module holding experts becomes an FSDP2 group on
+    ``mesh["expert_dp"]`` (the ranks holding the same experts; its parameters are DTensors on the ep or (ep, tp)
+    mesh, so FSDP2 shards the rank's own experts further), its reduce-scatter divided by dp x cp: the gradient is
+    the average over every data-parallel rank's loss, as the other weights'. Its child modules (a router, a shared
+    expert) are groups of their own on the data-parallel mesh first. ``kwargs``: ``fully_shard``'s for the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    ids = {id(p) for p in experts}
+    replicas = mesh["expert_dp"]
+    holders = [m for m in module.modules() if any(id(p) in ids for p in m.parameters(recurse=False))]
+    for holder in holders:
+        others = [n for n, p in holder.named_parameters(recurse=False) if id(p) not in ids]
+        if others:
+            raise LayoutError(
+                f"{type(holder).__name__} holds expert weights and other parameters ({', '.join(others)}) directly: "
+                "ZeRO-3 shards the experts over their own replicas as one FSDP2 group, which must hold experts only. "
+                "Move those parameters into a child module, or use zero_stage 1 or 2 with ep.")
+        for child in holder.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, **kwargs)
+        fully_shard(holder, **{**kwargs, "mesh": replicas})
+        holder.set_gradient_divide_factor(float(replicas.size() * mesh["ep"].size()))
+        if replicas.size() > 1 and replicas.device_type != "cuda":
+            # gloo has no pre-multiplied sum: divide after a plain one. (Not on one rank, where torch would divide
+            # twice)
+            holder.set_force_sum_reduction_for_comms(True)
 
 
 def fully_shard_units(

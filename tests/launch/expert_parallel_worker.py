@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_par import LayoutStrategy, ZeroStrategy
 from lightning_par.examples.gpt import causal_lm_loss
 from lightning_par.examples.moe import MoEFeedForward, MoEGPT, MoEGPTLightningModule
+from lightning_par.parallel.materialize import local_slices
 from tests.harness import close_process_group
 
 SEQ, PER_RANK, STEPS = 32, 4, 6
@@ -59,6 +60,16 @@ CASES = {  # the module's arguments, and how the fit runs
     "tp2_zero1": dict(module=dict(optimizer="sgd", lr=0.2), tp=2, zero=1, world=4),
     "tp2_zero2_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), tp=2, zero=2,
                             world=4),
+    "tp2_zero0": dict(module=dict(optimizer="sgd", lr=0.2), tp=2, zero=0, world=4),
+    "tp2_zero3_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), tp=2, zero=3,
+                            world=4),
+    "tp2_zero3_sgd": dict(module=dict(optimizer="sgd", lr=0.2), tp=2, zero=3, world=4),
+    # bf16-mixed-master: the experts' fp32 masters are the expert partitioner's shards; compared with ep=1 (every
+    # weight in the one partitioner over dp), not with an fp32 process
+    "bf16_master_zero2": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=2,
+                              precision="bf16-mixed-master", against="bf16_master_zero2_ep1"),
+    "bf16_master_zero2_ep1": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=2,
+                                  precision="bf16-mixed-master", ep=1),
 }
 
 
@@ -82,6 +93,8 @@ class Record(pl.Callback):
         self.held: dict = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.strategy.expert_mesh is None:  # ep=1: only the losses and norms, a reference
+            return
         # every rank, in the same order: full_tensor() gathers an expert weight over the ep ranks
         self.initial = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                         for n, p in pl_module.named_parameters()}
@@ -97,10 +110,9 @@ class Record(pl.Callback):
             "materialized": trainer.strategy.materialized.get("kept_bytes"),
             "ep_rank": rank,
             "ep_group": trainer.strategy.expert_mesh["ep"].mesh.tolist(),
-            # each expert slice equals its rows of the full tensor (the slice one process's init drew)
-            "slices_match": all(torch.equal(p.to_local(), self.initial[n][rank * p.to_local().shape[0]:
-                                                                          (rank + 1) * p.to_local().shape[0]])
-                                for n, p in experts.items()),
+            # each expert slice equals its piece of the full tensor (the slice one process's init drew; under ZeRO-3
+            # FSDP2's shard of the rank's experts)
+            "slices_match": all(torch.equal(p.to_local(), self.initial[n][local_slices(p)]) for n, p in experts.items()),
             "expert_names": sorted(experts),
             "gradient_sync": trainer.strategy.gradient_sync.name,
         }
@@ -117,6 +129,9 @@ class Record(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.norms.append(float(trainer.strategy.global_grad_norm(optimizer)))
+        if "expert_grad_bytes" not in self.held and trainer.strategy.expert_mesh is not None:
+            self.held["expert_grad_bytes"] = sum(t.numel() * t.element_size()
+                                                 for t in _expert_grads(trainer.strategy, pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().clone()
@@ -124,16 +139,36 @@ class Record(pl.Callback):
         self.losses.append(float(loss) / dist.get_world_size())
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.strategy.expert_mesh is None:
+            return
         # the optimizer state this rank holds for its experts (AdamW: two moments of each of its expert weights)
         experts = [p for n, p in pl_module.named_parameters() if n.rsplit(".", 1)[-1] in
                    MoEFeedForward.expert_parameters]
+        # (under ZeRO-1/2 the optimizer steps the expert partitioner's shards of them instead)
+        partitioner = getattr(trainer.strategy.gradient_sync, "expert_partitioner", None)
+        stepped = experts if partitioner is None else [b.shard for b in partitioner.buckets]
+        if partitioner is not None:  # the masters the optimizer steps, and the weights the model computes with
+            self.held["expert_master"] = sorted({str(b.shard.dtype) for b in partitioner.buckets})
+            self.held["expert_master_bytes"] = sum(_held(b.shard).numel() * b.shard.element_size()
+                                                   for b in partitioner.buckets)
+            self.held["expert_dtype"] = sorted({str(p.dtype) for p in experts})
         state = trainer.optimizers[0].state
-        self.held["expert_state_bytes"] = sum(_held(t).numel() * t.element_size() for p in experts
+        self.held["expert_state_bytes"] = sum(_held(t).numel() * t.element_size() for p in stepped
                                               for t in state.get(p, {}).values() if t.dim() > 0)
 
 
 def _held(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _expert_grads(strategy, pl_module) -> list[torch.Tensor]:
+    """The expert gradient memory this rank holds at the step: its experts' .grad, or under ZeRO-1/2 the expert
+    partitioner's (stage 1: the full buckets; stage 2: the owned chunks)."""
+    partitioner = getattr(strategy.gradient_sync, "expert_partitioner", None)
+    if partitioner is None:
+        return [_held(p.grad) for n, p in pl_module.named_parameters()
+                if n.rsplit(".", 1)[-1] in MoEFeedForward.expert_parameters and p.grad is not None]
+    return [b.flat_grad if b.flat_grad is not None else _held(b.shard.grad) for b in partitioner.buckets]
 
 
 def fit(name: str, root: Path) -> Record:
@@ -146,9 +181,10 @@ def fit(name: str, root: Path) -> Record:
     data = sequences(PER_RANK * world // cp // tp * STEPS)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = Record()
-    zero = case.get("zero", 0)
-    strategy = ZeroStrategy(stage=zero, ep=2) if cp == tp == 1 else LayoutStrategy(cp=cp, tp=tp, ep=2, zero_stage=zero)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy,
+    zero, ep = case.get("zero", 0), case.get("ep", 2)
+    strategy = ZeroStrategy(stage=zero, ep=ep) if cp == tp == 1 else LayoutStrategy(cp=cp, tp=tp, ep=ep,
+                                                                                    zero_stage=zero)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision=case.get("precision", "32-true"),
                          max_steps=STEPS, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
                          callbacks=[record], limit_val_batches=2)
@@ -188,14 +224,19 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     world = int(os.environ["WORLD_SIZE"])
-    records = {name: fit(name, out) for name, case in CASES.items() if case.get("world", world) == world}
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CASES)  # (a few cases, to iterate by hand)
+    records = {name: fit(name, out) for name, case in CASES.items()
+               if case.get("world", world) == world and name in only}
     rank, report = dist.get_rank(), {"world": dist.get_world_size()}
     for name, record in records.items():
         # each step's loss: the sum of its batches' (Lightning divides each by the accumulated batches)
         accumulate = CASES[name].get("accumulate", 1)
         losses = [sum(record.losses[i:i + accumulate]) for i in range(0, len(record.losses), accumulate)]
         report[name] = {"losses": losses, "norms": record.norms, **record.held}
-        if rank == 0:
+        if rank == 0 and "against" in CASES[name]:  # the same precision with ep=1 (fitted on every rank before)
+            report[name]["reference"] = {"losses": records[CASES[name]["against"]].losses,
+                                         "norms": records[CASES[name]["against"]].norms}
+        elif rank == 0:
             report[name]["reference"] = reference(name, record)
     report["rank"] = rank
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))

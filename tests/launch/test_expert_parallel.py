@@ -21,12 +21,16 @@ PARITY_RTOL = 1e-5  # per-step loss against one process
 NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once
 EP = 2
 CASES = ("sgd", "adamw", "accumulate_eager", "cp2", "zero1_adamw", "zero2_sgd", "zero3_adamw", "validate_then_fit",
-         "tp2_zero1", "tp2_zero2_adamw")
-FOUR_RANKS_ONLY = ("tp2_zero1", "tp2_zero2_adamw")
+         "tp2_zero1", "tp2_zero2_adamw", "tp2_zero0", "tp2_zero3_adamw", "tp2_zero3_sgd")
+FOUR_RANKS_ONLY = ("tp2_zero1", "tp2_zero2_adamw", "tp2_zero0", "tp2_zero3_adamw", "tp2_zero3_sgd")
+#: the ZeRO stage of each case (0 unless named): the experts' share of it is over their own replicas (expert_dp)
+ZERO = {"zero1_adamw": 1, "zero2_sgd": 2, "zero3_adamw": 3, "tp2_zero1": 1, "tp2_zero2_adamw": 2,
+        "tp2_zero3_adamw": 3, "tp2_zero3_sgd": 3}
 #: the other weights' gradient owner (DDP unless named)
 OWNER = {"zero1_adamw": "zero1", "zero2_sgd": "zero2", "zero3_adamw": "fsdp2_shard", "tp2_zero1": "zero1",
-         "tp2_zero2_adamw": "zero2"}
-SIZES = {"cp2": dict(cp=2), "tp2_zero1": dict(tp=2), "tp2_zero2_adamw": dict(tp=2)}  # the cases' layouts besides dp
+         "tp2_zero2_adamw": "zero2", "tp2_zero0": "fsdp2_replicate", "tp2_zero3_adamw": "fsdp2_shard",
+         "tp2_zero3_sgd": "fsdp2_shard"}
+SIZES = {"cp2": dict(cp=2), **{case: dict(tp=2) for case in FOUR_RANKS_ONLY}}  # the cases' layouts besides dp
 
 
 def _launch(tmp_path_factory, cache_dir, ranks: int) -> list[dict]:
@@ -70,7 +74,7 @@ def test_losses_and_gradient_norms_match_one_process(request, launch, case):
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
-def test_each_rank_holds_materialises_and_steps_one_ep_th_of_the_experts(request, launch):
+def test_each_rank_holds_materialises_and_steps_its_share_of_the_experts(request, launch):
     ranks = request.getfixturevalue(launch)
     for case in (c for c in CASES if c in ranks[0]):
         held = [report[case] for report in ranks]
@@ -78,16 +82,20 @@ def test_each_rank_holds_materialises_and_steps_one_ep_th_of_the_experts(request
         total = held[0]["expert_bytes_total"]
         # the example tiny MoE: 2 layers x 3 weights of 4 experts x 64 x 96, fp32
         assert total == 2 * 3 * 4 * 64 * 96 * 4
+        # a rank holds 1/ep of the experts, and 1/expert_dp of that for what its ZeRO stage shards: optimizer state
+        # from stage 1 (AdamW's two moments; SGD keeps none), gradients from stage 2, parameters at stage 3
+        stage, replicas, ep_share = ZERO.get(case, 0), dims.expert_dp, total // EP
         for report in held:
-            assert report["expert_bytes"] * EP == total, report
-            # and its experts' optimizer state: AdamW's two moments of 1/ep of the experts; SGD keeps none
-            assert report["expert_state_bytes"] == (2 * report["expert_bytes"] if "adamw" in case else 0), report
+            assert report["expert_bytes"] == ep_share // (replicas if stage == 3 else 1), (case, report)
+            assert report["expert_grad_bytes"] == ep_share // (replicas if stage >= 2 else 1), (case, report)
+            moments = 2 if "adamw" in case else 0
+            assert report["expert_state_bytes"] == moments * ep_share // (replicas if stage >= 1 else 1), (case, report)
             assert report["slices_match"]  # its experts' rows of the weights one process drew
             assert report["gradient_sync"] == OWNER.get(case, "ddp")
             assert len(report["expert_names"]) == 6
             if case != "accumulate_eager":  # built deferred: a rank materialised its experts only, never the others'
                 assert report["expert_bytes"] <= report["materialized"] <= report["expert_bytes"] + \
-                    report["other_bytes"]
+                    report["other_bytes"], (case, report)
         # the ep groups the mesh made are the layout's arithmetic (consecutive data-parallel ranks), each rank at its
         # place in its group holding other experts
         for rank, report in enumerate(held):
