@@ -59,7 +59,8 @@ def replicate_units(module: nn.Module, dp_mesh: DeviceMesh, block_types: BlockTy
     :func:`~lightning_par.parallel.blocks.find_blocks`, then the blocks' root, then what lies outside it). A model
     without blocks is one unit: each direct child holding parameters is replicated as its own root. ``found``: the
     blocks the split found (``ModelParts.found``), else they are searched for here. ``ignored``: parameters left out
-    (expert parallel's experts, each rank holding others). Returns the roots (empty with a single data-parallel rank: nothing to reduce).
+    (expert parallel's experts, each rank holding others).
+    Returns the roots (empty with a single data-parallel rank: nothing to reduce).
     """
     from lightning_par._compat import replicate
     from lightning_par.parallel.zero import _apply_groups, data_parallel_groups

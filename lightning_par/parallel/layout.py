@@ -131,14 +131,13 @@ class Layout:
 
 def _check_expert_parallel_composes(layout: Layout) -> None:
     """ep > 1 is built so far with ZeRO 0-3 data parallel (the experts sharded over their own replicas at stages 1-3),
-    context parallel and tensor parallel; any other composition is refused, naming what to change, rather than run
-    untested."""
-    others = {"pp": layout.pp > 1,
-              "offload_optimizer": layout.offload_optimizer, "sequence_parallel": layout.sequence_parallel}
+    optimizer offload, context parallel, tensor and sequence parallel; the pipeline is refused, naming what to
+    change, rather than run untested."""
+    others = {"pp": layout.pp > 1}
     if any(others.values()):
         named = ", ".join(f"{k}={getattr(layout, k)}" for k, on in others.items() if on)
         raise LayoutError(
             f"ep={layout.ep} with {named} is not supported yet: expert parallel composes with ZeRO 0-3 data "
-            "parallel, cp and tp so far; not with pp, sequence parallel or offload. Use ep=1 for this layout, or "
+            "parallel, offload, cp, tp and sequence parallel so far; not with pp. Use ep=1 for this layout, or "
             "change "
             f"{' and '.join(k for k, on in others.items() if on)}.")

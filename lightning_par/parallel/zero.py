@@ -760,10 +760,10 @@ def _tensor_parallel_mesh(params: list[Tensor], dp_mesh: DeviceMesh) -> DeviceMe
             continue
         if dp_names & set(p.device_mesh.mesh_dim_names or ()):
             raise LayoutError(
-                f"ZeRO stages 1/2 pack parameters split over a mesh beside the data-parallel one; a parameter of shape "
-                f"{tuple(p.shape)} is a DTensor on {p.device_mesh.mesh_dim_names}, which holds the data-parallel "
-                f"dimension {sorted(dp_names)} (already data-parallel sharded, e.g. by FSDP2?). Apply ZeRO-1/2 after "
-                "tensor and expert parallel only."
+                f"ZeRO stages 1/2 pack parameters split over a mesh beside the data-parallel one; a parameter of "
+                f"shape {tuple(p.shape)} is a DTensor on a {p.device_mesh.ndim}-D mesh {p.device_mesh.mesh_dim_names} "
+                f"that holds the data-parallel dimension {sorted(dp_names)} (already data-parallel sharded, e.g. by "
+                "FSDP2?). Apply ZeRO-1/2 after tensor and expert parallel only."
             )
         if mesh is None:
             mesh = p.device_mesh
@@ -786,8 +786,8 @@ class _ShardMesh:
         """``(mesh, placements, global numel)`` of the shard DTensor of a bucket of ``padded`` elements."""
         placements: list[Placement] = [Shard(0)] * self.mesh.ndim
         global_numel = padded
-        for dim, split in zip(self.tp_dims, kind, strict=True):
-            if split:
+        for dim, different in zip(self.tp_dims, kind, strict=True):
+            if different:
                 global_numel *= self.mesh.size(dim)  # those ranks' buckets are different elements
             else:
                 placements[dim] = Replicate()
@@ -818,7 +818,7 @@ def _shard_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> _ShardMesh:
             or any(n not in names for n in tp_names) or not _same_ranks(root, tp_names, tp_mesh)):
         raise LayoutError(
             "ZeRO stages 1/2 with tensor parallel need the dp mesh and the tensor-parallel parameters' mesh to be "
-            f"named dimensions of one DeviceMesh (got dp {dp_mesh.mesh_dim_names}, tp "
+            f"two named dimensions of one DeviceMesh (got dp {dp_mesh.mesh_dim_names}, tp "
             f"{tp_mesh.mesh_dim_names}); build them as init_device_mesh(..., mesh_dim_names=(..., 'dp', 'tp'))."
         )
     order = sorted((dp_name, *tp_names), key=names.index)

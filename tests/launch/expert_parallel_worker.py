@@ -3,18 +3,22 @@
     python -m torch.distributed.run --standalone --nproc_per_node=N -m tests.launch.expert_parallel_worker OUT_DIR
 
 for tests/launch/test_expert_parallel.py. On N ranks (2: ep2; 4: ep2 x expert_dp2), one ``Trainer.fit`` per case of
-the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
+the example MoE GPT under ``LayoutStrategy(ep=2, ...)``:
 
 * ``sgd`` (plain SGD) and ``adamw`` (AdamW, constant learning rate, with a shared expert): the model built in
   ``configure_model``, so deferred: each rank materialises its experts only;
 * ``cp2``: plain SGD under ``LayoutStrategy(cp=2, ep=2)``: each sequence split over the 2 cp ranks, which split the
   experts too (2 ranks: dp1 x cp2; 4 ranks: dp2 x cp2, each expert on 2 ranks);
-* ``zero1_adamw``, ``zero2_sgd``, ``zero3_adamw``: the other weights under ZeRO-1 / ZeRO-2 (their optimizer state,
-  and at stage 2 their gradients, sharded over dp; the experts stepped whole beside them) and ZeRO-3 (FSDP2 shards
-  them and leaves the experts out);
-* ``tp2_zero1``, ``tp2_zero2_adamw`` (4 ranks only): dp2 x tp2, ZeRO-1 (SGD) and ZeRO-2 (AdamW): attention,
-  embedding and head split over tp, the experts over ep (each expert weight a DTensor on the (ep, tp) mesh,
-  replicated over tp);
+* ``zero1_adamw``, ``zero2_sgd``, ``zero3_adamw``: ZeRO-1 / ZeRO-2 (optimizer state, and at stage 2 gradients,
+  sharded: the other weights' over dp, the experts' over their replicas, expert_dp) and ZeRO-3 (FSDP2: the experts
+  their own groups on expert_dp);
+* ``tp2_zero0``, ``tp2_zero1``, ``tp2_zero2_adamw``, ``tp2_zero3_adamw``, ``tp2_zero3_sgd`` (4 ranks only): dp2 x
+  tp2 under each ZeRO stage: attention, embedding and head split over tp, the experts over ep (each expert weight a
+  DTensor on the (ep, tp) mesh, replicated over tp); ``tp2_sp_zero1``, ``tp2_sp_zero3_adamw`` the same with
+  sequence parallel (each tp rank routes its own tokens: expert and router gradients summed over tp);
+* ``zero2_offload_adamw``, ``zero3_offload_sgd`` (4 ranks only): optimizer offload, the experts' shards too;
+* ``bf16_master_zero2`` (4 ranks only): bf16-mixed-master under ZeRO-2, against the same fit with ep=1
+  (``bf16_master_zero2_ep1``) rather than an fp32 process;
 * ``validate_then_fit``: ``trainer.validate`` first (the model laid out without a gradient owner), then the fit
   with the same Trainer (its owner chosen then must leave the experts out too);
 * ``accumulate_eager``: plain SGD over 2 accumulated batches per step (expert gradients accumulate unreduced, then
@@ -23,9 +27,10 @@ the example MoE GPT under ``ZeroStrategy(stage=0, ep=2)``:
 
 Every rank writes ``OUT_DIR/rank{R}.json``: per case, the global loss of each step (the ranks' mean), the global
 gradient norm before each step (``strategy.global_grad_norm``), the bytes of expert and other parameters it
-materialised and holds, the expert slices it holds, the gradient owner. Rank 0 then trains one process, in this
-process, from the same initial weights (gathered at the start of the fit) on the same global batches (gathered each
-batch) and adds its losses and norms (``reference``).
+materialised and holds, of its expert gradients and optimizer state, the expert slices it holds, the gradient
+owner. Rank 0 then trains one process, in this process, from the same initial weights (gathered at the start of the
+fit) on the same global batches (gathered each batch) and adds its losses and norms (``reference``); the cases
+compared with ep=1 take that fit's instead. A second argument (``a,b,...``) runs only those cases, to iterate.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_par import LayoutStrategy, ZeroStrategy
+from lightning_par import LayoutStrategy
 from lightning_par.examples.gpt import causal_lm_loss
 from lightning_par.examples.moe import MoEFeedForward, MoEGPT, MoEGPTLightningModule
 from lightning_par.parallel.materialize import local_slices
+from lightning_par.plugins.precision import LayoutPrecision
 from tests.harness import close_process_group
 
 SEQ, PER_RANK, STEPS = 32, 4, 6
@@ -64,12 +70,18 @@ CASES = {  # the module's arguments, and how the fit runs
     "tp2_zero3_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), tp=2, zero=3,
                             world=4),
     "tp2_zero3_sgd": dict(module=dict(optimizer="sgd", lr=0.2), tp=2, zero=3, world=4),
+    "tp2_sp_zero1": dict(module=dict(optimizer="sgd", lr=0.2), tp=2, zero=1, sp=True, world=4),
+    "tp2_sp_zero3_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0,
+                                           shared_ffn_dim=32), tp=2, zero=3, sp=True, world=4),
+    "zero2_offload_adamw": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=2,
+                                offload=True, world=4),
+    "zero3_offload_sgd": dict(module=dict(optimizer="sgd", lr=0.2), zero=3, offload=True, world=4),
     # bf16-mixed-master: the experts' fp32 masters are the expert partitioner's shards; compared with ep=1 (every
     # weight in the one partitioner over dp), not with an fp32 process
     "bf16_master_zero2": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=2,
-                              precision="bf16-mixed-master", against="bf16_master_zero2_ep1"),
+                              precision="bf16-mixed-master", against="bf16_master_zero2_ep1", world=4),
     "bf16_master_zero2_ep1": dict(module=dict(optimizer="adamw", lr=3e-3, warmup_steps=0, min_lr_ratio=1.0), zero=2,
-                                  precision="bf16-mixed-master", ep=1),
+                                  precision="bf16-mixed-master", ep=1, world=4),
 }
 
 
@@ -112,7 +124,8 @@ class Record(pl.Callback):
             "ep_group": trainer.strategy.expert_mesh["ep"].mesh.tolist(),
             # each expert slice equals its piece of the full tensor (the slice one process's init drew; under ZeRO-3
             # FSDP2's shard of the rank's experts)
-            "slices_match": all(torch.equal(p.to_local(), self.initial[n][local_slices(p)]) for n, p in experts.items()),
+            "slices_match": all(torch.equal(p.to_local(), self.initial[n][local_slices(p)])
+                                for n, p in experts.items()),
             "expert_names": sorted(experts),
             "gradient_sync": trainer.strategy.gradient_sync.name,
         }
@@ -182,9 +195,10 @@ def fit(name: str, root: Path) -> Record:
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = Record()
     zero, ep = case.get("zero", 0), case.get("ep", 2)
-    strategy = ZeroStrategy(stage=zero, ep=ep) if cp == tp == 1 else LayoutStrategy(cp=cp, tp=tp, ep=ep,
-                                                                                    zero_stage=zero)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision=case.get("precision", "32-true"),
+    strategy = LayoutStrategy(cp=cp, tp=tp, ep=ep, zero_stage=zero, sequence_parallel=case.get("sp", False),
+                              offload_optimizer=case.get("offload", False))
+    precision = dict(plugins=[LayoutPrecision(case["precision"])]) if "precision" in case else {}
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, **precision,
                          max_steps=STEPS, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
                          callbacks=[record], limit_val_batches=2)
@@ -236,7 +250,7 @@ def main() -> None:
         if rank == 0 and "against" in CASES[name]:  # the same precision with ep=1 (fitted on every rank before)
             report[name]["reference"] = {"losses": records[CASES[name]["against"]].losses,
                                          "norms": records[CASES[name]["against"]].norms}
-        elif rank == 0:
+        elif rank == 0 and CASES[name].get("ep", 2) > 1:
             report[name]["reference"] = reference(name, record)
     report["rank"] = rank
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
