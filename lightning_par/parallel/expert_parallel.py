@@ -20,7 +20,9 @@ A layer takes part by declaring (the example :class:`~lightning_par.examples.moe
 Gradients: a rank's expert gradient sums what the tokens of its whole ep group contributed;
 :class:`ExpertGradients` (run by :func:`~lightning_par.parallel.finalize.finalize`, after the data-parallel owner)
 sums it over the ranks holding the same experts (``expert_dp``) and divides by dp x cp, so it is the average over
-every data-parallel rank's loss, as the non-expert gradients are. Nothing here imports Lightning.
+every data-parallel rank's loss, as the non-expert gradients are. That is at ZeRO-0; at ZeRO 1-3 the data-parallel
+owner shards the experts over ``expert_dp`` and does the same reduction itself (a second ZeRO-1/2 partitioner, or
+FSDP2 groups on ``expert_dp``: :mod:`~lightning_par.parallel.gradient_sync`). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -156,7 +158,9 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh) -> ExpertParallel
 class ExpertGradients:
     """The expert weights' share of :func:`~lightning_par.parallel.finalize.finalize`: each expert gradient summed
     over the ranks holding that expert (``expert_dp``) and divided by the data-parallel ranks (dp x cp), in one
-    flat all-reduce; the data-parallel owner leaves these parameters out."""
+    flat all-reduce; the data-parallel owner leaves these parameters out (at ZeRO 1-3 it shards and reduces them
+    over ``expert_dp`` itself, ``NoSync.shards_experts``, and ``finish`` is not called). ``mesh``: the expert mesh;
+    ``data_parallel``: dp x cp, the divisor."""
 
     def __init__(self, experts: ExpertParallel, data_parallel: int) -> None:
         self.parameters = experts.parameters

@@ -113,11 +113,12 @@ class ShardPrecision:
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
 
-#: What a bucket holds, which decides how its gradient enters the global norm: for each dimension of the mesh its
-#: parameters are DTensors on (tp; for expert weights ep, or (ep, tp)), whether those ranks hold different pieces
-#: (True: squares summed over it) or the same value (False: counted once). ``PLAIN``: no such mesh.
-PLAIN: tuple[bool, ...] = ()
-TP_SHARD, TP_REPLICATE = (True,), (False,)
+#: What a bucket holds, which decides how its gradient enters the global norm: ``"plain"`` parameters (no tensor
+#: parallel), ``"tp_shard"`` (each tp rank holds a different piece: squares are summed over tp) or
+#: ``"tp_replicate"`` (every tp rank holds the same value: counted once). Exactly, per dimension of the mesh the
+#: parameters are DTensors on (tp; for expert weights ep, or (ep, tp)): whether those ranks hold different pieces
+#: (a bucket's ``split``).
+PLAIN, TP_SHARD, TP_REPLICATE = "plain", "tp_shard", "tp_replicate"
 
 
 def _local_data(param: Tensor) -> Tensor:
@@ -126,7 +127,8 @@ def _local_data(param: Tensor) -> Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param.data  # type: ignore[attr-defined]
 
 
-def _kind(param: Tensor, mesh_dims: int) -> tuple[bool, ...]:
+def _split(param: Tensor, mesh_dims: int) -> tuple[bool, ...]:
+    """For each dimension of the split parameters' mesh, whether ``param``'s ranks there hold different pieces."""
     if not isinstance(param, DTensor):
         return (False,) * mesh_dims
     return tuple(p.is_shard() for p in param.placements)
@@ -170,7 +172,7 @@ class _Bucket:
     flat: Tensor  # parameter storage, padded to a multiple of N
     rank: int
     world: int
-    kind: tuple[bool, ...] = PLAIN
+    split: tuple[bool, ...] = ()  # per dimension of the split parameters' mesh: different pieces there
     mesh: DeviceMesh | None = None  # where the shard DTensor lives: dp, or (dp, tp)
     placements: tuple[Placement, ...] = ()
     global_numel: int = 0  # the shard DTensor's global size
@@ -194,9 +196,13 @@ class _Bucket:
         return self.flat.numel() // self.world
 
     @property
+    def kind(self) -> str:
+        return PLAIN if not self.split else TP_SHARD if any(self.split) else TP_REPLICATE
+
+    @property
     def reduce_over_tp(self) -> bool:
         """The global gradient norm sums this bucket's squares over the tp ranks (they hold different elements)."""
-        return any(self.kind)
+        return any(self.split)
 
     def own(self, flat: Tensor) -> Tensor:
         return flat[self.rank * self.chunk : (self.rank + 1) * self.chunk]
@@ -463,7 +469,7 @@ class ZeroPartitioner:
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         # Reverse registration order approximates the order backward produces gradients in, so the first buckets
-        # fill (and start reducing) early. One bucket is filled at a time per (dtype, device, kind): tp-split and
+        # fill (and start reducing) early. One bucket is filled at a time per (dtype, device, split): tp-split and
         # tp-replicated parameters (attention and MLP weights vs norms) alternate in a block, and never share one.
         buckets: list[_Bucket] = []
         filling: dict[tuple, list[nn.Parameter]] = {}
@@ -471,7 +477,7 @@ class ZeroPartitioner:
         mesh_dims = self.tp_mesh.ndim if self.tp_mesh is not None else 0
         for p in reversed(params):
             dtype = self.param_dtype or p.dtype
-            key = (dtype, p.dtype, p.device, _kind(p, mesh_dims))
+            key = (dtype, p.dtype, p.device, _split(p, mesh_dims))
             size = self._slot(p) * dtype.itemsize
             current = filling.setdefault(key, [])
             if current and filled[key] + size > cap_bytes:
@@ -484,7 +490,7 @@ class ZeroPartitioner:
         buckets += [self._pack(current, key[3]) for key, current in filling.items() if current]
         return buckets
 
-    def _pack(self, params: list[nn.Parameter], kind: tuple[bool, ...]) -> _Bucket:
+    def _pack(self, params: list[nn.Parameter], split: tuple[bool, ...]) -> _Bucket:
         slots = [self._slot(p) for p in params]
         padded = -(-sum(slots) // self.world) * self.world
         dtype = self.param_dtype or params[0].dtype
@@ -513,8 +519,8 @@ class ZeroPartitioner:
                 p._local_tensor = view  # type: ignore[attr-defined]
             else:
                 p.data = view
-        mesh, placements, global_numel = self.shard_mesh.layout(kind, padded)
-        bucket = _Bucket(params=params, offsets=offsets, flat=flat, rank=self.rank, world=self.world, kind=kind,
+        mesh, placements, global_numel = self.shard_mesh.layout(split, padded)
+        bucket = _Bucket(params=params, offsets=offsets, flat=flat, rank=self.rank, world=self.world, split=split,
                          mesh=mesh, placements=placements, global_numel=global_numel)
         local = bucket.own(staging)
         if staging is not flat:
@@ -782,11 +788,11 @@ class _ShardMesh:
     dp_dim: int
     tp_dims: tuple[int, ...] = ()
 
-    def layout(self, kind: tuple[bool, ...], padded: int) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
+    def layout(self, split: tuple[bool, ...], padded: int) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
         """``(mesh, placements, global numel)`` of the shard DTensor of a bucket of ``padded`` elements."""
         placements: list[Placement] = [Shard(0)] * self.mesh.ndim
         global_numel = padded
-        for dim, different in zip(self.tp_dims, kind, strict=True):
+        for dim, different in zip(self.tp_dims, split, strict=True):
             if different:
                 global_numel *= self.mesh.size(dim)  # those ranks' buckets are different elements
             else:
