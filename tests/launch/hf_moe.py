@@ -38,6 +38,8 @@ LR = {"sgd": 0.2, "adamw": 3e-3}  # (SGD at 0.3 already makes these tiny models'
 #: arch -> its causal LM class in transformers
 ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
          "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+#: expert parallel also trains gpt-oss (its experts transposed, gate|up interleaved, with biases: no tp plan applies)
+EP_ARCHS = {**ARCHS, "gpt_oss": "GptOssForCausalLM"}
 
 
 def moe_config(arch: str, aux: bool):
@@ -63,7 +65,10 @@ def moe_config(arch: str, aux: bool):
                                              n_routed_experts=4, n_group=2, topk_group=1, first_k_dense_replace=1,
                                              n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                              qk_nope_head_dim=8, v_head_dim=16)
-    raise ValueError(f"unknown arch {arch!r}; use one of {list(ARCHS)}")
+    if arch == "gpt_oss":  # biases in its experts, its own clamped activation, attention sinks, sliding windows
+        return transformers.GptOssConfig(**common, intermediate_size=32, num_local_experts=4, head_dim=16,
+                                         sliding_window=16)
+    raise ValueError(f"unknown arch {arch!r}; use one of {list(EP_ARCHS)}")
 
 
 def moe_model(arch: str, aux: bool = False) -> torch.nn.Module:
@@ -72,7 +77,7 @@ def moe_model(arch: str, aux: bool = False) -> torch.nn.Module:
 
     config = moe_config(arch, aux)
     torch.manual_seed(SEED)
-    return getattr(transformers, ARCHS[arch])(config)
+    return getattr(transformers, EP_ARCHS[arch])(config)
 
 
 class HFMoELM(L.LightningModule):
@@ -104,7 +109,7 @@ class HFMoELM(L.LightningModule):
 class Case:
     arch: str
     optimizer: str
-    layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp: which strategy
+    layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp / ep: which strategy
     aux: bool = False
     full: bool = False  # in the full run only (pytest --full)
     world: int = 2
@@ -132,6 +137,23 @@ CASES: dict[str, Case] = {
     # 4 ranks: the experts split over tp in each of two replicas, or on each of two stages
     "qwen3_moe_dp2_tp2_adamw": Case("qwen3_moe", "adamw", {"tp": 2, "dp": 2}, full=True, world=4),
     "mixtral_tp2_pp2_1f1b_sgd": Case("mixtral", "sgd", {"tp": 2, "pp": 2}, full=True, world=4),
+    # expert parallel from the model's own ep plan: each rank 2 of the 4 experts, its own tokens (the default set: one)
+    "qwen3_moe_ep2_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2}, aux=True),
+    **{f"{arch}_ep2_{opt}{'_aux' * aux}": Case(arch, opt, {"ep": 2}, aux=aux, full=True)
+       for arch in ("qwen3_moe", "mixtral") for opt in ("sgd", "adamw") for aux in (False, True)
+       if (arch, opt, aux) != ("qwen3_moe", "sgd", True)},
+    "deepseek_v3_ep2_sgd": Case("deepseek_v3", "sgd", {"ep": 2}, full=True),  # (routes without a balancing loss)
+    "deepseek_v3_ep2_adamw": Case("deepseek_v3", "adamw", {"ep": 2}, full=True),
+    "qwen2_moe_ep2_adamw_aux": Case("qwen2_moe", "adamw", {"ep": 2}, aux=True, full=True),
+    "olmoe_ep2_sgd_aux": Case("olmoe", "sgd", {"ep": 2}, aux=True, full=True),
+    "gpt_oss_ep2_adamw_aux": Case("gpt_oss", "adamw", {"ep": 2}, aux=True, full=True),
+    # 4 ranks: ep2 x dp2 at ZeRO-1 (each expert on 2 ranks); ep2 beside tp2 on attention at ZeRO-1
+    "mixtral_ep2_dp2_zero1_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "zero_stage": 1}, aux=True, full=True,
+                                            world=4),
+    "qwen3_moe_ep2_tp2_zero1_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "tp": 2, "zero_stage": 1}, aux=True,
+                                            full=True, world=4),
+    "deepseek_v3_ep2_tp2_zero1_adamw": Case("deepseek_v3", "adamw", {"ep": 2, "tp": 2, "zero_stage": 1}, full=True,
+                                            world=4),
 }
 #: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
 ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
@@ -156,17 +178,20 @@ def batches_of(rows: list[dict]) -> list[dict[str, torch.Tensor]]:
     return [{k: torch.stack([r[k] for r in rows[i:i + BATCH]]) for k in rows[0]} for i in range(0, len(rows), BATCH)]
 
 
-def reference(case: Case, train: list[dict]) -> dict:
-    """One process: the module's own step on whole batches, its optimizer; the load-balancing term of each step."""
+def reference(case: Case, train: list[dict], chunks: int = 1) -> dict:
+    """One process: the module's own step on whole batches, its optimizer; the load-balancing term of each step.
+    ``chunks``: the loss is the mean of the model's loss on each data-parallel rank's share of the batch (rows r,
+    r + chunks, ...), as each rank's forward computes it -- the per-rank load-balancing loss's semantics."""
     lm = HFMoELM(case.arch, case.optimizer, case.aux)
     lm.configure_model()
     optimizer = lm.configure_optimizers()
     losses, aux = [], []
     for batch in train:
-        out = lm.model(**batch)
-        out.loss.backward()
-        losses.append(out.loss.item())
-        aux.append(AUX_COEF * out.aux_loss.item() if case.aux else 0.0)
+        outs = [lm.model(**{k: v[r::chunks] for k, v in batch.items()}) for r in range(chunks)]
+        loss = sum(out.loss for out in outs) / chunks
+        loss.backward()
+        losses.append(loss.item())
+        aux.append(AUX_COEF * sum(out.aux_loss.item() for out in outs) / chunks if case.aux else 0.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"losses": losses, "aux_terms": aux}
@@ -176,6 +201,7 @@ class _Record(L.Callback):
     def __init__(self):
         self.train: list[float] = []
         self.placements: dict[str, str] = {}
+        self.expert_bytes: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train.append(float(trainer.callback_metrics["train/loss"]))
@@ -186,12 +212,30 @@ class _Record(L.Callback):
                 if ".mlp.experts." in name and isinstance(param, DTensor):
                     self.placements[name.split(".mlp.experts.")[1]] = (
                         f"{param.placements} local {tuple(param.to_local().shape)} of {tuple(param.shape)}")
+            self.expert_bytes = expert_bytes(pl_module, trainer.optimizers[0])
+
+
+def expert_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes of the experts' parameters on this rank and in all, and of their optimizer state on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = [p for n, p in module.named_parameters() if ".mlp.experts." in n]
+    states = [v for p in params for v in optimizer.state.get(p, {}).values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"held": sum(local(p).nbytes for p in params), "total": sum(p.numel() * p.element_size() for p in params),
+            "state": sum(local(v).nbytes for v in states), "states": len(states)}
 
 
 def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
-    from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+    from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 
     options: dict[str, Any] = {} if heartbeat else {"heartbeat_timeout": None}
+    if "ep" in layout:  # the experts from the model's own ep plan; with tp, attention from its tp plan
+        return LayoutStrategy(**layout, **options) if "tp" in layout else \
+            ZeroStrategy(stage=layout.get("zero_stage", 0), ep=layout["ep"], **options)
     if "pp" in layout:
         pipeline = dict(schedule="1f1b", n_microbatches=MICROBATCHES, **options)
         if "tp" in layout:  # (ZeRO-0: its default ZeRO-1 refuses packed expert weights)
@@ -396,13 +440,14 @@ def main() -> None:
             losses, placements_of = fit_and_resume(case, rows[:RESUME_EPOCH * BATCH], root / name), {}
         else:
             record = fit(case, rows, root / name)
-            losses, placements_of = record.train, record.placements
+            losses, placements_of = record.train, {**record.placements, "bytes": record.expert_bytes}
         seconds = time.perf_counter() - start
         placements: list[dict | None] = [None] * world
         dist.all_gather_object(placements, placements_of)
         if rank == 0:
             batches = batches_of(rows[:RESUME_EPOCH * BATCH]) * 2 if case.resume else batches_of(rows)
-            ref = reference(case, batches)
+            dp = world // case.layout.get("tp", 1) // case.layout.get("pp", 1)
+            ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1)
             results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}
             print(f"{name}: {seconds:.1f} s, losses {losses[:3]} vs {ref['losses'][:3]}", flush=True)
