@@ -21,11 +21,11 @@ Two ways in, one order:
 
 Expert parallel (ep > 1) splits the expert layers' stacked weights over the ep ranks and sets their token exchange
 (:mod:`~lightning_par.parallel.expert_parallel`; a Hugging Face model's experts modules declared so from its own ep
-plan first, :mod:`~lightning_par.parallel.experts_ep`, and left out of its tp plan); a model that cannot take it is refused first, before the replicas'
-broadcast, on every rank alike. Context parallel (cp > 1) comes next, right after tensor parallel as torchtitan
-applies it to the attention: it hooks the modules that run the model (so recompute and compile wrap the blocks inside
-them) and returns the context the step enters around forward and backward
-(:mod:`~lightning_par.parallel.context_parallel`).
+plan first, :mod:`~lightning_par.parallel.experts_ep`, and left out of its tp plan); a model that cannot take it
+is refused first, before the replicas' broadcast, on every rank alike. Context parallel (cp > 1) comes next, right
+after tensor parallel as torchtitan applies it to the attention: it hooks the modules that run the model (so
+recompute and compile wrap the blocks inside them) and returns the context the step enters around forward and
+backward (:mod:`~lightning_par.parallel.context_parallel`).
 
 Pretrained weights (``pretrained``) are read into the share right after it is allocated; their random
 initialisation is never computed. Nothing here imports Lightning.

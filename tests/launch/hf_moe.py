@@ -34,6 +34,9 @@ BATCH = 8
 MICROBATCHES = 4
 RESUME_EPOCH = STEPS // 2  # batches per epoch of a resumed case: two epochs make the STEPS steps
 AUX_COEF = 0.05  # large enough that the load-balancing term moves the loss well beyond the parity tolerance
+#: under expert parallel: large enough that the per-rank loss is another function than the whole batch's, beyond the
+#: tolerance (at 0.05 the two differ by only ~1e-5 on qwen3_moe; at 0.2 by 1e-3 or more, and SGD still learns)
+EP_AUX_COEF = 0.2
 LR = {"sgd": 0.2, "adamw": 3e-3}  # (SGD at 0.3 already makes these tiny models' losses jump after step 3)
 #: arch -> its causal LM class in transformers
 ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -42,14 +45,14 @@ ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "d
 EP_ARCHS = {**ARCHS, "gpt_oss": "GptOssForCausalLM"}
 
 
-def moe_config(arch: str, aux: bool):
+def moe_config(arch: str, aux: bool | float):
     """A tiny config of ``arch``: 2 layers, 4 experts of which each token takes 2, its experts' weights large enough
     (4 x 64 x 64) to be built deferred (on the meta device) and materialised per rank."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux,
-                  router_aux_loss_coef=AUX_COEF if aux else 0.0)
+                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=bool(aux),
+                  router_aux_loss_coef=aux_coef(aux))
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                            head_dim=16)
@@ -71,7 +74,12 @@ def moe_config(arch: str, aux: bool):
     raise ValueError(f"unknown arch {arch!r}; use one of {list(EP_ARCHS)}")
 
 
-def moe_model(arch: str, aux: bool = False) -> torch.nn.Module:
+def aux_coef(aux: bool | float) -> float:
+    """The load-balancing coefficient of a case's ``aux``: off, :data:`AUX_COEF`, or the coefficient given."""
+    return 0.0 if not aux else AUX_COEF if aux is True else float(aux)
+
+
+def moe_model(arch: str, aux: bool | float = False) -> torch.nn.Module:
     """The tiny ``arch`` model, its weights drawn from :data:`SEED`."""
     import transformers
 
@@ -85,7 +93,7 @@ class HFMoELM(L.LightningModule):
     .loss`` (with ``aux``, the load-balancing loss included by the model itself). Built in ``configure_model`` from a
     fixed seed, as a user's model would be under a layout that builds it deferred."""
 
-    def __init__(self, arch: str = "qwen3_moe", optimizer: str = "sgd", aux: bool = False):
+    def __init__(self, arch: str = "qwen3_moe", optimizer: str = "sgd", aux: bool | float = False):
         super().__init__()
         self.arch, self.optimizer, self.aux = arch, optimizer, aux
         self.model = None
@@ -110,7 +118,7 @@ class Case:
     arch: str
     optimizer: str
     layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp / ep: which strategy
-    aux: bool = False
+    aux: bool | float = False  # the load-balancing loss: off, on at AUX_COEF, or on at this coefficient
     full: bool = False  # in the full run only (pytest --full)
     world: int = 2
     resume: bool = False  # one epoch of 3 batches, then a second one resumed from its checkpoint in a new Trainer
@@ -138,19 +146,19 @@ CASES: dict[str, Case] = {
     "qwen3_moe_dp2_tp2_adamw": Case("qwen3_moe", "adamw", {"tp": 2, "dp": 2}, full=True, world=4),
     "mixtral_tp2_pp2_1f1b_sgd": Case("mixtral", "sgd", {"tp": 2, "pp": 2}, full=True, world=4),
     # expert parallel from the model's own ep plan: each rank 2 of the 4 experts, its own tokens (the default set: one)
-    "qwen3_moe_ep2_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2}, aux=True),
-    **{f"{arch}_ep2_{opt}{'_aux' * aux}": Case(arch, opt, {"ep": 2}, aux=aux, full=True)
+    "qwen3_moe_ep2_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2}, aux=EP_AUX_COEF),
+    **{f"{arch}_ep2_{opt}{'_aux' * aux}": Case(arch, opt, {"ep": 2}, aux=EP_AUX_COEF * aux, full=True)
        for arch in ("qwen3_moe", "mixtral") for opt in ("sgd", "adamw") for aux in (False, True)
        if (arch, opt, aux) != ("qwen3_moe", "sgd", True)},
     "deepseek_v3_ep2_sgd": Case("deepseek_v3", "sgd", {"ep": 2}, full=True),  # (routes without a balancing loss)
     "deepseek_v3_ep2_adamw": Case("deepseek_v3", "adamw", {"ep": 2}, full=True),
-    "qwen2_moe_ep2_adamw_aux": Case("qwen2_moe", "adamw", {"ep": 2}, aux=True, full=True),
-    "olmoe_ep2_sgd_aux": Case("olmoe", "sgd", {"ep": 2}, aux=True, full=True),
-    "gpt_oss_ep2_adamw_aux": Case("gpt_oss", "adamw", {"ep": 2}, aux=True, full=True),
+    "qwen2_moe_ep2_adamw_aux": Case("qwen2_moe", "adamw", {"ep": 2}, aux=EP_AUX_COEF, full=True),
+    "olmoe_ep2_sgd_aux": Case("olmoe", "sgd", {"ep": 2}, aux=EP_AUX_COEF, full=True),
+    "gpt_oss_ep2_adamw_aux": Case("gpt_oss", "adamw", {"ep": 2}, aux=EP_AUX_COEF, full=True),
     # 4 ranks: ep2 x dp2 at ZeRO-1 (each expert on 2 ranks); ep2 beside tp2 on attention at ZeRO-1
-    "mixtral_ep2_dp2_zero1_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "zero_stage": 1}, aux=True, full=True,
-                                            world=4),
-    "qwen3_moe_ep2_tp2_zero1_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "tp": 2, "zero_stage": 1}, aux=True,
+    "mixtral_ep2_dp2_zero1_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "zero_stage": 1}, aux=EP_AUX_COEF,
+                                            full=True, world=4),
+    "qwen3_moe_ep2_tp2_zero1_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "tp": 2, "zero_stage": 1}, aux=EP_AUX_COEF,
                                             full=True, world=4),
     "deepseek_v3_ep2_tp2_zero1_adamw": Case("deepseek_v3", "adamw", {"ep": 2, "tp": 2, "zero_stage": 1}, full=True,
                                             world=4),
@@ -191,7 +199,7 @@ def reference(case: Case, train: list[dict], chunks: int = 1) -> dict:
         loss = sum(out.loss for out in outs) / chunks
         loss.backward()
         losses.append(loss.item())
-        aux.append(AUX_COEF * sum(out.aux_loss.item() for out in outs) / chunks if case.aux else 0.0)
+        aux.append(aux_coef(case.aux) * sum(out.aux_loss.item() for out in outs) / chunks if case.aux else 0.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"losses": losses, "aux_terms": aux}
@@ -450,6 +458,8 @@ def main() -> None:
             ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1)
             results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}
+            if "ep" in case.layout and case.aux:  # what one process computes on whole batches: another function
+                results[name]["whole_batches"] = reference(case, batches)["losses"]
             print(f"{name}: {seconds:.1f} s, losses {losses[:3]} vs {ref['losses'][:3]}", flush=True)
     for name in args.errors:
         case, layout, _ = ERROR_CASES[name]
