@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from lightning_par import LayoutError
+from lightning_par.parallel.expert_parallel import check_expert_parallel
+from lightning_par.parallel.experts_ep import declare_planned_experts, resolve_ep_plan
 from lightning_par.parallel.tensor_parallel import check_layout_plan, planned_split_dim, resolve_tp_plan
 from tests.conftest import full_run
 from tests.harness import launch_matrix, max_rel_diff
-from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_config
+from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_config, moe_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -296,10 +298,6 @@ def test_published_ep_plans_resolve_and_leave_the_experts_out_of_tp(arch):
     """Each model's own ep plan: every MoE layer's experts module with all its parameters stacked over the experts
     (gpt-oss: its biases too); under ep > 1 the tp plan leaves those modules to expert parallel (tensor parallel
     replicates them), so the packed styles ZeRO-1 cannot shard are gone."""
-    from tests.launch.hf_moe import moe_model
-
-    from lightning_par.parallel.experts_ep import resolve_ep_plan
-
     model = moe_model(arch)
     resolved = resolve_ep_plan(model, 2)
     moe_layers = [f"model.layers.{i}.mlp.experts" for i in range(1 if arch == "deepseek_v3" else 0, 2)]
@@ -318,11 +316,6 @@ def test_published_ep_plans_resolve_and_leave_the_experts_out_of_tp(arch):
 
 def test_hf_experts_declared_from_the_ep_plan_compute_one_process_function():
     """Declared but not split (no token exchange), the dispatching forward is the module's own."""
-    from tests.launch.hf_moe import moe_model
-
-    from lightning_par.parallel.expert_parallel import check_expert_parallel
-    from lightning_par.parallel.experts_ep import declare_planned_experts
-
     model, reference = moe_model("qwen3_moe"), moe_model("qwen3_moe")
     declared = declare_planned_experts(model, 2)
     assert set(check_expert_parallel(model, 2)) == set(declared) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}
@@ -351,15 +344,11 @@ def test_hf_experts_declared_from_the_ep_plan_compute_one_process_function():
     ],
 )
 def test_an_ep_plan_that_cannot_be_applied_exactly_is_refused(experts, plan, match):
-    from lightning_par.parallel.experts_ep import resolve_ep_plan
-
     with pytest.raises(LayoutError, match=match):
         resolve_ep_plan(_ep_tiny(experts, plan), 2)
 
 
 def test_grouped_gemm_outside_a_dispatching_module_is_refused():
-    from lightning_par.parallel.experts_ep import resolve_ep_plan
-
     model = _ep_tiny(_Experts())
     model.ep_plan = {"layers.*.experts.gate_up_proj": "grouped_gemm", "layers.*.experts.down_proj": "grouped_gemm"}
     with pytest.raises(LayoutError, match=r"splits layers.0.experts.gate_up_proj \('grouped_gemm'\), but its module "
