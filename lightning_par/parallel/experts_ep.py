@@ -157,8 +157,9 @@ def declare_planned_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
         experts.expert_parameters = stacked
         experts.token_exchange = None
         experts.experts = partial(_local_experts, experts, kernel)
-        experts.forward = partial(_dispatch, experts, kernel, _weights_position(experts))
-        experts.forward.__signature__ = inspect.signature(kernel)  # (what the checks read, as before)
+        signature = inspect.signature(kernel)
+        experts.forward = partial(_dispatch, experts, kernel, signature, _weights_position(experts))
+        experts.forward.__signature__ = signature  # (what the checks read, as before)
         declared[name] = experts
     return declared
 
@@ -190,17 +191,15 @@ def _local_experts(module: nn.Module, kernel: Callable[..., torch.Tensor], token
         return kernel(tokens, index, torch.ones(index.shape, dtype=tokens.dtype, device=tokens.device))
 
 
-def _dispatch(module: nn.Module, kernel: Callable[..., torch.Tensor], weights_at: int | str, *args: Any,
-              **kwargs: Any) -> torch.Tensor:
+def _dispatch(module: nn.Module, kernel: Callable[..., torch.Tensor], signature: inspect.Signature,
+              weights_at: int | str, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The experts module's forward under ``ep_dispatch_experts``: this rank's (token, choice) pairs grouped by
     expert, through the token exchange, weighted and summed over each token's choices."""
     if module.token_exchange is None:  # (declared, not split: one process's forward)
         return kernel(*args, **kwargs)
-    hidden = args[0] if args else kwargs["hidden_states"]
-    index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if k != "hidden_states" and
-                                                 "ind" in k)
-    weights = args[weights_at] if isinstance(weights_at, int) and len(args) > weights_at else \
-        kwargs[weights_at if isinstance(weights_at, str) else "top_k_weights"]
+    names, bound = list(signature.parameters), signature.bind(*args, **kwargs).arguments
+    hidden, index = bound[names[0]], bound[names[1]]
+    weights = bound[names[weights_at] if isinstance(weights_at, int) else weights_at]
     tokens, top_k = index.shape
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the tokens' order kept within an expert
