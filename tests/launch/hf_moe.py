@@ -1,12 +1,15 @@
 """Hugging Face mixture-of-experts models (tiny configs of transformers' own classes, no download) trained through
-``Trainer.fit`` under the layouts without expert parallelism -- tp2 from the model's own plan (``moe_tp_experts``),
-ZeRO-3 over dp2, a 2-stage pipeline -- next to one process on the same batches.
+``Trainer.fit`` -- tp2 from the model's own plan (``moe_tp_experts``), ZeRO-3 over dp2, a 2-stage pipeline, and
+expert parallel from the model's own ep plan (ep2, with dp2 or tp2 on 4 ranks) -- next to one process on the same
+batches.
 
 Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (the styles and the refusals too) or 4;
 ``tests/launch/test_hf_moe.py`` reads what it writes.
 Rank 0 also trains the reference: the same module and seed in one process, ``self.model(**batch).loss`` on the whole
 batch -- with the router's load-balancing loss on, the model's loss includes ``router_aux_loss_coef`` times that loss
-over all layers' router logits of the whole batch, which tp (it does not split tokens) must match exactly.
+over all layers' router logits of the whole batch, which tp (it does not split tokens) must match exactly. Under
+expert parallel each rank's forward sees its own share of the batch, so the reference's loss is the mean of the
+model's loss on each share (:func:`reference` with ``chunks``).
 
 The error cases run a fit that must be refused at setup, and record what each rank raised.
 """
