@@ -158,7 +158,10 @@ CASES: dict[str, Case] = {
     "qwen2_moe_ep2_adamw_aux": Case("qwen2_moe", "adamw", {"ep": 2}, aux=EP_AUX_COEF, full=True),
     "olmoe_ep2_sgd_aux": Case("olmoe", "sgd", {"ep": 2}, aux=EP_AUX_COEF, full=True),
     "gpt_oss_ep2_adamw_aux": Case("gpt_oss", "adamw", {"ep": 2}, aux=EP_AUX_COEF, full=True),
-    # 4 ranks: ep2 x dp2 at ZeRO-1 (each expert on 2 ranks); ep2 beside tp2 on attention at ZeRO-1
+    "mixtral_ep2_zero3_sgd_aux": Case("mixtral", "sgd", {"ep": 2, "zero_stage": 3}, aux=EP_AUX_COEF, full=True),
+    # 4 ranks: ep2 x dp2 at ZeRO-1 and ZeRO-3 (each expert on 2 ranks); ep2 beside tp2 on attention at ZeRO-1
+    "qwen3_moe_ep2_dp2_zero3_adamw_aux": Case("qwen3_moe", "adamw", {"ep": 2, "zero_stage": 3}, aux=EP_AUX_COEF,
+                                              full=True, world=4),
     "mixtral_ep2_dp2_zero1_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "zero_stage": 1}, aux=EP_AUX_COEF,
                                             full=True, world=4),
     "qwen3_moe_ep2_tp2_zero1_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "tp": 2, "zero_stage": 1}, aux=EP_AUX_COEF,

@@ -13,10 +13,11 @@
     MoE, and the experts self-check); the full set adds the other fits.
 (c) Expert parallel from the model's own ep plan (``ep_dispatch_experts``, ``grouped_gemm``): ep2 on 2 ranks for
     qwen3_moe and mixtral (SGD and AdamW, the load-balancing loss off and on), deepseek_v3 (SGD, AdamW), qwen2_moe,
-    olmoe and gpt_oss; on 4 ranks ep2 x dp2 at ZeRO-1 and ep2 beside tp2 on attention at ZeRO-1 (full set; the
-    default set's 2-rank launch runs qwen3_moe ep2 SGD with the loss on). Losses within 1e-5 of one process whose loss
-    is the mean of the model's loss on each rank's share of the batch (the per-rank load-balancing loss); each rank
-    1/ep of the expert bytes and of their AdamW state. In this process, the ep plans resolved and the refusals.
+    olmoe and gpt_oss, and at ZeRO-3; on 4 ranks ep2 x dp2 at ZeRO-1 and ZeRO-3, and ep2 beside tp2 on attention at
+    ZeRO-1 (full set; the default set's 2-rank launch runs qwen3_moe ep2 SGD with the loss on). Losses within 1e-5 of
+    one process whose loss is the mean of the model's loss on each rank's share of the batch (the per-rank
+    load-balancing loss); each rank 1/ep of the expert bytes and of their AdamW state. In this process, the ep plans
+    resolved and the refusals.
 (b) In this process: the resolved plans of qwen3_moe, qwen2_moe, mixtral, olmoe and deepseek_v3 at tp2, and the
     refusals of what ``moe_tp_experts`` cannot split exactly, each naming the module, the style and the fix.
 """
