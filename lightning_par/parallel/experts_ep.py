@@ -76,10 +76,11 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
 
 
-def resolve_ep_plan(module: nn.Module, ep: int) -> dict[str, tuple[str, ...]]:
+def resolve_ep_plan(module: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{experts module FQN (relative to module): its parameters split over the experts}`` from the declared ep
     plan (empty without one), or a :class:`LayoutError` naming the module, the style and the fix for what cannot be
-    applied exactly. Shapes only (meta tensors too): every rank refuses alike, before any collective."""
+    applied exactly. Shapes only (meta tensors too): every rank refuses alike, before any collective (how many
+    experts ep divides: :func:`~lightning_par.parallel.expert_parallel.check_expert_parallel`)."""
     found = find_ep_plan(module)
     if found is None:
         return {}
@@ -117,12 +118,12 @@ def resolve_ep_plan(module: nn.Module, ep: int) -> dict[str, tuple[str, ...]]:
     resolved = {}
     for name in dispatch:
         experts = model.get_submodule(name)
-        _check_experts(f"{model_name}.{name}", experts, tuple(stacked.get(name, ())), ep)
+        _check_experts(f"{model_name}.{name}", experts, tuple(stacked.get(name, ())))
         resolved[f"{prefix}{name}"] = tuple(p for p, _ in experts.named_parameters() if p in stacked.get(name, ()))
     return resolved
 
 
-def _check_experts(where: str, module: nn.Module, planned: tuple[str, ...], ep: int) -> None:
+def _check_experts(where: str, module: nn.Module, planned: tuple[str, ...]) -> None:
     kind = f"{where} ({type(module).__name__})"
     experts = getattr(module, "num_experts", None)
     if not isinstance(experts, int) or experts < 1:
@@ -143,12 +144,12 @@ def _check_experts(where: str, module: nn.Module, planned: tuple[str, ...], ep: 
                           "Remove its entries from the ep plan, or train with ep=1.")
 
 
-def declare_planned_experts(module: nn.Module, ep: int) -> dict[str, nn.Module]:
+def declare_planned_experts(module: nn.Module) -> dict[str, nn.Module]:
     """Give every experts module the ep plan of ``module`` places the interface of
     :mod:`~lightning_par.parallel.expert_parallel` (in place, before :func:`apply_expert_parallel` splits it); the
     modules, by name. Nothing collective: call it on every rank before the first collective."""
     declared = {}
-    for name, stacked in resolve_ep_plan(module, ep).items():
+    for name, stacked in resolve_ep_plan(module).items():
         experts = module.get_submodule(name)
         if getattr(experts, "token_exchange", None) is not None or "expert_parameters" in vars(experts):
             declared[name] = experts  # (declared already: a second setup of the same model)

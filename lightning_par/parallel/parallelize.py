@@ -130,7 +130,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     """
     ep = config.expert_mesh["ep"].size() if config.expert_mesh is not None else 1
     if config.expert_mesh is not None:
-        declare_planned_experts(parts.root, ep)  # a Hugging Face model's experts, from its own ep plan
+        declare_planned_experts(parts.root)  # a Hugging Face model's experts, from its own ep plan
         check_expert_parallel(parts.root, ep)
     if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
         parts.root.to(config.device)

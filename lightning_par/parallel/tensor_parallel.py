@@ -260,7 +260,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
                   if not any(name.startswith(f"{unit}.") for unit in removed)]
     resolved: dict[str, str] = {}
     planned_parameters: dict[str, str] = {}  # an expert parameter's split, applied by its module's style
-    by_ep = set(experts_ep.resolve_ep_plan(model, ep)) if ep > 1 else set()  # (relative to model, as candidates)
+    by_ep = set(experts_ep.resolve_ep_plan(model)) if ep > 1 else set()  # (relative to model, as candidates)
     for pattern, style in plan.items():
         if not isinstance(style, str) or not _valid_style(style):
             allowed = ", ".join(s for s in PLAN_STYLES if s != "block_input")

@@ -306,7 +306,7 @@ def test_published_ep_plans_resolve_and_leave_the_experts_out_of_tp(arch):
     (gpt-oss: its biases too); under ep > 1 the tp plan leaves those modules to expert parallel (tensor parallel
     replicates them), so the packed styles ZeRO-1 cannot shard are gone."""
     model = moe_model(arch)
-    resolved = resolve_ep_plan(model, 2)
+    resolved = resolve_ep_plan(model)
     moe_layers = [f"model.layers.{i}.mlp.experts" for i in range(1 if arch == "deepseek_v3" else 0, 2)]
     stacked = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if arch == "gpt_oss" else \
         ("gate_up_proj", "down_proj")
@@ -324,7 +324,7 @@ def test_published_ep_plans_resolve_and_leave_the_experts_out_of_tp(arch):
 def test_hf_experts_declared_from_the_ep_plan_compute_one_process_function():
     """Declared but not split (no token exchange), the dispatching forward is the module's own."""
     model, reference = moe_model("qwen3_moe"), moe_model("qwen3_moe")
-    declared = declare_planned_experts(model, 2)
+    declared = declare_planned_experts(model)
     assert set(check_expert_parallel(model, 2)) == set(declared) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}
     tokens = torch.randint(0, 256, (2, 16))
     assert torch.equal(model(input_ids=tokens).logits, reference(input_ids=tokens).logits)
@@ -352,7 +352,7 @@ def test_hf_experts_declared_from_the_ep_plan_compute_one_process_function():
 )
 def test_an_ep_plan_that_cannot_be_applied_exactly_is_refused(experts, plan, match):
     with pytest.raises(LayoutError, match=match):
-        resolve_ep_plan(_ep_tiny(experts, plan), 2)
+        resolve_ep_plan(_ep_tiny(experts, plan))
 
 
 def test_grouped_gemm_outside_a_dispatching_module_is_refused():
@@ -360,4 +360,4 @@ def test_grouped_gemm_outside_a_dispatching_module_is_refused():
     model.ep_plan = {"layers.*.experts.gate_up_proj": "grouped_gemm", "layers.*.experts.down_proj": "grouped_gemm"}
     with pytest.raises(LayoutError, match=r"splits layers.0.experts.gate_up_proj \('grouped_gemm'\), but its module "
                                           r"layers.0.experts is not planned 'ep_dispatch_experts'"):
-        resolve_ep_plan(model, 2)
+        resolve_ep_plan(model)
