@@ -58,7 +58,8 @@ def check_expert_parallel(module: nn.Module, ep: int) -> dict[str, nn.Module]:
         raise LayoutError(
             f"ep={ep} but {type(module).__name__} has no expert layers: expert parallel splits mixture-of-experts "
             f"layers, found by the attributes {', '.join(EXPERT_LAYER_ATTRIBUTES)} (see "
-            "lightning_par.examples.moe.MoEFeedForward). Use ep=1 for a dense model.")
+            "lightning_par.examples.moe.MoEFeedForward) or by a Hugging Face model's ep plan ('ep_dispatch_experts', "
+            "lightning_par.parallel.experts_ep). Use ep=1 for a dense model.")
     for name, layer in layers.items():
         experts = layer.num_experts
         if experts % ep:

@@ -20,11 +20,12 @@ Two ways in, one order:
   made identical by a broadcast; the transforms then cut what exists.
 
 Expert parallel (ep > 1) splits the expert layers' stacked weights over the ep ranks and sets their token exchange
-(:mod:`~lightning_par.parallel.expert_parallel`); a model that cannot take it is refused first, before the replicas'
-broadcast, on every rank alike. Context parallel (cp > 1) comes next, right after tensor parallel as torchtitan
-applies it to the attention: it hooks the modules that run the model (so recompute and compile wrap the blocks inside
-them) and returns the context the step enters around forward and backward
-(:mod:`~lightning_par.parallel.context_parallel`).
+(:mod:`~lightning_par.parallel.expert_parallel`; a Hugging Face model's experts modules declared so from its own ep
+plan first, :mod:`~lightning_par.parallel.experts_ep`, and left out of its tp plan); a model that cannot take it
+is refused first, before the replicas' broadcast, on every rank alike. Context parallel (cp > 1) comes next, right
+after tensor parallel as torchtitan applies it to the attention: it hooks the modules that run the model (so
+recompute and compile wrap the blocks inside them) and returns the context the step enters around forward and
+backward (:mod:`~lightning_par.parallel.context_parallel`).
 
 Pretrained weights (``pretrained``) are read into the share right after it is allocated; their random
 initialisation is never computed. Nothing here imports Lightning.
@@ -45,6 +46,7 @@ from lightning_par.parallel.compile import BlockCompiler
 from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
 from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel, check_expert_parallel
+from lightning_par.parallel.experts_ep import declare_planned_experts
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
@@ -126,8 +128,10 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     when ``deferred``; nothing for the owners that act on gradients only); returns the stage modules.
     ``deferred``: the record of the model's construction when it was built deferred.
     """
+    ep = config.expert_mesh["ep"].size() if config.expert_mesh is not None else 1
     if config.expert_mesh is not None:
-        check_expert_parallel(parts.root, config.expert_mesh["ep"].size())
+        declare_planned_experts(parts.root)  # a Hugging Face model's experts, from its own ep plan
+        check_expert_parallel(parts.root, ep)
     if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
         parts.root.to(config.device)
         make_replicas_identical(parts.root, (config.dp_mesh, config.tp_mesh))
@@ -141,7 +145,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
         # generator, its region() for hand-written dropout) is kept in eager mode.
         rng = config.compile is None or config.sequence_parallel or has_dropout(parts.root)
         plan = apply_tensor_parallel(parts.root, config.tp_mesh, config.sequence_parallel, rng=rng,
-                                     stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root))
+                                     stage=parts.pipelined, rng_where=dropout_at(parts.blocks, parts.root), ep=ep)
     experts = apply_expert_parallel(parts.root, config.expert_mesh) if config.expert_mesh is not None else None
     # (the owner's sharding leaves them alone, or shards them over their own replicas)
     parts.experts, parts.expert_mesh = (experts.parameters, experts.mesh) if experts is not None else ([], None)

@@ -90,7 +90,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_par._compat import StridedShard
-from lightning_par.parallel import experts_tp
+from lightning_par.parallel import experts_ep, experts_tp
 from lightning_par.parallel.rng import TensorParallelRNG
 from lightning_par.topology import LayoutError
 
@@ -212,7 +212,7 @@ def _tp_choices(sizes: list[int]) -> str:
 
 
 def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False, *,
-                    stage: bool = False) -> dict[str, str]:
+                    stage: bool = False, ep: int = 1) -> dict[str, str]:
     """Expand and validate ``module``'s declared plan for ``tp`` ranks; no process group or mesh is needed.
 
     Returns ``{module FQN (relative to module): style}`` in application order, including the entries the engine adds
@@ -226,6 +226,9 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     of its units, so a plan pattern that matches nothing here is skipped (the embedding lives on the first stage, the
     head on the last); every other check stays. Check the whole model once, before the split, with
     :func:`check_tp_plan` (the strict default), so that a misspelt pattern is still an error.
+    ``ep > 1``: the experts modules the model's ep plan places (:mod:`~lightning_par.parallel.experts_ep`) are split
+    over the experts by expert parallel instead; the tp plan's entries for them (and their parameters) are left out,
+    so tensor parallel replicates them.
     A unit removed from a stage (``None``, or a parameter-free
     :class:`~lightning_par.parallel.pipeline.split.RemovedUnit` stand-in) is never matched.
     """
@@ -257,6 +260,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
                   if not any(name.startswith(f"{unit}.") for unit in removed)]
     resolved: dict[str, str] = {}
     planned_parameters: dict[str, str] = {}  # an expert parameter's split, applied by its module's style
+    by_ep = set(experts_ep.resolve_ep_plan(model)) if ep > 1 else set()  # (relative to model, as candidates)
     for pattern, style in plan.items():
         if not isinstance(style, str) or not _valid_style(style):
             allowed = ", ".join(s for s in PLAN_STYLES if s != "block_input")
@@ -266,7 +270,13 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
             )
         regex = _pattern_regex(pattern)
         matched = [name for name in candidates if regex.fullmatch(name)]
-        if not matched and (params := [name for name in parameters if regex.fullmatch(name)]):
+        params = [name for name in parameters if regex.fullmatch(name)]
+        if by_ep and (matched or params):  # the experts modules expert parallel splits, and their parameters
+            matched = [name for name in matched if name not in by_ep]
+            params = [name for name in params if name.rpartition(".")[0] not in by_ep]
+            if not matched and not params:
+                continue
+        if not matched and params:
             planned_parameters.update(dict.fromkeys(params, style))
             continue
         if not matched and (stage or _is_hf_model(model)):
@@ -408,7 +418,7 @@ def _ancestors(name: str) -> list[str]:
     return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
 
 
-def check_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+def check_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False, ep: int = 1) -> dict[str, str]:
     """Check the WHOLE model's plan for ``tp`` ranks once, before it is split into pipeline stages.
 
     This is :func:`resolve_tp_plan` with its strict default (every pattern must match a module of the model; the
@@ -416,15 +426,15 @@ def check_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False) -
     split with ``apply_tensor_parallel(stage_module, tp_mesh, sequence_parallel, stage=True)``, which skips the
     patterns that name another stage's units. No process group is needed.
     """
-    return resolve_tp_plan(module, tp, sequence_parallel, stage=False)
+    return resolve_tp_plan(module, tp, sequence_parallel, stage=False, ep=ep)
 
 
-def check_layout_plan(module: nn.Module, tp: int, sequence_parallel: bool, zero_stage: int) -> None:
+def check_layout_plan(module: nn.Module, tp: int, sequence_parallel: bool, zero_stage: int, ep: int = 1) -> None:
     """The strategy's check at setup, before any split or collective, alike on every rank: the whole model's plan
     for ``tp`` ranks (:func:`check_tp_plan`: a pattern that matches nothing anywhere stays an error, a size ``tp``
     does not divide is refused) and its packed styles against the ZeRO stage; nothing to check for tp = 1."""
     if tp > 1:
-        check_packed_layout(check_tp_plan(module, tp, sequence_parallel), zero_stage)
+        check_packed_layout(check_tp_plan(module, tp, sequence_parallel, ep), zero_stage)
 
 
 def _removed_units(model: nn.Module) -> set[str]:
@@ -1191,7 +1201,7 @@ def _styles(module: nn.Module, plan: dict[str, str], sequence_parallel: bool,
 
 def apply_tensor_parallel(
     module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, rng: bool = True, *,
-    stage: bool = False, rng_where: Callable[[nn.Module], bool] | None = None,
+    stage: bool = False, rng_where: Callable[[nn.Module], bool] | None = None, ep: int = 1,
 ) -> TensorParallelPlan:
     """Split ``module`` (in place) over the 1-D ``tp_mesh`` by its declared plan; see :func:`resolve_tp_plan`.
 
@@ -1212,7 +1222,7 @@ def apply_tensor_parallel(
     the pipeline schedule call on every rank.
     """
     tp = tp_mesh.size()
-    plan = resolve_tp_plan(module, tp, sequence_parallel, stage=stage)
+    plan = resolve_tp_plan(module, tp, sequence_parallel, stage=stage, ep=ep)
     root_name, model, declared = find_tp_plan(module)  # type: ignore[misc]
     prefix = f"{root_name}." if root_name else ""
     tied = _tied_parameters(module)

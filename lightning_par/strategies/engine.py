@@ -102,8 +102,7 @@ class LayoutStrategy(MeshStrategy):
     ) -> None:
         super().__init__(
             process_group_backend, timeout, accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
+            parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
@@ -228,7 +227,8 @@ class LayoutStrategy(MeshStrategy):
         self.precision_plugin.convert_module(self.model)
         self.checkpoints.check_layout(trainer)
         self.checkpoints.own_last_links(trainer)
-        check_layout_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel, self.layout.zero_stage)
+        check_layout_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel, self.layout.zero_stage,
+                          self.dims.ep)
         # the one owner of data-parallel gradients, chosen first: its `shard` is the last transform of `parallelize`
         # (FSDP2 at ZeRO-3, with the precision's dtypes: bf16 buckets with fp32 master shards at ZeRO-1/2,
         # MixedPrecisionPolicy at ZeRO-3)

@@ -1,12 +1,15 @@
 """Hugging Face mixture-of-experts models (tiny configs of transformers' own classes, no download) trained through
-``Trainer.fit`` under the layouts without expert parallelism -- tp2 from the model's own plan (``moe_tp_experts``),
-ZeRO-3 over dp2, a 2-stage pipeline -- next to one process on the same batches.
+``Trainer.fit`` -- tp2 from the model's own plan (``moe_tp_experts``), ZeRO-3 over dp2, a 2-stage pipeline, and
+expert parallel from the model's own ep plan (ep2, with dp2 or tp2 on 4 ranks) -- next to one process on the same
+batches.
 
 Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (the styles and the refusals too) or 4;
 ``tests/launch/test_hf_moe.py`` reads what it writes.
 Rank 0 also trains the reference: the same module and seed in one process, ``self.model(**batch).loss`` on the whole
 batch -- with the router's load-balancing loss on, the model's loss includes ``router_aux_loss_coef`` times that loss
-over all layers' router logits of the whole batch, which tp (it does not split tokens) must match exactly.
+over all layers' router logits of the whole batch, which tp (it does not split tokens) must match exactly. Under
+expert parallel each rank's forward sees its own share of the batch, so the reference's loss is the mean of the
+model's loss on each share (:func:`reference` with ``chunks``).
 
 The error cases run a fit that must be refused at setup, and record what each rank raised.
 """
@@ -34,20 +37,25 @@ BATCH = 8
 MICROBATCHES = 4
 RESUME_EPOCH = STEPS // 2  # batches per epoch of a resumed case: two epochs make the STEPS steps
 AUX_COEF = 0.05  # large enough that the load-balancing term moves the loss well beyond the parity tolerance
+#: under expert parallel: large enough that the per-rank loss is another function than the whole batch's, beyond the
+#: tolerance (at 0.05 the two differ by only ~1e-5 on qwen3_moe; at 0.2 by 1e-3 or more, and SGD still learns)
+EP_AUX_COEF = 0.2
 LR = {"sgd": 0.2, "adamw": 3e-3}  # (SGD at 0.3 already makes these tiny models' losses jump after step 3)
 #: arch -> its causal LM class in transformers
 ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
          "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+#: expert parallel also trains gpt-oss (its experts transposed, gate|up interleaved, with biases: no tp plan applies)
+EP_ARCHS = {**ARCHS, "gpt_oss": "GptOssForCausalLM"}
 
 
-def moe_config(arch: str, aux: bool):
+def moe_config(arch: str, aux: bool | float):
     """A tiny config of ``arch``: 2 layers, 4 experts of which each token takes 2, its experts' weights large enough
     (4 x 64 x 64) to be built deferred (on the meta device) and materialised per rank."""
     import transformers
 
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux,
-                  router_aux_loss_coef=AUX_COEF if aux else 0.0)
+                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=bool(aux),
+                  router_aux_loss_coef=aux_coef(aux))
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                            head_dim=16)
@@ -63,16 +71,24 @@ def moe_config(arch: str, aux: bool):
                                              n_routed_experts=4, n_group=2, topk_group=1, first_k_dense_replace=1,
                                              n_shared_experts=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                              qk_nope_head_dim=8, v_head_dim=16)
-    raise ValueError(f"unknown arch {arch!r}; use one of {list(ARCHS)}")
+    if arch == "gpt_oss":  # biases in its experts, its own clamped activation, attention sinks, sliding windows
+        return transformers.GptOssConfig(**common, intermediate_size=32, num_local_experts=4, head_dim=16,
+                                         sliding_window=16)
+    raise ValueError(f"unknown arch {arch!r}; use one of {list(EP_ARCHS)}")
 
 
-def moe_model(arch: str, aux: bool = False) -> torch.nn.Module:
+def aux_coef(aux: bool | float) -> float:
+    """The load-balancing coefficient of a case's ``aux``: off, :data:`AUX_COEF`, or the coefficient given."""
+    return 0.0 if not aux else AUX_COEF if aux is True else float(aux)
+
+
+def moe_model(arch: str, aux: bool | float = False) -> torch.nn.Module:
     """The tiny ``arch`` model, its weights drawn from :data:`SEED`."""
     import transformers
 
     config = moe_config(arch, aux)
     torch.manual_seed(SEED)
-    return getattr(transformers, ARCHS[arch])(config)
+    return getattr(transformers, EP_ARCHS[arch])(config)
 
 
 class HFMoELM(L.LightningModule):
@@ -80,7 +96,7 @@ class HFMoELM(L.LightningModule):
     .loss`` (with ``aux``, the load-balancing loss included by the model itself). Built in ``configure_model`` from a
     fixed seed, as a user's model would be under a layout that builds it deferred."""
 
-    def __init__(self, arch: str = "qwen3_moe", optimizer: str = "sgd", aux: bool = False):
+    def __init__(self, arch: str = "qwen3_moe", optimizer: str = "sgd", aux: bool | float = False):
         super().__init__()
         self.arch, self.optimizer, self.aux = arch, optimizer, aux
         self.model = None
@@ -104,8 +120,8 @@ class HFMoELM(L.LightningModule):
 class Case:
     arch: str
     optimizer: str
-    layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp: which strategy
-    aux: bool = False
+    layout: dict[str, Any] = field(default_factory=lambda: {"tp": 2})  # tp / zero_stage / pp / ep: which strategy
+    aux: bool | float = False  # the load-balancing loss: off, on at AUX_COEF, or on at this coefficient
     full: bool = False  # in the full run only (pytest --full)
     world: int = 2
     resume: bool = False  # one epoch of 3 batches, then a second one resumed from its checkpoint in a new Trainer
@@ -132,6 +148,26 @@ CASES: dict[str, Case] = {
     # 4 ranks: the experts split over tp in each of two replicas, or on each of two stages
     "qwen3_moe_dp2_tp2_adamw": Case("qwen3_moe", "adamw", {"tp": 2, "dp": 2}, full=True, world=4),
     "mixtral_tp2_pp2_1f1b_sgd": Case("mixtral", "sgd", {"tp": 2, "pp": 2}, full=True, world=4),
+    # expert parallel from the model's own ep plan: each rank 2 of the 4 experts, its own tokens (the default set: one)
+    "qwen3_moe_ep2_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2}, aux=EP_AUX_COEF),
+    **{f"{arch}_ep2_{opt}{'_aux' * aux}": Case(arch, opt, {"ep": 2}, aux=EP_AUX_COEF * aux, full=True)
+       for arch in ("qwen3_moe", "mixtral") for opt in ("sgd", "adamw") for aux in (False, True)
+       if (arch, opt, aux) != ("qwen3_moe", "sgd", True)},
+    "deepseek_v3_ep2_sgd": Case("deepseek_v3", "sgd", {"ep": 2}, full=True),  # (routes without a balancing loss)
+    "deepseek_v3_ep2_adamw": Case("deepseek_v3", "adamw", {"ep": 2}, full=True),
+    "qwen2_moe_ep2_adamw_aux": Case("qwen2_moe", "adamw", {"ep": 2}, aux=EP_AUX_COEF, full=True),
+    "olmoe_ep2_sgd_aux": Case("olmoe", "sgd", {"ep": 2}, aux=EP_AUX_COEF, full=True),
+    "gpt_oss_ep2_adamw_aux": Case("gpt_oss", "adamw", {"ep": 2}, aux=EP_AUX_COEF, full=True),
+    "mixtral_ep2_zero3_sgd_aux": Case("mixtral", "sgd", {"ep": 2, "zero_stage": 3}, aux=EP_AUX_COEF, full=True),
+    # 4 ranks: ep2 x dp2 at ZeRO-1 and ZeRO-3 (each expert on 2 ranks); ep2 beside tp2 on attention at ZeRO-1
+    "qwen3_moe_ep2_dp2_zero3_adamw_aux": Case("qwen3_moe", "adamw", {"ep": 2, "zero_stage": 3}, aux=EP_AUX_COEF,
+                                              full=True, world=4),
+    "mixtral_ep2_dp2_zero1_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "zero_stage": 1}, aux=EP_AUX_COEF,
+                                            full=True, world=4),
+    "qwen3_moe_ep2_tp2_zero1_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "tp": 2, "zero_stage": 1}, aux=EP_AUX_COEF,
+                                            full=True, world=4),
+    "deepseek_v3_ep2_tp2_zero1_adamw": Case("deepseek_v3", "adamw", {"ep": 2, "tp": 2, "zero_stage": 1}, full=True,
+                                            world=4),
 }
 #: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
 ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
@@ -156,17 +192,20 @@ def batches_of(rows: list[dict]) -> list[dict[str, torch.Tensor]]:
     return [{k: torch.stack([r[k] for r in rows[i:i + BATCH]]) for k in rows[0]} for i in range(0, len(rows), BATCH)]
 
 
-def reference(case: Case, train: list[dict]) -> dict:
-    """One process: the module's own step on whole batches, its optimizer; the load-balancing term of each step."""
+def reference(case: Case, train: list[dict], chunks: int = 1) -> dict:
+    """One process: the module's own step on whole batches, its optimizer; the load-balancing term of each step.
+    ``chunks``: the loss is the mean of the model's loss on each data-parallel rank's share of the batch (rows r,
+    r + chunks, ...), as each rank's forward computes it -- the per-rank load-balancing loss's semantics."""
     lm = HFMoELM(case.arch, case.optimizer, case.aux)
     lm.configure_model()
     optimizer = lm.configure_optimizers()
     losses, aux = [], []
     for batch in train:
-        out = lm.model(**batch)
-        out.loss.backward()
-        losses.append(out.loss.item())
-        aux.append(AUX_COEF * out.aux_loss.item() if case.aux else 0.0)
+        outs = [lm.model(**{k: v[r::chunks] for k, v in batch.items()}) for r in range(chunks)]
+        loss = sum(out.loss for out in outs) / chunks
+        loss.backward()
+        losses.append(loss.item())
+        aux.append(aux_coef(case.aux) * sum(out.aux_loss.item() for out in outs) / chunks if case.aux else 0.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"losses": losses, "aux_terms": aux}
@@ -176,6 +215,7 @@ class _Record(L.Callback):
     def __init__(self):
         self.train: list[float] = []
         self.placements: dict[str, str] = {}
+        self.expert_bytes: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train.append(float(trainer.callback_metrics["train/loss"]))
@@ -186,12 +226,30 @@ class _Record(L.Callback):
                 if ".mlp.experts." in name and isinstance(param, DTensor):
                     self.placements[name.split(".mlp.experts.")[1]] = (
                         f"{param.placements} local {tuple(param.to_local().shape)} of {tuple(param.shape)}")
+            self.expert_bytes = expert_bytes(pl_module, trainer.optimizers[0])
+
+
+def expert_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes of the experts' parameters on this rank and in all, and of their optimizer state on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = [p for n, p in module.named_parameters() if ".mlp.experts." in n]
+    states = [v for p in params for v in optimizer.state.get(p, {}).values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"held": sum(local(p).nbytes for p in params), "total": sum(p.numel() * p.element_size() for p in params),
+            "state": sum(local(v).nbytes for v in states), "states": len(states)}
 
 
 def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
-    from lightning_par import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+    from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 
     options: dict[str, Any] = {} if heartbeat else {"heartbeat_timeout": None}
+    if "ep" in layout:  # the experts from the model's own ep plan; with tp, attention from its tp plan
+        return LayoutStrategy(**layout, **options) if "tp" in layout else \
+            ZeroStrategy(stage=layout.get("zero_stage", 0), ep=layout["ep"], **options)
     if "pp" in layout:
         pipeline = dict(schedule="1f1b", n_microbatches=MICROBATCHES, **options)
         if "tp" in layout:  # (ZeRO-0: its default ZeRO-1 refuses packed expert weights)
@@ -396,15 +454,18 @@ def main() -> None:
             losses, placements_of = fit_and_resume(case, rows[:RESUME_EPOCH * BATCH], root / name), {}
         else:
             record = fit(case, rows, root / name)
-            losses, placements_of = record.train, record.placements
+            losses, placements_of = record.train, {**record.placements, "bytes": record.expert_bytes}
         seconds = time.perf_counter() - start
         placements: list[dict | None] = [None] * world
         dist.all_gather_object(placements, placements_of)
         if rank == 0:
             batches = batches_of(rows[:RESUME_EPOCH * BATCH]) * 2 if case.resume else batches_of(rows)
-            ref = reference(case, batches)
+            dp = world // case.layout.get("tp", 1) // case.layout.get("pp", 1)
+            ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1)
             results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}
+            if "ep" in case.layout and case.aux:  # what one process computes on whole batches: another function
+                results[name]["whole_batches"] = reference(case, batches)["losses"]
             print(f"{name}: {seconds:.1f} s, losses {losses[:3]} vs {ref['losses'][:3]}", flush=True)
     for name in args.errors:
         case, layout, _ = ERROR_CASES[name]

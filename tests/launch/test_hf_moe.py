@@ -11,6 +11,13 @@
     mixtral, deepseek_v3, qwen2_moe and olmoe applied without Lightning: one step's loss, every gradient and the
     gradient norm against one process, each rank's slices of the experts, the DCP checkpoint; a user's plain PyTorch
     MoE, and the experts self-check); the full set adds the other fits.
+(c) Expert parallel from the model's own ep plan (``ep_dispatch_experts``, ``grouped_gemm``): ep2 on 2 ranks for
+    qwen3_moe and mixtral (SGD and AdamW, the load-balancing loss off and on), deepseek_v3 (SGD, AdamW), qwen2_moe,
+    olmoe and gpt_oss, and at ZeRO-3; on 4 ranks ep2 x dp2 at ZeRO-1 and ZeRO-3, and ep2 beside tp2 on attention at
+    ZeRO-1 (full set; the default set's 2-rank launch runs qwen3_moe ep2 SGD with the loss on). Losses within 1e-5 of
+    one process whose loss is the mean of the model's loss on each rank's share of the batch (the per-rank
+    load-balancing loss); each rank 1/ep of the expert bytes and of their AdamW state. In this process, the ep plans
+    resolved and the refusals.
 (b) In this process: the resolved plans of qwen3_moe, qwen2_moe, mixtral, olmoe and deepseek_v3 at tp2, and the
     refusals of what ``moe_tp_experts`` cannot split exactly, each naming the module, the style and the fix.
 """
@@ -24,10 +31,12 @@ import torch
 from torch import nn
 
 from lightning_par import LayoutError
+from lightning_par.parallel.expert_parallel import check_expert_parallel
+from lightning_par.parallel.experts_ep import declare_planned_experts, resolve_ep_plan
 from lightning_par.parallel.tensor_parallel import check_layout_plan, planned_split_dim, resolve_tp_plan
 from tests.conftest import full_run
 from tests.harness import launch_matrix, max_rel_diff
-from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_config
+from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_config, moe_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +80,9 @@ def test_moe_model_trains_as_one_process(results, name):
     assert result["reference"][-1] < result["reference"][0] - 1.0, "the model must learn for parity to mean much"
     if case.aux:  # the load-balancing term is in the loss, far above the tolerance
         assert min(result["aux_terms"]) > 1e3 * PARITY_RTOL * max(result["reference"])
-    if "tp" in case.layout and not case.resume:  # each rank its slice of every expert: gate|up packed, down by input
+    if "ep" in case.layout:
+        _check_expert_parallel(case, result)
+    elif "tp" in case.layout and not case.resume:  # each rank its slice of every expert: gate|up packed, down by input
         assert len(result["placements"]) == case.world
         for rank, held in enumerate(result["placements"]):
             # (with dp2, FSDP2's replicas add a Replicate() over dp before the tp placement)
@@ -79,6 +90,30 @@ def test_moe_model_trains_as_one_process(results, name):
             assert held["gate_up_proj"].endswith(" local (4, 32, 64) of (4, 64, 64)"), (rank, held)
             assert "Shard(dim=2)" in held["down_proj"] and "_StridedShard" not in held["down_proj"], (rank, held)
             assert held["down_proj"].endswith(" local (4, 64, 16) of (4, 64, 32)"), (rank, held)
+
+
+def _check_expert_parallel(case, result):
+    """ep2 from the model's own ep plan: each rank holds 2 of the 4 experts of every layer (``Shard(0)`` over ep,
+    replicated over tp beside tensor parallel), 1/ep of the expert bytes and of their AdamW state; with the
+    load-balancing loss on, the reference is per rank (the mean of each rank's loss on its share), which a
+    one-process run on whole batches is not."""
+    ep = case.layout["ep"]
+    assert len(result["placements"]) == case.world
+    for rank, held in enumerate(result["placements"]):
+        placement = "(Shard(dim=0), Replicate())" if "tp" in case.layout else "(Shard(dim=0),)"
+        assert held["gate_up_proj"].startswith(placement), (rank, held)
+        assert held["down_proj"].startswith(placement), (rank, held)
+        assert " local (2, " in held["gate_up_proj"] and " of (4, " in held["gate_up_proj"], (rank, held)
+        sizes = held["bytes"]
+        assert sizes["held"] * ep == sizes["total"] > 0, (rank, sizes)
+        if case.optimizer == "adamw":  # exp_avg and exp_avg_sq of the held experts only
+            assert sizes["state"] == 2 * sizes["held"] and sizes["states"] > 0, (rank, sizes)
+        else:
+            assert sizes["states"] == 0, (rank, sizes)
+    if case.aux:
+        whole = max_rel_diff(result["whole_batches"], result["reference"])
+        print(f"  one process on whole batches differs by {whole:.2e} (the per-rank loss's semantics)")
+        assert whole > 10 * PARITY_RTOL
 
 
 @pytest.mark.launch(ranks=2)
@@ -250,3 +285,79 @@ def test_a_router_planned_replicated_with_grad_allreduce_is_refused():
                                           r"planned 'replicated_with_grad_allreduce'.*the sum would multiply it by 2. "
                                           r"Plan it 'replicate'"):
         resolve_tp_plan(model, 2)
+
+
+# -- (c) the ep plan, in this process -------------------------------------------------------------------------------
+EP_PLAN = {"layers.*.experts.gate_up_proj": "grouped_gemm", "layers.*.experts.down_proj": "grouped_gemm",
+           "layers.*.experts": "ep_dispatch_experts"}
+
+
+def _ep_tiny(experts: nn.Module, plan: dict[str, str] | None = None) -> nn.Module:
+    """A user's model declaring an ep plan of its own (strict: a pattern must match)."""
+    experts.num_experts = 4
+    model = _Tiny(experts)
+    model.ep_plan = {**EP_PLAN, **(plan or {})}
+    return model
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "gpt_oss"])
+def test_published_ep_plans_resolve_and_leave_the_experts_out_of_tp(arch):
+    """Each model's own ep plan: every MoE layer's experts module with all its parameters stacked over the experts
+    (gpt-oss: its biases too); under ep > 1 the tp plan leaves those modules to expert parallel (tensor parallel
+    replicates them), so the packed styles ZeRO-1 cannot shard are gone."""
+    model = moe_model(arch)
+    resolved = resolve_ep_plan(model)
+    moe_layers = [f"model.layers.{i}.mlp.experts" for i in range(1 if arch == "deepseek_v3" else 0, 2)]
+    stacked = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if arch == "gpt_oss" else \
+        ("gate_up_proj", "down_proj")
+    assert resolved == dict.fromkeys(moe_layers, stacked)
+    if arch == "gpt_oss":
+        return  # (its tp plan does not split its transposed experts)
+    with pytest.raises(LayoutError, match="which zero_stage=1 cannot shard yet"):
+        check_layout_plan(model, 2, False, 1)
+    check_layout_plan(model, 2, False, 1, ep=2)
+    plan = resolve_tp_plan(model, 2, ep=2)
+    assert all(plan[name] == "replicate" for name in moe_layers)
+    assert not any(style.startswith("moe_tp_experts") for style in plan.values())
+
+
+def test_hf_experts_declared_from_the_ep_plan_compute_one_process_function():
+    """Declared but not split (no token exchange), the dispatching forward is the module's own."""
+    model, reference = moe_model("qwen3_moe"), moe_model("qwen3_moe")
+    declared = declare_planned_experts(model)
+    assert set(check_expert_parallel(model, 2)) == set(declared) == {f"model.layers.{i}.mlp.experts" for i in (0, 1)}
+    tokens = torch.randint(0, 256, (2, 16))
+    assert torch.equal(model(input_ids=tokens).logits, reference(input_ids=tokens).logits)
+    with pytest.raises(LayoutError, match=r"has 4 experts, which ep=3 does not divide.*Use ep in \[1, 2, 4\]"):
+        check_expert_parallel(model, 3)
+
+
+@pytest.mark.parametrize(
+    "experts,plan,match",
+    [
+        (_Experts(), {"layers.*.experts": "ep_router"},
+         r"_Tiny.ep_plan\['layers.\*.experts'\] = 'ep_router' is not a style lightning-par's expert parallel applies; "
+         r"it applies 'ep_dispatch_experts' \(an experts module.*and 'grouped_gemm'"),
+        (_Experts(bias=True), {},
+         r"_Tiny.layers.0.experts \(_Experts\) is planned 'ep_dispatch_experts', but its parameter 'down_proj_bias' "
+         r"has no 'grouped_gemm' entry.*Plan _Tiny.layers.0.experts.down_proj_bias 'grouped_gemm'"),
+        (_Experts(dims=2), {}, r"_Tiny.layers.0.experts.gate_up_proj is planned 'grouped_gemm' but its shape is "
+                               r"\(36, 32\), not stacked over the 4 experts on dimension 0"),
+        (_NoWeights(), {}, r"_Tiny.layers.0.experts \(_NoWeights\): its forward takes no routing weights"),
+        (_Experts(), {"layers.*.experts": "replicate", "layers.*.experts.down_proj": "grouped_gemm"},
+         r"'replicate' is not a style lightning-par's expert parallel applies"),
+        (_Experts(), {"layers.*.expert": "ep_dispatch_experts"},
+         r"_Tiny.ep_plan names 'layers.\*.expert' \('ep_dispatch_experts'\), but _Tiny has no module of that name"),
+    ],
+)
+def test_an_ep_plan_that_cannot_be_applied_exactly_is_refused(experts, plan, match):
+    with pytest.raises(LayoutError, match=match):
+        resolve_ep_plan(_ep_tiny(experts, plan))
+
+
+def test_grouped_gemm_outside_a_dispatching_module_is_refused():
+    model = _ep_tiny(_Experts())
+    model.ep_plan = {"layers.*.experts.gate_up_proj": "grouped_gemm", "layers.*.experts.down_proj": "grouped_gemm"}
+    with pytest.raises(LayoutError, match=r"splits layers.0.experts.gate_up_proj \('grouped_gemm'\), but its module "
+                                          r"layers.0.experts is not planned 'ep_dispatch_experts'"):
+        resolve_ep_plan(model)
