@@ -80,17 +80,20 @@ def apply_router_statistics(module: nn.Module, group: Any, ranks: int) -> str | 
     layers = router_layers(module)
     if not layers:
         return None
-    scopes = sorted({layer.aux_loss_scope for layer in layers.values()})
     for layer in layers.values():
         if layer.aux_loss_scope == "global":
             layer.router_statistics = SumOverRanks(group, ranks)
-    return f"router: {len(layers)} layers, load-balancing loss scope {describe_scopes(scopes, ranks)}"
+    return describe_routers(layers, ranks)
 
 
-def describe_scopes(scopes: list[str], ranks: int) -> str:
-    said = {"micro_batch": "micro_batch (each rank's tokens of each micro-batch)",
-            "global": f"global (statistics summed over the {ranks} data-parallel ranks of each micro-batch)"}
-    return " and ".join(said[s] for s in scopes)
+def describe_routers(layers: dict[str, nn.Module], ranks: int) -> str:
+    """``router: ...``: the load-balancing loss's scope (or off) and the capacity of the router ``layers``."""
+    said = {"micro_batch": "scope micro_batch (each rank's tokens of each micro-batch)",
+            "global": f"scope global (statistics summed over the {ranks} data-parallel ranks of each micro-batch)"}
+    scopes = sorted({said[m.aux_loss_scope] for m in layers.values() if getattr(m, "aux_loss_coef", 1)})
+    capacities = sorted({str(getattr(m, "capacity_factor", None)) for m in layers.values()})
+    return (f"router: {len(layers)} layers, load-balancing loss {' and '.join(scopes) or 'off (aux_loss_coef=0)'}, "
+            f"{'dropless' if capacities == ['None'] else 'capacity factor ' + ', '.join(capacities)}")
 
 
 def check_global_scope(layer: nn.Module) -> None:

@@ -143,3 +143,30 @@ def test_a_forward_recomputed_in_the_backward_is_not_counted_twice():
     once = _layer(capacity_factor=0.5)
     once(x.detach())
     assert layer.dropped_tokens == once.dropped_tokens > 0
+
+
+def test_pipeline_refuses_a_router_loss_it_cannot_carry_across_stages():
+    from lightning_par.parallel.pipeline.loss import last_stage_loss
+    from lightning_par.topology import LayoutError
+
+    module = MoEGPTLightningModule(preset="tiny", aux_loss_coef=0.01)
+    module.configure_model()
+    with pytest.raises(LayoutError, match=r"layers.0.mlp and 1 more\) add a load-balancing loss \(aux_loss_coef=0.01"):
+        last_stage_loss(module, module.model, None, 2)
+    module = MoEGPTLightningModule(preset="tiny")  # coefficient 0: the language-model loss alone, as one process
+    module.configure_model()
+    assert callable(last_stage_loss(module, module.model, None, 2))
+
+
+def test_the_log_line_says_the_scope_and_the_capacity():
+    from lightning_par.parallel.router import describe_routers
+
+    def line(**overrides):
+        return describe_routers(router_layers(MoEGPT(replace(TINY, **overrides))), 4)
+
+    assert line() == "router: 2 layers, load-balancing loss off (aux_loss_coef=0), dropless"
+    assert line(aux_loss_coef=0.01) == ("router: 2 layers, load-balancing loss scope micro_batch (each rank's tokens "
+                                        "of each micro-batch), dropless")
+    assert line(aux_loss_coef=0.01, aux_loss_scope="global", capacity_factor=1.25) == (
+        "router: 2 layers, load-balancing loss scope global (statistics summed over the 4 data-parallel ranks of "
+        "each micro-batch), capacity factor 1.25")
