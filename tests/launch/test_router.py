@@ -1,7 +1,8 @@
 """The router's load-balancing loss scopes, a capacity factor and the MoE logs on 2 ranks, against one process.
 
 One launch of ``tests/launch/router_worker.py`` (see its docstring; default set): ep2 and dp2 with each scope of the
-load-balancing loss, and ep2 with a capacity factor, TensorBoard logs of the routers' load and MFU.
+load-balancing loss (ep2 also over 2 accumulated micro-batches, and cp2 x ep2 with the global scope), and ep2 with a
+capacity factor, TensorBoard logs of the routers' load and MFU.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from tests.harness import launch_matrix, max_rel_diff
 PARITY_RTOL = 1e-5  # per-step loss against one process computing the same semantics
 #: the two scopes' first losses differ by more than this (relative): the parity above tells them apart
 SCOPES_APART = 3e-5
-SCOPE_CASES = ("ep2_micro_batch", "ep2_global", "dp2_micro_batch", "dp2_global", "ep2_capacity")
+SCOPE_CASES = ("ep2_micro_batch", "ep2_global", "dp2_micro_batch", "dp2_global", "ep2_capacity",
+               "ep2_global_accumulate", "ep2_micro_batch_accumulate", "cp2_ep2_global")
 ACTIVE_FLOPS = 6 * 131_904 + 12 * 2 * 64 * 32  # the tiny MoE's active parameters (top-2 of 4 experts), seq 32
 PEAK = 1e9  # per device, given to TokensPerSecond
 
@@ -48,7 +50,7 @@ def test_losses_match_one_process_of_the_same_semantics(ranks, case):
     apart = abs(ranks[0][case]["losses"][0] - reference["other_scope_first_loss"]) / reference["losses"][0]
     print(f"{case}: the other scope's first loss is {apart:.2e} apart")
     assert apart > SCOPES_APART
-    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it trains
+    assert reference["losses"][-1] < reference["losses"][0] - 0.25  # it trains (cp2: 4 sequences a step, 0.36)
     # the routers' choices: the ranks' counts add up to one process's, exactly; dropped only under a capacity
     assert _summed([r[case]["routed"] for r in ranks]) == reference["routed"]
     dropped = _summed([r[case]["dropped"] for r in ranks])
@@ -76,6 +78,8 @@ def test_router_load_and_active_mfu_in_tensorboard(ranks):
             window_dropped = dropped[step - 2][layer] + dropped[step - 1][layer]
             assert scalars[f"{tag}/dropped_fraction"][step] == pytest.approx(window_dropped / total, rel=1e-6)
             assert 0 < scalars[f"{tag}/dropped_fraction"][step] < 1
+            balance, lost = scalars[f"{tag}/max_over_mean"][step], scalars[f"{tag}/dropped_fraction"][step]
+            print(f"{tag} step {step}: tokens per expert {counts}, max/mean {balance:.3f}, dropped {lost:.3f}")
     # MFU from the active parameters: mfu / (tokens/s) = FLOPs per token / (peak x 2 devices)
     for step in (2, 4, 6):
         assert scalars["train/mfu"][step] / scalars["train/tokens_per_sec"][step] == pytest.approx(
