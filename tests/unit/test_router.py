@@ -170,3 +170,17 @@ def test_the_log_line_says_the_scope_and_the_capacity():
     assert line(aux_loss_coef=0.01, aux_loss_scope="global", capacity_factor=1.25) == (
         "router: 2 layers, load-balancing loss scope global (statistics summed over the 4 data-parallel ranks of "
         "each micro-batch), capacity factor 1.25")
+
+
+def test_a_global_scope_no_strategy_resolved_is_refused_under_several_processes(monkeypatch):
+    """A strategy other than lightning-par's leaves ``router_statistics`` unset: each rank would compute its own loss
+    under the global name."""
+    import lightning_par.parallel.router as router
+
+    layer = _layer(aux_loss_coef=0.1, aux_loss_scope="global")
+    monkeypatch.setattr(router.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(router.dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="aux_loss_scope='global' but no strategy summed its router statistics"):
+        layer(torch.randn(8, TINY.dim))
+    layer.router_statistics = SumOverRanks(None, 1)  # what a lightning-par strategy sets on one data-parallel rank
+    layer(torch.randn(8, TINY.dim))
