@@ -235,6 +235,9 @@ ddp_ignore_parameters = private("torch", "torch.nn.parallel", "DistributedDataPa
 # 2.13 deprecates torch.distributed.nn.functional's in its favour; torchtitan's expert parallel uses it too)
 all_to_all_single_autograd = private("torch", "torch.distributed._functional_collectives",
                                      "all_to_all_single_autograd")
+# the routers' token counts for the logs (parallel/router.py) leave out a forward recomputed inside the backward
+# (activation recompute); autograd tells a backward by its graph task's id (-1 outside one), with no public spelling
+current_graph_task_id = private("torch", "torch._C", "_current_graph_task_id")
 # every dropout module's base class (parallel/rng.py finds dropout regions by it); torch exports no public base
 DropoutNd = private("torch", "torch.nn.modules.dropout", "_DropoutNd")
 

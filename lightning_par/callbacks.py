@@ -43,7 +43,8 @@ class TokensPerSecond(pl.Callback):
     (:mod:`lightning_par.utilization`). FLOPs per token (forward + backward, recompute not counted): the planner's
     count for the model rebuilt on the meta device (a Hugging Face model from its config, a LightningModule from its
     saved hyperparameters) at the batches' sequence length; for a model the planner cannot describe, 6 x the whole
-    model's parameters + 12 x layers x hidden x sequence for attention (said once in the log). Peak: on a GPU, the
+    model's parameters + 12 x layers x hidden x sequence for attention (said once in the log); for a mixture of
+    experts, the same estimate from its ACTIVE parameters (the top-k experts a token uses). Peak: on a GPU, the
     datasheet's dense peak for the device name (:data:`lightning_par.planner.hardware.GPUS`: H100 SXM/PCIe/NVL,
     H200, A100, L40S, B200) in the precision's matmul dtype (fp32 at the TF32 peak when TF32 is on), times the world
     size; on a CPU, one core's matmul rate, measured once per machine and kept
@@ -348,19 +349,96 @@ class MemoryPerRank(pl.Callback):
                 logger.log_metrics(metrics, step=trainer.global_step)
 
 
+class RouterLoad(pl.Callback):
+    """Log each mixture-of-experts layer's load every ``every`` optimizer steps: the (token, choice) pairs its router
+    sent to each expert over the window (the steps since the last log, validation left out), summed over the
+    data-parallel ranks, as ``moe/<layer>/max_over_mean`` (the busiest expert's share over an even one: 1 is
+    balanced), ``moe/<layer>/dropped_fraction`` (pairs dropped over capacity / routed; 0 when dropless) and, with
+    ``per_expert``, ``moe/<layer>/tokens_expert_<e>`` (:func:`lightning_par.parallel.router.load_metrics`).
+
+    The layers count as they route (a Python-side sum, no collective); at a logged step one all-reduce over the
+    data-parallel group sums them (and under a pipeline one gather brings every stage's layers to global rank 0).
+    Does nothing for a model without router layers (:func:`lightning_par.parallel.router.router_layers`).
+
+    Args:
+        every: optimizer steps between two logs.
+        per_expert: also log each expert's token count (E scalars per layer).
+    """
+
+    def __init__(self, every: int = 10, per_expert: bool = True) -> None:
+        self.every = every
+        self.per_expert = per_expert
+        self._held: dict[str, Any] = {}
+        self._active = False  # some rank holds router layers
+
+    @staticmethod
+    def _layers(pl_module: pl.LightningModule) -> dict[str, Any]:
+        from lightning_par.parallel.router import router_layers
+
+        return {n: m for n, m in router_layers(pl_module).items() if hasattr(m, "tokens_per_expert")}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_par.parallel.router import reset_router_load
+
+        reset_router_load(pl_module)  # the window starts here: no sanity check's or earlier fit's tokens
+        self._active = bool(self._layers(pl_module))
+        if getattr(trainer.strategy, "pipeline", None) is not None and trainer.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            device = trainer.strategy.root_device  # (NCCL: on the GPU)
+            flag = torch.tensor([float(self._active)], device=device if device.type == "cuda" else "cpu")
+            # (once) a stage may hold none of the router layers
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self._active = bool(flag.item())
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._held = {n: (m.tokens_per_expert, m.dropped_tokens) for n, m in self._layers(pl_module).items()}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for name, layer in self._layers(pl_module).items():  # validation's routing is not training's load
+            if name in self._held:
+                layer.tokens_per_expert, layer.dropped_tokens = self._held[name]
+        self._held = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._active or trainer.global_step % self.every or (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        import torch.distributed as dist
+
+        from lightning_par.parallel.router import load_metrics, reset_router_load, router_load
+
+        distributed = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+        group = None
+        if distributed:  # the ranks that routed different tokens: the data-parallel ones (dp x cp)
+            mesh = getattr(trainer.strategy, "grad_mesh", None)
+            group = mesh.get_group() if mesh is not None else dist.group.WORLD
+        metrics = load_metrics(router_load(pl_module, group), self.per_expert)
+        reset_router_load(pl_module)
+        if distributed and getattr(trainer.strategy, "pipeline", None) is not None:
+            stages: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(stages, metrics)  # other stages hold other layers
+            metrics = {k: v for stage in stages for k, v in stage.items()}
+        if trainer.is_global_zero and metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+
 #: the throughput and memory callbacks the CLI adds to every run, by the config key that takes their options
 #: (``--tokens_per_sec.window=5``); :func:`defaults` gives the same to a script
 DEFAULTS: dict[str, type[pl.Callback]] = {
-    "tokens_per_sec": TokensPerSecond, "pipeline_timeline": PipelineTimeline, "memory_per_rank": MemoryPerRank}
+    "tokens_per_sec": TokensPerSecond, "pipeline_timeline": PipelineTimeline, "memory_per_rank": MemoryPerRank,
+    "router_load": RouterLoad}
 
 
 def defaults(**options: dict[str, Any]) -> list[pl.Callback]:
     """What the ``lightning-par`` CLI logs, for a script's ``Trainer(callbacks=...)``: ``train/tokens_per_sec`` and
-    ``train/mfu`` (:class:`TokensPerSecond`), memory over ranks (:class:`MemoryPerRank`) and, under a pipeline, the
-    timeline (:class:`PipelineTimeline`). Each callback's options under its CLI key, e.g.
-    ``defaults(tokens_per_sec={"window": 5}, memory_per_rank={"every": 20})``. They log to the trainer's loggers
-    (nothing without one). The CLI also adds Lightning's ``LearningRateMonitor(logging_interval="step")``, which
-    needs a logger: add it yourself where you have one."""
+    ``train/mfu`` (:class:`TokensPerSecond`), memory over ranks (:class:`MemoryPerRank`), a mixture of experts' load
+    per layer (:class:`RouterLoad`) and, under a pipeline, the timeline (:class:`PipelineTimeline`). Each callback's
+    options under its CLI key, e.g. ``defaults(tokens_per_sec={"window": 5}, memory_per_rank={"every": 20})``. They
+    log to the trainer's loggers (nothing without one). The CLI also adds Lightning's
+    ``LearningRateMonitor(logging_interval="step")``, which needs a logger: add it yourself where you have one."""
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
         raise TypeError(f"defaults() got options for {', '.join(unknown)}; it takes {', '.join(DEFAULTS)}")

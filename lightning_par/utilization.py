@@ -4,7 +4,8 @@
   (:func:`lightning_par.planner.trace.trace_model`: the model rebuilt on the meta device and run on fake tensors,
   every matmul and attention op counted), else ``6 x parameters + 12 x layers x hidden x sequence`` (the usual
   estimate: a multiply-add per parameter forward, two backward, plus the attention scores and their product with
-  the values). "Model FLOPs": recompute is not counted, and attention counts the full score matrix.
+  the values). "Model FLOPs": recompute is not counted, and attention counts the full score matrix. A mixture of
+  experts counts its ACTIVE parameters (:func:`active_parameter_count`: the ``top_k`` experts a token uses, not all).
 - :func:`peak_flops`: FLOP/s of all devices of the job: on a GPU the datasheet's dense peak for its name and dtype
   (:data:`lightning_par.planner.hardware.GPUS`; fp32 at the TF32 peak when TF32 is on); on a CPU one core's matmul
   rate, measured once per machine and kept (:func:`cpu_core_peak`), times the cores in use.
@@ -68,9 +69,32 @@ def planner_flops_per_token(module: nn.Module, seq_len: int) -> tuple[float, str
     return (forward + backward) / seq_len, f"the planner's count ({info.description})"
 
 
-def estimated_flops_per_token(module: nn.Module, n_params: int, seq_len: int) -> tuple[float, str]:
-    """``6 N + 12 L d s``: the estimate for a model the planner cannot describe (attention left out where the
-    number of layers ``L`` or the hidden size ``d`` cannot be read from the model or its ``config``)."""
+def active_parameter_count(module: nn.Module, n_params: int) -> tuple[int, str] | None:
+    """The parameters one token uses in a mixture-of-experts ``module`` of ``n_params`` parameters, and how they were
+    counted; None for a dense model. From the model's config when it says (``config.active_params()``, the example
+    :class:`~lightning_par.examples.moe.MoEConfig`), else ``n_params`` less the unused share ``1 - top_k / E`` of
+    each router layer's expert weights (:func:`lightning_par.parallel.router.router_layers`, those declaring
+    ``expert_parameters`` and ``top_k``; on a pipeline, the stages this rank holds)."""
+    for holder in (module, *module.modules()):
+        count = getattr(getattr(holder, "config", None), "active_params", None)
+        if callable(count):
+            return int(count()), "the config's active_params()"
+    from lightning_par.parallel.router import router_layers
+
+    unused = 0.0
+    for layer in router_layers(module).values():
+        experts, top_k = getattr(layer, "num_experts", 0), getattr(layer, "top_k", 0)
+        if experts and top_k:
+            stacked = sum(getattr(layer, name).numel() for name in getattr(layer, "expert_parameters", ()))
+            unused += stacked * (1 - top_k / experts)
+    return (n_params - round(unused), "the routers' top_k of their experts") if unused else None
+
+
+def estimated_flops_per_token(module: nn.Module, n_params: int, seq_len: int,
+                              what: str = "parameters") -> tuple[float, str]:
+    """``6 N + 12 L d s``: the estimate for a model the planner cannot describe, or a mixture of experts with ``N``
+    its active parameters (``what`` says which, for the description; attention left out where the number of layers
+    ``L`` or the hidden size ``d`` cannot be read from the model or its ``config``)."""
     from lightning_par.planner.model import _config_value
 
     holder = _hf_model(module) or module
@@ -80,13 +104,19 @@ def estimated_flops_per_token(module: nn.Module, n_params: int, seq_len: int) ->
         hidden = hidden or _config_value(m, _HIDDEN_NAMES)
     if layers and hidden:
         return 6.0 * n_params + 12.0 * layers * hidden * seq_len, \
-            f"6 x {n_params:,} parameters + attention (12 x {layers} layers x {hidden} x {seq_len} tokens)"
-    return 6.0 * n_params, f"6 x {n_params:,} parameters (attention not counted: no layer count or hidden size found)"
+            f"6 x {n_params:,} {what} + attention (12 x {layers} layers x {hidden} x {seq_len} tokens)"
+    return 6.0 * n_params, f"6 x {n_params:,} {what} (attention not counted: no layer count or hidden size found)"
 
 
 def model_flops_per_token(module: nn.Module, n_params: int, seq_len: int) -> tuple[float, str]:
-    """Forward + backward FLOPs per token of the whole model and how they were counted: the planner's count, else
-    :func:`estimated_flops_per_token` (the reason said in the description)."""
+    """Forward + backward FLOPs per token of the whole model and how they were counted: for a mixture of experts
+    :func:`estimated_flops_per_token` of its active parameters (:func:`active_parameter_count`: the planner's trace
+    does not route tokens), else the planner's count, else :func:`estimated_flops_per_token` (the reason said in
+    the description)."""
+    active = active_parameter_count(module, n_params)
+    if active is not None:
+        count, how = active
+        return estimated_flops_per_token(module, count, seq_len, f"active parameters of {n_params:,} ({how})")
     try:
         return planner_flops_per_token(module, seq_len)
     except Exception as err:  # noqa: BLE001 -- any model the planner cannot rebuild or trace falls back alike

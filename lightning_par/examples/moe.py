@@ -2,9 +2,9 @@
 
 Each block's MLP routes every token to its ``top_k`` of ``n_experts`` SwiGLU experts: a softmax over the experts
 (fp32), the top k kept and their weights renormalised to sum to 1, every token computed by each of its experts
-(dropless: no capacity, no token ever dropped) and the outputs summed with those weights; an optional shared expert
-sees every token. The experts of a layer are one module holding stacked weights (``w_gate``/``w_up`` ``[E, dim,
-ffn]``, ``w_down`` ``[E, ffn, dim]``), not E modules.
+(dropless by default: no token ever dropped; ``capacity_factor`` caps each expert, see :meth:`MoEFeedForward.forward`)
+and the outputs summed with those weights; an optional shared expert sees every token. The experts of a layer are one
+module holding stacked weights (``w_gate``/``w_up`` ``[E, dim, ffn]``, ``w_down`` ``[E, ffn, dim]``), not E modules.
 
 As the dense GPT, the model holds no parallel code; it declares what a strategy may split. An expert layer says
 which of its parameters are stacked over the experts (``expert_parameters``, dimension 0) and computes the experts
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from lightning_par.examples.gpt import GPT, GPT_PRESETS, Block, FeedForward, GPTConfig, num_params
 from lightning_par.examples.lit_gpt import GPTLightningModule
+from lightning_par.parallel.router import AUX_LOSS_SCOPES, check_global_scope, counts_routing
 
 
 @dataclass
@@ -31,7 +32,10 @@ class MoEConfig(GPTConfig):
     """A :class:`GPTConfig` with a mixture of experts in every block.
 
     ``expert_ffn_dim``: each expert's hidden size (None: ``ffn_dim``); ``shared_ffn_dim``: a shared expert's (0: none);
-    ``aux_loss_coef``: the load-balancing loss's weight (0: off, the default; see :meth:`MoEFeedForward.forward`).
+    ``aux_loss_coef``: the load-balancing loss's weight (0: off, the default; see :meth:`MoEFeedForward.forward`);
+    ``aux_loss_scope``: the tokens its statistics cover, ``"micro_batch"`` (each rank's tokens of each forward, the
+    default) or ``"global"`` (summed over the data-parallel ranks, :mod:`lightning_par.parallel.router`);
+    ``capacity_factor``: None (dropless, the default) or each expert's capacity as a multiple of an even share.
     """
 
     n_experts: int = 8
@@ -39,6 +43,8 @@ class MoEConfig(GPTConfig):
     expert_ffn_dim: int | None = None
     shared_ffn_dim: int = 0
     aux_loss_coef: float = 0.0
+    aux_loss_scope: str = "micro_batch"
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,6 +62,12 @@ class MoEConfig(GPTConfig):
                              f"{self.shared_ffn_dim!r}")
         if not self.aux_loss_coef >= 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"MoEConfig.aux_loss_scope must be one of {', '.join(AUX_LOSS_SCOPES)}, got "
+                             f"{self.aux_loss_scope!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig.capacity_factor must be > 0 (or None: dropless), got "
+                             f"{self.capacity_factor!r}")
 
     def num_params(self) -> int:
         """Exact parameter count of ``MoEGPT(self)``: every expert counted (see :meth:`active_params`)."""
@@ -88,10 +100,14 @@ class MoEFeedForward(nn.Module):
     #: global expert to the ranks holding those experts, runs ``experts`` there and returns the outputs in the same
     #: order; None: this module holds every expert
     token_exchange = None
+    #: set by a strategy under ``aux_loss_scope="global"``: sums a tensor over the data-parallel ranks,
+    #: differentiably (:class:`lightning_par.parallel.router.SumOverRanks`); None: this process's tokens only
+    router_statistics = None
 
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.num_experts, self.top_k, self.aux_loss_coef = config.n_experts, config.top_k, config.aux_loss_coef
+        self.aux_loss_scope, self.capacity_factor = config.aux_loss_scope, config.capacity_factor
         e, d, f = config.n_experts, config.dim, config.expert_ffn_dim
         self.router = nn.Linear(d, e, bias=False)
         self.w_gate = nn.Parameter(torch.empty(e, d, f))
@@ -100,6 +116,10 @@ class MoEFeedForward(nn.Module):
         shared = config.shared_ffn_dim
         self.shared = FeedForward(replace(config, ffn_dim=shared)) if shared else None
         self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (aux_loss_coef > 0)
+        # for the logs (lightning_par.parallel.router.router_load): (token, choice) pairs routed to each expert and
+        # dropped over capacity, summed over the forwards since the logger last read them
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.dropped_tokens = 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens [N, dim] -> (their top-k experts [N, k], the renormalised weights [N, k] in x's dtype, the router's
@@ -118,28 +138,70 @@ class MoEFeedForward(nn.Module):
         return torch.cat(outs) if outs else tokens.new_zeros((0, w_down.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, compute each token's experts, combine; sets ``aux_loss`` when ``aux_loss_coef > 0``.
+
+        Capacity (``capacity_factor`` set): each expert takes at most ``ceil(capacity_factor * N * top_k / E)`` of
+        the ``N`` tokens of this forward (this rank's, under data or expert parallel: applied before the tokens
+        travel); over it, the tokens latest in the batch's order (flattened [batch, sequence]) are dropped: their
+        output from that expert is 0 (the block's residual carries them), their weight is not renormalised.
+
+        Load-balancing loss: ``E * sum_e f_e * P_e``, ``f_e`` the fraction of the (token, choice) pairs the router
+        sent to expert e (before any capacity), ``P_e`` the mean router probability of e, over this forward's tokens
+        (``aux_loss_scope="micro_batch"``) or over every data-parallel rank's tokens of this forward (``"global"``).
+        """
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights, probs = self.route(x)
         # each (token, choice) pair grouped by expert; the stable sort keeps the tokens' order within an expert
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = torch.bincount(flat, minlength=self.num_experts)
+        counts = routed.tolist()
+        counted = counts_routing(x)
+        if self.capacity_factor is not None:
+            order, counts = self._within_capacity(order, routed, x.shape[0], counted)
+        if counted:
+            self.tokens_per_expert = routed if self.tokens_per_expert is None else self.tokens_per_expert + routed
         grouped = x[order // self.top_k]
         if self.token_exchange is None:
             out = self.experts(grouped, counts)
         else:
             out = self.token_exchange(grouped, counts, self.experts)
-        combined = torch.empty_like(out).index_copy_(0, order, out).view(-1, self.top_k, shape[-1])
+        # the dropped pairs' rows stay 0
+        combined = out.new_zeros((flat.numel(), out.shape[-1])) if self.capacity_factor is not None \
+            else torch.empty_like(out)
+        combined = combined.index_copy_(0, order, out).view(-1, self.top_k, shape[-1])
         y = (combined * weights.unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:
             y = y + self.shared(x)
         if self.aux_loss_coef > 0:
-            # Switch / Mixtral load balancing over this forward's tokens (per micro-batch, and per rank when the
-            # batch is split): E * sum_e (fraction of choices routed to e) * (mean probability of e)
-            fraction = torch.tensor(counts, dtype=probs.dtype, device=probs.device) / flat.numel()
-            self.aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
+            self.aux_loss = self._load_balancing_loss(routed, probs)
         return y.view(shape)
+
+    def _within_capacity(self, order: torch.Tensor, routed: torch.Tensor, tokens: int,
+                         counted: bool) -> tuple[torch.Tensor, list[int]]:
+        """The grouped pairs kept (the first ``capacity`` of each expert's group, in token order) and the kept
+        counts; adds the dropped pairs to ``dropped_tokens`` when ``counted``."""
+        capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        starts = torch.cumsum(routed, 0) - routed
+        place = torch.arange(order.numel(), device=order.device) - torch.repeat_interleave(starts, routed)
+        kept = routed.clamp(max=capacity)
+        if counted:
+            self.dropped_tokens += int((routed - kept).sum())
+        return order[place < capacity], kept.tolist()
+
+    def _load_balancing_loss(self, routed: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        e = self.num_experts
+        # numerators and token count in one tensor: one sum over the ranks (differentiable: the probabilities')
+        stats = torch.cat([routed.to(probs.dtype), probs.sum(dim=0), probs.new_full((1,), probs.shape[0])])
+        if self.aux_loss_scope == "global":
+            if self.router_statistics is None:
+                check_global_scope(self)  # one process: its tokens are the global batch
+            else:
+                stats = self.router_statistics(stats)
+        tokens = stats[-1]
+        fraction, mean_prob = stats[:e] / (tokens * self.top_k), stats[e:2 * e] / tokens
+        return e * (fraction * mean_prob).sum()
 
 
 def _held(weight: torch.Tensor) -> torch.Tensor:
@@ -181,15 +243,16 @@ class MoEGPTLightningModule(GPTLightningModule):
 
     Args (besides the dense module's):
         preset: a name in ``MOE_PRESETS`` ("tiny", "small").
-        n_experts, top_k, expert_ffn_dim, shared_ffn_dim, aux_loss_coef: override the preset's (None keeps it;
-            see :class:`MoEConfig`).
+        n_experts, top_k, expert_ffn_dim, shared_ffn_dim, aux_loss_coef, aux_loss_scope, capacity_factor: override
+            the preset's (None keeps it; see :class:`MoEConfig`).
     """
 
     model_type = MoEGPT
 
     def __init__(self, preset: str = "tiny", vocab_size: int | None = None, n_layers: int | None = None,
                  n_experts: int | None = None, top_k: int | None = None, expert_ffn_dim: int | None = None,
-                 shared_ffn_dim: int | None = None, aux_loss_coef: float | None = None, lr: float = 3e-3,
+                 shared_ffn_dim: int | None = None, aux_loss_coef: float | None = None,
+                 aux_loss_scope: str | None = None, capacity_factor: float | None = None, lr: float = 3e-3,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 10,
                  min_lr_ratio: float = 0.1, optimizer: str = "adamw"):
         if preset not in MOE_PRESETS:
@@ -197,7 +260,7 @@ class MoEGPTLightningModule(GPTLightningModule):
         super().__init__(preset=preset, vocab_size=vocab_size, n_layers=n_layers, lr=lr, weight_decay=weight_decay,
                          betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, optimizer=optimizer)
         given = dict(n_experts=n_experts, top_k=top_k, expert_ffn_dim=expert_ffn_dim, shared_ffn_dim=shared_ffn_dim,
-                     aux_loss_coef=aux_loss_coef)
+                     aux_loss_coef=aux_loss_coef, aux_loss_scope=aux_loss_scope, capacity_factor=capacity_factor)
         dense = {k: v for k, v in vars(self.config).items() if k in vars(GPT_PRESETS["tiny"])}
         moe = {k: v for k, v in vars(MOE_PRESETS[preset]).items() if k not in dense}
         self.config = MoEConfig(**dense, **{**moe, **{k: v for k, v in given.items() if v is not None}})

@@ -51,6 +51,7 @@ from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.rng import dropout_at, has_dropout
+from lightning_par.parallel.router import apply_router_statistics
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
 
 
@@ -93,6 +94,7 @@ class Parallelized:
     stats: dict[str, int]
     context_parallel: ContextParallel | None = None
     experts: ExpertParallel | None = None
+    router: str | None = None  # the router layers' load-balancing scope, for the log (None: no router)
 
     def summary(self, config: ParallelizeConfig, blocks: int, pretrained_from: Any = None) -> list[str]:
         """What was applied to this rank's part, a line each (``blocks``: how many it has), for the log."""
@@ -103,6 +105,8 @@ class Parallelized:
                          f"{', vocab-parallel loss' if plan.vocab_parallel_head else ''}")
         if self.experts is not None:
             lines.append(self.experts.describe())
+        if self.router is not None:
+            lines.append(self.router)
         if cp is not None:
             assert config.cp_mesh is not None
             lines.append(f"context parallel over cp={config.cp_mesh.size()}: load-balanced sequence shards, ring "
@@ -149,6 +153,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     experts = apply_expert_parallel(parts.root, config.expert_mesh) if config.expert_mesh is not None else None
     # (the owner's sharding leaves them alone, or shards them over their own replicas)
     parts.experts, parts.expert_mesh = (experts.parameters, experts.mesh) if experts is not None else ([], None)
+    # a global load-balancing loss sums the routers' statistics over the ranks the gradients are averaged over
+    router = apply_router_statistics(parts.root, config.dp_mesh.get_group(), config.dp_mesh.size())
     cp = None
     if config.cp_mesh is not None and config.cp_mesh.size() > 1:
         cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)
@@ -164,7 +170,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
                                   parameter_device=config.parameter_device)
     if pretrained is not None:
         stats["pretrained_tensors"] = pretrained.load(parts.root)
-    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats, context_parallel=cp, experts=experts)
+    return Parallelized(stages=stages, tensor_parallel=plan, stats=stats, context_parallel=cp, experts=experts,
+                        router=router)
 
 
 def make_replicas_identical(module: nn.Module, meshes: Sequence[DeviceMesh]) -> None:

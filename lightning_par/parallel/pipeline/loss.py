@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_par.parallel.blocks import is_hf_model
 from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
+from lightning_par.parallel.router import router_layers
 from lightning_par.topology import LayoutError
 
 #: the Hugging Face loss functions whose token count :class:`ModelLoss` knows (``transformers.loss.loss_utils``)
@@ -93,6 +94,15 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
     (``model_loss``), for a step written the Hugging Face way (``self.model(**batch).loss``). Refused, alike on every
     rank and before any collective, when there is neither."""
     name = type(module).__name__
+    weighted = {n: m.aux_loss_coef for n, m in router_layers(model).items() if getattr(m, "aux_loss_coef", 0)}
+    if weighted:
+        # each layer's loss is formed on its stage in the forward; the schedule's backward carries the last stage's
+        # loss only, so the routers would be trained without theirs
+        first, coefficient = next(iter(weighted.items()))
+        raise LayoutError(
+            f"pipeline parallel (pp={pp}): {name}'s router layers ({first} and {len(weighted) - 1} more) add a "
+            f"load-balancing loss (aux_loss_coef={coefficient}) that the pipeline schedule does not carry from "
+            "their stages yet. Set aux_loss_coef=0 to train under pp, or train the load-balancing loss without pp.")
     if callable(getattr(module, "loss_fn", None)):
         if not callable(getattr(module, "compute_loss", None)):
             raise LayoutError(
