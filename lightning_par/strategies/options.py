@@ -27,7 +27,8 @@ OPTIONS = """
             back with all-to-all (dropless: routing as one process), and expert gradients are averaged over the
             ranks holding the same experts (``lightning_par.parallel.expert_parallel``). So far with ZeRO 0-3 (the
             experts held whole beside the sharded weights), cp, and tp under ZeRO-1/2; without pp, sequence
-            parallel, offload or checkpoints.
+            parallel, offload or checkpoints. Presets: ``ExpertParallelStrategy`` (names ``ep2``, ``ep4``,
+            ``ep8``, ``expert_parallel``) and ``zero{0-3}_ep{2,4}``; ``lightning-par plan`` searches ep too.
         zero_stage: ZeRO stage across data parallel: 0 replicas, gradients all-reduced (DDP); 1 optimizer states
             sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.
