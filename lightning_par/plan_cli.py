@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) instead of --model")
     p.add_argument("--world", type=_positive(int), help="number of ranks (devices); default: the product of --layout")
     p.add_argument("--layout", help="one layout, e.g. dp=2,tp=2,pp=2 (prints its rank table) or with "
-                                    "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8; ep=2: experts over 2 of the dp ranks")
+                                    "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8; ep=2: "
+                                    "experts over 2 of the dp ranks")
     p.add_argument("--hardware", help=f"a preset ({', '.join(PRESETS)}) or a JSON/YAML file of "
                                       "lightning_par.planner.hardware.Hardware fields (default h100-sxm; cpu for a "
                                       "--config with trainer.accelerator: cpu)")

@@ -22,9 +22,10 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   other weights as without experts; their gradients are all-reduced over the ``dp x cp / ep`` ranks holding the
   same experts (in ``dp``);
 - **traffic per step**, bytes each rank sends with ring algorithms, by group: ``dp`` (the ZeRO formulas on the
-  rank's own parameters), ``ep`` (the token exchange: see :meth:`Planner.all_to_all_bytes`), ``tp`` (an all-reduce -- or with sequence parallelism a reduce-scatter plus an
-  all-gather -- per row-parallel output in forward and per column-parallel input in backward, again in the
-  recomputed forward), ``pp`` (each micro-batch's activation to the next stage and its gradient back);
+  rank's own parameters), ``ep`` (the token exchange: see :meth:`Planner.all_to_all_bytes`), ``tp`` (an
+  all-reduce -- or with sequence parallelism a reduce-scatter plus an all-gather -- per row-parallel output in
+  forward and per column-parallel input in backward, again in the recomputed forward), ``pp`` (each micro-batch's
+  activation to the next stage and its gradient back);
 - **time**: each stage's forward and backward per micro-batch from the traced ops on the hardware model
   (:mod:`lightning_par.planner.hardware`: GEMMs at an efficiency by their shape, the other ops bound by memory,
   fused under ``compiled``), tensor-parallel collectives inside them (exposed, or pipelined with the GEMMs), the

@@ -15,6 +15,7 @@ ALL_STRATEGIES = (LayoutStrategy, ZeroStrategy, PipelineStrategy, MegatronTPStra
                   ExpertParallelStrategy, PlannedStrategy)
 
 __all__ = [
-    "ALL_STRATEGIES", "ExpertParallelStrategy", "Hybrid3DStrategy", "LayoutStrategy", "MegatronTPStrategy", "PipelineStrategy", "PlannedStrategy",
+    "ALL_STRATEGIES", "ExpertParallelStrategy", "Hybrid3DStrategy", "LayoutStrategy", "MegatronTPStrategy",
+    "PipelineStrategy", "PlannedStrategy",
     "ZeroStrategy",
 ]

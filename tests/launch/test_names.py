@@ -24,8 +24,8 @@ from lightning_par import (
     PipelineStrategy,
     ZeroStrategy,
 )
-from lightning_par.parallel.layout import Layout
 from lightning_par.cli import main
+from lightning_par.parallel.layout import Layout
 from lightning_par.plan_cli import main as plan_main
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
 from tests.harness import REPO, launch_cli
