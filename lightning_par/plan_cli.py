@@ -218,6 +218,8 @@ def _main(argv: list[str]) -> int:
                                                      ("compiled", args.compiled)) if v is not None})
     planner = Planner(info, hw, work, args.optimizer, max_tp=args.max_tp or max(hw.devices_per_node, 1),
                       runtime=runtime)
+    # a forward the trace cannot run (a Hugging Face MoE's routing) is refused here, once, rather than per layout
+    planner.trace(1, "none", args.precision[0] if "precision" not in layout else layout["precision"])
     print(header(info.description, hw, work, world, planner.optimizer))
 
     if layout:

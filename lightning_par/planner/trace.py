@@ -515,6 +515,16 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
         try:
             with torch.no_grad(), autocast(), _as_in_a_real_run():
                 logits = _logits(_forward(model, tokens, short.root_path))
+        except LayoutError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- one line naming the model, not a traceback
+            cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": .")
+            raise LayoutError(
+                f"{type(model).__name__}'s forward does not run on fake tensors (shapes without data), which the "
+                f"planner traces: {cause}. A forward whose shapes depend on the data (the routing of a Hugging Face "
+                "mixture-of-experts model) cannot be planned yet; an expert layer is traced when it declares the "
+                "expert interface and counts its tokens with torch.bincount(choices, minlength=num_experts) "
+                "(docs/moe.md).") from err
         finally:
             for h in handles:
                 h.remove()

@@ -112,3 +112,20 @@ def test_ep_in_the_search_follows_the_layout_and_the_experts(small):
     dense = inspect_model(build_model(GPT, {"config": GPT_PRESETS["tiny"]}))
     found, _ = planner(dense).candidates(4, zero_stages=(0,), recompute=("none",), precisions=("fp32",))
     assert found and {c.ep for c in found} == {1}
+
+
+def test_a_hugging_face_moe_is_refused_in_one_line(tmp_path, capsys):
+    """transformers' MoE experts route with data-dependent shapes, which fake tensors cannot trace: one line, not a
+    traceback."""
+    import transformers
+
+    from lightning_par.plan_cli import main as plan
+
+    transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
+    assert plan(["--hf-config", str(tmp_path), "--world", "2", "--hardware", "cpu", "--seq", "32", "--precision",
+                 "fp32", "--recompute", "none"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightning-par plan: Qwen3MoeForCausalLM's forward does not run on fake tensors") and \
+        "docs/moe.md" in last, last
