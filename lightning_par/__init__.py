@@ -22,6 +22,7 @@ if not light_help():  # `lightning-par plan --help` / `export --help` print thei
     from lightning_par.plugins.pretrained import FromPretrained
     from lightning_par.strategies import (
         ALL_STRATEGIES,
+        ExpertParallelStrategy,
         Hybrid3DStrategy,
         LayoutStrategy,
         MegatronTPStrategy,
@@ -44,6 +45,7 @@ if not light_help():  # `lightning-par plan --help` / `export --help` print thei
 
 __all__ = [
     "AtomicCheckpointIO",
+    "ExpertParallelStrategy",
     "FromPretrained",
     "Hybrid3DStrategy",
     "Layout",

@@ -206,6 +206,7 @@ is_traceable_wrapper_subclass = private("torch", "torch.utils._python_dispatch",
 function_mode_stack = private("torch", "torch.overrides", "_get_current_function_mode_stack")
 # shapes without memory for the planner's trace (planner/trace.py); no public fake-tensor API
 FakeTensorMode = private("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
+unset_fake_temporarily = private("torch", "torch._subclasses.fake_tensor", "unset_fake_temporarily")
 # nested containers of tensors (torch has no public pytree module)
 tree_flatten = private("torch", "torch.utils._pytree", "tree_flatten")
 tree_leaves = private("torch", "torch.utils._pytree", "tree_leaves")

@@ -93,6 +93,8 @@ def layout_of(strategy: Any) -> dict[str, Any]:
                            "recompute": layout.recompute, "sp": layout.sequence_parallel}
     if layout.dp != "auto":
         out["dp"] = layout.dp
+    if layout.ep > 1:
+        out["ep"] = layout.ep
     if layout.pp > 1:
         plan = layout.stage_plan
         out["schedule"] = layout.schedule

@@ -34,7 +34,7 @@ from lightning_par.topology import RECOMPUTE_KINDS, LayoutError, check_number, i
 if TYPE_CHECKING:
     from lightning_par.planner.plan import Workload
 
-_LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "schedule", "v", "sp", "recompute", "precision", "m")
+_LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "zero", "schedule", "v", "sp", "recompute", "precision", "m")
 
 
 def _csv(kind: type, allowed: Any = None):
@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) instead of --model")
     p.add_argument("--world", type=_positive(int), help="number of ranks (devices); default: the product of --layout")
     p.add_argument("--layout", help="one layout, e.g. dp=2,tp=2,pp=2 (prints its rank table) or with "
-                                    "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8")
+                                    "zero=1,schedule=1f1b,v=2,sp=1,recompute=full,precision=bf16-mixed,m=8; ep=2: "
+                                    "experts over 2 of the dp ranks")
     p.add_argument("--hardware", help=f"a preset ({', '.join(PRESETS)}) or a JSON/YAML file of "
                                       "lightning_par.planner.hardware.Hardware fields (default h100-sxm; cpu for a "
                                       "--config with trainer.accelerator: cpu)")
@@ -217,12 +218,14 @@ def _main(argv: list[str]) -> int:
                                                      ("compiled", args.compiled)) if v is not None})
     planner = Planner(info, hw, work, args.optimizer, max_tp=args.max_tp or max(hw.devices_per_node, 1),
                       runtime=runtime)
+    # a forward the trace cannot run (a Hugging Face MoE's routing) is refused here, once, rather than per layout
+    planner.trace(1, "none", args.precision[0] if "precision" not in layout else layout["precision"])
     print(header(info.description, hw, work, world, planner.optimizer))
 
     if layout:
         dp = layout.get("dp", "auto")
         tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-        print("\n" + rank_table(world, dp, tp, pp))
+        print("\n" + rank_table(world, dp, tp, pp, layout.get("ep", 1)))
         dp = world // (tp * pp)
         fixed = {k: layout[k] for k in ("zero", "schedule", "v", "sp", "recompute", "precision") if k in layout}
         estimates, skipped = planner.plan(
@@ -232,7 +235,8 @@ def _main(argv: list[str]) -> int:
             precisions=[fixed["precision"]] if "precision" in fixed else args.precision,
             virtual=[fixed["v"]] if "v" in fixed else args.virtual,
             sequence_parallel=[fixed["sp"]] if "sp" in fixed else (False, True),
-            sizes=[(dp, tp, pp)], prune=not args.no_prune)
+            sizes=[(dp, tp, pp)], expert_parallel=[layout["ep"]] if "ep" in layout else None,
+            prune=not args.no_prune)
     else:
         print(f"planning every layout of {world} ranks ...", file=sys.stderr)
         estimates, skipped = planner.plan(world, zero_stages=args.zero, schedules=args.schedules,

@@ -27,6 +27,8 @@ TRAINER_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true":
 def strategy_args(c: Candidate) -> dict[str, Any]:
     """``LayoutStrategy`` init arguments of a candidate (the defaults left out)."""
     out: dict[str, Any] = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "zero_stage": c.zero_stage}
+    if c.ep > 1:
+        out["ep"] = c.ep
     if c.pp > 1:
         out.update(schedule=c.schedule, n_microbatches=c.n_microbatches)
         if c.virtual_stages > 1:

@@ -8,7 +8,10 @@ needs is then read from the module tree, with the same functions the strategies 
   Hugging Face ``base_model_pp_plan``, or the ``nn.ModuleList`` of a plain PyTorch model);
 - every parameter, the units that hold it (a tied embedding/head: two), its shape and dtype;
 - how tensor parallelism splits it: :func:`lightning_par.parallel.tensor_parallel.resolve_tp_plan` (which also
-  says when tp does not divide the heads, the hidden or FFN size or the vocabulary).
+  says when tp does not divide the heads, the hidden or FFN size or the vocabulary);
+- its mixture-of-experts layers, found as expert parallel finds them
+  (:func:`lightning_par.parallel.expert_parallel.expert_layers`): experts, top-k, the parameters stacked over the
+  experts, and so the parameters a token uses (active) beside all of them (:class:`Experts`).
 
 :func:`build_model` makes the model from a class path and its init arguments, or from a Hugging Face
 ``config.json``.
@@ -30,6 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
+from lightning_par.parallel.expert_parallel import expert_layers
 from lightning_par.parallel.tensor_parallel import planned_split_dim, resolve_tp_plan
 from lightning_par.topology import LayoutError
 
@@ -182,6 +186,51 @@ class TPSplit:
         return tuple(shape)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """The model's mixture-of-experts layers: ``layers[name] = (experts, top_k)``, and the names of the parameters
+    stacked over the experts (dimension 0: what expert parallel splits)."""
+
+    layers: dict[str, tuple[int, int]]
+    params: frozenset[str]
+    numel: int  # elements of all expert weights
+
+    @property
+    def active_numel(self) -> int:
+        """Of :attr:`numel`, the elements one token's ``top_k`` experts hold (the same per expert in a layer)."""
+        return round(self.numel * sum(k for _, k in self.layers.values()) / sum(e for e, _ in self.layers.values()))
+
+    def divides(self, ep: int) -> bool:
+        """Whether ``ep`` ranks split every layer's experts evenly."""
+        return all(e % ep == 0 for e, _ in self.layers.values())
+
+    def describe(self) -> str:
+        kinds = sorted({f"{e} experts, top-{k}" for e, k in self.layers.values()})
+        return f"{'; '.join(kinds)} in {len(self.layers)} layers"
+
+
+def _top_k(layer: nn.Module, root: nn.Module) -> int:
+    """Experts per token: the layer's ``top_k`` (or ``num_experts_per_tok``), else its model config's."""
+    for holder in (layer, getattr(layer, "config", None), getattr(root, "config", None)):
+        for name in ("top_k", "num_experts_per_tok"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise LayoutError(f"{type(layer).__name__} declares experts but no top_k (or num_experts_per_tok): the planner "
+                      "needs the experts each token uses.")
+
+
+def find_experts(root: nn.Module) -> Experts | None:
+    """The expert layers of ``root`` (None: a dense model)."""
+    layers = expert_layers(root)
+    if not layers:
+        return None
+    names = {f"{name}.{p}" if name else p for name, layer in layers.items() for p in layer.expert_parameters}
+    numel = sum(p.numel() for n, p in root.named_parameters() if n in names)
+    return Experts({name: (layer.num_experts, _top_k(layer, root)) for name, layer in layers.items()},
+                   frozenset(names), numel)
+
+
 @dataclass
 class ModelInfo:
     """The model, its blocks and units, its parameters, and what a forward needs (vocabulary, loss)."""
@@ -195,6 +244,7 @@ class ModelInfo:
     hidden_size: int | None
     optimizer: str
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    experts: Experts | None = None  # its mixture-of-experts layers; None for a dense model
     _splits: dict[tuple[int, bool], TPSplit] = field(default_factory=dict, repr=False)
     _short: ShortModel | None = field(default=None, repr=False)
 
@@ -209,6 +259,11 @@ class ModelInfo:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def active_numel(self) -> int:
+        """The parameters one token uses: every expert weight replaced by its top-k share (all for a dense model)."""
+        return self.numel - (self.experts.numel - self.experts.active_numel if self.experts else 0)
 
     @property
     def default_seq_len(self) -> int:
@@ -289,10 +344,15 @@ def inspect_model(obj: nn.Module, block_types: list[str] | None = None) -> Model
         embedding.embedding_dim if embedding is not None else None)
     loss_fn = getattr(obj, "loss_fn", None)
     numel = sum(p.numel for p in params)
+    experts = find_experts(root)
     description = (f"{type(obj).__name__}: {numel / 1e9:.3g}B parameters ({numel:,}), {len(found.blocks)} blocks of "
                    f"{type(root.get_submodule(found.blocks[0])).__name__}, units from {found.source}")
-    return ModelInfo(obj, found, units, params, description, vocab, hidden, _optimizer_of(obj),
-                     loss_fn if callable(loss_fn) else None)
+    info = ModelInfo(obj, found, units, params, description, vocab, hidden, _optimizer_of(obj),
+                     loss_fn if callable(loss_fn) else None, experts)
+    if experts is not None:
+        info.description += (f"; mixture of experts: {experts.describe()}, {info.active_numel / 1e9:.3g}B active "
+                             f"parameters per token ({info.active_numel:,})")
+    return info
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -16,10 +16,16 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   orders them; plus what lives only for part of the step (ZeRO-3's gathered blocks -- under a pipeline the
   whole stage and its unsharded gradients --, ZeRO-2's full gradients under a pipeline, the flat gradient buffer
   of the pipeline's data-parallel all-reduce);
+- **experts** (a mixture-of-experts model, :class:`~lightning_par.planner.model.Experts`): under expert parallel
+  ``ep`` each rank holds 1/ep of every expert weight, whole -- with its gradient and whole optimizer state in the
+  precision's ZeRO-0 bytes, as the engine keeps them (neither ZeRO's partitioner nor FSDP2 shards them) -- and the
+  other weights as without experts; their gradients are all-reduced over the ``dp x cp / ep`` ranks holding the
+  same experts (in ``dp``);
 - **traffic per step**, bytes each rank sends with ring algorithms, by group: ``dp`` (the ZeRO formulas on the
-  rank's own parameters), ``tp`` (an all-reduce -- or with sequence parallelism a reduce-scatter plus an
-  all-gather -- per row-parallel output in forward and per column-parallel input in backward, again in the
-  recomputed forward), ``pp`` (each micro-batch's activation to the next stage and its gradient back);
+  rank's own parameters), ``ep`` (the token exchange: see :meth:`Planner.all_to_all_bytes`), ``tp`` (an
+  all-reduce -- or with sequence parallelism a reduce-scatter plus an all-gather -- per row-parallel output in
+  forward and per column-parallel input in backward, again in the recomputed forward), ``pp`` (each micro-batch's
+  activation to the next stage and its gradient back);
 - **time**: each stage's forward and backward per micro-batch from the traced ops on the hardware model
   (:mod:`lightning_par.planner.hardware`: GEMMs at an efficiency by their shape, the other ops bound by memory,
   fused under ``compiled``), tensor-parallel collectives inside them (exposed, or pipelined with the GEMMs), the
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_par.parallel.layout import Layout
@@ -86,6 +92,7 @@ class Candidate:
     recompute: str = "none"
     precision: str = "bf16-mixed"
     cp: int = 1  # context parallel: each sequence split over cp ranks
+    ep: int = 1  # expert parallel: each expert layer's experts split over ep of the dp x cp ranks
 
     @property
     def world(self) -> int:
@@ -94,12 +101,13 @@ class Candidate:
     def label(self) -> str:
         sched = "-" if self.pp == 1 else self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1
                                                          and self.schedule not in ("zbv", "dualpipev") else "")
-        return (f"dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''} tp{self.tp}"
+        return (f"dp{self.dp}{f' cp{self.cp}' if self.cp > 1 else ''}{f' ep{self.ep}' if self.ep > 1 else ''} "
+                f"tp{self.tp}"
                 f"{'+sp' if self.sequence_parallel else ''} pp{self.pp} z{self.zero_stage} "
                 f"{sched} rc={self.recompute} {self.precision}")
 
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero_stage=self.zero_stage,
                       schedule=self.schedule or "1f1b", n_microbatches=self.n_microbatches if self.pp > 1 else None,
                       virtual_stages=self.virtual_stages if self.pp > 1 else None,
                       sequence_parallel=self.sequence_parallel, recompute=self.recompute)
@@ -268,6 +276,7 @@ class Planner:
         if self.optimizer not in OPTIMIZER_STATES:
             raise LayoutError(f"optimizer {self.optimizer!r}: use one of {sorted(OPTIMIZER_STATES)}.")
         self.max_tp = max_tp
+        self._expert_names = info.experts.params if info.experts is not None else frozenset()
         self._traces: dict[tuple, ModelTrace] = {}
         self._tp_comm: dict[tuple, dict[str, tuple[list[float], list[float]]]] = {}
         self._stages: dict[tuple, list[list[str]]] = {}
@@ -353,6 +362,26 @@ class Planner:
             self._unit_times[key] = (f, b, min(w, b), f_mm, b_mm)
         return self._unit_times[key]
 
+    def all_to_all_bytes(self, c: Candidate, units: Iterable[str], act_elt: int) -> tuple[float, int]:
+        """Bytes one rank sends through expert parallel's ``all_to_all`` in one forward of one micro-batch of
+        ``units``, and the expert layers among them. Per layer, each of the rank's ``tokens`` (micro_batch x seq_len
+        / cp) goes as ``top_k`` copies of its hidden state to the ranks of its experts (dispatch) and comes back
+        (combine); with balanced routing a share (ep-1)/ep of the copies leaves the rank:
+        ``2 x tokens x top_k x hidden x bytes x (ep-1)/ep``. The backward sends as much again (the gradients of both
+        exchanges), a full recompute's forward once more."""
+        experts = self.info.experts
+        if c.ep == 1 or experts is None:
+            return 0.0, 0
+        inside = [k for name, (_, k) in experts.layers.items()
+                  if any(name == u or name.startswith(u + ".") for u in units)]
+        tokens = self.work.micro_batch * self.work.seq_len / c.cp
+        return 2 * tokens * sum(inside) * (self.info.hidden_size or 0) * act_elt * (c.ep - 1) / c.ep, len(inside)
+
+    def _local_numel(self, p: ParamInfo, split: TPSplit, ep: int) -> int:
+        """Elements of ``p`` on one rank: its tensor-parallel shard; an expert weight's 1/ep."""
+        n = split.local_numel(p)
+        return n // ep if p.name in self._expert_names else n
+
     # -- one layout ------------------------------------------------------------------------------------------------
     def estimate(self, c: Candidate) -> Estimate:
         info, hw, work, runtime = self.info, self.hw, self.work, self.runtime
@@ -376,6 +405,7 @@ class Planner:
         cp_span = c.tp * c.cp > per_node
         dp_span = c.tp * c.cp * c.dp > per_node
         pp_span = c.tp * c.cp * c.dp * c.pp > per_node
+        ep_span = c.tp * c.ep > per_node  # ep consecutive ranks of dp x cp at one tp coordinate
         if c.cp > 1 and work.seq_len % (2 * c.cp):
             raise LayoutError(f"cp={c.cp} cuts each sequence into {2 * c.cp} chunks: the sequence length "
                               f"{work.seq_len} does not divide by {2 * c.cp}.")
@@ -402,6 +432,9 @@ class Planner:
         stage_released: list[float] = []
         stage_tp_exposed: list[float] = []
         stage_cp_bytes: list[float] = []
+        stage_ep_bytes: list[float] = []
+        stage_ep_exposed: list[float] = []
+        forwards = 2 if c.recompute == "full" else 1
         for s, units in enumerate(units_by_stage):
             # the same stage recurs in many layouts (every ZeRO stage, schedule and dp size): costed once
             key = (id(trace), tp_seq, c.tp, c.sequence_parallel, tp_span, tuple(units), s == n_stages - 1)
@@ -444,6 +477,17 @@ class Planner:
                                        stage_w, stage_held, stage_wgrad, stage_released, stage_tp_bytes, stage_out,
                                        stage_cp_bytes)
                 stage_tp_exposed[-1] /= c.cp  # its tp traffic is that of 1/cp of the tokens
+            if c.ep > 1:
+                # the token exchange waits: the experts need their tokens, the layer its outputs; each forward
+                # exchanges the counts, then the tokens, then the outputs, the backward their gradients
+                a2a, layers = self.all_to_all_bytes(c, units, act_elt)
+                ep_bw = hw.bandwidth(ep_span)
+                f_ep = a2a / ep_bw + 3 * layers * hw.latency_s
+                b_ep = (forwards - 1) * f_ep + a2a / ep_bw + 2 * layers * hw.latency_s
+                stage_f[-1] += f_ep
+                stage_b[-1] += b_ep
+                stage_ep_bytes.append((forwards + 1) * a2a)
+                stage_ep_exposed.append(f_ep + b_ep)
 
         # -- the schedule --------------------------------------------------------------------------------------
         pp_bw = hw.bandwidth(pp_span)
@@ -495,7 +539,8 @@ class Planner:
 
         # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
-        dp_bytes_max = tp_bytes_max = pp_bytes_max = 0.0
+        dp_bytes_max = tp_bytes_max = pp_bytes_max = ep_bytes_max = ep_exposed_max = opt_numel = 0.0
+        whole = element_bytes(c.precision, 0)  # the experts under ep > 1: held whole, as a replica holds them
         n_tensors = 0  # parameter tensors of the fullest rank
         reduce_finish = gather_exposed = tp_exposed_max = 0.0
         bucket = runtime.bucket_mb * 2**20
@@ -506,13 +551,17 @@ class Planner:
             params = self._rank_params(rank_units)
             n_tensors = max(n_tensors, len(params))
             numel, tied_numel = self._rank_numel(params, split, c, stage_of_unit)
+            expert_numel = sum(self._local_numel(p, split, c.ep) for p in params
+                               if p.name in self._expert_names) if c.ep > 1 else 0
+            dense_numel = numel - expert_numel
+            opt_numel = max(opt_numel, dense_numel / (d if c.zero_stage >= 1 else 1) + expert_numel)
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
             blocks = [u for u in rank_units if u in info.blocks]
             if c.zero_stage == 3 and c.pp == 1:
                 # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
-                block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)) for u in blocks),
-                                  default=0)
+                block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)
+                                       if c.ep == 1 or p.name not in self._expert_names) for u in blocks), default=0)
                 root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
                 transient += (2 * block_numel + root_numel) * eb.gather
             elif c.zero_stage == 3:
@@ -526,8 +575,9 @@ class Planner:
             ranks.append(RankMemory(r, *mem, held_peak[r], transient, numel))
 
             # data-parallel traffic of this rank, per step, and how much of it the compute around it hides
-            reduce_bytes = _ring("all_reduce" if c.zero_stage == 0 else "reduce_scatter", numel * eb.reduce, d)
-            gather_bytes = _ring("all_gather", numel * eb.gather, d) if c.zero_stage else 0.0
+            reduce_bytes = _ring("all_reduce" if c.zero_stage == 0 else "reduce_scatter", dense_numel * eb.reduce, d)
+            reduce_bytes += _ring("all_reduce", expert_numel * whole.reduce, d // c.ep)  # over expert_dp
+            gather_bytes = _ring("all_gather", dense_numel * eb.gather, d) if c.zero_stage else 0.0
             n_gathers = (1 if c.pp > 1 else 2 * m) if c.zero_stage == 3 else 1
             dp_bytes = reduce_bytes + n_gathers * gather_bytes
             first_f = stage_f[stage_ids[0]]
@@ -558,6 +608,9 @@ class Planner:
                     elif c.zero_stage:
                         gather_exposed = max(gather_exposed, gather_t)  # after the step, waited for
             tp_bytes = m * sum(stage_tp_bytes[s] for s in stage_ids)
+            if c.ep > 1:
+                ep_bytes_max = max(ep_bytes_max, m * sum(stage_ep_bytes[s] for s in stage_ids))
+                ep_exposed_max = max(ep_exposed_max, m * sum(stage_ep_exposed[s] for s in stage_ids))
             tp_exposed_max = max(tp_exposed_max, m * sum(stage_tp_exposed[s] for s in stage_ids))
             pp_bytes = 0.0
             if c.pp > 1:
@@ -572,7 +625,6 @@ class Planner:
 
         # -- step time ---------------------------------------------------------------------------------------------
         dp_exposed = max(0.0, reduce_finish - t_pipe) + max(0.0, gather_exposed)
-        opt_numel = max(r.numel for r in ranks) / (c.dp * c.cp if c.zero_stage >= 1 else 1)
         # read the gradient, read and write the fp32 values and every state, write the parameters where a master
         # is kept apart
         master = eb.master or eb.param
@@ -592,11 +644,12 @@ class Planner:
         runs, note = _runs_today(c)
         return Estimate(
             c, ranks, {"dp": dp_bytes_max, "tp": tp_bytes_max, "pp": pp_bytes_max,
-                       **({"cp": max(stage_cp_bytes) * m} if c.cp > 1 else {})}, bubble, step, tokens / step,
+                       **({"cp": max(stage_cp_bytes) * m} if c.cp > 1 else {}),
+                       **({"ep": ep_bytes_max} if c.ep > 1 else {})}, bubble, step, tokens / step,
             per_device / 1e12, per_device / peak, worst <= hw.usable_bytes, runs, note,
             {"pipeline": t_pipe, "dp_exposed": dp_exposed, "optimizer": optimizer_time},
             list(zip(stage_f, stage_b, stage_w, strict=True)), units_by_stage,
-            {"dp": dp_exposed, "tp": tp_exposed_max, "pp": pp_exposed},
+            {"dp": dp_exposed, "tp": tp_exposed_max, "pp": pp_exposed, **({"ep": ep_exposed_max} if c.ep > 1 else {})},
             step - t_pipe * bubble + receive_time,
         )
 
@@ -625,9 +678,9 @@ class Planner:
                     stage_of_unit: dict[str, int]) -> tuple[int, int]:
         """Elements of a rank's parameters (its tp shards), and of those tied across pipeline ranks (summed over
         the pipeline after the schedule)."""
-        key = (id(params), split.tp, split.sequence_parallel, c.pp, c.virtual_stages, c.schedule)
+        key = (id(params), split.tp, split.sequence_parallel, c.pp, c.virtual_stages, c.schedule, c.ep)
         if key not in self._numels:
-            numel = sum(split.local_numel(p) for p in params)
+            numel = sum(self._local_numel(p, split, c.ep) for p in params)
             tied = 0
             if c.pp > 1:
                 rank_of = rank_of_stage(c.schedule, c.pp, c.virtual_stages)
@@ -674,9 +727,18 @@ class Planner:
     def _state(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
                n_states: int) -> tuple[float, float, float]:
         """Parameters, gradients, optimizer states (with a separate master copy) of ``params`` on one rank."""
-        key = (id(params), split.tp, split.sequence_parallel, c.dp * c.cp, c.zero_stage, eb, n_states)
+        key = (id(params), split.tp, split.sequence_parallel, c.dp * c.cp, c.zero_stage, eb, n_states, c.ep)
         if key not in self._states:
-            self._states[key] = self._state_bytes(params, split, c, eb, n_states)
+            experts = [p for p in params if p.name in self._expert_names] if c.ep > 1 else []
+            if experts:  # the others as without experts; each expert weight 1/ep, whole, in ZeRO-0's bytes
+                dense = self._state_bytes([p for p in params if p.name not in self._expert_names], split, c, eb,
+                                          n_states)
+                n = sum(self._local_numel(p, split, c.ep) for p in experts)
+                whole = element_bytes(c.precision, 0)
+                self._states[key] = (dense[0] + n * whole.param, dense[1] + n * whole.grad,
+                                     dense[2] + n * (n_states * whole.state + whole.master))
+            else:
+                self._states[key] = self._state_bytes(params, split, c, eb, n_states)
         return self._states[key]
 
     def _state_bytes(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
@@ -711,9 +773,12 @@ class Planner:
                    schedules: Sequence[str] | None = None, recompute: Sequence[str] = RECOMPUTE_KINDS,
                    precisions: Sequence[str] = PRECISIONS, virtual: Sequence[int] = (2, 4),
                    sequence_parallel: Sequence[bool] = (False, True),
-                   sizes: Sequence[tuple[int, int, int]] | None = None) -> tuple[list[Candidate], dict[str, int]]:
+                   sizes: Sequence[tuple[int, int, int]] | None = None,
+                   expert_parallel: Sequence[int] | None = None) -> tuple[list[Candidate], dict[str, int]]:
         """Every valid layout for ``world`` ranks (or only the ``(dp, tp, pp)`` in ``sizes``), and why the others
-        were left out (reason -> count)."""
+        were left out (reason -> count). A mixture-of-experts model gets each ``ep`` (of ``expert_parallel``, by
+        default every size) that divides dp and every layer's experts; a composition the engine refuses with
+        experts (:class:`Layout`'s own check, asked here) is left out, not planned."""
         work, info = self.work, self.info
         schedules = list(schedules or SCHEDULES)
         skipped: dict[str, int] = {}
@@ -750,6 +815,14 @@ class Planner:
                          f"{work.micro_batch} on {dp} replicas")
                     continue
                 m = work.global_batch // (dp * work.micro_batch)
+                eps: list[int] = []
+                for ep in expert_parallel or (_divisors(dp) if info.experts is not None else [1]):
+                    if ep > 1 and info.experts is None:
+                        skip(f"ep={ep}: the model has no expert layers")
+                    elif ep > 1 and (dp % ep or not info.experts.divides(ep)):
+                        skip(f"ep={ep}: does not divide dp={dp} and the experts")
+                    else:
+                        eps.append(ep)
                 variants: list[tuple[str | None, int]] = [(None, 1)]
                 if pp > 1:
                     variants = []
@@ -776,7 +849,13 @@ class Planner:
                                 continue
                             for rc in recompute:
                                 for prec in precisions:
-                                    out.append(Candidate(dp, tp, pp, zero, name, v, m, sp, rc, prec))
+                                    for ep in eps:
+                                        c = Candidate(dp, tp, pp, zero, name, v, m, sp, rc, prec, ep=ep)
+                                        refused = _refused_with_experts(c)
+                                        if refused:
+                                            skip(refused)
+                                        else:
+                                            out.append(c)
         return out, skipped
 
     def memory_floor(self, c: Candidate) -> float:
@@ -855,13 +934,29 @@ def _runs_today(c: Candidate) -> tuple[bool, str]:
     return True, ""
 
 
+def _refused_with_experts(c: Candidate) -> str | None:
+    """Why the engine refuses ``c`` for its ``ep`` alone (the layout's own check), else None: a layout refused for
+    another reason is planned and marked as any other."""
+    if c.ep == 1:
+        return None
+    try:
+        c.layout()
+        return None
+    except LayoutError as err:
+        try:
+            replace(c, ep=1).layout()
+        except LayoutError:
+            return None
+        return str(err).split(":")[0]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def rank_table(world: int, dp: int | str = "auto", tp: int = 1, pp: int = 1) -> str:
+def rank_table(world: int, dp: int | str = "auto", tp: int = 1, pp: int = 1, ep: int = 1) -> str:
     """The start-up rank table of a layout: global rank -> (pp, dp, tp) and the groups."""
-    dims = ParallelDims.resolve(world, dp=dp, tp=tp, pp=pp)
+    dims = ParallelDims.resolve(world, dp=dp, tp=tp, pp=pp, ep=ep)
     return f"{dims.describe()}\n{dims.rank_table()}"
 
 

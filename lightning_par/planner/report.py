@@ -59,8 +59,19 @@ HEADER = ("#", "dp", "tp", "pp", "zero", "schedule", "sp", "recompute", "precisi
 EXPOSED = ("dp exp s", "tp exp s", "pp exp s")
 
 
+def _experts(estimates: Sequence[Estimate]) -> bool:
+    """Whether the table shows the expert-parallel columns (ep, and the all-to-all bytes): some layout has ep > 1."""
+    return any(e.candidate.ep > 1 for e in estimates)
+
+
+def _with_ep(cells: tuple[str, ...], ep: str, ep_sent: str) -> tuple[str, ...]:
+    """``cells`` in HEADER's order with the ep size after pp and the ep bytes after the pp bytes."""
+    return cells[:4] + (ep,) + cells[4:19] + (ep_sent,) + cells[19:]
+
+
 def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -> list[tuple[str, ...]]:
     _, unit = _unit(estimates)
+    experts = _experts(estimates)
     out = []
     for i, e in enumerate(estimates, start):
         c, w = e.candidate, e.worst
@@ -73,16 +84,20 @@ def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -
             f"{e.bubble:.2f}" if c.pp > 1 else "-", f"{e.step_time:.3g}",
             _rate(e.tokens_per_s), f"{e.mfu:.0%}", "yes" if e.runs_today else "not yet",
         ) + (tuple(f"{e.exposed.get(g, 0.0):.3g}" for g in ("dp", "tp", "pp")) if exposed else ()))
+        if experts:
+            out[-1] = _with_ep(out[-1], str(c.ep), _traffic(e.comm_bytes.get("ep", 0.0), unit))
     return out
 
 
 def table(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -> str:
     """The estimates as a table; ``exposed``: with the exposed communication seconds per group."""
     body = rows(estimates, start, exposed)
-    header = HEADER + (EXPOSED if exposed else ())
+    experts = _experts(estimates)
+    header = (_with_ep(HEADER, "ep", "ep") if experts else HEADER) + (EXPOSED if exposed else ())
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
     name, _ = _unit(estimates)
-    groups = [("", 10), (f"{name} per rank (the fullest)", 6), (f"{name} sent per step", 3), ("", 5)]
+    groups = [("", 10 + experts), (f"{name} per rank (the fullest)", 6), (f"{name} sent per step", 3 + experts),
+              ("", 5)]
     if exposed:
         groups.append(("exposed comm", 3))
     lines = []
@@ -153,7 +168,9 @@ def rank_breakdown(e: Estimate) -> str:
                  f"pp exposed {x.get('pp', 0):.3g}) + data-parallel exposed {b['dp_exposed']:.4g} + optimizer "
                  f"{b['optimizer']:.4g}; bubble {e.bubble:.3f}; sent per step "
                  f"dp {e.comm_bytes['dp'] / GiB:.3g} GiB, tp {e.comm_bytes['tp'] / GiB:.3g} GiB, "
-                 f"pp {e.comm_bytes['pp'] / GiB:.3g} GiB")
+                 f"pp {e.comm_bytes['pp'] / GiB:.3g} GiB"
+                 + (f", ep {e.comm_bytes['ep'] / GiB:.3g} GiB (all_to_all; exposed {x.get('ep', 0):.3g} s)"
+                    if "ep" in e.comm_bytes else ""))
     if not e.runs_today:
         lines.append(f"  not runnable in this version: {e.engine_note}")
     return "\n".join(lines)

@@ -20,6 +20,10 @@ sequence ``s`` -- :func:`trace_model`:
    bytes read and written;
 4. does the same for the loss (the LightningModule's ``loss_fn``, else cross-entropy) on the logits.
 
+A mixture-of-experts layer counts its tokens per expert (``torch.bincount``) and reads the counts on the host: data
+a fake tensor does not have. The trace routes them evenly (:class:`_BalancedRouting`): each expert gets ``n k / E``
+of the ``n`` tokens' ``k`` choices, so the experts' FLOPs are those of the active parameters.
+
 With sequence parallelism the norms run on ``s/tp`` tokens: the bytes they save (and, in a block, its input)
 and the time of their ops are divided by tp afterwards.
 """
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import flop_registry
 
-from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map
+from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map, unset_fake_temporarily
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import planned_split_dim, resolve_tp_plan
 from lightning_par.planner.model import ModelInfo, short_model
@@ -442,6 +446,24 @@ def _as_in_a_real_run() -> Iterator[None]:
             masking.find_packed_sequence_indices = packed
 
 
+class _BalancedRouting(TorchDispatchMode):
+    """``bincount(choices, minlength=E)`` under the fake mode answered with balanced counts, as a real tensor (so
+    that ``.tolist()`` reads them): the ``choices.numel()`` choices spread as evenly as they go over ``E``. A
+    dispatch mode, so that a full recompute's forward, run by autograd in the backward, meets it too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.bincount.default:
+            choices, bins = args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            if bins <= 0:
+                raise LayoutError("the planner traces an expert layer's torch.bincount only with minlength set to "
+                                  "the number of experts (its output size must not depend on the data).")
+            n = choices.numel()
+            with unset_fake_temporarily():
+                return torch.tensor([n // bins + (i < n % bins) for i in range(bins)], dtype=torch.int64)
+        return func(*args, **kwargs)
+
+
 def _forward(model: nn.Module, tokens: Tensor, root_path: str = "") -> Any:
     """The model's output (logits, or an output holding them) for ``tokens``. A LightningModule without a
     ``forward`` of its own (the README's: its steps call ``self.model``) runs its network: the child holding the
@@ -482,7 +504,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
     if info.loss_fn is not None and getattr(info.loss_fn, "__self__", None) is info.obj:
         loss_fn = getattr(model, info.loss_fn.__name__)  # the copy's bound method
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _BalancedRouting():
         model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
         skip = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         unit_modules = {u: root.get_submodule(u) for u in short.units}
@@ -493,6 +515,16 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
         try:
             with torch.no_grad(), autocast(), _as_in_a_real_run():
                 logits = _logits(_forward(model, tokens, short.root_path))
+        except LayoutError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- one line naming the model, not a traceback
+            cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": .")
+            raise LayoutError(
+                f"{type(model).__name__}'s forward does not run on fake tensors (shapes without data), which the "
+                f"planner traces: {cause}. A forward whose shapes depend on the data (the routing of a Hugging Face "
+                "mixture-of-experts model) cannot be planned yet; an expert layer is traced when it declares the "
+                "expert interface and counts its tokens with torch.bincount(choices, minlength=num_experts) "
+                "(docs/moe.md).") from err
         finally:
             for h in handles:
                 h.remove()

@@ -3,12 +3,19 @@
 
 from lightning_par.strategies.engine import LayoutStrategy
 from lightning_par.strategies.planned import PlannedStrategy
-from lightning_par.strategies.presets import Hybrid3DStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par.strategies.presets import (
+    ExpertParallelStrategy,
+    Hybrid3DStrategy,
+    MegatronTPStrategy,
+    PipelineStrategy,
+    ZeroStrategy,
+)
 
 ALL_STRATEGIES = (LayoutStrategy, ZeroStrategy, PipelineStrategy, MegatronTPStrategy, Hybrid3DStrategy,
-                  PlannedStrategy)
+                  ExpertParallelStrategy, PlannedStrategy)
 
 __all__ = [
-    "ALL_STRATEGIES", "Hybrid3DStrategy", "LayoutStrategy", "MegatronTPStrategy", "PipelineStrategy", "PlannedStrategy",
+    "ALL_STRATEGIES", "ExpertParallelStrategy", "Hybrid3DStrategy", "LayoutStrategy", "MegatronTPStrategy",
+    "PipelineStrategy", "PlannedStrategy",
     "ZeroStrategy",
 ]

@@ -25,9 +25,10 @@ OPTIONS = """
         ep: expert-parallel size: each mixture-of-experts layer's experts are split over ``ep`` of the dp x cp
             ranks (``ep`` divides dp x cp and the experts), tokens are sent to the rank holding their expert and
             back with all-to-all (dropless: routing as one process), and expert gradients are averaged over the
-            ranks holding the same experts (``lightning_par.parallel.expert_parallel``). So far with ZeRO 0-3 (at
-            stages 1-3 the experts' share sharded over their own replicas), offload, cp, tp and sequence parallel;
-            without pp or checkpoints.
+            ranks holding the same experts (``lightning_par.parallel.expert_parallel``). Composes with ZeRO 0-3 (at
+            stages 1-3 the experts' share sharded over their own replicas), offload, cp, tp, sequence parallel,
+            every pipeline schedule and sharded checkpoints. Presets: ``ExpertParallelStrategy`` (names ``ep2``,
+            ``ep4``, ``ep8``, ``expert_parallel``) and ``zero{0-3}_ep{2,4}``; ``lightning-par plan`` searches ep too.
         zero_stage: ZeRO stage across data parallel: 0 replicas, gradients all-reduced (DDP); 1 optimizer states
             sharded; 2 + gradients sharded; 3 + parameters sharded (FSDP2).
         offload_optimizer: stages 1-3: keep the sharded optimizer state in host memory and run the step there.

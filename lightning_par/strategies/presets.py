@@ -78,7 +78,7 @@ class ZeroStrategy(LayoutStrategy):
     The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s.
 
     ``ep``: expert parallel for a mixture-of-experts model, each layer's experts split over ep of the ranks
-    (without offload, so far).
+    (without offload, so far); :class:`ExpertParallelStrategy` is this preset with ``ep`` first.
 
     Example::
 
@@ -102,7 +102,9 @@ class ZeroStrategy(LayoutStrategy):
         presets.update({f"zero{stage}": {"stage": stage} for stage in SUPPORTED_ZERO_STAGES})
         presets.update({f"zero{stage}_offload": {"stage": stage, "offload_optimizer": True} for stage in (1, 2)})
         presets["zero3_offload"] = {"stage": 3, "offload_optimizer": True, "offload_parameters": True}
-        presets.update({f"zero0_ep{ep}": {"stage": 0, "ep": ep} for ep in (2, 4)})  # expert parallel, ZeRO-0
+        # expert parallel beside each stage (ExpertParallelStrategy's names: ep2, ep4, ep8)
+        presets.update({f"zero{stage}_ep{ep}": {"stage": stage, "ep": ep} for stage in SUPPORTED_ZERO_STAGES
+                        for ep in (2, 4)})
         _register(cls, strategy_registry, presets)
 
 
@@ -146,7 +148,7 @@ class MegatronTPStrategy(LayoutStrategy):
 
     strategy_name = "megatron_tp"
 
-    @engine_options("tp", "sequence_parallel", "dp", "zero_stage", *ZERO_OPTIONS, *RUN_OPTIONS, tp=2)
+    @engine_options("tp", "sequence_parallel", "dp", "zero_stage", "ep", *ZERO_OPTIONS, *RUN_OPTIONS, tp=2)
     def __init__(self, **options: Any) -> None:
         super().__init__(pp=1, **options)
 
@@ -249,7 +251,7 @@ class Hybrid3DStrategy(LayoutStrategy):
 
     strategy_name = "hybrid3d"
 
-    @engine_options("tp", "pp", "dp", "cp", "zero_stage", *PIPELINE_OPTIONS, "sequence_parallel", "stage_costs",
+    @engine_options("tp", "pp", "dp", "cp", "ep", "zero_stage", *PIPELINE_OPTIONS, "sequence_parallel", "stage_costs",
                     *ZERO_OPTIONS, *RUN_OPTIONS, tp=2, pp=2, zero_stage=1)
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -262,4 +264,46 @@ class Hybrid3DStrategy(LayoutStrategy):
             presets[f"hybrid3d_tp{tp}_pp{pp}_sp"] = {"tp": tp, "pp": pp, "sequence_parallel": True}
         presets["hybrid3d_tp2_pp2_zero3"] = {"tp": 2, "pp": 2, "zero_stage": 3}
         presets["hybrid3d_tp2_pp2_cp2"] = {"tp": 2, "pp": 2, "cp": 2}
+        _register(cls, strategy_registry, presets)
+
+
+class ExpertParallelStrategy(LayoutStrategy):
+    """Expert parallel for a mixture-of-experts model: data parallel over every rank with a ZeRO stage, each expert
+    layer's experts split over ``ep`` of the ranks.
+
+    Each rank routes its own tokens as one process would; every expert layer sends them to the ranks holding their
+    experts and back with all-to-all (dropless), and each expert's gradient is averaged over the ``world / ep`` ranks
+    holding it (docs/moe.md). Per rank, with E the expert weights' elements, Ψ the others', N ranks and fp32 AdamW:
+    the experts ``16 E / ep`` bytes, held whole (parameters, gradients, two states); the others as
+    :class:`ZeroStrategy`'s table at the same stage. Tokens sent per step through the all-to-all, per expert layer
+    and micro-batch: ``4 x tokens x top_k x hidden x bytes x (ep - 1) / ep`` (dispatch and combine, forward and
+    backward; what ``lightning-par plan`` counts).
+
+    Args:
+        ep: expert-parallel size: divides the ranks (x cp) and every expert layer's experts.
+        stage: ZeRO stage of the other weights across all ranks: 0 replicas (DDP), 1 optimizer states sharded
+            (default), 2 + gradients, 3 + parameters (FSDP2).
+
+    The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s.
+
+    Example::
+
+        Trainer(accelerator="cpu", devices=4, strategy=ExpertParallelStrategy(ep=2))   # each expert on 2 ranks
+        # or: lightning-par fit ... --trainer.strategy=ep2 (or expert_parallel --trainer.strategy.ep=4)
+    """
+
+    strategy_name = "expert_parallel"
+
+    @engine_options("cp", *RUN_OPTIONS)
+    def __init__(self, ep: int = 2, stage: int = 1, **options: Any) -> None:
+        super().__init__(dp="auto", tp=1, pp=1, ep=ep, zero_stage=stage, **options)
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets: dict[str, dict[str, Any]] = {cls.strategy_name: {}}  # any size: --trainer.strategy.ep=N
+        presets.update({f"ep{ep}": {"ep": ep} for ep in (2, 4, 8)})
         _register(cls, strategy_registry, presets)

@@ -53,6 +53,21 @@ def readme_namespace() -> types.ModuleType:
     return module
 
 
+def readme_moe_source() -> str:
+    """The README's "Mixture of experts" code (``MoE`` ... ``MyMoEModule``) without its final ``trainer = ...``."""
+    (block,) = [b for b in _python_blocks(REPO / "README.md") if "class MoE(" in b]
+    head, sep, trainer_line = block.rpartition("\ntrainer = ")
+    assert sep and "L.Trainer(" in trainer_line and 'strategy="ep2"' in trainer_line, "README's MoE changed shape"
+    return head + "\n"
+
+
+def readme_moe_namespace() -> types.ModuleType:
+    """The README's MoE code run after its "Your own model" code (whose ``MyModule`` it extends)."""
+    module = readme_namespace()
+    exec(compile(readme_moe_source(), "README.md (Mixture of experts)", "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
 # -- a model without an nn.ModuleList: its blocks in an nn.Sequential, found only through block_types= -------------
 class Block(nn.Module):
     def __init__(self, dim: int = 64) -> None:
@@ -128,6 +143,8 @@ CASES = {
     "readme_tp2": ("readme", lambda: MegatronTPStrategy(tp=2), 2, 1),
     "readme_pp2_1f1b": ("readme", lambda: PipelineStrategy(pp=2, schedule="1f1b"), 2, 1),
     "readme_tp2_pp2": ("readme", lambda: Hybrid3DStrategy(tp=2, pp=2, schedule="1f1b", n_microbatches=2), 4, 1),
+    "moe_single": ("moe", None, 1, 1),
+    "moe_ep2": ("moe", lambda: "ep2", 2, 2),  # the README's name, as written
     "sequential_single": ("sequential", None, 1, 1),
     "sequential_zero3": ("sequential", lambda: ZeroStrategy(stage=3, block_types=[Block]), 2, 2),
     "sequential_pp2_1f1b": ("sequential", lambda: PipelineStrategy(pp=2, schedule="1f1b", block_types=["Block"]), 2,
@@ -148,12 +165,20 @@ class _Record(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.dtensor_seen |= isinstance(loss, DTensor)
         self.losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
+        if not hasattr(self, "experts_held"):  # the expert weights' elements this rank holds, and of the model
+            held = [((p.to_local() if isinstance(p, DTensor) else p).numel(), p.numel())
+                    for n, p in pl_module.named_parameters()
+                    if n.rpartition(".")[2] in ("w_in", "w_out")]
+            self.experts_held = [sum(h for h, _ in held), sum(t for _, t in held)]
 
 
 def fit(name: str, root: Path, cache: str) -> dict:
     kind, strategy, devices, dp = CASES[name]
     pl.seed_everything(1234)
-    model = readme_namespace().MyModule() if kind == "readme" else SequentialModule(held=kind)
+    if kind == "moe":
+        model = readme_moe_namespace().MyMoEModule()
+    else:
+        model = readme_namespace().MyModule() if kind == "readme" else SequentialModule(held=kind)
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // dp,
                           cache_dir=cache)
     record = _Record()
@@ -163,7 +188,8 @@ def fit(name: str, root: Path, cache: str) -> dict:
                          callbacks=[record], default_root_dir=root)
     trainer.fit(model, data)
     return {"losses": record.losses, "logged": float(trainer.callback_metrics["train/loss"]),
-            "dtensor_seen": record.dtensor_seen}
+            "dtensor_seen": record.dtensor_seen, "experts_held": record.experts_held,
+            "strategy": type(trainer.strategy).__name__}
 
 
 def fit_and_report(root: Path, cache: str, name: str, sources: dict) -> None:

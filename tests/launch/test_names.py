@@ -15,10 +15,19 @@ import sys
 import pytest
 import yaml
 
-from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
+from lightning_par import (
+    ExpertParallelStrategy,
+    Hybrid3DStrategy,
+    LayoutError,
+    LayoutStrategy,
+    MegatronTPStrategy,
+    PipelineStrategy,
+    ZeroStrategy,
+)
 from lightning_par.cli import main
+from lightning_par.parallel.layout import Layout
 from lightning_par.plan_cli import main as plan_main
-from lightning_par.strategies.names import registered_names, unknown_strategy_message
+from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
 from tests.harness import REPO, launch_cli
 
 CPU_JOB = ["--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
@@ -58,6 +67,9 @@ def test_a_name_takes_an_override_on_the_command_line(capsys):
      "MegatronTPStrategy", {"tp": 4, "sequence_parallel": True}),
     (["--trainer.strategy=pipeline", "--trainer.strategy.pp=4", "--trainer.strategy.schedule=interleaved_1f1b"],
      "PipelineStrategy", {"pp": 4, "schedule": "interleaved_1f1b"}),
+    (["--trainer.strategy=expert_parallel", "--trainer.strategy.ep=4", "--trainer.strategy.stage=3"],
+     "ExpertParallelStrategy", {"ep": 4, "stage": 3}),
+    (["--trainer.strategy=ep2", "--trainer.strategy.stage=2"], "ExpertParallelStrategy", {"ep": 2, "stage": 2}),
     (["--trainer.strategy=megatron_tp2_zero3", "--trainer.strategy.offload_optimizer=true"], "MegatronTPStrategy",
      {"tp": 2, "zero_stage": 3, "offload_optimizer": True}),
 ])
@@ -155,6 +167,8 @@ FOREIGN = {  # options another strategy has that this one must not list
     PipelineStrategy: {"tp", "sequence_parallel", "stage", "accelerator"},
     MegatronTPStrategy: {"pp", "schedule", "n_microbatches", "virtual_stages", "stage_costs", "stage", "accelerator"},
     Hybrid3DStrategy: {"stage", "accelerator", "parallel_devices"},
+    ExpertParallelStrategy: {"tp", "pp", "dp", "schedule", "n_microbatches", "virtual_stages", "sequence_parallel",
+                             "stage_costs", "zero_stage", "offload_optimizer", "offload_parameters", "accelerator"},
 }
 
 
@@ -183,6 +197,24 @@ def test_the_python_signatures_are_the_options():
     with pytest.raises(TypeError, match="tp"):
         PipelineStrategy(pp=2, tp=2)
     assert "tp" in inspect.signature(LayoutStrategy).parameters  # the engine keeps every option
+
+
+def test_expert_parallel_names_and_options_and_the_layouts_refusals():
+    assert ExpertParallelStrategy(ep=4).layout.ep == 4 and ExpertParallelStrategy().layout.zero_stage == 1
+    assert list(inspect.signature(ExpertParallelStrategy.__init__).parameters)[1:3] == ["ep", "stage"]
+    for name, cls, args in (("ep2", "ExpertParallelStrategy", {"ep": 2}), ("ep8", "ExpertParallelStrategy", {"ep": 8}),
+                            ("zero1_ep2", "ZeroStrategy", {"stage": 1, "ep": 2}),
+                            ("zero3_ep4", "ZeroStrategy", {"stage": 3, "ep": 4})):
+        assert strategy_spec(name) == {"class_path": f"lightning_par.{cls}", "init_args": args}
+    assert MegatronTPStrategy(tp=2, ep=2, zero_stage=1).layout.ep == 2
+    # what is not built yet is refused by the layout itself, with its own words
+    for preset, kwargs in ((lambda: Hybrid3DStrategy(tp=2, pp=2, ep=2), {"tp": 2, "pp": 2, "ep": 2, "zero_stage": 1}),
+                           (lambda: MegatronTPStrategy(tp=2, ep=2), {"tp": 2, "ep": 2})):
+        with pytest.raises(LayoutError) as from_layout:
+            Layout(**kwargs)
+        with pytest.raises(LayoutError) as from_preset:
+            preset()
+        assert str(from_preset.value) == str(from_layout.value)
 
 
 # -- lightning-par --help and plan --config ------------------------------------------------------------------------

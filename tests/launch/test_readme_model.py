@@ -1,8 +1,9 @@
 """The README's "Your own model" recipe, as written, under every strategy family at parity with one process; and
 ``block_types=`` for a model whose blocks are not in an ``nn.ModuleList`` (issue 27).
 
-One 2-rank launch of :mod:`tests.launch.readme_model` (default set, about 25-30 s on 2 cores) fits, in the same ranks:
-the README's module under ``zero3``, ``megatron_tp2`` and ``pipeline2_1f1b``; and a model keeping its blocks in an
+One 2-rank launch of :mod:`tests.launch.readme_model` (default set, about 30 s on 2 cores) fits, in the same ranks:
+the README's module under ``zero3``, ``megatron_tp2`` and ``pipeline2_1f1b``; the README's mixture-of-experts code
+(its ``MoE`` layer in ``MoELM``, issue 29) under the name ``ep2``; and a model keeping its blocks in an
 ``nn.Sequential`` as ``self.net``, and one holding them as attributes, each under ZeRO-3 and pp2 with
 ``block_types=``. A 4-rank launch (full set, about 35 s) fits the README's module under tp2 x pp2
 (``Hybrid3DStrategy``). The single-process references run in this process through the same function. 10 fp32 steps
@@ -23,7 +24,7 @@ from tests.harness import launch_matrix, max_rel_diff
 from tests.launch.readme_model import STEPS, SequentialLM, fit
 
 TOLERANCE = 1e-5  # max relative per-step loss difference against one process (fp32)
-LAUNCHES = {2: ["readme_zero3", "readme_tp2", "readme_pp2_1f1b", "sequential_zero3", "sequential_pp2_1f1b",
+LAUNCHES = {2: ["readme_zero3", "readme_tp2", "readme_pp2_1f1b", "moe_ep2", "sequential_zero3", "sequential_pp2_1f1b",
                 "attributes_zero3", "attributes_pp2_1f1b"],
             4: ["readme_tp2_pp2"]}
 
@@ -91,6 +92,22 @@ def test_the_readme_recipe_trains_at_parity(name, matrix, reference):
     for rank in ranks:
         assert abs(rank["logged"] - single["logged"]) <= TOLERANCE * abs(single["logged"]), (rank, single)
         assert not rank["dtensor_seen"]
+
+
+@pytest.mark.launch(ranks=2)
+def test_the_readme_moe_trains_under_ep2_at_parity(matrix, reference):
+    """README.md's "Mixture of experts" code as written (the ``MoE`` layer declaring the expert interface, ``MoELM``,
+    ``MyMoEModule`` with the README's AdamW) under ``strategy="ep2"``: ExpertParallelStrategy, each rank holding half
+    of the expert weights, every step's loss and the logged loss within 1e-5 of one process."""
+    ranks, single = matrix("moe_ep2"), reference("moe_single")
+    losses = _step_losses(ranks, data_parallel=True)
+    assert len(losses) == STEPS and losses[-1] != losses[0]
+    assert max_rel_diff(losses, single["losses"]) < TOLERANCE, (losses, single["losses"])
+    total = single["experts_held"][1]
+    assert single["experts_held"] == [total, total] and total == 4 * 4 * 2 * 64 * 128  # 4 blocks of 4 experts
+    for rank in ranks:
+        assert rank["strategy"] == "ExpertParallelStrategy" and rank["experts_held"] == [total // 2, total]
+        assert abs(rank["logged"] - single["logged"]) <= TOLERANCE * abs(single["logged"]), (rank, single)
 
 
 @pytest.mark.launch(ranks=2)

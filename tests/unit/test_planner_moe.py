@@ -1,0 +1,131 @@
+"""The planner on a mixture-of-experts model: active vs total parameters, the experts' bytes per rank under ep, the
+all-to-all bytes per step, and ep in the search (issue 29). Numbers are computed here from the example's config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from lightning_par.examples.gpt import GPT, GPT_PRESETS, GPTConfig
+from lightning_par.examples.moe import MOE_PRESETS, MoEGPT
+from lightning_par.parallel.layout import Layout
+from lightning_par.planner.command import strategy_args
+from lightning_par.planner.hardware import load_hardware
+from lightning_par.planner.model import build_model, inspect_model
+from lightning_par.planner.plan import Candidate, Planner, Workload
+from lightning_par.planner.trace import trace_model
+from lightning_par.topology import LayoutError
+
+SMALL = MOE_PRESETS["small"]  # 8 experts, top-2, a shared expert, 4 layers
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def small():
+    return inspect_model(build_model(MoEGPT, {"config": SMALL}))
+
+
+def planner(info, optimizer="adamw", global_batch=8) -> Planner:
+    return Planner(info, load_hardware("cpu"), Workload(1, SEQ, global_batch), optimizer)
+
+
+def expert_numel(config) -> int:
+    return config.n_layers * config.n_experts * 3 * config.dim * config.expert_ffn_dim
+
+
+def test_active_and_total_parameters_and_the_flops_of_the_active_ones(small):
+    assert small.numel == SMALL.num_params() and small.active_numel == SMALL.active_params()
+    assert small.experts.numel == expert_numel(SMALL)
+    assert small.experts.layers == {f"layers.{i}.mlp": (8, 2) for i in range(SMALL.n_layers)}
+    assert f"{SMALL.active_params():,}" in small.description and "8 experts, top-2 in 4 layers" in small.description
+    # the trace routes evenly: its FLOPs are those of a dense GPT whose FFN is the k experts + the shared one,
+    # plus the router's (2 x tokens x dim x E per layer forward, twice that backward)
+    dense_cfg = GPTConfig(**{**vars(GPT_PRESETS["small"]),
+                             "ffn_dim": SMALL.top_k * SMALL.expert_ffn_dim + SMALL.shared_ffn_dim})
+    dense = inspect_model(build_model(GPT, {"config": dense_cfg}))
+    assert dense.numel == SMALL.active_params() - SMALL.n_layers * SMALL.dim * SMALL.n_experts
+    moe_trace, dense_trace = trace_model(small, seq_len=SEQ), trace_model(dense, seq_len=SEQ)
+    router = SMALL.n_layers * 2 * SEQ * SMALL.dim * SMALL.n_experts
+    for phase, factor in (("forward", 1), ("backward", 2)):
+        flops = [sum(getattr(t, phase).total_flops for t in tr.units.values()) for tr in (moe_trace, dense_trace)]
+        assert flops[0] - flops[1] == factor * router
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_experts_are_one_ep_th_of_their_bytes_per_rank_whole_beside_zero(small, zero):
+    p = planner(small)
+    experts = expert_numel(SMALL)
+    dense = small.numel - experts
+    got = p.state_bytes(Candidate(4, 1, 1, zero, precision="fp32", ep=2))[0]
+    # fp32 AdamW: 4 bytes a parameter, 4 a gradient, 8 of states; the experts' half whole on every ZeRO stage
+    shard = math.ceil(dense / 4)
+    if zero == 3:  # FSDP2: each dense tensor split on dim 0 with padding
+        shard = sum(math.ceil(q.shape[0] / 4) * math.prod(q.shape[1:]) for q in small.params
+                    if q.name not in small.experts.params)
+    want_params = 4 * ((shard if zero == 3 else dense) + experts // 2)
+    want_grads = 4 * ((shard if zero >= 2 else dense) + experts // 2)
+    want_states = 8 * ((shard if zero >= 1 else dense) + experts // 2)
+    assert (got["parameters"], got["gradients"], got["optimizer_states"]) == (want_params, want_grads, want_states)
+    # ep = 1: the experts as any weight (all of them per rank; at ZeRO-3 a 1/4 shard of each)
+    whole = p.state_bytes(Candidate(4, 1, 1, zero, precision="fp32"))[0]
+    assert whole["parameters"] == 4 * (shard + math.ceil(experts / 4) if zero == 3 else small.numel)
+
+
+def test_all_to_all_and_expert_gradient_bytes_per_step(small):
+    p = planner(small, optimizer="sgd", global_batch=8)
+    m = 2  # micro-batches per replica: 8 sequences over dp 4
+    c = Candidate(4, 1, 1, 0, n_microbatches=m, precision="fp32", ep=2)
+    e = p.estimate(c)
+    # per layer and micro-batch, one forward: 2 (dispatch + combine) x tokens x top_k x dim x 4 bytes x (ep-1)/ep;
+    # the backward as much again
+    one = 2 * SEQ * SMALL.top_k * SMALL.dim * 4 * (2 - 1) / 2
+    assert e.comm_bytes["ep"] == m * SMALL.n_layers * 2 * one
+    full = p.estimate(replace(c, recompute="full"))
+    assert full.comm_bytes["ep"] == m * SMALL.n_layers * 3 * one  # the recomputed forward exchanges again
+    # dense gradients all-reduced over dp 4, each expert's over the 2 ranks holding it (expert_dp)
+    experts = expert_numel(SMALL)
+    assert e.comm_bytes["dp"] == pytest.approx(2 * 4 * (small.numel - experts) * 3 / 4 + 2 * 4 * experts / 2 / 2)
+    assert e.exposed["ep"] > 0 and e.step_time > p.estimate(replace(c, ep=1)).step_time - 1e-12
+    assert "ep" not in p.estimate(replace(c, ep=1)).comm_bytes
+    assert strategy_args(c)["ep"] == 2 and "ep2" in c.label()
+
+
+def test_ep_in_the_search_follows_the_layout_and_the_experts(small):
+    p = planner(small)
+    found, skipped = p.candidates(4, zero_stages=(0, 1), recompute=("none",), precisions=("fp32",),
+                                  schedules=("1f1b",), sequence_parallel=(False,))
+    sizes = {(c.dp, c.tp, c.pp, c.ep, c.zero_stage) for c in found}
+    assert {(4, 1, 1, 1, 0), (4, 1, 1, 2, 0), (4, 1, 1, 4, 0), (2, 2, 1, 2, 1), (2, 1, 2, 1, 0)} <= sizes
+    # what the layout refuses with ep (read from Layout at runtime, not copied) is not proposed, and counted
+    assert not any(c.ep > 1 and (c.pp > 1 or (c.tp > 1 and c.zero_stage == 0)) for c in found)
+    for kwargs in ({"dp": 2, "pp": 2, "ep": 2}, {"dp": 2, "tp": 2, "ep": 2}):
+        with pytest.raises(LayoutError) as err:
+            Layout(**kwargs)
+        assert skipped[str(err.value).split(":")[0]] > 0
+    # ep must divide the experts and dp; a dense model gets no ep
+    six = inspect_model(build_model(MoEGPT, {"config": replace(MOE_PRESETS["tiny"], n_experts=6)}))
+    found, skipped = planner(six).candidates(4, zero_stages=(0,), recompute=("none",), precisions=("fp32",),
+                                             schedules=("1f1b",), sequence_parallel=(False,))
+    assert {c.ep for c in found if c.dp == 4} == {1, 2} and skipped["ep=4: does not divide dp=4 and the experts"]
+    dense = inspect_model(build_model(GPT, {"config": GPT_PRESETS["tiny"]}))
+    found, _ = planner(dense).candidates(4, zero_stages=(0,), recompute=("none",), precisions=("fp32",))
+    assert found and {c.ep for c in found} == {1}
+
+
+def test_a_hugging_face_moe_is_refused_in_one_line(tmp_path, capsys):
+    """transformers' MoE experts route with data-dependent shapes, which fake tensors cannot trace: one line, not a
+    traceback."""
+    import transformers
+
+    from lightning_par.plan_cli import main as plan
+
+    transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
+    assert plan(["--hf-config", str(tmp_path), "--world", "2", "--hardware", "cpu", "--seq", "32", "--precision",
+                 "fp32", "--recompute", "none"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightning-par plan: Qwen3MoeForCausalLM's forward does not run on fake tensors") and \
+        "docs/moe.md" in last, last
