@@ -1,0 +1,120 @@
+"""Checkpoints of expert-parallel layouts: the experts saved once each, resumed under another ep size.
+
+Launches of tests/launch/moe_checkpoint_matrix.py (the example MoE GPT, 4 experts top-2, the AdamW job of
+tests/launch/reshard_matrix.py: 20 steps, the LR schedule over them, checkpoints at step 10). The default set runs one
+2-rank launch: ep2 under ZeRO-1 saves a DCP directory and a layout without experts split (ZeRO-2 dp2) resumes it with
+the losses of the uninterrupted ep2 run. The full set adds one process (the reference, and a one-file source),
+ep2 x expert_dp2 under ZeRO-3 and dp2 x tp2 x ep2 under ZeRO-1 as sources, and their resumes into ep4 (ZeRO-0, ZeRO-3)
+and into one process, each matching the uninterrupted one-process run from step 10 (weights, AdamW's moments and
+step, the schedule and the data position all move).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+from tests.conftest import EPOCH_STEPS, PARITY_STEPS
+from tests.harness import Run, launch_matrix, max_rel_diff
+from tests.launch.moe_checkpoint_matrix import CASES
+
+RESUME_RTOL = 1e-6
+#: the launches, in order; a case's source runs in an earlier launch (or its own)
+LAUNCHES = [
+    ["ep2_zero1", "ep2_zero1_to_zero2_dp2"],  # the default set's one 2-rank launch
+    ["one_process"],
+    ["one_process_to_ep2_zero0"],
+    ["ep2_zero3_dp4", "ep2_tp2_zero1", "ep2_zero1_to_ep4_zero3", "ep2_zero3_dp4_to_ep4_zero0"],
+    ["ep2_zero1_to_one_process", "ep2_tp2_zero1_to_one_process"],
+]
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory, cache_dir):
+    """``moe_ckpt(case)``: the Run of a case, its launch (and its sources' launches) made on first use."""
+    root = tmp_path_factory.mktemp("moe_ckpt")
+    out: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name in out:
+            return out[name]
+        names = next(group for group in LAUNCHES if name in group)
+        sources = {CASES[n].source for n in names} - {None} - set(names)
+        args = [arg for source in sorted(sources)
+                for arg in ("--source", f"{source}={get(source).checkpoint(EPOCH_STEPS)}")]
+        run = launch_matrix(root, cache_dir, "tests.launch.moe_checkpoint_matrix",
+                            ["--root", str(root), "--cache", str(cache_dir), "--cases", *names, *args],
+                            nproc=CASES[names[0]].devices).check()
+        print(f"MoE checkpoint matrix: {len(names)} fits on {CASES[names[0]].devices} rank(s) in {run.seconds:.0f} s")
+        out.update({n: Run(root / n, 0, run.log, run.seconds) for n in names})
+        return out[name]
+
+    return get
+
+
+def _expert_chunks(path) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+    """Every expert entry of a DCP checkpoint (weights and their optimizer states) -> its stored chunks (offsets,
+    and the file -- one per writing rank -- that holds it), from DCP's metadata."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path
+             for index, info in metadata.storage_data.items()}
+    return {key: sorted((tuple(c.offsets), files[key, tuple(c.offsets)]) for c in entry.chunks)
+            for key, entry in metadata.state_dict_metadata.items()
+            if any(f".mlp.{w}" in key for w in EXPERT_WEIGHTS) and len(getattr(entry, "size", ())) == 3}
+
+
+@pytest.mark.launch(ranks=2)
+def test_an_ep2_checkpoint_resumes_without_expert_parallel(moe_ckpt):
+    """ep2 under ZeRO-1 (the experts stepped whole, the rest in bucket shards): each rank writes its own experts'
+    weights and AdamW moments, the DCP directory says the layout, and ZeRO-2 over the same 2 ranks with every expert
+    on each rank continues with the uninterrupted run's losses."""
+    source = moe_ckpt("ep2_zero1")
+    path = source.checkpoint(EPOCH_STEPS)
+    layout = json.loads((path / "meta.json").read_text())["checkpoint"]["lightning_par_layout"]
+    assert layout == {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 2, "zero_stage": 1}
+    chunks = _expert_chunks(path)
+    # 4 layers x 3 weights x (the weight, exp_avg, exp_avg_sq), each as 2 chunks of 2 experts, written by the rank
+    # holding them (rank r's file is __r_0.distcp)
+    assert len(chunks) == 4 * 3 * 3, sorted(chunks)
+    for key, entry in chunks.items():
+        assert entry == [((0, 0, 0), "__0_0.distcp"), ((2, 0, 0), "__1_0.distcp")], (key, entry)
+    resumed = moe_ckpt("ep2_zero1_to_zero2_dp2").losses()
+    diff = max_rel_diff(resumed, source.losses()[EPOCH_STEPS:])
+    print(f"ep2 ZeRO-1 -> ZeRO-2 dp2: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of the uninterrupted "
+          "run")
+    assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= RESUME_RTOL
+
+
+@pytest.mark.launch(ranks=4, full=True)
+def test_each_expert_is_saved_once_per_replica_group(moe_ckpt):
+    """ep2 x expert_dp2 (4 ranks, ZeRO-3): each expert is held by 2 ranks, and DCP keeps one copy -- every expert
+    entry's chunks tile its full shape exactly once; under dp2 x tp2 x ep2 (ZeRO-1) the (ep, tp) mesh's tp replicas
+    too."""
+    for name in ("ep2_zero3_dp4", "ep2_tp2_zero1"):
+        chunks = _expert_chunks(moe_ckpt(name).checkpoint(EPOCH_STEPS))
+        assert len(chunks) == 4 * 3 * 3, (name, sorted(chunks))
+        for key, entry in chunks.items():
+            assert [offsets for offsets, _ in entry] == [(0, 0, 0), (2, 0, 0)], (name, key, entry)
+
+
+@pytest.mark.launch(ranks=4, full=True)
+@pytest.mark.parametrize("name", ["ep2_zero1", "ep2_zero3_dp4", "ep2_tp2_zero1"])
+def test_the_sources_match_one_process(moe_ckpt, name):
+    diff = max_rel_diff(moe_ckpt(name).losses(), moe_ckpt("one_process").losses())
+    print(f"{name}: 20 steps within {diff:.2e} of one process")
+    assert len(moe_ckpt(name).losses()) == PARITY_STEPS and diff <= 1e-5
+
+
+@pytest.mark.launch(ranks=4, full=True)
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case.source is not None
+                                  and n != "ep2_zero1_to_zero2_dp2"])
+def test_an_expert_checkpoint_resumes_under_another_ep_size(moe_ckpt, name):
+    """ep2 -> ep4 (ZeRO-3 and ZeRO-0), ep2 and dp2 x tp2 x ep2 -> one process, one file -> ep2: the losses of steps
+    10-19 are those of the uninterrupted one-process run."""
+    resumed = moe_ckpt(name).losses()
+    diff = max_rel_diff(resumed, moe_ckpt("one_process").losses()[EPOCH_STEPS:])
+    print(f"{name}: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of one process")
+    assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= RESUME_RTOL
