@@ -3,10 +3,12 @@
 Launches of tests/launch/moe_checkpoint_matrix.py (the example MoE GPT, 4 experts top-2, the AdamW job of
 tests/launch/reshard_matrix.py: 20 steps, the LR schedule over them, checkpoints at step 10). The default set runs one
 2-rank launch: ep2 under ZeRO-1 saves a DCP directory and a layout without experts split (ZeRO-2 dp2) resumes it with
-the losses of the uninterrupted ep2 run. The full set adds one process (the reference, and a one-file source),
+the losses of the uninterrupted ep2 run; its export into one file holds the tensors torch's own DCP reader gives. The
+full set adds one process (the reference, and a one-file source),
 ep2 x expert_dp2 under ZeRO-3 and dp2 x tp2 x ep2 under ZeRO-1 as sources, and their resumes into ep4 (ZeRO-0, ZeRO-3)
 and into one process, each matching the uninterrupted one-process run from step 10 (weights, AdamW's moments and
-step, the schedule and the data position all move).
+step, the schedule and the data position all move), and the ``export --hf`` of Hugging Face MoE models (qwen3_moe,
+mixtral) trained under tp2 (tests/launch/moe_export_worker.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lightning_par.plugins.checkpoint_export import main as export
 from tests.conftest import EPOCH_STEPS, PARITY_STEPS
 from tests.harness import Run, launch_matrix, max_rel_diff
 from tests.launch.moe_checkpoint_matrix import CASES
@@ -81,6 +86,14 @@ def test_an_ep2_checkpoint_resumes_without_expert_parallel(moe_ckpt):
     assert len(chunks) == 4 * 3 * 3, sorted(chunks)
     for key, entry in chunks.items():
         assert entry == [((0, 0, 0), "__0_0.distcp"), ((2, 0, 0), "__1_0.distcp")], (key, entry)
+    # exported into one process's state dict: torch's own reader of DCP directories gives the same tensors
+    export_dir = path.parent.parent / "export"
+    assert export([str(path), str(export_dir / "ep2.ckpt")]) == 0
+    dcp_to_torch_save(path, export_dir / "dcp.pt")
+    exported = torch.load(export_dir / "ep2.ckpt", weights_only=True)["state_dict"]
+    expected = torch.load(export_dir / "dcp.pt", weights_only=False)["state_dict"]
+    assert exported.keys() == expected.keys() and all(torch.equal(v, expected[k]) for k, v in exported.items())
+    assert exported["model.layers.0.mlp.w_gate"].shape == (4, 64, 96)
     resumed = moe_ckpt("ep2_zero1_to_zero2_dp2").losses()
     diff = max_rel_diff(resumed, source.losses()[EPOCH_STEPS:])
     print(f"ep2 ZeRO-1 -> ZeRO-2 dp2: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of the uninterrupted "
@@ -118,3 +131,34 @@ def test_an_expert_checkpoint_resumes_under_another_ep_size(moe_ckpt, name):
     diff = max_rel_diff(resumed, moe_ckpt("one_process").losses()[EPOCH_STEPS:])
     print(f"{name}: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of one process")
     assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= RESUME_RTOL
+
+
+@pytest.mark.launch(ranks=2, full=True)
+def test_hf_moe_export_loads_in_transformers_with_equal_logits(tmp_path, cache_dir):
+    """``export --hf`` of a tp2 checkpoint of qwen3_moe and mixtral writes the model's own fused expert tensors (by
+    default) or save_pretrained's one tensor per expert (``--hf-original-format``); ``from_pretrained`` of either
+    holds exactly the checkpoint's weights, and its logits are those of one process trained on the same batches."""
+    archs = ["qwen3_moe", "mixtral"]
+    run = launch_matrix(tmp_path, cache_dir, "tests.launch.moe_export_worker", [str(tmp_path), *archs],
+                        nproc=2).check()
+    print(f"export --hf of {archs} from tp2: {run.seconds:.0f} s")
+    for arch in archs:
+        result = json.loads((tmp_path / f"{arch}.json").read_text())
+        fused, original = result["names"]["fused"], result["names"]["original"]
+        # 4 experts of 2 x 32 gate/up rows and 32 down columns on 64 features, as the model holds them
+        assert fused["model.layers.0.mlp.experts.gate_up_proj"] == [4, 64, 64], (arch, sorted(fused))
+        assert fused["model.layers.0.mlp.experts.down_proj"] == [4, 64, 32]
+        assert not any(".experts.0." in name for name in fused)
+        per_expert = [name for name in original if ".layers.0." in name and ".experts.3." in name]
+        assert len(per_expert) == 3 and not any("gate_up_proj" in name for name in original), (arch, per_expert)
+        assert result["weights_not_equal"] == {"fused": [], "original": []}, (arch, result["weights_not_equal"])
+        for style, diffs in result["logits"].items():
+            print(f"{arch} {style}: logits within {diffs['vs_dcp_reader']:.1e} of the checkpoint's weights, "
+                  f"{diffs['vs_one_process']:.1e} of one process (logits up to {result['logit_scale']:.2f})")
+            assert diffs["vs_dcp_reader"] <= 1e-6 and diffs["vs_one_process"] <= 1e-5, (arch, style, diffs)
+
+
+def test_hf_original_format_applies_with_hf_only(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        export([str(tmp_path / "ckpt"), str(tmp_path / "out.ckpt"), "--hf-original-format"])
+    assert exit_.value.code == 2 and "--hf-original-format applies with --hf" in capsys.readouterr().err
