@@ -9,7 +9,10 @@ exports it (``--hf``: the model's own fused tensors; ``--hf-original-format``: s
 tensor per expert), loads each directory with ``AutoModelForCausalLM.from_pretrained`` and writes ``OUT/ARCH.json``:
 the exported weight files' tensor names and shapes; the loaded weights that differ from torch's own reading of the
 checkpoint (``dcp_to_torch_save``) into the model as transformers builds it (none expected); the largest logit
-difference against that model and against one process trained on the same batches.
+difference against that model and against one process trained on the same batches. Then both ranks fine-tune from
+the per-expert directory with ``FromPretrained`` under tp2 and under ZeRO-3 over dp2 (each rank reading only its
+share of the fused experts), and rank 0 writes ``OUT/ARCH_pretrained.json``: their losses and one process's, started
+from the same directory (and from its own initialisation: what a run that read nothing would log).
 """
 
 from __future__ import annotations
@@ -55,7 +58,57 @@ def main(out: Path, archs: list[str]) -> None:
             (ckpt,) = sorted((root / "ckpt").glob(f"*step={STEPS}.ckpt"))
             (out / f"{arch}.json").write_text(json.dumps(check_export(arch, ckpt, root, rows)))
         dist.barrier()
+        # fine-tuning from the exported directory in its per-expert form, under tp2 and ZeRO-3 over dp2
+        losses = {layout: from_pretrained(arch, root / "original", rows, layout, root) for layout in ("tp2", "zero3")}
+        losses["one_process"] = one_process_from(arch, root / "original", rows)  # every rank (load_pretrained gathers)
+        losses["not_loaded"] = one_process_from(arch, None, rows)  # what the runs would log from their own init
+        if dist.get_rank() == 0:
+            (out / f"{arch}_pretrained.json").write_text(json.dumps(losses))
     close_process_group()
+
+
+class _Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def from_pretrained(arch: str, directory: Path, rows: list[dict], layout: str, root: Path) -> list[float]:
+    """The losses of :data:`STEPS` AdamW steps started from ``directory`` by ``FromPretrained`` under ``layout``."""
+    from lightning_par import MegatronTPStrategy, ZeroStrategy
+    from lightning_par.plugins.pretrained import FromPretrained
+
+    dp = 1 if layout == "tp2" else 2
+    record = _Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_progress_bar=False,
+                        strategy=MegatronTPStrategy(tp=2) if layout == "tp2" else ZeroStrategy(stage=3),
+                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                        default_root_dir=root / layout, callbacks=[record, FromPretrained(str(directory))])
+    # replica r takes rows r, r + dp, ...: its share of each batch of one process
+    share = rows[dist.get_rank() % dp::dp]
+    trainer.fit(ExportableMoELM(arch), torch.utils.data.DataLoader(share, batch_size=BATCH // dp, shuffle=False))
+    return record.losses
+
+
+def one_process_from(arch: str, directory: Path | None, rows: list[dict]) -> list[float]:
+    from lightning_par.plugins.pretrained import load_pretrained
+
+    lm = ExportableMoELM(arch)
+    lm.configure_model()
+    if directory is not None:
+        load_pretrained(lm, directory)
+    optimizer = lm.configure_optimizers()
+    losses = []
+    for i in range(0, len(rows), BATCH):
+        batch = {k: torch.stack([r[k] for r in rows[i:i + BATCH]]) for k in rows[0]}
+        loss = lm.model(**batch).loss
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
 
 
 def check_export(arch: str, ckpt: Path, root: Path, rows: list[dict]) -> dict:

@@ -137,7 +137,8 @@ def test_an_expert_checkpoint_resumes_under_another_ep_size(moe_ckpt, name):
 def test_hf_moe_export_loads_in_transformers_with_equal_logits(tmp_path, cache_dir):
     """``export --hf`` of a tp2 checkpoint of qwen3_moe and mixtral writes the model's own fused expert tensors (by
     default) or save_pretrained's one tensor per expert (``--hf-original-format``); ``from_pretrained`` of either
-    holds exactly the checkpoint's weights, and its logits are those of one process trained on the same batches."""
+    holds exactly the checkpoint's weights, and its logits are those of one process trained on the same batches.
+    ``FromPretrained`` of the per-expert directory starts tp2 and ZeRO-3 runs with one process's losses."""
     archs = ["qwen3_moe", "mixtral"]
     run = launch_matrix(tmp_path, cache_dir, "tests.launch.moe_export_worker", [str(tmp_path), *archs],
                         nproc=2).check()
@@ -156,6 +157,14 @@ def test_hf_moe_export_loads_in_transformers_with_equal_logits(tmp_path, cache_d
             print(f"{arch} {style}: logits within {diffs['vs_dcp_reader']:.1e} of the checkpoint's weights, "
                   f"{diffs['vs_one_process']:.1e} of one process (logits up to {result['logit_scale']:.2f})")
             assert diffs["vs_dcp_reader"] <= 1e-6 and diffs["vs_one_process"] <= 1e-5, (arch, style, diffs)
+        # fine-tuning from the per-expert directory: FromPretrained under tp2 and ZeRO-3 reads the fused experts
+        losses = json.loads((tmp_path / f"{arch}_pretrained.json").read_text())
+        for layout in ("tp2", "zero3"):
+            diff = max_rel_diff(losses[layout], losses["one_process"])
+            print(f"{arch} from the per-expert directory under {layout}: losses within {diff:.1e} of one process "
+                  f"(from its own init: {max_rel_diff(losses['not_loaded'], losses['one_process']):.1e})")
+            assert diff <= 1e-5, (arch, layout, losses)
+        assert max_rel_diff(losses["not_loaded"], losses["one_process"]) > 1e-3  # the weights were read
 
 
 def test_hf_original_format_applies_with_hf_only(tmp_path, capsys):
