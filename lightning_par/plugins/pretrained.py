@@ -266,6 +266,10 @@ class PretrainedWeights:
         if unused:
             problems.append(f"{len(unused)} tensors of the file match nothing in the model, first {unused[:3]}")
         hint = f" The model's names are taken under {lead[:-1]!r}; pass prefix= if they are elsewhere." if lead else ""
+        if missing and unused and self.path.is_dir():
+            hint += (" A Hugging Face directory whose tensors transformers converts on load otherwise than by "
+                     "stacking experts, joining projections or renaming is not read here: save it in the model's own "
+                     "layout (save_pretrained(dir, save_original_format=False)).")
         if wrong or (self.strict and problems):
             raise CheckpointError(f"{self.path} does not fit {type(module).__name__}: " + "; ".join(problems) + "."
                                   + hint)
