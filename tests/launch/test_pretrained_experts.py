@@ -6,6 +6,7 @@ values, for the slices expert parallel (experts ``[2:4]`` of 4, ``Shard(0)`` ove
 from __future__ import annotations
 
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +81,60 @@ def test_a_per_expert_file_missing_an_expert_is_refused_naming_the_fused_tensor(
     with pytest.raises(pretrained.CheckpointError, match=r"not in the file, first \['model.layers.0.mlp.experts."
                                                          r"gate_up_proj'\]"):
         load_pretrained(moe_model("qwen3_moe"), path, prefix="")
+
+
+def _ep_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Rank ``rank`` of an ep2 mesh: the fused experts as DTensors ``Shard(0)`` (as expert parallel holds them), read
+    from the per-expert directory ``out/qwen3_moe``; reports what it read and holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tests.harness import gloo_rank
+
+    with gloo_rank(rank, world, store, out) as report:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        torch.manual_seed(5)
+        model = moe_model("qwen3_moe")
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                local = torch.zeros_like(full[: full.shape[0] // world])
+                setattr(experts, name, torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                                            shape=full.shape, stride=full.stride())))
+        reads: list[tuple[str, int]] = []
+        original = pretrained._SafetensorsFile.read
+
+        def counted(self, name, slices):
+            piece = original(self, name, slices)
+            reads.append((name, piece.numel() * piece.element_size()))
+            return piece
+
+        pretrained._SafetensorsFile.read = counted
+        try:
+            load_pretrained(model, Path(out) / "qwen3_moe", prefix="")
+        finally:
+            pretrained._SafetensorsFile.read = original
+        saved = torch.load(Path(out) / "saved.pt", weights_only=True)
+        held = {n: p.to_local() for n, p in model.named_parameters() if isinstance(p, DTensor)}
+        report["held_equal"] = all(torch.equal(v, saved[n][rank * 2:(rank + 1) * 2]) for n, v in held.items())
+        report["others_equal"] = all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if n not in held)
+        report["experts_read"] = sorted({int(f.split(".experts.")[1].split(".")[0]) for f, _ in reads
+                                         if ".experts." in f})
+        report["expert_bytes_read"] = sum(n for f, n in reads if ".experts." in f)
+        report["expert_bytes_held"] = sum(v.numel() * v.element_size() for v in held.values())
+
+
+@pytest.mark.launch(ranks=2, full=True)
+def test_ep_shards_read_only_their_experts_from_a_per_expert_directory(tmp_path):
+    """Two ranks of an ep mesh, each holding 2 of the 4 experts as DTensors ``Shard(0)``: FromPretrained's reader
+    gives each exactly its experts' values and reads only their bytes (half of every expert tensor)."""
+    from tests.harness import spawn_reports
+
+    model, _ = _saved(tmp_path, "qwen3_moe")
+    torch.save(dict(model.state_dict()), tmp_path / "saved.pt")
+    reports = spawn_reports(_ep_worker, tmp_path, nprocs=2)
+    for rank, report in enumerate(reports):
+        assert report["held_equal"] and report["others_equal"], report
+        assert report["experts_read"] == [2 * rank, 2 * rank + 1], report
+        assert report["expert_bytes_read"] == report["expert_bytes_held"] == 2 * (2 * 64 * 64 + 2 * 64 * 32) * 4
