@@ -1,7 +1,8 @@
 """A mixture of experts' fused tensors read from a ``save_pretrained`` directory that holds them one per expert
-(lightning_par/plugins/pretrained_experts.py), in one process: which file tensors a rank's slice reads, and the
+(lightning_par/plugins/pretrained_experts.py): in one process, which file tensors a rank's slice reads, and the
 values, for the slices expert parallel (experts ``[2:4]`` of 4, ``Shard(0)`` over ep2) and tensor parallel's
-``packed_colwise`` (rows of each projection) give."""
+``packed_colwise`` (rows of each projection) give; on 2 spawned ranks (full set), experts held as DTensors
+``Shard(0)`` on an ep2 mesh filled by ``load_pretrained``."""
 
 from __future__ import annotations
 
