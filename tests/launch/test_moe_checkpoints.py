@@ -4,11 +4,11 @@ Launches of tests/launch/moe_checkpoint_matrix.py (the example MoE GPT, 4 expert
 tests/launch/reshard_matrix.py: 20 steps, the LR schedule over them, checkpoints at step 10). The default set runs one
 2-rank launch: ep2 under ZeRO-1 saves a DCP directory and a layout without experts split (ZeRO-2 dp2) resumes it with
 the losses of the uninterrupted ep2 run; its export into one file holds the tensors torch's own DCP reader gives. The
-full set adds one process (the reference, and a one-file source),
-ep2 x expert_dp2 under ZeRO-3 and dp2 x tp2 x ep2 under ZeRO-1 as sources, and their resumes into ep4 (ZeRO-0, ZeRO-3)
-and into one process, each matching the uninterrupted one-process run from step 10 (weights, AdamW's moments and
-step, the schedule and the data position all move), and the ``export --hf`` of Hugging Face MoE models (qwen3_moe,
-mixtral) trained under tp2 (tests/launch/moe_export_worker.py).
+full set adds one process (the reference, and a one-file source), ep2 x expert_dp2 under ZeRO-3 and dp2 x tp2 x ep2
+under ZeRO-1 as sources, and their resumes into ep4 (ZeRO-0, ZeRO-3) and into one process, each matching the
+uninterrupted one-process run from its step (weights, AdamW's moments and step, the schedule and the data position
+all move; two resume mid-epoch, from step 5), and the ``export --hf`` of Hugging Face MoE models (qwen3_moe, mixtral)
+trained under tp2 (tests/launch/moe_export_worker.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ LAUNCHES = [
     ["ep2_zero1", "ep2_zero1_to_zero2_dp2"],  # the default set's one 2-rank launch
     ["one_process"],
     ["one_process_to_ep2_zero0"],
-    ["ep2_zero3_dp4", "ep2_tp2_zero1", "ep2_zero1_to_ep4_zero3", "ep2_zero3_dp4_to_ep4_zero0"],
-    ["ep2_zero1_to_one_process", "ep2_tp2_zero1_to_one_process"],
+    ["ep2_zero3_dp4", "ep2_tp2_zero1", "ep2_zero1_mid_to_ep4_zero3", "ep2_zero3_dp4_to_ep4_zero0"],
+    ["ep2_zero1_mid_to_one_process", "ep2_tp2_zero1_to_one_process"],
 ]
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
@@ -48,8 +48,7 @@ def moe_ckpt(tmp_path_factory, cache_dir):
             return out[name]
         names = next(group for group in LAUNCHES if name in group)
         sources = {CASES[n].source for n in names} - {None} - set(names)
-        args = [arg for source in sorted(sources)
-                for arg in ("--source", f"{source}={get(source).checkpoint(EPOCH_STEPS)}")]
+        args = [arg for source in sorted(sources) for arg in ("--source", f"{source}={get(source).root}")]
         run = launch_matrix(root, cache_dir, "tests.launch.moe_checkpoint_matrix",
                             ["--root", str(root), "--cache", str(cache_dir), "--cases", *names, *args],
                             nproc=CASES[names[0]].devices).check()
@@ -125,12 +124,13 @@ def test_the_sources_match_one_process(moe_ckpt, name):
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case.source is not None
                                   and n != "ep2_zero1_to_zero2_dp2"])
 def test_an_expert_checkpoint_resumes_under_another_ep_size(moe_ckpt, name):
-    """ep2 -> ep4 (ZeRO-3 and ZeRO-0), ep2 and dp2 x tp2 x ep2 -> one process, one file -> ep2: the losses of steps
-    10-19 are those of the uninterrupted one-process run."""
+    """ep2 -> ep4 (ZeRO-3 from mid-epoch, step 5; ZeRO-0), ep2 (mid-epoch) and dp2 x tp2 x ep2 -> one process, one
+    file -> ep2: the losses from the checkpoint's step on are those of the uninterrupted one-process run."""
+    at = CASES[name].at
     resumed = moe_ckpt(name).losses()
-    diff = max_rel_diff(resumed, moe_ckpt("one_process").losses()[EPOCH_STEPS:])
-    print(f"{name}: steps {EPOCH_STEPS}-{PARITY_STEPS - 1} within {diff:.2e} of one process")
-    assert len(resumed) == PARITY_STEPS - EPOCH_STEPS and diff <= RESUME_RTOL
+    diff = max_rel_diff(resumed, moe_ckpt("one_process").losses()[at:])
+    print(f"{name}: steps {at}-{PARITY_STEPS - 1} within {diff:.2e} of one process")
+    assert len(resumed) == PARITY_STEPS - at and diff <= RESUME_RTOL
 
 
 @pytest.mark.launch(ranks=2, full=True)
