@@ -49,6 +49,7 @@ CASES: dict[str, Case] = {
     "ep2_tp2_zero1_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "ep2_tp2_zero1"),
     "ep2_zero1_to_zero2_dp2": Case(lambda: ZeroStrategy(stage=2), 2, 2, "ep2_zero1"),  # a layout without ep
     "one_process_to_ep2_zero0": Case(lambda: ZeroStrategy(stage=0, ep=2), 2, 2, "one_process"),  # one file into ep
+    "one_process_to_ep2_zero1": Case(lambda: ZeroStrategy(stage=1, ep=2), 2, 2, "one_process"),  # ... beside shards
     "ep2_zero1_mid_to_ep4_zero3": Case(lambda: ZeroStrategy(stage=3, ep=4), 4, 4, "ep2_zero1", at=5),
     "ep2_zero3_dp4_to_ep4_zero0": Case(lambda: ZeroStrategy(stage=0, ep=4), 4, 4, "ep2_zero3_dp4"),
 }

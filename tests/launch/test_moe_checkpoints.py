@@ -30,7 +30,7 @@ RESUME_RTOL = 1e-6
 LAUNCHES = [
     ["ep2_zero1", "ep2_zero1_to_zero2_dp2"],  # the default set's one 2-rank launch
     ["one_process"],
-    ["one_process_to_ep2_zero0"],
+    ["one_process_to_ep2_zero0", "one_process_to_ep2_zero1"],
     ["ep2_zero3_dp4", "ep2_tp2_zero1", "ep2_zero1_mid_to_ep4_zero3", "ep2_zero3_dp4_to_ep4_zero0"],
     ["ep2_zero1_mid_to_one_process", "ep2_tp2_zero1_to_one_process"],
 ]
