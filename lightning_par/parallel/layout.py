@@ -125,8 +125,9 @@ class Layout:
 
     @property
     def sharded_checkpoint(self) -> bool:
-        """Each rank writes its own part of a checkpoint (a DCP directory) rather than rank 0 one file."""
-        return self.zero_stage > 0 or self.pp > 1 or self.tp > 1
+        """Each rank writes its own part of a checkpoint (a DCP directory) rather than rank 0 one file (under ep > 1
+        each rank holds other experts: DTensors ``Shard(0)`` that DCP saves once per expert and reshards)."""
+        return self.zero_stage > 0 or self.pp > 1 or self.tp > 1 or self.ep > 1
 
 
 def _check_expert_parallel_composes(layout: Layout) -> None:

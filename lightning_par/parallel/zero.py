@@ -345,9 +345,8 @@ class ZeroPartitioner:
             optimizer.state.clear()
             for group in optimizer.param_groups:
                 # the group's own order, which a plain (position-keyed) optimizer state refers to
-                self.group_params[id(group)] = [p for p in group["params"] if p.requires_grad
-                                                and id(p) not in left_out]
-                buckets = self._make_buckets(self.group_params[id(group)], cap)
+                self.group_params[id(group)] = [p for p in group["params"] if p.requires_grad]
+                buckets = self._make_buckets([p for p in self.group_params[id(group)] if id(p) not in left_out], cap)
                 # the parameters left out stay the optimizer's own, stepped whole
                 group["params"] = [b.shard for b in buckets] + [p for p in group["params"] if id(p) in left_out]
                 self.buckets += buckets

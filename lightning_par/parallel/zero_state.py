@@ -148,7 +148,20 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
         for key, value in group.items():
             if key != "params":
                 flat[f"param_groups.{name}.{key}"] = value
+    for name, param, group in _stepped_whole(module, optimizer):  # as torch keys them: DTensor states stay DTensors
+        for key, value in optimizer.state.get(param, {}).items():
+            flat[f"state.{name}.{key}"] = value
+        for key, value in group.items():
+            if key != "params":
+                flat[f"param_groups.{name}.{key}"] = value
     return flat
+
+
+def _stepped_whole(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter, dict]]:
+    """The model's own parameters ``optimizer`` steps whole beside the bucket shards (the partitioner's ``exclude``:
+    expert parallel's experts), with their names and groups."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [(names[id(p)], p, group) for group in optimizer.param_groups for p in group["params"] if id(p) in names]
 
 
 def _chunk_numel(shard: nn.Parameter) -> int:
@@ -161,6 +174,7 @@ def set_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer, par
     its parameters (DCP replaces those dict values rather than filling them)."""
     names = {id(p): name for name, p in module.named_parameters()}
     owner = {id(piece.shard): names[id(piece.param)] for piece in pieces(partitioner)}
+    owner.update({id(param): name for name, param, _ in _stepped_whole(module, optimizer)})
     for group in optimizer.param_groups:
         name = next((owner[id(s)] for s in group["params"] if id(s) in owner), None)
         if name is None:
@@ -182,6 +196,9 @@ def copy_full(target: dict[str, Any], full: dict[str, Any]) -> None:
                 where = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
                                                                shard.metadata.shard_sizes, strict=True))
                 shard.tensor.copy_(full[key][where])
+        elif isinstance(value, DTensor):  # a parameter stepped whole, split by tp or ep: this rank's slice
+            shape, offset = _local_offset(value)
+            value.to_local().copy_(full[key][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
         elif isinstance(value, Tensor):
             value.copy_(full[key])
 

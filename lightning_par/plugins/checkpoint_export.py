@@ -495,7 +495,7 @@ def export_lightning(ckpt: str | Path, out: str | Path, dtype: torch.dtype | Non
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = None,
               dtype: torch.dtype | None = None, max_shard_size: int | str = HF_MAX_SHARD_SIZE,
-              trust_checkpoint_class: bool = False) -> ExportReport:
+              trust_checkpoint_class: bool = False, original_format: bool = False) -> ExportReport:
     """Write the model of checkpoint ``ckpt`` as a Hugging Face ``save_pretrained`` directory, which
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
 
@@ -508,8 +508,11 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
     ignores on save left out), split in its order into files of at most ``max_shard_size`` bytes (``"5GB"``,
     ``"500MB"`` or bytes; a larger tensor gets a file of its own), ``model-00001-of-0000N.safetensors`` with
     ``model.safetensors.index.json``, or one ``model.safetensors`` if they fit in one -- but one tensor at a time,
-    straight from the checkpoint. A model that converts its weights on save (transformers' weight conversions:
-    renamed or fused tensors) is handed whole to ``save_pretrained`` instead, with a warning. When the checkpoint's
+    straight from the checkpoint. The tensors are the model's own (a mixture of experts' fused ``gate_up_proj
+    [E, 2f, d]``, the experts' shards of any layout put together), which transformers 5 loads as they are; with
+    ``original_format`` a model that converts its weights on save (transformers' weight conversions: one tensor per
+    expert, renamed tensors) is handed whole to ``save_pretrained``, which converts them, with a warning. When the
+    checkpoint's
     data module had a Hugging Face tokenizer (``TextDataModule(tokenizer=...)`` saves its files in the checkpoint),
     its files are written beside the model, so ``AutoTokenizer.from_pretrained(out_dir)`` loads it.
     """
@@ -559,7 +562,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, model_class: str | None = N
     lead = prefix + "."
     # the tensors in the model's order, as save_pretrained gets them from model.state_dict()
     planned = {name: (entries[name][0], _out_dtype(entries[name][1], dtype)) for name in expected}
-    names = _hf_saved_names(hf_model, planned)
+    names = _hf_saved_names(hf_model, planned, original_format)
     if names is None:
         rank_zero_warn(f"{type(hf_model).__name__} converts its weights when saving: save_pretrained writes them from "
                        "the whole model, held in memory here.")
@@ -653,11 +656,12 @@ def _checkpoint_class(ckpt: str | Path, hparams: dict[str, Any], trusted: bool) 
     return named
 
 
-def _hf_saved_names(hf_model: nn.Module, planned: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str] | None:
-    """The names ``hf_model.save_pretrained`` writes of a state with these names: without the keys the model ignores
-    on save, and without the aliases of a tied weight (transformers' own rule, applied to meta tensors: it finds ties
-    through the model's parameters). ``None`` when the model converts weights on save, which only save_pretrained
-    does."""
+def _hf_saved_names(hf_model: nn.Module, planned: Mapping[str, tuple[torch.Size, torch.dtype]],
+                    original_format: bool = False) -> list[str] | None:
+    """The names ``hf_model.save_pretrained(save_original_format=original_format)`` writes of a state with these
+    names: without the keys the model ignores on save, and without the aliases of a tied weight (transformers' own
+    rule, applied to meta tensors: it finds ties through the model's parameters). ``None`` when ``original_format``
+    and the model converts weights on save, which only save_pretrained does."""
     state = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in planned.items()}
     for key in getattr(hf_model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
@@ -666,6 +670,8 @@ def _hf_saved_names(hf_model: nn.Module, planned: Mapping[str, tuple[torch.Size,
     except ImportError:  # transformers 4: every name is written, tied ones each with their copy
         return list(state)
     state = remove_tied_weights_from_state_dict(state, hf_model)
+    if not original_format:
+        return list(state)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
@@ -730,12 +736,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prefix applies without --hf; with --hf the prefix is the attribute holding the HF model.")
     if not args.hf and (args.model_class or args.trust_checkpoint_class):
         parser.error("--model-class and --trust-checkpoint-class apply with --hf.")
+    if not args.hf and args.hf_original_format:
+        parser.error("--hf-original-format applies with --hf.")
     if not args.hf and args.max_shard_size is not None:
         parser.error("--max-shard-size applies with --hf; without it the weights go to one .safetensors file.")
     try:
         if args.hf:
             report = export_hf(args.checkpoint, args.out, args.model_class, dtype,
-                               args.max_shard_size or HF_MAX_SHARD_SIZE, args.trust_checkpoint_class)
+                               args.max_shard_size or HF_MAX_SHARD_SIZE, args.trust_checkpoint_class,
+                               args.hf_original_format)
         elif args.out.endswith(".ckpt"):
             if args.prefix is not None:
                 parser.error("--prefix applies to .safetensors; a .ckpt keeps the LightningModule's names.")

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --hf and no --model-class: import the class the checkpoint names (the Lightning "
                              "CLI saves it with the hyper-parameters); importing a module runs its code, so only for "
                              "a checkpoint from a trusted source")
+    parser.add_argument("--hf-original-format", action="store_true",
+                        help="with --hf: write the weights as save_pretrained does by default, converted back to the "
+                             "layout of the model's published checkpoints (e.g. one tensor per expert where the model "
+                             "fuses its experts), the whole model held in memory; default: the model's own tensors "
+                             "(fused experts), streamed one at a time, which transformers 5 loads as they are")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                         help="cast floating-point weights to this dtype (default: as saved)")
     parser.add_argument("--max-shard-size", type=_size_argument, default=None,

@@ -13,6 +13,7 @@ non-finite weights is refused and never replaces the last finite one) and the ``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,8 +30,8 @@ from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.topology import LayoutError
 
-_NO_EXPERT_CHECKPOINTS = ("checkpoints of an expert-parallel layout (ep > 1) are not supported yet: each rank holds "
-                          "other experts and no format reassembles them yet (issue 29). Train with ep=1 to save.")
+#: the entry of a sharded checkpoint's meta.json naming the layout that saved it (dp, tp, pp, cp, ep, zero_stage)
+SAVED_LAYOUT = "lightning_par_layout"
 
 
 class LayoutCheckpoints:
@@ -101,16 +102,8 @@ class LayoutCheckpoints:
         return self.strategy.gradient_sync.states.optimizer_state(module, optimizer)
 
     # -- save ----------------------------------------------------------------------------------------------------
-    def check_layout(self, trainer: Trainer) -> None:
-        """At setup, on every rank alike: a layout with no checkpoint format yet is refused when the
-        Trainer would save (expert parallel: each rank holds other experts, and no format reassembles them yet)."""
-        if trainer.checkpoint_callbacks and self.strategy.layout.ep > 1:
-            raise LayoutError(_NO_EXPERT_CHECKPOINTS + " Pass Trainer(enable_checkpointing=False).")
-
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         strategy = self.strategy
-        if strategy.layout.ep > 1:  # trainer.save_checkpoint: refused on every rank alike
-            raise LayoutError(_NO_EXPERT_CHECKPOINTS)
         if strategy.lightning_module is not None and not self.guard.allow(strategy, filepath):
             return  # non-finite weights never replace the last finite checkpoint (a warning named the step)
         if not self.sharded:
@@ -121,6 +114,8 @@ class LayoutCheckpoints:
         # each rank's own entries (DCP writes every entry once); ZeRO-1/2: from the optimizer's shards, the fp32
         # masters under bf16-mixed
         checkpoint["state_dict"] = strategy.gradient_sync.states.model_state(strategy.lightning_module)
+        # the layout that wrote it, for people and tools (meta.json): a load reads the shards' own offsets instead
+        checkpoint[SAVED_LAYOUT] = {**dataclasses.asdict(strategy.dims), "zero_stage": strategy.layout.zero_stage}
         if self.saver is not None:
             self.saver.save(checkpoint, path)
         else:

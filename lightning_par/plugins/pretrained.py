@@ -7,7 +7,9 @@ against the model (:meth:`PretrainedWeights.check`: names, shapes, dtypes, cover
 rank, before anything is read), allocates this rank's share without computing the random initialisation of what the
 file overwrites, and reads into it only the slices this rank owns (:meth:`PretrainedWeights.load`: safetensors'
 ``get_slice``, memory-mapped). No rank holds a full tensor it does not own, nor the model. Under another strategy
-the callback loads after setup, into whatever the strategy built.
+the callback loads after setup, into whatever the strategy built. A mixture of experts' fused tensors are read from
+a directory that holds them one per expert too, by the model's own conversions
+(:mod:`~lightning_par.plugins.pretrained_experts`).
 
 Only safetensors are read: a directory with pickled ``.bin`` weights is refused (unpickling runs code).
 """
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 from lightning_par.parallel.materialize import local_piece, local_tensor
 from lightning_par.plugins import checkpoint_files
 from lightning_par.plugins.checkpoint_files import CheckpointError
+from lightning_par.plugins.pretrained_experts import FusedTensor, converted_tensors
 from lightning_par.plugins.sharded_checkpoint import _all_gather
 
 __all__ = ["FromPretrained", "PretrainedWeights", "load_pretrained"]
@@ -129,19 +132,34 @@ class _Weights:
         else:
             opened = {file: _SafetensorsFile(file, stack) for file in set(files.values())}
             self._files = {name: opened[file] for name, file in files.items()}
+        self._converted: dict[str, FusedTensor | str] = {}  # model name -> the file's tensor(s) it is read from
+
+    def convert(self, converted: dict[str, FusedTensor | str]) -> None:
+        """Offer ``converted``'s tensors under the model's names, in place of the file's tensors they are read from
+        (another name, or one tensor per expert)."""
+        self._converted = converted
 
     def names(self) -> list[str]:
-        return list(self._files)
+        taken = {name for c in self._converted.values() for name in ([c] if isinstance(c, str) else c.files())}
+        return [name for name in self._files if name not in taken] + list(self._converted)
+
+    def _stored(self, name: str) -> str | FusedTensor:
+        return self._converted.get(name, name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._files[name].shape(name)
+        stored = self._stored(name)
+        return stored.shape if isinstance(stored, FusedTensor) else self._files[stored].shape(stored)
 
     def dtype(self, name: str) -> torch.dtype | None:
-        return self._files[name].dtype(name)
+        stored = self._stored(name)
+        return stored.dtype if isinstance(stored, FusedTensor) else self._files[stored].dtype(stored)
 
     def piece(self, name: str, slices: tuple[slice, ...] | None) -> Tensor:
         """The tensor ``name``, or only its part ``slices`` (read from the file without the rest)."""
-        return self._files[name].read(name, slices)
+        stored = self._stored(name)
+        if isinstance(stored, FusedTensor):
+            return stored.read(self.piece, slices)
+        return self._files[stored].read(stored, slices)
 
 
 def _hf_tied_names(path: Path) -> dict[str, str]:
@@ -194,6 +212,7 @@ class PretrainedWeights:
         self.prefix = prefix
         self.strict = strict
         self._sources: dict[str, str] = {}  # module name (with the prefix) -> name in the file
+        self._converted: dict[str, FusedTensor | str] = {}  # the model's names the file holds otherwise
 
     def _lead(self, module: nn.Module) -> str:
         lead = self.prefix if self.prefix is not None else _model_prefix(module)
@@ -215,6 +234,10 @@ class PretrainedWeights:
                 aliases[name] = [n for n in names if n != name]
         with ExitStack() as stack:
             weights = _Weights(self.path, stack)
+            if not set(targets) <= set(weights.names()):  # e.g. a MoE's fused experts, saved one per expert
+                model = module.get_submodule(lead[:-1]) if lead else module
+                self._converted = converted_tensors(model, weights.names(), weights.shape, weights.dtype)
+                weights.convert(self._converted)
             available = set(weights.names())
             source: dict[str, str] = {}
             missing, wrong = [], []
@@ -243,6 +266,10 @@ class PretrainedWeights:
         if unused:
             problems.append(f"{len(unused)} tensors of the file match nothing in the model, first {unused[:3]}")
         hint = f" The model's names are taken under {lead[:-1]!r}; pass prefix= if they are elsewhere." if lead else ""
+        if missing and unused and self.path.is_dir():
+            hint += (" A Hugging Face directory whose tensors transformers converts on load otherwise than by "
+                     "stacking experts, joining projections or renaming is not read here: save it in the model's own "
+                     "layout (save_pretrained(dir, save_original_format=False)).")
         if wrong or (self.strict and problems):
             raise CheckpointError(f"{self.path} does not fit {type(module).__name__}: " + "; ".join(problems) + "."
                                   + hint)
@@ -258,6 +285,7 @@ class PretrainedWeights:
         state = module.state_dict(keep_vars=True)
         with ExitStack() as stack:
             weights = _Weights(self.path, stack)
+            weights.convert(self._converted)
             for name, found in self._sources.items():
                 target = state[name]
                 piece = local_piece(target, lambda slices, found=found: weights.piece(found, slices))

@@ -225,7 +225,6 @@ class LayoutStrategy(MeshStrategy):
         self._claim()
         self._construction.adopt_pending(self.lightning_module)  # init_module(empty_init=True), no configure_model
         self.precision_plugin.convert_module(self.model)
-        self.checkpoints.check_layout(trainer)
         self.checkpoints.own_last_links(trainer)
         check_layout_plan(self.lightning_module, self.dims.tp, self.layout.sequence_parallel, self.layout.zero_stage,
                           self.dims.ep)

@@ -116,13 +116,10 @@ def test_parallelize_refuses_a_dense_model_before_any_collective():
         parallelize(parts, config, shard=lambda p: p.stages)
 
 
-def test_a_trainer_that_would_save_checkpoints_is_refused_at_setup():
-    checkpoints = LayoutCheckpoints(SimpleNamespace(layout=Layout(ep=2)))
-    with pytest.raises(LayoutError, match=r"expert-parallel layout \(ep > 1\) are not supported yet.*"
-                                          r"enable_checkpointing=False"):
-        checkpoints.check_layout(SimpleNamespace(checkpoint_callbacks=[object()]))
-    checkpoints.check_layout(SimpleNamespace(checkpoint_callbacks=[]))
-    LayoutCheckpoints(SimpleNamespace(layout=Layout())).check_layout(SimpleNamespace(checkpoint_callbacks=[object()]))
+def test_an_expert_parallel_layout_saves_sharded_checkpoints():
+    """Each ep rank holds other experts: its checkpoints are DCP directories every rank writes, never one file."""
+    assert Layout(ep=2).sharded_checkpoint and not Layout().sharded_checkpoint
+    assert LayoutCheckpoints(SimpleNamespace(layout=Layout(ep=2))).sharded
 
 
 def test_arrived_tokens_are_regrouped_by_expert_then_source():
