@@ -124,7 +124,7 @@ class MoEFeedForward(nn.Module):
         # each (token, choice) pair grouped by expert; the stable sort keeps the tokens' order within an expert
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = _counts(flat, self.num_experts)
         grouped = x[order // self.top_k]
         if self.token_exchange is None:
             out = self.experts(grouped, counts)
@@ -140,6 +140,14 @@ class MoEFeedForward(nn.Module):
             fraction = torch.tensor(counts, dtype=probs.dtype, device=probs.device) / flat.numel()
             self.aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
         return y.view(shape)
+
+
+def _counts(chosen: torch.Tensor, experts: int) -> list[int]:
+    """How many of the ``chosen`` experts are each expert. A tensor on the meta device has no values (a shape-only
+    run: the pipeline's check of the units' chain), so its choices are taken as all the first expert's."""
+    if chosen.is_meta:
+        return [chosen.numel()] + [0] * (experts - 1)
+    return torch.bincount(chosen, minlength=experts).tolist()
 
 
 def _held(weight: torch.Tensor) -> torch.Tensor:

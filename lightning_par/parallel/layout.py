@@ -130,14 +130,14 @@ class Layout:
 
 
 def _check_expert_parallel_composes(layout: Layout) -> None:
-    """ep > 1 is built so far with ZeRO 0-3 data parallel and context parallel, and with tensor parallel under ZeRO-1/2
-    (issue 29's first slice); any other composition is refused, naming what to change, rather than run untested."""
-    others = {"tp": layout.tp > 1 and layout.zero_stage not in (1, 2), "pp": layout.pp > 1,
-              "offload_optimizer": layout.offload_optimizer, "sequence_parallel": layout.sequence_parallel}
+    """ep > 1 is built so far with ZeRO 0-3 data parallel, context parallel and every pipeline schedule, and with
+    tensor parallel under ZeRO-1/2 (issue 29's first slices); any other composition is refused, naming what to change, rather than run untested."""
+    others = {"tp": layout.tp > 1 and layout.zero_stage not in (1, 2), "offload_optimizer": layout.offload_optimizer,
+              "sequence_parallel": layout.sequence_parallel}
     if any(others.values()):
         named = ", ".join(f"{k}={getattr(layout, k)}" for k, on in others.items() if on)
         raise LayoutError(
             f"ep={layout.ep} with {named} is not supported yet: expert parallel composes with ZeRO 0-3 data "
-            "parallel and cp, and with tp under zero_stage 1 or 2, so far; not with pp, sequence parallel or "
+            "parallel, cp and pp, and with tp under zero_stage 1 or 2, so far; not with sequence parallel or "
             "offload. Use ep=1 for this layout, or change "
             f"{' and '.join(k for k, on in others.items() if on)}.")

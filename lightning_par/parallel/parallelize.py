@@ -127,7 +127,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     ``deferred``: the record of the model's construction when it was built deferred.
     """
     if config.expert_mesh is not None:
-        check_expert_parallel(parts.root, config.expert_mesh["ep"].size())
+        # a pipeline rank's stages may hold no expert layer: the whole model was checked before the split
+        check_expert_parallel(parts.root, config.expert_mesh["ep"].size(), part=parts.pipelined)
     if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
         parts.root.to(config.device)
         make_replicas_identical(parts.root, (config.dp_mesh, config.tp_mesh))

@@ -93,6 +93,16 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
     (``model_loss``), for a step written the Hugging Face way (``self.model(**batch).loss``). Refused, alike on every
     rank and before any collective, when there is neither."""
     name = type(module).__name__
+    balanced = [n for n, m in model.named_modules() if _positive(getattr(m, "aux_loss_coef", 0))]
+    if balanced:
+        # such a layer keeps its load-balancing loss for the step to add (lightning_par.examples.MoEGPT's
+        # aux_loss()); the schedule backpropagates the last stage's loss_fn alone, so the term would be dropped
+        raise LayoutError(
+            f"pipeline parallel (pp={pp}): {', '.join(balanced[:3])}{' ...' if len(balanced) > 3 else ''} of "
+            f"{type(model).__name__} compute a load-balancing loss (aux_loss_coef > 0) that the step adds to the "
+            "loss, but under a pipeline the schedule backpropagates the last stage's loss_fn alone and the layers "
+            "live on different stages. Set aux_loss_coef=0 to train under pp, or train with the load-balancing loss "
+            "without pp (ep, tp, ZeRO).")
     if callable(getattr(module, "loss_fn", None)):
         if not callable(getattr(module, "compute_loss", None)):
             raise LayoutError(
@@ -124,3 +134,7 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
             "loss alone. Set config.router_aux_loss_coef=0 (or output_router_logits=False) to train under pp, or "
             "train with the load-balancing loss without pp (tp, ZeRO).")
     return None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
