@@ -131,7 +131,8 @@ class Layout:
 
 def _check_expert_parallel_composes(layout: Layout) -> None:
     """ep > 1 is built so far with ZeRO 0-3 data parallel, context parallel and every pipeline schedule, and with
-    tensor parallel under ZeRO-1/2 (issue 29's first slices); any other composition is refused, naming what to change, rather than run untested."""
+    tensor parallel under ZeRO-1/2 (issue 29's first slices); any other composition is refused, naming what to
+    change, rather than run untested."""
     others = {"tp": layout.tp > 1 and layout.zero_stage not in (1, 2), "offload_optimizer": layout.offload_optimizer,
               "sequence_parallel": layout.sequence_parallel}
     if any(others.values()):

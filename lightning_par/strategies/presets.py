@@ -205,7 +205,8 @@ class PipelineStrategy(LayoutStrategy):
 
     strategy_name = "pipeline"
 
-    @engine_options("pp", *PIPELINE_OPTIONS, "dp", "zero_stage", *ZERO_OPTIONS, "stage_costs", *RUN_OPTIONS, pp=2)
+    @engine_options("pp", *PIPELINE_OPTIONS, "dp", "ep", "zero_stage", *ZERO_OPTIONS, "stage_costs", *RUN_OPTIONS,
+                    pp=2)
     def __init__(self, **options: Any) -> None:
         super().__init__(tp=1, **options)
 
@@ -244,12 +245,14 @@ class Hybrid3DStrategy(LayoutStrategy):
     Example::
 
         Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2))   # dp = 8 / 4 = 2
+        # a mixture of experts: each stage's experts over ep=2 of its dp ranks (docs/moe.md)
+        Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2, ep=2))
         # or: lightning-par fit ... --trainer.strategy=hybrid3d --trainer.strategy.tp=2 --trainer.strategy.pp=2
     """
 
     strategy_name = "hybrid3d"
 
-    @engine_options("tp", "pp", "dp", "cp", "zero_stage", *PIPELINE_OPTIONS, "sequence_parallel", "stage_costs",
+    @engine_options("tp", "pp", "dp", "cp", "ep", "zero_stage", *PIPELINE_OPTIONS, "sequence_parallel", "stage_costs",
                     *ZERO_OPTIONS, *RUN_OPTIONS, tp=2, pp=2, zero_stage=1)
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -3,10 +3,10 @@
     python -m torch.distributed.run --standalone --nproc_per_node=N -m tests.launch.expert_pipeline_worker OUT_DIR \
         [CASE ...]
 
-for tests/launch/test_expert_pipeline.py. On 4 ranks (pp2 x dp2, the experts of each stage over ep2 of its two
-data-parallel ranks) or 8 (pp2 x dp2 x tp2), one ``Trainer.fit`` per case of the example MoE GPT with 4 layers
-(each rank holds stages of 2 of them, or 1 of 4 stages), the cases named on the command line (default: those of
-this world size):
+for tests/launch/test_expert_pipeline.py. On 4 ranks (``PipelineStrategy``: pp2 x dp2, the experts of each stage
+over ep2 of its two data-parallel ranks) or 8 (``Hybrid3DStrategy``: pp2 x dp2 x tp2), one ``Trainer.fit`` per case
+of the example MoE GPT with 4 layers (each rank holds stages of 2 of them), the cases named on the command line
+(default: those of this world size):
 
 * ``1f1b_sgd``, ``1f1b_adamw``, ``zbv_sgd``, ``zbv_adamw``: plain SGD and AdamW (with a shared expert) under 1F1B
   and ZBV (zero bubble in a V: 2 stages per rank, backward split into input and weight passes);
@@ -34,11 +34,10 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_par import LayoutStrategy
+from lightning_par import Hybrid3DStrategy, PipelineStrategy
 from lightning_par.examples.moe import MoEGPTLightningModule
 from lightning_par.parallel.expert_parallel import expert_layers
 from tests.harness import close_process_group
@@ -116,8 +115,9 @@ def fit(name: str, root: Path) -> StageRecord:
     data = sequences(PER_RANK * dp * STEPS)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = StageRecord()
-    strategy = LayoutStrategy(pp=2, tp=tp, ep=2, zero_stage=case.get("zero", 0), schedule=case["schedule"],
-                              n_microbatches=PER_RANK // accumulate)
+    options = dict(pp=2, ep=2, zero_stage=case.get("zero", 0), schedule=case["schedule"],
+                   n_microbatches=PER_RANK // accumulate)
+    strategy = Hybrid3DStrategy(tp=tp, **options) if tp > 1 else PipelineStrategy(**options)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                          accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,

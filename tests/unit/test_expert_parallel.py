@@ -9,11 +9,19 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_par import Layout, LayoutError, LayoutStrategy, ParallelDims, ZeroStrategy
+from lightning_par import (
+    Hybrid3DStrategy,
+    Layout,
+    LayoutError,
+    LayoutStrategy,
+    ParallelDims,
+    PipelineStrategy,
+    ZeroStrategy,
+)
 from lightning_par.examples import GPT, GPT_PRESETS, MOE_PRESETS, MoEConfig, MoEGPT
 from lightning_par.parallel.expert_parallel import _regroup, check_expert_parallel, expert_layers
-from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.gradient_sync import DDPSync
+from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parts import split
 from lightning_par.parallel.pipeline.loss import last_stage_loss
 from lightning_par.parallel.stage_plan import SCHEDULES
@@ -69,7 +77,8 @@ def test_the_ep_option_and_its_names():
     assert ZeroStrategy(stage=3, ep=2).layout.zero_stage == 3  # the other weights' ZeRO beside the experts
     assert LayoutStrategy(tp=2, ep=2, zero_stage=1).layout.tp == 2  # attention over tp, experts over ep
     for schedule in SCHEDULES:  # each pipeline stage's experts over the ep ranks of its coordinate
-        assert LayoutStrategy(pp=2, ep=2, schedule=schedule, zero_stage=3).layout.pp == 2
+        assert PipelineStrategy(pp=2, ep=2, schedule=schedule, zero_stage=3).layout.ep == 2
+    assert Hybrid3DStrategy(tp=2, pp=2, ep=2).layout.ep == 2  # (ZeRO-1 by default)
     assert Layout(ep=2).shards_parameters  # a model built in configure_model materialises only its experts
     assert not Layout().shards_parameters
     strategy = Trainer(accelerator="cpu", devices=2, strategy="zero0_ep2", logger=False).strategy
