@@ -10,10 +10,13 @@ of the example MoE GPT with 4 layers (each rank holds stages of 2 of them), the 
 
 * ``1f1b_sgd``, ``1f1b_adamw``, ``zbv_sgd``, ``zbv_adamw``: plain SGD and AdamW (with a shared expert) under 1F1B
   and ZBV (zero bubble in a V: 2 stages per rank, backward split into input and weight passes);
-* ``gpipe_sgd``, ``interleaved_sgd`` (interleaved 1F1B, 2 stages per rank), ``zero_bubble_sgd`` (interleaved zero
-  bubble), ``dualpipev_sgd``: the other schedules;
-* ``zero1_adamw`` (1F1B), ``zero3_adamw`` (ZBV): the other weights under ZeRO-1 / ZeRO-3;
+* ``gpipe_sgd``, ``interleaved_sgd`` (interleaved 1F1B, 2 stages per rank), ``looped_bfs_sgd``,
+  ``zero_bubble_sgd`` (interleaved zero bubble), ``dualpipev_sgd``: the other schedules;
+* ``zero1_adamw`` (1F1B), ``zero2_sgd`` (interleaved 1F1B), ``zero3_adamw`` (ZBV): the other weights under ZeRO-1 /
+  ZeRO-2 / ZeRO-3;
 * ``accumulate`` (1F1B, SGD): 2 Lightning batches per step (the expert gradients of both averaged once);
+* ``validate_then_fit`` (ZBV, SGD): ``trainer.validate`` first (the pipeline's forward-only passes exchange tokens
+  too; its loss against one process's), then the fit with the same Trainer;
 * ``tp2_zero1`` (8 ranks): dp2 x tp2 x pp2, ZeRO-1, SGD.
 
 Each rank also logs the order of its token exchanges in the second batch (forward, and the start of each one's
@@ -34,11 +37,13 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import Hybrid3DStrategy, PipelineStrategy
-from lightning_par.examples.moe import MoEGPTLightningModule
+from lightning_par.examples.gpt import causal_lm_loss
+from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
 from lightning_par.parallel.expert_parallel import expert_layers
 from tests.harness import close_process_group
 from tests.launch.expert_parallel_worker import PER_RANK, Record, reference, sequences
@@ -55,9 +60,12 @@ CASES = {  # the module's arguments, the layout besides pp=2, ep=2
     "interleaved_sgd": dict(module=SGD, schedule="interleaved_1f1b"),
     "zero_bubble_sgd": dict(module=SGD, schedule="zero_bubble"),
     "dualpipev_sgd": dict(module=SGD, schedule="dualpipev"),
+    "looped_bfs_sgd": dict(module=SGD, schedule="looped_bfs"),
     "zero1_adamw": dict(module=ADAMW, schedule="1f1b", zero=1),
+    "zero2_sgd": dict(module=SGD, schedule="interleaved_1f1b", zero=2),
     "zero3_adamw": dict(module=ADAMW, schedule="zbv", zero=3),
     "accumulate": dict(module=SGD, schedule="1f1b", accumulate=2),
+    "validate_then_fit": dict(module=SGD, schedule="zbv", validate_first=True),
     "tp2_zero1": dict(module=SGD, schedule="1f1b", zero=1, tp=2, world=8),
 }
 
@@ -121,10 +129,24 @@ def fit(name: str, root: Path) -> StageRecord:
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                          accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
-                         callbacks=[record])
+                         callbacks=[record], limit_val_batches=2)
+    validated = trainer.validate(model, loader) if case.get("validate_first") else None
     trainer.fit(model, loader)
+    if validated is not None:
+        record.held["validation_loss"] = validated[0]["val/loss"]
     record.held["schedule"] = strategy.pipeline.describe() if strategy.pipeline is not None else None
     return record
+
+
+def validation_reference(name: str, record: StageRecord, dp: int) -> float:
+    """One process's loss of the initial weights on what ``trainer.validate`` with ``limit_val_batches=2`` saw: the
+    first 2 batches of each of the ``dp`` replicas (Lightning's sampler deals the samples round the replicas), so the
+    dataset's first ``2 x dp x PER_RANK`` sequences, each of equal weight in the mean of the batches' means."""
+    model = MoEGPT(MoEGPTLightningModule(preset="tiny", **CASES[name]["module"]).config)
+    model.load_state_dict({n.removeprefix("model."): t for n, t in record.initial.items()})
+    data = sequences(2 * dp * PER_RANK)
+    with torch.no_grad():
+        return float(causal_lm_loss(model(data[:, :-1]), data[:, 1:]))
 
 
 def main() -> None:
@@ -140,6 +162,9 @@ def main() -> None:
         report[name] = {"losses": losses, "norms": record.norms, **record.held}
         if rank == 0:
             report[name]["reference"] = reference(name, record, CASES)
+            if "validation_loss" in record.held:
+                dp = world // 2 // CASES[name].get("tp", 1)
+                report[name]["reference"]["validation_loss"] = validation_reference(name, record, dp)
     report["rank"] = rank
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     close_process_group()

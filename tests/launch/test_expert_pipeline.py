@@ -2,8 +2,9 @@
 
 Launches of ``tests/launch/expert_pipeline_worker.py`` (see its docstring): on 4 ranks (pp2 x dp2, each stage's
 experts over ep2 of its data-parallel ranks) plain SGD under 1F1B and ZBV in the default set; the other cases (AdamW,
-GPipe, interleaved 1F1B, interleaved zero bubble, DualPipeV, ZeRO-1, ZeRO-3, accumulated batches) in a second launch,
-and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. The tests read every rank's report.
+GPipe, interleaved 1F1B, looped BFS, interleaved zero bubble, DualPipeV, ZeRO-1/2/3, accumulated batches, a validation
+before the fit) in a second launch, and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. The tests
+read every rank's report.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ DEFAULT = ("1f1b_sgd", "zbv_sgd")  # the issue's pair: one fit more costs a few 
 OTHERS = tuple(c for c in CASES if c not in DEFAULT and CASES[c].get("world", 4) == 4)
 EIGHT = tuple(c for c in CASES if CASES[c].get("world") == 8)
 #: the other weights' gradient owner (the deferring ZeRO-0 one unless named)
-OWNER = {"zero1_adamw": "zero1", "zero3_adamw": "fsdp2_shard_stages", "tp2_zero1": "zero1"}
+OWNER = {"zero1_adamw": "zero1", "zero2_sgd": "zero2", "zero3_adamw": "fsdp2_shard_stages", "tp2_zero1": "zero1"}
 #: one stage's expert bytes: its 2 of the 4 layers x 3 weights of 4 experts x 64 x 96, fp32
 STAGE_EXPERT_BYTES = 2 * 3 * 4 * 64 * 96 * 4
 
@@ -69,6 +70,10 @@ def test_losses_and_gradient_norms_match_one_process_under_every_schedule(reques
             assert len(run["losses"]) == len(reference["losses"]) == STEPS
             assert loss_diff <= PARITY_RTOL and norm_diff <= NORM_RTOL, case
         assert reference["losses"][-1] < reference["losses"][0] - 0.3, case  # it trains: not a flat line's parity
+        if "validation_loss" in reference:  # the forward-only passes of trainer.validate, before the fit
+            diff = max(abs(r[case]["validation_loss"] / reference["validation_loss"] - 1) for r in ranks)
+            print(f"{case}: validation loss {diff:.2e} (max relative over the ranks)")
+            assert diff <= PARITY_RTOL, case
 
 
 @pytest.mark.parametrize("launch,cases", LAUNCHES)
