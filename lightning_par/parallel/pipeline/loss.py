@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par.parallel.blocks import is_hf_model
+from lightning_par.parallel.expert_parallel import expert_layers
 from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
 from lightning_par.topology import LayoutError
 
@@ -93,9 +94,9 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
     (``model_loss``), for a step written the Hugging Face way (``self.model(**batch).loss``). Refused, alike on every
     rank and before any collective, when there is neither."""
     name = type(module).__name__
-    balanced = [n for n, m in model.named_modules() if _positive(getattr(m, "aux_loss_coef", 0))]
+    balanced = [n for n, m in expert_layers(model).items() if _positive(getattr(m, "aux_loss_coef", 0))]
     if balanced:
-        # such a layer keeps its load-balancing loss for the step to add (lightning_par.examples.MoEGPT's
+        # an expert layer keeps its load-balancing loss for the step to add (lightning_par.examples.MoEGPT's
         # aux_loss()); the schedule backpropagates the last stage's loss_fn alone, so the term would be dropped
         raise LayoutError(
             f"pipeline parallel (pp={pp}): {', '.join(balanced[:3])}{' ...' if len(balanced) > 3 else ''} of "
