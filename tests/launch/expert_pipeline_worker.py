@@ -19,6 +19,9 @@ of the example MoE GPT with 4 layers (each rank holds stages of 2 of them), the 
   too; its loss against one process's), then the fit with the same Trainer;
 * ``tp2_zero1`` (8 ranks): dp2 x tp2 x pp2, ZeRO-1, SGD.
 
+Then the ``REFUSALS`` named (after a fit: the process group exists): a dense model, and the example MoE with a
+load-balancing loss, under pp2 x ep2, each rank's error gathered (``report["refused"]``).
+
 Each rank also logs the order of its token exchanges in the second batch (forward, and the start of each one's
 backward): the ranks of an ep group must run them in the same order, or their all_to_all would pair different
 layers' or micro-batches' tokens.
@@ -43,9 +46,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import Hybrid3DStrategy, PipelineStrategy
 from lightning_par.examples.gpt import causal_lm_loss
+from lightning_par.examples.lit_gpt import GPTLightningModule
 from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
 from lightning_par.parallel.expert_parallel import expert_layers
-from tests.harness import close_process_group
+from tests.harness import close_process_group, every_ranks_error
 from tests.launch.expert_parallel_worker import PER_RANK, Record, reference, sequences
 
 STEPS, LAYERS = 4, 4
@@ -67,6 +71,14 @@ CASES = {  # the module's arguments, the layout besides pp=2, ep=2
     "accumulate": dict(module=SGD, schedule="1f1b", accumulate=2),
     "validate_then_fit": dict(module=SGD, schedule="zbv", validate_first=True),
     "tp2_zero1": dict(module=SGD, schedule="1f1b", zero=1, tp=2, world=8),
+}
+
+
+#: refused at setup on every rank alike, before any collective: the module's arguments, and a piece of the message
+REFUSALS = {
+    "dense_model": (dict(dense=True), "ep=2 but GPTLightningModule has no expert layers"),
+    "load_balancing_loss": (dict(aux_loss_coef=0.01), "pipeline parallel (pp=2): layers.0.mlp, layers.1.mlp, "
+                            "layers.2.mlp ... of MoEGPT compute a load-balancing loss"),
 }
 
 
@@ -138,6 +150,20 @@ def fit(name: str, root: Path) -> StageRecord:
     return record
 
 
+def refused(name: str, root: Path) -> list[str]:
+    """Every rank's error of a fit of ``REFUSALS[name]`` under pp2 x ep2 (see :func:`every_ranks_error`)."""
+    args = dict(REFUSALS[name][0])
+    model = GPTLightningModule(preset="tiny", n_layers=LAYERS) if args.pop("dense", False) else \
+        MoEGPTLightningModule(preset="tiny", n_layers=LAYERS, **args)
+    data = sequences(PER_RANK * 2)
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=1, logger=False,
+                         strategy=PipelineStrategy(pp=2, ep=2, n_microbatches=PER_RANK, heartbeat_timeout=None),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=root / name)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK)
+    return every_ranks_error(lambda: trainer.fit(model, loader))
+
+
 def validation_reference(name: str, record: StageRecord, dp: int) -> float:
     """One process's loss of the initial weights on what ``trainer.validate`` with ``limit_val_batches=2`` saw: the
     first 2 batches of each of the ``dp`` replicas (Lightning's sampler deals the samples round the replicas), so the
@@ -153,9 +179,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     world = int(os.environ["WORLD_SIZE"])
-    names = sys.argv[2:] or [name for name, case in CASES.items() if case.get("world", 4) == world]
-    records = {name: fit(name, out) for name in names}
+    names = sys.argv[2:] or [*(name for name, case in CASES.items() if case.get("world", 4) == world), *REFUSALS]
+    records = {name: fit(name, out) for name in names if name in CASES}
     rank, report = dist.get_rank(), {"world": dist.get_world_size()}
+    report["refused"] = {name: refused(name, out) for name in names if name in REFUSALS}
     for name, record in records.items():
         accumulate = CASES[name].get("accumulate", 1)
         losses = [sum(record.losses[i:i + accumulate]) for i in range(0, len(record.losses), accumulate)]

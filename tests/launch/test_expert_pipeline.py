@@ -1,7 +1,8 @@
 """Expert parallel inside every pipeline schedule (pp2 x ep2) on the example MoE GPT, against one process.
 
 Launches of ``tests/launch/expert_pipeline_worker.py`` (see its docstring): on 4 ranks (pp2 x dp2, each stage's
-experts over ep2 of its data-parallel ranks) plain SGD under 1F1B and ZBV in the default set; the other cases (AdamW,
+experts over ep2 of its data-parallel ranks) plain SGD under 1F1B and ZBV, then the refusals (a dense model, a
+load-balancing loss) in the default set; the other cases (AdamW,
 GPipe, interleaved 1F1B, looped BFS, interleaved zero bubble, DualPipeV, ZeRO-1/2/3, accumulated batches, a validation
 before the fit) in a second launch, and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. The tests
 read every rank's report.
@@ -14,7 +15,7 @@ import json
 import pytest
 
 from tests.harness import launch_matrix, max_rel_diff
-from tests.launch.expert_pipeline_worker import CASES, PER_RANK, STEPS
+from tests.launch.expert_pipeline_worker import CASES, PER_RANK, REFUSALS, STEPS
 
 PARITY_RTOL = 1e-5  # per-step loss against one process
 NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once, over both stages
@@ -38,7 +39,7 @@ def _launch(tmp_path_factory, cache_dir, ranks: int, cases: tuple[str, ...]) -> 
 
 @pytest.fixture(scope="module")
 def default(tmp_path_factory, cache_dir) -> list[dict]:
-    return _launch(tmp_path_factory, cache_dir, 4, DEFAULT)
+    return _launch(tmp_path_factory, cache_dir, 4, (*DEFAULT, *REFUSALS))  # (the refusals after the fits)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,12 @@ def test_the_ranks_of_an_ep_group_exchange_tokens_in_the_same_order(request, lau
             assert all(log.count(entry) == micro for entry in set(log)), (case, log)
             for other in report["ep_group"]:
                 assert held[other]["exchanges"] == log, (case, rank, other)
+
+
+@pytest.mark.launch(ranks=4)
+@pytest.mark.parametrize("name", REFUSALS)
+def test_what_cannot_run_under_pp_with_ep_is_refused_on_every_rank(default, name):
+    errors = default[0]["refused"][name]
+    assert len(errors) == 4 and len(set(errors)) == 1, errors  # every rank, alike (before any collective)
+    assert errors[0].startswith("LayoutError: ") and REFUSALS[name][1] in errors[0], errors[0]
+    assert "[chained" not in errors[0]  # one clear error

@@ -23,7 +23,7 @@ from lightning_par.parallel.expert_parallel import _regroup, check_expert_parall
 from lightning_par.parallel.gradient_sync import DDPSync
 from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parts import split
-from lightning_par.parallel.pipeline.loss import last_stage_loss
+from lightning_par.parallel.pipeline.loss import check_layer_losses
 from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.plugins.layout_checkpoints import LayoutCheckpoints
 
@@ -187,9 +187,7 @@ def test_the_deferring_zero0_owner_of_a_pipeline_leaves_the_experts_out():
 
 
 def test_a_load_balancing_loss_under_a_pipeline_is_refused_naming_the_layers():
-    model = moe(aux_loss_coef=0.01)
-    holder = SimpleNamespace(loss_fn=lambda o, t: o, compute_loss=lambda b: b)
     with pytest.raises(LayoutError, match=r"pp=2.*layers.0.mlp, layers.1.mlp of MoEGPT compute a load-balancing "
                                           r"loss.*aux_loss_coef=0"):
-        last_stage_loss(holder, model, None, 2)
-    assert last_stage_loss(holder, moe(), None, 2) is not None
+        check_layer_losses(moe(aux_loss_coef=0.01), 2)
+    check_layer_losses(moe(), 2)
