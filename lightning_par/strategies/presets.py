@@ -245,9 +245,9 @@ class Hybrid3DStrategy(LayoutStrategy):
     Example::
 
         Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2))   # dp = 8 / 4 = 2
+        # or: lightning-par fit ... --trainer.strategy=hybrid3d --trainer.strategy.tp=2 --trainer.strategy.pp=2
         # a mixture of experts: each stage's experts over ep=2 of its dp ranks (docs/moe.md)
         Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2, ep=2))
-        # or: lightning-par fit ... --trainer.strategy=hybrid3d --trainer.strategy.tp=2 --trainer.strategy.pp=2
     """
 
     strategy_name = "hybrid3d"
