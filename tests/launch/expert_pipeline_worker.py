@@ -17,6 +17,7 @@ of the example MoE GPT with 4 layers (each rank holds stages of 2 of them), the 
 * ``accumulate`` (1F1B, SGD): 2 Lightning batches per step (the expert gradients of both averaged once);
 * ``validate_then_fit`` (ZBV, SGD): ``trainer.validate`` first (the pipeline's forward-only passes exchange tokens
   too; its loss against one process's), then the fit with the same Trainer;
+* ``cp2_sgd`` (1F1B): dp1 x cp2 x pp2, each sequence and each stage's experts split over the 2 cp ranks;
 * ``tp2_zero1`` (8 ranks): dp2 x tp2 x pp2, ZeRO-1, SGD.
 
 Then the ``REFUSALS`` named (after a fit: the process group exists): a dense model, and the example MoE with a
@@ -70,6 +71,7 @@ CASES = {  # the module's arguments, the layout besides pp=2, ep=2
     "zero3_adamw": dict(module=ADAMW, schedule="zbv", zero=3),
     "accumulate": dict(module=SGD, schedule="1f1b", accumulate=2),
     "validate_then_fit": dict(module=SGD, schedule="zbv", validate_first=True),
+    "cp2_sgd": dict(module=SGD, schedule="1f1b", cp=2),
     "tp2_zero1": dict(module=SGD, schedule="1f1b", zero=1, tp=2, world=8),
 }
 
@@ -128,16 +130,16 @@ class StageRecord(Record):
 
 def fit(name: str, root: Path) -> StageRecord:
     case, world = CASES[name], int(os.environ["WORLD_SIZE"])
-    accumulate, tp = case.get("accumulate", 1), case.get("tp", 1)
+    accumulate, tp, cp = case.get("accumulate", 1), case.get("tp", 1), case.get("cp", 1)
     pl.seed_everything(1234)
     model = MoEGPTLightningModule(preset="tiny", **case["module"])
-    dp = world // 2 // tp
+    dp = world // 2 // tp // cp
     data = sequences(PER_RANK * dp * STEPS)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = StageRecord()
     options = dict(pp=2, ep=2, zero_stage=case.get("zero", 0), schedule=case["schedule"],
                    n_microbatches=PER_RANK // accumulate)
-    strategy = Hybrid3DStrategy(tp=tp, **options) if tp > 1 else PipelineStrategy(**options)
+    strategy = Hybrid3DStrategy(tp=tp, cp=cp, **options) if tp > 1 or cp > 1 else PipelineStrategy(**options)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                          accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,

@@ -2,10 +2,9 @@
 
 Launches of ``tests/launch/expert_pipeline_worker.py`` (see its docstring): on 4 ranks (pp2 x dp2, each stage's
 experts over ep2 of its data-parallel ranks) plain SGD under 1F1B and ZBV, then the refusals (a dense model, a
-load-balancing loss) in the default set; the other cases (AdamW,
-GPipe, interleaved 1F1B, looped BFS, interleaved zero bubble, DualPipeV, ZeRO-1/2/3, accumulated batches, a validation
-before the fit) in a second launch, and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. The tests
-read every rank's report.
+load-balancing loss) in the default set; the other cases (AdamW, GPipe, interleaved 1F1B, looped BFS, interleaved
+zero bubble, DualPipeV, ZeRO-1/2/3, accumulated batches, a validation before the fit, cp2 x pp2 x ep2) in a second
+launch, and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. The tests read every rank's report.
 """
 
 from __future__ import annotations
