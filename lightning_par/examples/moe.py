@@ -155,10 +155,9 @@ class MoEFeedForward(nn.Module):
         # each (token, choice) pair grouped by expert; the stable sort keeps the tokens' order within an expert
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
-        routed = torch.bincount(flat, minlength=self.num_experts)
-        counts = routed.tolist()
+        routed, counts = _routed(flat, self.num_experts)
         counted = counts_routing(x)
-        if self.capacity_factor is not None:
+        if self.capacity_factor is not None and not x.is_meta:
             order, counts = self._within_capacity(order, routed, x.shape[0], counted)
         if counted:
             self.tokens_per_expert = routed if self.tokens_per_expert is None else self.tokens_per_expert + routed
@@ -202,6 +201,16 @@ class MoEFeedForward(nn.Module):
         tokens = stats[-1]
         fraction, mean_prob = stats[:e] / (tokens * self.top_k), stats[e:2 * e] / tokens
         return e * (fraction * mean_prob).sum()
+
+
+def _routed(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]]:
+    """How many of the ``chosen`` experts are each expert, as a tensor and a list. A tensor on the meta device has no
+    values (a shape-only run: the pipeline's check of the units' chain), so its choices are taken as all the first
+    expert's."""
+    if chosen.is_meta:
+        return chosen.new_zeros(experts), [chosen.numel()] + [0] * (experts - 1)
+    routed = torch.bincount(chosen, minlength=experts)
+    return routed, routed.tolist()
 
 
 def _held(weight: torch.Tensor) -> torch.Tensor:

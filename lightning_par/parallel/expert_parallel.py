@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_par._compat import all_to_all_single_autograd, foreach_mul_
+from lightning_par.parallel.experts_ep import resolve_ep_plan
 from lightning_par.topology import LayoutError
 
 #: what a layer declares to take part (see the module docstring)
@@ -49,12 +50,20 @@ def expert_layers(module: nn.Module) -> dict[str, nn.Module]:
             if all(hasattr(m, attribute) for attribute in EXPERT_LAYER_ATTRIBUTES)}
 
 
-def check_expert_parallel(module: nn.Module, ep: int) -> dict[str, nn.Module]:
+def check_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dict[str, nn.Module]:
     """The expert layers of ``module``, or a :class:`LayoutError` naming the layer and the fix when ``ep`` cannot
     split them: no expert layer at all, experts not divisible by ``ep``, a declared parameter that is not stacked over
-    the experts. Arithmetic on shapes only (meta tensors too): every rank refuses alike, before any collective."""
+    the experts. Arithmetic on shapes only (meta tensors too): every rank refuses alike, before any collective.
+    ``part``: ``module`` is a pipeline rank's part, whose stages may hold no expert layer (the whole model was
+    checked before the split)."""
     layers = expert_layers(module)
-    if not layers:
+    if not layers and not part and resolve_ep_plan(module):
+        # (only before a pipeline split: parallelize() declares a planned model's experts before it checks them)
+        raise LayoutError(
+            f"ep={ep} with pp > 1: {type(module).__name__}'s experts come from its ep plan (a Hugging Face MoE "
+            "model), which expert parallel does not apply inside a pipeline yet. Use pp=1 with ep (beside tp, cp "
+            "and ZeRO 0-3), or ep=1 with pp.")
+    if not layers and not part:
         raise LayoutError(
             f"ep={ep} but {type(module).__name__} has no expert layers: expert parallel splits mixture-of-experts "
             f"layers, found by the attributes {', '.join(EXPERT_LAYER_ATTRIBUTES)} (see "
@@ -136,7 +145,7 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh) -> ExpertParallel
     """Split every expert layer of ``module`` over ``mesh["ep"]`` in place (meta tensors too: the slice is then
     what a deferred model materialises) and set its ``token_exchange``."""
     ep_mesh = mesh["ep"]
-    layers = check_expert_parallel(module, ep_mesh.size())
+    layers = check_expert_parallel(module, ep_mesh.size(), part=True)  # (the caller checked the model)
     rank, params = ep_mesh.get_local_rank(), []
     for layer in layers.values():
         held = layer.num_experts // ep_mesh.size()

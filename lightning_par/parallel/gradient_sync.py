@@ -151,7 +151,7 @@ class DDPSync(NoSync):
     def start_grad_sync(self, params: Iterable[nn.Parameter]) -> None:
         if self.reducer is None:
             return
-        params = [p for p in params if p.grad is not None]
+        params = [p for p in self._replicated(params) if p.grad is not None]
         if any(id(p) in self._launched for p in params):
             raise RuntimeError("a pipeline stage ended its last backward twice in one step; its gradients were "
                                "already being all-reduced over data parallel.")
@@ -162,11 +162,17 @@ class DDPSync(NoSync):
         if self.reducer is None or self.module is None:
             return
         try:
-            self.reducer.launch([_local(p.grad) for p in self.module.parameters()
+            self.reducer.launch([_local(p.grad) for p in self._replicated(self.module.parameters())
                                  if p.grad is not None and id(p) not in self._launched])
             self.reducer.finish()
         finally:
             self._launched = set()
+
+    def _replicated(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """``params`` less expert parallel's experts: each rank holds other experts, averaged over their own
+        replicas in ``finalize`` (the deferred form of DDP's ignored parameters)."""
+        experts = {id(p) for p in self.experts.parameters} if self.experts is not None else set()
+        return [p for p in params if id(p) not in experts]
 
     def set_enabled(self, enabled: bool) -> None:
         super().set_enabled(enabled)

@@ -91,8 +91,6 @@ class Layout:
             raise LayoutError(
                 "sequence_parallel=True with cp > 1 is not supported: both split the sequence (sequence parallel "
                 "over tp, context parallel over cp) and their composition is untested. Use one of them.")
-        if self.ep > 1:
-            _check_expert_parallel_composes(self)
         check_number("bucket_cap_mb", self.bucket_cap_mb, "a positive, finite number of MiB (default 25)", above=0)
         if self.block_types is not None and (isinstance(self.block_types, str | type) or not all(
                 isinstance(t, str | type) for t in self.block_types)):
@@ -128,17 +126,3 @@ class Layout:
         """Each rank writes its own part of a checkpoint (a DCP directory) rather than rank 0 one file (under ep > 1
         each rank holds other experts: DTensors ``Shard(0)`` that DCP saves once per expert and reshards)."""
         return self.zero_stage > 0 or self.pp > 1 or self.tp > 1 or self.ep > 1
-
-
-def _check_expert_parallel_composes(layout: Layout) -> None:
-    """ep > 1 is built so far with ZeRO 0-3 data parallel (the experts sharded over their own replicas at stages 1-3),
-    optimizer offload, context parallel, tensor and sequence parallel; the pipeline is refused, naming what to
-    change, rather than run untested."""
-    others = {"pp": layout.pp > 1}
-    if any(others.values()):
-        named = ", ".join(f"{k}={getattr(layout, k)}" for k, on in others.items() if on)
-        raise LayoutError(
-            f"ep={layout.ep} with {named} is not supported yet: expert parallel composes with ZeRO 0-3 data "
-            "parallel, offload, cp, tp and sequence parallel so far; not with pp. Use ep=1 for this layout, or "
-            "change "
-            f"{' and '.join(k for k, on in others.items() if on)}.")

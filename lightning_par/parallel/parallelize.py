@@ -135,7 +135,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     ep = config.expert_mesh["ep"].size() if config.expert_mesh is not None else 1
     if config.expert_mesh is not None:
         declare_planned_experts(parts.root)  # a Hugging Face model's experts, from its own ep plan
-        check_expert_parallel(parts.root, ep)
+        # a pipeline rank's stages may hold no expert layer: the whole model was checked before the split
+        check_expert_parallel(parts.root, ep, part=parts.pipelined)
     if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
         parts.root.to(config.device)
         make_replicas_identical(parts.root, (config.dp_mesh, config.tp_mesh))

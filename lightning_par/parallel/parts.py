@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.parallel.pipeline.adapter import StageIO, stage_forward, stage_io
 from lightning_par.parallel.pipeline.chain import check_chain
-from lightning_par.parallel.pipeline.loss import ModelLoss
+from lightning_par.parallel.pipeline.loss import ModelLoss, check_layer_losses
 from lightning_par.parallel.pipeline.split import (
     Costs,
     block_units,
@@ -168,6 +168,7 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     io = stage_io(whole)
     # before the split and before any collective, on the (meta) model: the same verdict on every rank
     chain_seconds = check_chain(whole, all_units, units_by_stage, io)
+    check_layer_losses(whole, plan.pp)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = plan.stages_of(pp_rank)
     module = rank_module(whole, units_by_stage, stage_ids, units=all_units)

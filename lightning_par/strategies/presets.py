@@ -207,7 +207,8 @@ class PipelineStrategy(LayoutStrategy):
 
     strategy_name = "pipeline"
 
-    @engine_options("pp", *PIPELINE_OPTIONS, "dp", "zero_stage", *ZERO_OPTIONS, "stage_costs", *RUN_OPTIONS, pp=2)
+    @engine_options("pp", *PIPELINE_OPTIONS, "dp", "ep", "zero_stage", *ZERO_OPTIONS, "stage_costs", *RUN_OPTIONS,
+                    pp=2)
     def __init__(self, **options: Any) -> None:
         super().__init__(tp=1, **options)
 
@@ -247,6 +248,8 @@ class Hybrid3DStrategy(LayoutStrategy):
 
         Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2))   # dp = 8 / 4 = 2
         # or: lightning-par fit ... --trainer.strategy=hybrid3d --trainer.strategy.tp=2 --trainer.strategy.pp=2
+        # a mixture of experts: each stage's experts over ep=2 of its dp ranks (docs/moe.md)
+        Trainer(accelerator="gpu", devices=8, strategy=Hybrid3DStrategy(tp=2, pp=2, ep=2))
     """
 
     strategy_name = "hybrid3d"

@@ -208,10 +208,11 @@ def fit(name: str, root: Path) -> Record:
     return record
 
 
-def reference(name: str, record: Record) -> dict:
+def reference(name: str, record: Record, cases: dict | None = None) -> dict:
     """One process: the same initial weights, the ranks' global batches (an optimizer step's accumulated batches
-    in one), the module's own optimizer and loss."""
-    args, accumulate = CASES[name]["module"], CASES[name].get("accumulate", 1)
+    in one), the module's own optimizer and loss (``cases``: the table ``name`` is in, default this worker's)."""
+    case = (CASES if cases is None else cases)[name]
+    args, accumulate = case["module"], case.get("accumulate", 1)
     module = MoEGPTLightningModule(preset="tiny", **args)
     module.model = MoEGPT(module.config)
     module.model.load_state_dict({n.removeprefix("model."): t for n, t in record.initial.items()})

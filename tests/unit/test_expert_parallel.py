@@ -9,11 +9,22 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_par import Layout, LayoutError, LayoutStrategy, ParallelDims, ZeroStrategy
+from lightning_par import (
+    Hybrid3DStrategy,
+    Layout,
+    LayoutError,
+    LayoutStrategy,
+    ParallelDims,
+    PipelineStrategy,
+    ZeroStrategy,
+)
 from lightning_par.examples import GPT, GPT_PRESETS, MOE_PRESETS, MoEConfig, MoEGPT
 from lightning_par.parallel.expert_parallel import _regroup, check_expert_parallel, expert_layers
+from lightning_par.parallel.gradient_sync import DDPSync
 from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parts import split
+from lightning_par.parallel.pipeline.loss import check_layer_losses
+from lightning_par.parallel.stage_plan import SCHEDULES
 from lightning_par.plugins.layout_checkpoints import LayoutCheckpoints
 
 
@@ -44,17 +55,9 @@ def test_an_ep_that_does_not_divide_dp_x_cp_is_refused(world, kwargs, match):
         ParallelDims.resolve(world, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,named", [
-    (dict(pp=2), "pp=2"), (dict(pp=2, tp=2, zero_stage=1), "pp=2"),
-    (dict(ep=0), None),
-])
-def test_expert_parallel_refuses_what_it_does_not_compose_with_yet(kwargs, named):
-    if named is None:
-        with pytest.raises(LayoutError, match="ep=0 is not a valid size"):
-            Layout(**kwargs)
-        return
-    with pytest.raises(LayoutError, match=rf"ep=2 with {named} is not supported yet.*ZeRO 0-3.*cp, tp.*or change"):
-        Layout(ep=2, **kwargs)
+def test_an_invalid_ep_is_refused():
+    with pytest.raises(LayoutError, match="ep=0 is not a valid size"):
+        Layout(ep=0)
 
 
 def test_the_ep_option_and_its_names():
@@ -65,6 +68,9 @@ def test_the_ep_option_and_its_names():
         assert LayoutStrategy(tp=2, ep=2, zero_stage=stage).layout.tp == 2
     assert LayoutStrategy(tp=2, ep=2, zero_stage=1, sequence_parallel=True).layout.sequence_parallel
     assert ZeroStrategy(stage=2, ep=2, offload_optimizer=True).layout.offload_optimizer
+    for schedule in SCHEDULES:  # each pipeline stage's experts over the ep ranks of its coordinate
+        assert PipelineStrategy(pp=2, ep=2, schedule=schedule, zero_stage=3).layout.ep == 2
+    assert Hybrid3DStrategy(tp=2, pp=2, ep=2).layout.ep == 2  # (ZeRO-1 by default)
     assert Layout(ep=2).shards_parameters  # a model built in configure_model materialises only its experts
     assert not Layout().shards_parameters
     strategy = Trainer(accelerator="cpu", devices=2, strategy="zero0_ep2", logger=False).strategy
@@ -129,3 +135,48 @@ def test_arrived_tokens_are_regrouped_by_expert_then_source():
     order = _regroup([[1, 2], [3, 1]], torch.device("cpu"))
     # arrived: s0e0 [0], s0e1 [1, 2], s1e0 [3, 4, 5], s1e1 [6]; by expert: e0 (s0, s1), e1 (s0, s1)
     assert order.tolist() == [0, 3, 4, 5, 1, 2, 6]
+
+
+# -- inside a pipeline -----------------------------------------------------------------------------------------------
+def test_a_pipeline_ranks_part_may_hold_no_expert_layer_but_the_model_must():
+    model = moe()
+    assert check_expert_parallel(model.layers["0"], 2, part=True)  # a stage with one of the MoE blocks
+    assert check_expert_parallel(model.embed, 2, part=True) == {}  # a stage without any: nothing to split there
+    with pytest.raises(LayoutError, match="has no expert layers"):
+        check_expert_parallel(model.embed, 2)
+
+
+class Buckets:
+    """A deferring owner's buckets, recording what it was given to all-reduce instead of reducing."""
+
+    def __init__(self) -> None:
+        self.launched: list[torch.Tensor] = []
+
+    def launch(self, grads) -> None:
+        self.launched += grads
+
+    def finish(self) -> None:
+        pass
+
+
+def test_the_deferring_zero0_owner_of_a_pipeline_leaves_the_experts_out():
+    model = moe()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    experts = [p for layer in expert_layers(model).values() for n, p in layer.named_parameters(recurse=False)
+               if n in layer.expert_parameters]
+    sync = DDPSync(NoCollectives(), 25.0, deferred=True)
+    sync.experts = SimpleNamespace(parameters=experts)
+    sync.module, sync.reducer = model, Buckets()
+    sync.start_grad_sync(list(model.layers["0"].parameters()))  # a stage's last backward: its buckets
+    sync.finish_grad_sync()  # the rest
+    launched = {id(g) for g in sync.reducer.launched}
+    assert len(launched) == len(sync.reducer.launched) == len(list(model.parameters())) - len(experts) == 17
+    assert not launched & {id(p.grad) for p in experts}  # averaged over their own replicas in finalize instead
+
+
+def test_a_load_balancing_loss_under_a_pipeline_is_refused_naming_the_layers():
+    with pytest.raises(LayoutError, match=r"pp=2.*layers.0.mlp, layers.1.mlp of MoEGPT compute a load-balancing "
+                                          r"loss.*aux_loss_coef=0"):
+        check_layer_losses(moe(aux_loss_coef=0.01), 2)
+    check_layer_losses(moe(), 2)

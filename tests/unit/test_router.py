@@ -145,19 +145,6 @@ def test_a_forward_recomputed_in_the_backward_is_not_counted_twice():
     assert layer.dropped_tokens == once.dropped_tokens > 0
 
 
-def test_pipeline_refuses_a_router_loss_it_cannot_carry_across_stages():
-    from lightning_par.parallel.pipeline.loss import last_stage_loss
-    from lightning_par.topology import LayoutError
-
-    module = MoEGPTLightningModule(preset="tiny", aux_loss_coef=0.01)
-    module.configure_model()
-    with pytest.raises(LayoutError, match=r"layers.0.mlp and 1 more\) add a load-balancing loss \(aux_loss_coef=0.01"):
-        last_stage_loss(module, module.model, None, 2)
-    module = MoEGPTLightningModule(preset="tiny")  # coefficient 0: the language-model loss alone, as one process
-    module.configure_model()
-    assert callable(last_stage_loss(module, module.model, None, 2))
-
-
 def test_the_log_line_says_the_scope_and_the_capacity():
     from lightning_par.parallel.router import describe_routers
 

@@ -22,8 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par.parallel.blocks import is_hf_model
+from lightning_par.parallel.expert_parallel import expert_layers
 from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
-from lightning_par.parallel.router import router_layers
 from lightning_par.topology import LayoutError
 
 #: the Hugging Face loss functions whose token count :class:`ModelLoss` knows (``transformers.loss.loss_utils``)
@@ -94,15 +94,6 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
     (``model_loss``), for a step written the Hugging Face way (``self.model(**batch).loss``). Refused, alike on every
     rank and before any collective, when there is neither."""
     name = type(module).__name__
-    weighted = {n: m.aux_loss_coef for n, m in router_layers(model).items() if getattr(m, "aux_loss_coef", 0)}
-    if weighted:
-        # each layer's loss is formed on its stage in the forward; the schedule's backward carries the last stage's
-        # loss only, so the routers would be trained without theirs
-        first, coefficient = next(iter(weighted.items()))
-        raise LayoutError(
-            f"pipeline parallel (pp={pp}): {name}'s router layers ({first} and {len(weighted) - 1} more) add a "
-            f"load-balancing loss (aux_loss_coef={coefficient}) that the pipeline schedule does not carry from "
-            "their stages yet. Set aux_loss_coef=0 to train under pp, or train the load-balancing loss without pp.")
     if callable(getattr(module, "loss_fn", None)):
         if not callable(getattr(module, "compute_loss", None)):
             raise LayoutError(
@@ -134,3 +125,22 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
             "loss alone. Set config.router_aux_loss_coef=0 (or output_router_logits=False) to train under pp, or "
             "train with the load-balancing loss without pp (tp, ZeRO).")
     return None
+
+
+def check_layer_losses(model: nn.Module, pp: int) -> None:
+    """Refuse expert layers that keep a load-balancing loss for the step to add (``aux_loss_coef > 0``, as
+    :class:`~lightning_par.examples.moe.MoEFeedForward` for ``MoEGPT.aux_loss()``): under a pipeline the schedule
+    backpropagates the last stage's loss alone, so the term would be silently dropped. ``model``: the whole model,
+    before the split (the same verdict on every rank)."""
+    balanced = [n for n, m in expert_layers(model).items() if _positive(getattr(m, "aux_loss_coef", 0))]
+    if balanced:
+        raise LayoutError(
+            f"pipeline parallel (pp={pp}): {', '.join(balanced[:3])}{' ...' if len(balanced) > 3 else ''} of "
+            f"{type(model).__name__} compute a load-balancing loss (aux_loss_coef > 0) that the step adds to the "
+            "loss, but under a pipeline the schedule backpropagates the last stage's loss_fn alone and the layers "
+            "live on different stages. Set aux_loss_coef=0 to train under pp, or train with the load-balancing loss "
+            "without pp (ep, tp, ZeRO).")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
