@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_par._compat import all_to_all_single_autograd, foreach_mul_
-from lightning_par.parallel.experts_ep import resolve_ep_plan
+from lightning_par.parallel.experts_ep import declare_planned_experts
 from lightning_par.topology import LayoutError
 
 #: what a layer declares to take part (see the module docstring)
@@ -57,12 +57,6 @@ def check_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dic
     ``part``: ``module`` is a pipeline rank's part, whose stages may hold no expert layer (the whole model was
     checked before the split)."""
     layers = expert_layers(module)
-    if not layers and not part and resolve_ep_plan(module):
-        # (only before a pipeline split: parallelize() declares a planned model's experts before it checks them)
-        raise LayoutError(
-            f"ep={ep} with pp > 1: {type(module).__name__}'s experts come from its ep plan (a Hugging Face MoE "
-            "model), which expert parallel does not apply inside a pipeline yet. Use pp=1 with ep (beside tp, cp "
-            "and ZeRO 0-3), or ep=1 with pp.")
     if not layers and not part:
         raise LayoutError(
             f"ep={ep} but {type(module).__name__} has no expert layers: expert parallel splits mixture-of-experts "
@@ -82,6 +76,15 @@ def check_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dic
                 raise LayoutError(f"{name}.{pname} is declared in expert_parameters but is not a parameter stacked "
                                   f"over the {experts} experts on dimension 0 (it is {shape}): list only those.")
     return layers
+
+
+def prepare_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dict[str, nn.Module]:
+    """A Hugging Face model's experts declared from its own ep plan
+    (:func:`~lightning_par.parallel.experts_ep.declare_planned_experts`), then :func:`check_expert_parallel`. Under
+    pp it runs on the whole model before the split (the stages are copies of the model: each copy of a declared
+    experts module keeps the interface, its forward bound to the copy) and again on the rank's part."""
+    declare_planned_experts(module)
+    return check_expert_parallel(module, ep, part)
 
 
 class TokenExchange:

@@ -45,8 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_par.parallel.compile import BlockCompiler
 from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
-from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel, check_expert_parallel
-from lightning_par.parallel.experts_ep import declare_planned_experts
+from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel, prepare_expert_parallel
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
@@ -134,9 +133,9 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     """
     ep = config.expert_mesh["ep"].size() if config.expert_mesh is not None else 1
     if config.expert_mesh is not None:
-        declare_planned_experts(parts.root)  # a Hugging Face model's experts, from its own ep plan
-        # a pipeline rank's stages may hold no expert layer: the whole model was checked before the split
-        check_expert_parallel(parts.root, ep, part=parts.pipelined)
+        # a Hugging Face model's experts from its own ep plan; a pipeline rank's stages may hold no expert layer
+        # (the whole model was declared and checked before the split)
+        prepare_expert_parallel(parts.root, ep, part=parts.pipelined)
     if deferred is None:  # (a deferred model took global rank 0's construction when it was recorded)
         parts.root.to(config.device)
         make_replicas_identical(parts.root, (config.dp_mesh, config.tp_mesh))

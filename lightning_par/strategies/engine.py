@@ -34,7 +34,7 @@ from lightning_par.parallel import shutdown
 from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
-from lightning_par.parallel.expert_parallel import ExpertGradients, check_expert_parallel
+from lightning_par.parallel.expert_parallel import ExpertGradients, prepare_expert_parallel
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
 from lightning_par.parallel.heartbeat import Heartbeat
 from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
@@ -345,7 +345,7 @@ class LayoutStrategy(MeshStrategy):
         if pp_mesh is not None:
             self.checkpoints.remember_unsplit(lm)  # the whole model's entries, for lightning_module_state_dict
             if self.dims.ep > 1:  # the whole model's expert layers: a rank's stages may hold none
-                check_expert_parallel(lm, self.dims.ep)
+                prepare_expert_parallel(lm, self.dims.ep)
         return split(lm, layout.stage_plan, pp_mesh, block_types=layout.block_types, costs=layout.stage_costs,
                      holder=True, need_blocks=layout.transforms_blocks(compiled=self.compile_options is not None))
 

@@ -168,6 +168,18 @@ CASES: dict[str, Case] = {
                                             full=True, world=4),
     "deepseek_v3_ep2_tp2_zero1_adamw": Case("deepseek_v3", "adamw", {"ep": 2, "tp": 2, "zero_stage": 1}, full=True,
                                             world=4),
+    # expert parallel inside a pipeline (4 ranks: ep2 over the dp2 ranks of each stage), under 1F1B and ZBV; the
+    # load-balancing loss stays off (a pipeline refuses it: each stage sees its own layers' routers only)
+    **{f"{arch}_ep2_pp2_{schedule}_sgd": Case(arch, "sgd", {"ep": 2, "pp": 2, "schedule": schedule}, full=True, world=4)
+       for arch in ("qwen3_moe", "mixtral", "deepseek_v3") for schedule in ("1f1b", "zbv")},
+    "qwen3_moe_ep2_pp2_1f1b_adamw": Case("qwen3_moe", "adamw", {"ep": 2, "pp": 2, "schedule": "1f1b"}, full=True,
+                                         world=4),
+    # 8 ranks: dp2 x tp2 x pp2, the experts over ep2 of the dp ranks, attention from the tp plan
+    "qwen3_moe_dp2_tp2_pp2_ep2_sgd": Case("qwen3_moe", "sgd", {"ep": 2, "tp": 2, "pp": 2, "schedule": "1f1b"},
+                                          full=True, world=8),
+    # expert parallel with context parallel (2 ranks: cp2, the experts over the cp ranks of the one replica)
+    **{f"{arch}_ep2_cp2_sgd": Case(arch, "sgd", {"ep": 2, "cp": 2}, full=True)
+       for arch in ("qwen3_moe", "mixtral", "deepseek_v3")},
 }
 #: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
 ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
@@ -247,6 +259,8 @@ def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
     from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 
     options: dict[str, Any] = {} if heartbeat else {"heartbeat_timeout": None}
+    if "ep" in layout and ("pp" in layout or "cp" in layout):
+        return LayoutStrategy(**layout, **({"n_microbatches": MICROBATCHES} if "pp" in layout else {}), **options)
     if "ep" in layout:  # the experts from the model's own ep plan; with tp, attention from its tp plan
         return LayoutStrategy(**layout, **options) if "tp" in layout else \
             ZeroStrategy(stage=layout.get("zero_stage", 0), ep=layout["ep"], **options)
@@ -267,9 +281,9 @@ def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     layout = layout or case.layout
-    world, tp = dist.get_world_size(), layout.get("tp", 1)
-    dp = world // (tp * layout.get("pp", 1))
-    dp_rank = dist.get_rank() // tp % dp  # (the mesh is (pp, dp, tp), tp innermost)
+    world, tp, cp = dist.get_world_size(), layout.get("tp", 1), layout.get("cp", 1)
+    dp = world // (tp * cp * layout.get("pp", 1))
+    dp_rank = dist.get_rank() // (tp * cp) % dp  # (the mesh is (pp, dp, cp, tp), tp innermost; cp ranks share rows)
     record = _Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy_for(layout, heartbeat), max_epochs=epochs,
@@ -460,7 +474,7 @@ def main() -> None:
         dist.all_gather_object(placements, placements_of)
         if rank == 0:
             batches = batches_of(rows[:RESUME_EPOCH * BATCH]) * 2 if case.resume else batches_of(rows)
-            dp = world // case.layout.get("tp", 1) // case.layout.get("pp", 1)
+            dp = world // case.layout.get("tp", 1) // case.layout.get("pp", 1) // case.layout.get("cp", 1)
             ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1)
             results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}

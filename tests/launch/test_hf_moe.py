@@ -52,12 +52,14 @@ def results(tmp_path_factory, cache_dir, request):
 
     def get(world: int) -> dict:
         if world not in out:
-            names = [n for n, case in CASES.items() if case.world == world and (full or not case.full)]
+            # (only the fits whose parity test this session runs: `-k` selects what a launch trains)
+            chosen = {item.callspec.params.get("name") for item in request.session.items if hasattr(item, "callspec")}
+            names = [n for n, case in CASES.items() if case.world == world and (full or not case.full) and n in chosen]
             extra = ["--errors", *ERROR_CASES, "--styles"] if world == 2 else []
             root = tmp_path_factory.mktemp(f"hf_moe_{world}")
             path = root / "results.json"
             run = launch_matrix(root, cache_dir, "tests.launch.hf_moe", ["--out", str(path), "--cases", *names, *extra],
-                                nproc=world, timeout=900).check()
+                                nproc=world, timeout=max(900, 120 * len(names))).check()
             print(f"hf_moe on {world} ranks: {len(names)} fits{' + the refusals and styles' if extra else ''} in "
                   f"{run.seconds:.1f} s")
             out[world] = json.loads(path.read_text())
@@ -100,6 +102,9 @@ def _check_expert_parallel(case, result):
     ep = case.layout["ep"]
     assert len(result["placements"]) == case.world
     for rank, held in enumerate(result["placements"]):
+        if "pp" in case.layout and not held["bytes"]["total"]:  # a stage of DeepSeek-V3's dense first layer only
+            assert case.arch == "deepseek_v3" and held == {"bytes": {"held": 0, "total": 0, "state": 0, "states": 0}}
+            continue
         placement = "(Shard(dim=0), Replicate())" if "tp" in case.layout else "(Shard(dim=0),)"
         assert held["gate_up_proj"].startswith(placement), (rank, held)
         assert held["down_proj"].startswith(placement), (rank, held)
