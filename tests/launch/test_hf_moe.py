@@ -337,6 +337,29 @@ def test_hf_experts_declared_from_the_ep_plan_compute_one_process_function():
         check_expert_parallel(model, 3)
 
 
+def test_hf_experts_declared_before_a_pipeline_split_stay_declared_on_each_stage():
+    """Under pp the engine declares the experts on the whole model, then cuts the stages as copies of it: each copy
+    of an experts module keeps the interface, its dispatching forward and local experts bound to the copy (a forward
+    bound to the original would split the original's weights and never train the stage's)."""
+    from lightning_par.parallel.expert_parallel import prepare_expert_parallel
+    from lightning_par.parallel.pipeline.split import rank_module
+
+    model = moe_model("deepseek_v3")  # (its first layer is dense: stage 0 holds no experts)
+    prepare_expert_parallel(model, 2)
+    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    first, last = (rank_module(model, [units[:2], units[2:]], [i], units=units)
+                   for i in (0, 1))
+    assert check_expert_parallel(first, 2, part=True) == {}
+    held = check_expert_parallel(last, 2, part=True)
+    assert list(held) == ["model.layers.1.mlp.experts"]
+    copy, original = held["model.layers.1.mlp.experts"], model.get_submodule("model.layers.1.mlp.experts")
+    assert copy is not original and copy.gate_up_proj is not original.gate_up_proj
+    for bound in (copy.forward, copy.experts):
+        assert bound.args[0] is copy and bound.args[1].__self__ is copy
+    prepare_expert_parallel(last, 2, part=True)  # (again on the rank's part: declared already, left as it is)
+    assert copy.forward.args[0] is copy
+
+
 @pytest.mark.parametrize(
     "experts,plan,match",
     [
