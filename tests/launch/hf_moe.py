@@ -1,7 +1,7 @@
 """Hugging Face mixture-of-experts models (tiny configs of transformers' own classes, no download) trained through
 ``Trainer.fit`` -- tp2 from the model's own plan (``moe_tp_experts``), ZeRO-3 over dp2, a 2-stage pipeline, and
-expert parallel from the model's own ep plan (ep2, with dp2 or tp2 on 4 ranks) -- next to one process on the same
-batches.
+expert parallel from the model's own ep plan (ep2, with dp2 or tp2 on 4 ranks, inside a 2-stage pipeline on 4 or 8
+ranks, with cp2 on 2) -- next to one process on the same batches.
 
 Run under torchrun (``tests.harness.launch_matrix``) on 2 ranks (the styles and the refusals too) or 4;
 ``tests/launch/test_hf_moe.py`` reads what it writes.
@@ -180,6 +180,9 @@ CASES: dict[str, Case] = {
     # expert parallel with context parallel (2 ranks: cp2, the experts over the cp ranks of the one replica)
     **{f"{arch}_ep2_cp2_sgd": Case(arch, "sgd", {"ep": 2, "cp": 2}, full=True)
        for arch in ("qwen3_moe", "mixtral", "deepseek_v3")},
+    # ... with the load-balancing loss: each cp rank computes it on the tokens it holds (reference: cp_aux_loss)
+    "qwen3_moe_ep2_cp2_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "cp": 2}, aux=EP_AUX_COEF, full=True),
+    "mixtral_ep2_cp2_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "cp": 2}, aux=EP_AUX_COEF, full=True),
 }
 #: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
 ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
@@ -204,23 +207,53 @@ def batches_of(rows: list[dict]) -> list[dict[str, torch.Tensor]]:
     return [{k: torch.stack([r[k] for r in rows[i:i + BATCH]]) for k in rows[0]} for i in range(0, len(rows), BATCH)]
 
 
-def reference(case: Case, train: list[dict], chunks: int = 1) -> dict:
+def reference(case: Case, train: list[dict], chunks: int = 1, cp: int = 1) -> dict:
     """One process: the module's own step on whole batches, its optimizer; the load-balancing term of each step.
     ``chunks``: the loss is the mean of the model's loss on each data-parallel rank's share of the batch (rows r,
-    r + chunks, ...), as each rank's forward computes it -- the per-rank load-balancing loss's semantics."""
+    r + chunks, ...), as each rank's forward computes it -- the per-rank load-balancing loss's semantics. ``cp``:
+    the same within a row, whose tokens are split over the cp ranks: the language-model loss of whole sequences
+    plus the mean over the cp ranks of the load-balancing loss of the tokens each holds (:func:`cp_aux_loss`)."""
     lm = HFMoELM(case.arch, case.optimizer, case.aux)
     lm.configure_model()
     optimizer = lm.configure_optimizers()
     losses, aux = [], []
     for batch in train:
         outs = [lm.model(**{k: v[r::chunks] for k, v in batch.items()}) for r in range(chunks)]
+        logged = None
+        if cp > 1 and case.aux:
+            coef, logged = aux_coef(case.aux), 0.0
+            for out in outs:  # the model's term on whole sequences replaced by the cp ranks' mean
+                shards = cp_aux_loss(lm.model, out.router_logits, batch["input_ids"].size(1), cp)
+                language = out.loss - coef * out.aux_loss
+                # (the log is reduced over dp only: it shows each replica's cp rank 0's loss, its own tokens' term)
+                logged += float(language + coef * shards[0]) / chunks
+                out.loss, out.aux_loss = language + coef * shards.mean(), shards.mean()
         loss = sum(out.loss for out in outs) / chunks
         loss.backward()
-        losses.append(loss.item())
+        losses.append(loss.item() if logged is None else logged)
         aux.append(aux_coef(case.aux) * sum(out.aux_loss.item() for out in outs) / chunks if case.aux else 0.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"losses": losses, "aux_terms": aux}
+
+
+def cp_aux_loss(model: torch.nn.Module, router_logits: tuple[torch.Tensor, ...], length: int, cp: int) -> torch.Tensor:
+    """The model's own load-balancing loss of the tokens each of the ``cp`` ranks holds under context parallel
+    (sequence chunks r and 2 cp - 1 - r of 2 cp; a last token of an odd length is dropped), from the router logits of
+    whole sequences (``[rows x length, experts]`` per layer: a token's logits do not depend on how the sequence is
+    split)."""
+    import sys
+
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    config, chunk = model.config, length // (2 * cp)
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    per_rank = []
+    for r in range(cp):
+        held = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (r, 2 * cp - 1 - r)])
+        shard = tuple(logits.view(-1, length, logits.size(-1))[:, held].reshape(-1, logits.size(-1))
+                      for logits in router_logits)
+        per_rank.append(balance(shard, experts, config.num_experts_per_tok))
+    return torch.stack(per_rank)
 
 
 class _Record(L.Callback):
@@ -475,7 +508,7 @@ def main() -> None:
         if rank == 0:
             batches = batches_of(rows[:RESUME_EPOCH * BATCH]) * 2 if case.resume else batches_of(rows)
             dp = world // case.layout.get("tp", 1) // case.layout.get("pp", 1) // case.layout.get("cp", 1)
-            ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1)
+            ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1, cp=case.layout.get("cp", 1))
             results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}
             if "ep" in case.layout and case.aux:  # what one process computes on whole batches: another function

@@ -17,7 +17,11 @@
     ZeRO-1 (full set; the default set's 2-rank launch runs qwen3_moe ep2 SGD with the loss on). Losses within 1e-5 of
     one process whose loss is the mean of the model's loss on each rank's share of the batch (the per-rank
     load-balancing loss); each rank 1/ep of the expert bytes and of their AdamW state. In this process, the ep plans
-    resolved and the refusals.
+    resolved and the refusals. Inside a pipeline (full set): ep2 x pp2 on 4 ranks under 1F1B and ZBV for qwen3_moe,
+    mixtral and deepseek_v3 (SGD; qwen3_moe AdamW under 1F1B), dp2 x tp2 x pp2 x ep2 on 8 ranks (qwen3_moe); with
+    context parallel, ep2 x cp2 on 2 ranks (the three, SGD; qwen3_moe and mixtral with the load-balancing loss, each
+    cp rank's term on its own tokens); each rank 1/ep of its stage's expert bytes. In this process, the experts
+    declared before the split stay declared on each stage's copy.
 (b) In this process: the resolved plans of qwen3_moe, qwen2_moe, mixtral, olmoe and deepseek_v3 at tp2, and the
     refusals of what ``moe_tp_experts`` cannot split exactly, each naming the module, the style and the fix.
 """
