@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_par import LayoutStrategy, ZeroStrategy
+from lightning_par import LayoutStrategy, PipelineStrategy, ZeroStrategy
 from lightning_par.data import TextDataModule
 from lightning_par.examples import MoEGPTLightningModule
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS
@@ -38,12 +38,19 @@ class Case:
 
 
 CASES: dict[str, Case] = {
-    # sources: one process (Lightning's one file), ep2 under ZeRO-1 (experts whole, the rest in bucket shards),
-    # ep2 x expert_dp2 under ZeRO-3 (FSDP2 leaves the experts out), dp2 x tp2 x ep2 under ZeRO-1 (experts on (ep, tp))
+    # sources: one process (Lightning's one file), ep2 under ZeRO-1 (expert_dp 1: the experts' partitioner holds a
+    # rank's experts whole), ep2 x expert_dp2 under ZeRO-3 (each expert module an FSDP2 group on expert_dp), dp2 x
+    # tp2 x ep2 under ZeRO-1 (experts on (ep, tp))
     "one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1),
     "ep2_zero1": Case(lambda: ZeroStrategy(stage=1, ep=2), 2, 2, mid=True),
     "ep2_zero3_dp4": Case(lambda: ZeroStrategy(stage=3, ep=2), 4, 4),
     "ep2_tp2_zero1": Case(lambda: LayoutStrategy(tp=2, ep=2, zero_stage=1), 4, 2),
+    # ep2 x expert_dp2 under ZeRO-1/2: the experts' buckets, optimizer state and chunks partitioned over their 2
+    # replicas by their own partitioner, beside the dense weights' over dp4
+    "ep2_zero1_dp4": Case(lambda: ZeroStrategy(stage=1, ep=2), 4, 4),
+    "ep2_zero2_dp4": Case(lambda: ZeroStrategy(stage=2, ep=2), 4, 4),
+    # pp2 x dp2, 1F1B, the experts of each stage over ep2 (ZeRO-1: both partitioners per stage)
+    "ep2_pp2": Case(lambda: PipelineStrategy(pp=2, ep=2, zero_stage=1, schedule="1f1b", n_microbatches=2), 4, 2),
     # resumes (source -> target)
     "ep2_zero1_mid_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "ep2_zero1", at=5),
     "ep2_tp2_zero1_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "ep2_tp2_zero1"),
@@ -52,6 +59,12 @@ CASES: dict[str, Case] = {
     "one_process_to_ep2_zero1": Case(lambda: ZeroStrategy(stage=1, ep=2), 2, 2, "one_process"),  # ... beside shards
     "ep2_zero1_mid_to_ep4_zero3": Case(lambda: ZeroStrategy(stage=3, ep=4), 4, 4, "ep2_zero1", at=5),
     "ep2_zero3_dp4_to_ep4_zero0": Case(lambda: ZeroStrategy(stage=0, ep=4), 4, 4, "ep2_zero3_dp4"),
+    "ep2_zero1_dp4_to_ep4_zero1": Case(lambda: ZeroStrategy(stage=1, ep=4), 4, 4, "ep2_zero1_dp4"),
+    "ep2_zero2_dp4_to_ep4_zero2": Case(lambda: ZeroStrategy(stage=2, ep=4), 4, 4, "ep2_zero2_dp4"),
+    "ep2_zero1_dp4_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "ep2_zero1_dp4"),
+    "ep2_zero2_dp4_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "ep2_zero2_dp4"),
+    "ep2_pp2_to_one_process": Case(lambda: ZeroStrategy(stage=0), 1, 1, "ep2_pp2"),
+    "ep2_pp2_to_ep2": Case(lambda: ZeroStrategy(stage=2, ep=2), 2, 2, "ep2_pp2"),  # without pp
 }
 
 
