@@ -94,8 +94,8 @@ def _expert_coverage(path) -> dict[str, tuple[tuple[int, ...], int, int]]:
 @pytest.mark.launch(ranks=2)
 def test_an_ep2_checkpoint_resumes_without_expert_parallel(moe_ckpt):
     """ep2 under ZeRO-1 (expert_dp 1: the experts' own partitioner holds each rank's experts in one chunk): each
-    rank writes its own experts' weights and AdamW moments, the DCP directory says the layout, and ZeRO-2 over the same 2 ranks with every expert
-    on each rank continues with the uninterrupted run's losses."""
+    rank writes its own experts' weights and AdamW moments, the DCP directory says the layout, and ZeRO-2 over the
+    same 2 ranks with every expert on each rank continues with the uninterrupted run's losses."""
     source = moe_ckpt("ep2_zero1")
     path = source.checkpoint(EPOCH_STEPS)
     layout = json.loads((path / "meta.json").read_text())["checkpoint"]["lightning_par_layout"]
