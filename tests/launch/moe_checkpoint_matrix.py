@@ -35,6 +35,7 @@ class Case:
     source: str | None = None
     at: int = EPOCH_STEPS  # the source's step to resume from (5: mid-epoch, from the source's "mid" checkpoints)
     mid: bool = False  # a source that also keeps a checkpoint every 5 steps (mid-epoch), in NAME/mid
+    precision: str = "32-true"
 
 
 CASES: dict[str, Case] = {
@@ -49,6 +50,8 @@ CASES: dict[str, Case] = {
     # replicas by their own partitioner, beside the dense weights' over dp4
     "ep2_zero1_dp4": Case(lambda: ZeroStrategy(stage=1, ep=2), 4, 4),
     "ep2_zero2_dp4": Case(lambda: ZeroStrategy(stage=2, ep=2), 4, 4),
+    # ... under bf16-mixed: both partitioners keep fp32 masters apart from the bf16 buckets (the masters are saved)
+    "ep2_zero2_dp4_bf16": Case(lambda: ZeroStrategy(stage=2, ep=2), 4, 4, precision="bf16-mixed"),
     # pp2 x dp2, 1F1B, the experts of each stage over ep2 (ZeRO-1: both partitioners per stage)
     "ep2_pp2": Case(lambda: PipelineStrategy(pp=2, ep=2, zero_stage=1, schedule="1f1b", n_microbatches=2), 4, 2),
     # resumes (source -> target)
@@ -78,7 +81,8 @@ def fit(root, cache: str, name: str, sources: dict) -> None:
     if case.mid:
         keep.append(ModelCheckpoint(dirpath=root / name / "mid", every_n_train_steps=5, save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=case.devices, strategy=case.strategy(), max_steps=PARITY_STEPS,
+        accelerator="cpu", devices=case.devices, strategy=case.strategy(), precision=case.precision,
+        max_steps=PARITY_STEPS,
         limit_train_batches=EPOCH_STEPS, limit_val_batches=2, log_every_n_steps=1,
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name, callbacks=keep,

@@ -5,12 +5,12 @@ tests/launch/reshard_matrix.py: 20 steps, the LR schedule over them, checkpoints
 2-rank launch: ep2 under ZeRO-1 saves a DCP directory and a layout without experts split (ZeRO-2 dp2) resumes it with
 the losses of the uninterrupted ep2 run; its export into one file holds the tensors torch's own DCP reader gives. The
 full set adds one process (the reference, and a one-file source), ep2 x expert_dp2 under ZeRO-3, dp2 x tp2 x ep2
-under ZeRO-1, ep2 x expert_dp2 under ZeRO-1 and ZeRO-2 (the experts' own partitioner over expert_dp) and pp2 x ep2
-(1F1B) as sources, and their resumes into ep4, into ep2 without pp and into one process, each matching the
-uninterrupted one-process run from its step (weights, AdamW's moments and step, the schedule and the data position
-all move; two resume mid-epoch, from step 5), and the ``export --hf`` of Hugging Face MoE models (qwen3_moe, mixtral)
-trained under tp2, and of qwen3_moe trained under ep2, with ``FromPretrained`` of the exported per-expert directory
-(tests/launch/moe_export_worker.py).
+under ZeRO-1, ep2 x expert_dp2 under ZeRO-1 and ZeRO-2 (the experts' own partitioner over expert_dp; also under
+bf16-mixed, its fp32 masters saved) and pp2 x ep2 (1F1B) as sources, and their resumes into ep4, into ep2 without pp
+and into one process, each matching the uninterrupted one-process run from its step (weights, AdamW's moments and
+step, the schedule and the data position all move; two resume mid-epoch, from step 5), and the ``export --hf`` of
+Hugging Face MoE models (qwen3_moe, mixtral) trained under tp2, and of qwen3_moe trained under ep2, with
+``FromPretrained`` of the exported per-expert directory (tests/launch/moe_export_worker.py).
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ LAUNCHES = [
     ["one_process"],
     ["one_process_to_ep2_zero0", "one_process_to_ep2_zero1", "ep2_pp2_to_ep2"],
     ["ep2_zero3_dp4", "ep2_tp2_zero1", "ep2_zero1_mid_to_ep4_zero3", "ep2_zero3_dp4_to_ep4_zero0"],
-    ["ep2_zero1_dp4", "ep2_zero2_dp4", "ep2_pp2", "ep2_zero1_dp4_to_ep4_zero1", "ep2_zero2_dp4_to_ep4_zero2"],
+    ["ep2_zero1_dp4", "ep2_zero2_dp4", "ep2_pp2", "ep2_zero1_dp4_to_ep4_zero1", "ep2_zero2_dp4_to_ep4_zero2",
+     "ep2_zero2_dp4_bf16"],
     ["ep2_zero1_mid_to_one_process", "ep2_tp2_zero1_to_one_process", "ep2_zero1_dp4_to_one_process",
      "ep2_zero2_dp4_to_one_process", "ep2_pp2_to_one_process"],
 ]
 #: the 4-rank sources, each expert held by 2 ranks (expert_dp 2, tp 2 or a stage's dp 2)
 FOUR_RANK_SOURCES = ("ep2_zero3_dp4", "ep2_tp2_zero1", "ep2_zero1_dp4", "ep2_zero2_dp4", "ep2_pp2")
+BF16 = torch.bfloat16
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
@@ -88,6 +90,14 @@ def _expert_coverage(path) -> dict[str, tuple[tuple[int, ...], int, int]]:
         for chunk in entry.chunks:
             count[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))] += 1
         out[key] = (tuple(entry.size), int(count.min()), int(count.max()))
+    return out
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """A nested state dict's leaves under their dotted keys."""
+    out = {}
+    for key, value in tree.items():
+        out.update(_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
 
@@ -141,6 +151,25 @@ def test_each_expert_is_saved_once_per_replica_group(moe_ckpt):
         assert len(coverage) == 4 * 3 * 3, (name, sorted(coverage))
         for key, (shape, least, most) in coverage.items():
             assert shape[0] == 4 and sorted(shape[1:]) == [64, 96] and (least, most) == (1, 1), (name, key, shape)
+
+
+@pytest.mark.launch(ranks=4, full=True)
+def test_the_experts_fp32_masters_are_saved_under_bf16(moe_ckpt, tmp_path):
+    """ep2 x expert_dp2, ZeRO-2, bf16-mixed: the experts' partitioner holds fp32 masters apart from its bf16 buckets;
+    the checkpoint holds the masters (fp32 values bf16 cannot represent) and their fp32 AdamW moments, each element
+    once, in the full shape."""
+    path = moe_ckpt("ep2_zero2_dp4_bf16").checkpoint(EPOCH_STEPS)
+    coverage = _expert_coverage(path)
+    assert len(coverage) == 4 * 3 * 3 and {c[1:] for c in coverage.values()} == {(1, 1)}, coverage
+    dcp_to_torch_save(path, tmp_path / "bf16.pt")
+    saved = _dotted(torch.load(tmp_path / "bf16.pt", weights_only=False))
+    weights = {k: v for k, v in saved.items() if k.startswith("state_dict.") and k.split(".")[-1] in EXPERT_WEIGHTS}
+    moments = {k: v for k, v in saved.items() if any(f".mlp.{w}.exp_avg" in k for w in EXPERT_WEIGHTS)}
+    assert len(weights) == 4 * 3 and len(moments) == 4 * 3 * 2, (sorted(weights), sorted(saved))
+    for name, value in weights.items():
+        assert value.dtype == torch.float32 and value.shape[0] == 4, (name, value.dtype, value.shape)
+        assert not torch.equal(value, value.to(BF16).float()), name  # a master, not its bf16 bucket
+    assert all(value.dtype == torch.float32 and value.shape[0] == 4 for value in moments.values())
 
 
 @pytest.mark.launch(ranks=4, full=True)
