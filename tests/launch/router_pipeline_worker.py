@@ -6,7 +6,8 @@
 for tests/launch/test_router_pipeline.py. On 2 ranks (``PipelineStrategy``: pp2) or 4 (pp2 x ep2: each stage's
 experts over ep2 of its two data-parallel ranks), one ``Trainer.fit`` per case of the example MoE GPT with 4 layers
 (each rank holds stages of 2 of them), plain SGD, ``aux_loss_coef=0.1``, under 1F1B and ZBV (zero bubble in a V: the
-backward split into input and weight passes), with the load-balancing loss's scope ``micro_batch`` or ``global``.
+backward split into input and weight passes), with the load-balancing loss's scope ``micro_batch`` or ``global``;
+and on 2 ranks 1F1B over 2 accumulated Lightning batches per step (each micro-batch's loss scaled by 1 / (2 x 2)).
 Each layer's loss starts its backward from the layer's output (:class:`lightning_par.parallel.router.
 AuxLossInBackward`), per micro-batch; the logged loss is the micro-batches' mean of the language-model loss plus
 the load-balancing losses, every stage's (the same quantity as without pp).
@@ -42,10 +43,11 @@ from tests.harness import close_process_group
 from tests.launch.expert_parallel_worker import PER_RANK, Record, sequences
 
 STEPS, LAYERS, COEF = 4, 4, 0.1
-CASES = {  # schedule, scope, ep (pp=2; the world: 2 x ep)
+CASES = {  # schedule, scope, ep (pp=2; the world: 2 x ep), Lightning's accumulated batches per step
     f"pp2{'_ep2' if ep > 1 else ''}_{schedule}_{scope}": dict(schedule=schedule, scope=scope, ep=ep)
     for ep in (1, 2) for schedule in ("1f1b", "zbv") for scope in ("micro_batch", "global")
 }
+CASES["pp2_1f1b_micro_batch_accumulate"] = dict(schedule="1f1b", scope="micro_batch", ep=1, accumulate=2)
 
 
 def module_args(name: str) -> dict:
@@ -66,40 +68,44 @@ class WholeRecord(Record):
 
 def fit(name: str, root: Path) -> WholeRecord:
     case, world = CASES[name], int(os.environ["WORLD_SIZE"])
+    accumulate = case.get("accumulate", 1)
     pl.seed_everything(1234)
     model = MoEGPTLightningModule(**module_args(name))
     data = sequences(PER_RANK * (world // 2) * STEPS)
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK, shuffle=False)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=PER_RANK // accumulate, shuffle=False)
     record = WholeRecord()
-    strategy = PipelineStrategy(pp=2, ep=case["ep"], schedule=case["schedule"], n_microbatches=PER_RANK)
+    strategy = PipelineStrategy(pp=2, ep=case["ep"], schedule=case["schedule"], n_microbatches=PER_RANK // accumulate)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=root / name, callbacks=[record])
+                         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root / name, callbacks=[record])
     trainer.fit(model, loader)
     return record
 
 
 def reference(name: str, record: WholeRecord, dp: int, scale: float = 1.0, steps: int = STEPS) -> dict:
     """One process on the ranks' global batches: per step, each micro-batch's language-model loss plus ``scale``
-    times its layers' weighted load-balancing losses, backpropagated over the number of micro-batches; the step's
-    loss is the micro-batches' mean of it."""
+    times its layers' weighted load-balancing losses, backpropagated over the number of micro-batches (times the
+    accumulated batches); the step's loss is the micro-batches' mean of it."""
     model = MoEGPT(MoEGPTLightningModule(**module_args(name)).config)
     model.load_state_dict({n.removeprefix("model."): t for n, t in record.initial.items()})
     for layer in expert_layers(model).values():  # this process's micro-batch is the global one
         layer.router_statistics = lambda stats: stats
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulate = CASES[name].get("accumulate", 1)
+    rows_per_rank = PER_RANK // accumulate  # a Lightning batch of a rank: one row per micro-batch
     losses, norms = [], []
-    for batch in record.batches[:steps]:  # dp x PER_RANK rows: rank r's micro-batch i is row r * PER_RANK + i
-        rows = batch.view(dp, PER_RANK, -1)
-        if CASES[name]["scope"] == "global":  # micro-batch i: every data-parallel rank's i-th together
-            micro = [rows[:, i] for i in range(PER_RANK)]
-        else:  # each rank's own
-            micro = [rows[r, i:i + 1] for r in range(dp) for i in range(PER_RANK)]
+    for step in range(steps):
         total = 0.0
-        for chunk in micro:
-            loss = causal_lm_loss(model(chunk[:, :-1]), chunk[:, 1:]) + scale * model.aux_loss()
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
+        for batch in record.batches[step * accumulate:(step + 1) * accumulate]:
+            rows = batch.view(dp, rows_per_rank, -1)  # rank r's micro-batch i is row r * rows_per_rank + i
+            if CASES[name]["scope"] == "global":  # micro-batch i: every data-parallel rank's i-th together
+                micro = [rows[:, i] for i in range(rows_per_rank)]
+            else:  # each rank's own
+                micro = [rows[r, i:i + 1] for r in range(dp) for i in range(rows_per_rank)]
+            for chunk in micro:
+                loss = causal_lm_loss(model(chunk[:, :-1]), chunk[:, 1:]) + scale * model.aux_loss()
+                (loss / (len(micro) * accumulate)).backward()
+                total += loss.item() / (len(micro) * accumulate)
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         optimizer.step()
         optimizer.zero_grad()
@@ -111,7 +117,10 @@ def reports(records: dict[str, WholeRecord], world: int) -> dict[str, dict]:
     """Each case's report of this rank (on rank 0 with the one-process runs)."""
     out = {}
     for name, record in records.items():
-        out[name] = {"losses": record.losses, "norms": record.norms}
+        # each step's loss: the sum of its batches' (Lightning divides each by the accumulated batches)
+        accumulate = CASES[name].get("accumulate", 1)
+        losses = [sum(record.losses[i:i + accumulate]) for i in range(0, len(record.losses), accumulate)]
+        out[name] = {"losses": losses, "norms": record.norms}
         if dist.get_rank() == 0:
             dp = world // 2
             out[name]["reference"] = reference(name, record, dp)
