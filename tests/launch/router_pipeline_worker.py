@@ -12,8 +12,8 @@ Each layer's loss starts its backward from the layer's output (:class:`lightning
 AuxLossInBackward`), per micro-batch; the logged loss is the micro-batches' mean of the language-model loss plus
 the load-balancing losses, every stage's (the same quantity as without pp).
 
-Every rank writes ``OUT_DIR/rank{R}.json``: per case, each step's logged loss (the ranks' mean) and the pre-step
-global gradient norm. Rank 0 trains one process from the whole model's initial weights (gathered from every stage)
+Every rank writes ``OUT_DIR/rank{R}.json``: per case, each step's logged loss (the ranks' mean), the pre-step
+global gradient norm and the runtime's line for the log (``described``). Rank 0 trains one process from the whole model's initial weights (gathered from every stage)
 on the same global batches with the same semantics -- each micro-batch's language-model loss plus its weighted
 load-balancing losses, the gradient the mean over the micro-batches; a micro-batch of the global scope is the
 data-parallel ranks' micro-batches of the same index together -- and adds its losses and norms (``reference``), and
@@ -79,6 +79,7 @@ def fit(name: str, root: Path) -> WholeRecord:
                          accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root / name, callbacks=[record])
     trainer.fit(model, loader)
+    record.described = strategy.pipeline.describe()
     return record
 
 
@@ -120,7 +121,7 @@ def reports(records: dict[str, WholeRecord], world: int) -> dict[str, dict]:
         # each step's loss: the sum of its batches' (Lightning divides each by the accumulated batches)
         accumulate = CASES[name].get("accumulate", 1)
         losses = [sum(record.losses[i:i + accumulate]) for i in range(0, len(record.losses), accumulate)]
-        out[name] = {"losses": losses, "norms": record.norms}
+        out[name] = {"losses": losses, "norms": record.norms, "described": record.described}
         if dist.get_rank() == 0:
             dp = world // 2
             out[name]["reference"] = reference(name, record, dp)

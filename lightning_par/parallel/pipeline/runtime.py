@@ -602,6 +602,9 @@ class PipelineRuntime:
 
     def describe(self) -> str:
         units = [u for i in self.stage_ids for u in self.units_by_stage[i]]
+        balanced = [n for n in self._aux_losses if getattr(self.module.get_submodule(n), "aux_loss_coef", 0)]
         return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.plan.n_stages} "
                 f"({len(units)} units, {units[0]} .. {units[-1]}), schedule {self.plan.schedule}, "
-                f"{self.plan.n_microbatches} micro-batches")
+                f"{self.plan.n_microbatches} micro-batches"
+                + (f", the load-balancing losses of {len(balanced)} router layers started from their outputs in the "
+                   "backward (added to the logged loss)" if balanced else ""))
