@@ -12,14 +12,14 @@ Each layer's loss starts its backward from the layer's output (:class:`lightning
 AuxLossInBackward`), per micro-batch; the logged loss is the micro-batches' mean of the language-model loss plus
 the load-balancing losses, every stage's (the same quantity as without pp).
 
-Every rank writes ``OUT_DIR/rank{R}.json``: per case, each step's logged loss (the ranks' mean), the pre-step
-global gradient norm and the runtime's line for the log (``described``). Rank 0 trains one process from the whole model's initial weights (gathered from every stage)
-on the same global batches with the same semantics -- each micro-batch's language-model loss plus its weighted
-load-balancing losses, the gradient the mean over the micro-batches; a micro-batch of the global scope is the
-data-parallel ranks' micro-batches of the same index together -- and adds its losses and norms (``reference``), and
-those of the same process with the load-balancing loss's scale halved and doubled (``halved``, ``doubled``: 2 steps),
-which the run must not match. tests/launch/expert_pipeline_worker.py runs a case of this table in its own launch
-(the default set's).
+Every rank writes ``OUT_DIR/rank{R}.json``: per case, each step's logged loss (the ranks' mean), the pre-step global
+gradient norm and the runtime's line for the log (``described``). Rank 0 trains one process from the whole model's
+initial weights (gathered from every stage) on the same global batches with the same semantics -- each micro-batch's
+language-model loss plus its weighted load-balancing losses, the gradient the mean over the micro-batches; a micro-
+batch of the global scope is the data-parallel ranks' micro-batches of the same index together -- and adds its
+losses and norms (``reference``), and those of the same process with the load-balancing loss's scale halved and
+doubled (``halved``, ``doubled``: 2 steps), which the run must not match. tests/launch/expert_pipeline_worker.py
+runs a case of this table in its own launch (the default set's).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 from lightning.pytorch import Trainer
+from torch import nn
 
 from lightning_par import (
     Hybrid3DStrategy,

@@ -11,12 +11,18 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from lightning_par.examples.gpt import GPT_PRESETS
+from lightning_par.examples.gpt import GPT_PRESETS, causal_lm_loss
 from lightning_par.examples.lit_gpt import GPTLightningModule
 from lightning_par.examples.moe import MOE_PRESETS, MoEConfig, MoEFeedForward, MoEGPT, MoEGPTLightningModule
-from lightning_par.examples.gpt import causal_lm_loss
-from lightning_par.parallel.router import (SumOverRanks, apply_aux_loss_in_backward, load_metrics, reset_router_load,
-                                           router_layers, router_load, started_aux_losses)
+from lightning_par.parallel.router import (
+    SumOverRanks,
+    apply_aux_loss_in_backward,
+    load_metrics,
+    reset_router_load,
+    router_layers,
+    router_load,
+    started_aux_losses,
+)
 from lightning_par.utilization import active_parameter_count, model_flops_per_token
 
 TINY = MOE_PRESETS["tiny"]  # dim 64, 4 experts of 96, top-2, 2 layers
