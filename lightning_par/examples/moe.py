@@ -103,6 +103,10 @@ class MoEFeedForward(nn.Module):
     #: set by a strategy under ``aux_loss_scope="global"``: sums a tensor over the data-parallel ranks,
     #: differentiably (:class:`lightning_par.parallel.router.SumOverRanks`); None: this process's tokens only
     router_statistics = None
+    #: set by a pipeline strategy: ``aux_loss_backward(output, weighted_aux_loss)`` returns the output and starts the
+    #: loss's backward with the output's (:class:`lightning_par.parallel.router.AuxLossInBackward`); None: the step
+    #: adds :meth:`MoEGPT.aux_loss` to its loss
+    aux_loss_backward = None
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -175,6 +179,8 @@ class MoEFeedForward(nn.Module):
             y = y + self.shared(x)
         if self.aux_loss_coef > 0:
             self.aux_loss = self._load_balancing_loss(routed, probs)
+            if self.aux_loss_backward is not None:  # a pipeline: this micro-batch's loss trains from here
+                y = self.aux_loss_backward(y, self.aux_loss_coef * self.aux_loss)
         return y.view(shape)
 
     def _within_capacity(self, order: torch.Tensor, routed: torch.Tensor, tokens: int,
@@ -195,7 +201,8 @@ class MoEFeedForward(nn.Module):
         stats = torch.cat([routed.to(probs.dtype), probs.sum(dim=0), probs.new_full((1,), probs.shape[0])])
         if self.aux_loss_scope == "global":
             if self.router_statistics is None:
-                check_global_scope(self)  # one process: its tokens are the global batch
+                if not probs.is_meta:  # (a shape inference, before the strategy sets the sum, computes nothing)
+                    check_global_scope(self)  # one process: its tokens are the global batch
             else:
                 stats = self.router_statistics(stats)
         tokens = stats[-1]
@@ -241,9 +248,10 @@ class MoEGPT(GPT):
                 nn.init.normal_(module.w_down, std=residual_std)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """The weighted sum of the last forward's load-balancing losses over the layers (None when off)."""
+        """The weighted sum of the last forward's load-balancing losses over the layers, for the step to add to its
+        loss (None when off, or when a pipeline strategy backpropagates them from the layers' outputs)."""
         losses = [m.aux_loss_coef * m.aux_loss for m in self.modules()
-                  if isinstance(m, MoEFeedForward) and m.aux_loss is not None]
+                  if isinstance(m, MoEFeedForward) and m.aux_loss is not None and m.aux_loss_backward is None]
         return torch.stack(losses).sum() if losses else None
 
 

@@ -27,7 +27,6 @@ pattern that matches nothing is skipped (transformers does too); a user's own ``
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -38,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.parallel.experts_tp import _weights_position
+from lightning_par.parallel.plans import find_plan, is_hf_model, pattern_regex
 from lightning_par.topology import LayoutError
 
 #: the module style and the parameter style of a published ep plan (Hugging Face's names)
@@ -46,46 +46,16 @@ STACKED_STYLE = "grouped_gemm"
 EP_STYLES = (DISPATCH_STYLE, STACKED_STYLE)
 
 
-def _is_hf_model(module: nn.Module) -> bool:
-    return hasattr(module, "config") and hasattr(module, "base_model_prefix") and hasattr(module, "post_init")
-
-
-def _declared_ep_plan(module: nn.Module) -> dict[str, str] | None:
-    plan = getattr(module, "ep_plan", None)  # transformers 5 merges it on the instance; a user's module declares it
-    if isinstance(plan, dict) and plan:
-        return dict(plan)
-    if _is_hf_model(module):  # (the config's base-model plan, relative to the base model)
-        base = dict(getattr(module.config, "base_model_ep_plan", None) or {})
-        prefix = module.base_model_prefix
-        if base and prefix and getattr(module, prefix, None) is not None and getattr(module, prefix) is not module:
-            base = {f"{prefix}.{k}": v for k, v in base.items()}
-        return base or None
-    return None
-
-
-def find_ep_plan(module: nn.Module) -> tuple[str, nn.Module, dict[str, str]] | None:
-    """The first sub-module (pre-order, ``module`` included) that declares an ep plan: ``(fqn, model, plan)``."""
-    for name, sub in module.named_modules():
-        plan = _declared_ep_plan(sub)
-        if plan:
-            return name, sub, plan
-    return None
-
-
-def _regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
-
-
 def resolve_ep_plan(module: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{experts module FQN (relative to module): its parameters split over the experts}`` from the declared ep
     plan (empty without one), or a :class:`LayoutError` naming the module, the style and the fix for what cannot be
     applied exactly. Shapes only (meta tensors too): every rank refuses alike, before any collective (how many
     experts ep divides: :func:`~lightning_par.parallel.expert_parallel.check_expert_parallel`)."""
-    found = find_ep_plan(module)
+    found = find_plan(module, "ep")
     if found is None:
         return {}
     root, model, plan = found
-    prefix, model_name, strict = f"{root}." if root else "", type(model).__name__, not _is_hf_model(model)
+    prefix, model_name, strict = f"{root}." if root else "", type(model).__name__, not is_hf_model(model)
     modules = [name for name, _ in model.named_modules() if name]
     params = [name for name, _ in model.named_parameters()]
     dispatch: list[str] = []
@@ -97,7 +67,7 @@ def resolve_ep_plan(module: nn.Module) -> dict[str, tuple[str, ...]]:
                 f"applies; it applies {DISPATCH_STYLE!r} (an experts module: tokens sent to the ranks holding their "
                 f"experts) and {STACKED_STYLE!r} (that module's parameters stacked over the experts). Remove the "
                 "entry, or train with ep=1.")
-        regex = _regex(pattern)
+        regex = pattern_regex(pattern)
         names = [n for n in (modules if style == DISPATCH_STYLE else params) if regex.fullmatch(n)]
         if not names and strict:
             raise LayoutError(f"{model_name}.ep_plan names {pattern!r} ({style!r}), but {model_name} has no "

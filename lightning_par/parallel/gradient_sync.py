@@ -315,8 +315,9 @@ class ZeroSync(NoSync):
 
     @property
     def states(self) -> ParamStates:
-        # once the optimizers hold bucket shards (attach), the weights are saved from and loaded into the shards
-        return ZeroStates(self.partitioner) if self.partitioner is not None else PARAM_STATES
+        # once the optimizers hold bucket shards (attach), the weights are saved from and loaded into the shards --
+        # the experts' too, from their own partitioner's
+        return ZeroStates(*self.partitioners) if self.partitioner is not None else PARAM_STATES
 
     def norm_grads(self, params: Sequence[Tensor], exclude: Collection[int] = ()) -> list[Tensor]:
         # the optimizer holds bucket shards; a tied copy counted elsewhere is zeroed inside its bucket's shard

@@ -19,10 +19,18 @@ Lightning.
 The logs: a layer also keeps ``tokens_per_expert`` (the (token, choice) pairs its router sent to each expert since
 the last log, before any capacity) and ``dropped_tokens`` (pairs dropped by a capacity factor); :func:`router_load`
 reads them, summed over a data-parallel group, and :func:`load_metrics` turns them into the logged scalars.
+
+Under a pipeline the schedule backpropagates the last stage's loss alone, while each layer's load-balancing loss is
+formed on the stage holding the layer. :func:`apply_aux_loss_in_backward` gives such a layer an
+``aux_loss_backward`` (:class:`AuxLossInBackward`, the idea of Megatron-Core's ``MoEAuxLossAutoScaler``): the layer
+passes its output and its weighted loss through it; the output comes back unchanged, and when the output's gradient
+arrives the loss's own backward starts too, with the factor the schedule applies to each micro-batch's loss. So each
+micro-batch's load-balancing loss trains its stage's routers inside any schedule, with nothing sent between stages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +43,8 @@ from lightning_par._compat import current_graph_task_id
 AUX_LOSS_SCOPES = ("micro_batch", "global")
 #: what a router layer declares to take part in the global scope and the logs
 ROUTER_ATTRIBUTES = ("aux_loss_scope", "router_statistics")
+#: what a router layer declares to start its load-balancing loss's backward from its output's (under a pipeline)
+AUX_LOSS_IN_BACKWARD = "aux_loss_backward"
 
 
 def router_layers(module: nn.Module) -> dict[str, nn.Module]:
@@ -94,6 +104,57 @@ def describe_routers(layers: dict[str, nn.Module], ranks: int) -> str:
     capacities = sorted({str(getattr(m, "capacity_factor", None)) for m in layers.values()})
     return (f"router: {len(layers)} layers, load-balancing loss {' and '.join(scopes) or 'off (aux_loss_coef=0)'}, "
             f"{'dropless' if capacities == ['None'] else 'capacity factor ' + ', '.join(capacities)}")
+
+
+class _AuxLossInBackward(torch.autograd.Function):
+    """The identity on ``output``; its backward also gives ``aux_loss`` the gradient ``scale``, so that the loss's
+    own backward runs with the output's."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.like = scale, aux_loss.detach()
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
+class AuxLossInBackward:
+    """A router layer's ``aux_loss_backward`` under a pipeline: ``(output, weighted_aux_loss) -> output``, whose
+    backward backpropagates the loss scaled by ``scale()`` (read at each forward: the factor the schedule gives each
+    micro-batch's loss, 1 / (micro-batches x accumulated batches)). The identity where no backward follows (no
+    grad, a shape inference on meta tensors). ``values``: the weighted losses it started, detached, for the logged
+    loss (a forward recomputed in the backward adds none)."""
+
+    def __init__(self, scale: Callable[[], float]) -> None:
+        self.scale = scale
+        self.values: list[Tensor] = []
+
+    def __call__(self, output: Tensor, aux_loss: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() or output.is_meta or not aux_loss.requires_grad:
+            return output
+        if counts_routing(output):
+            self.values.append(aux_loss.detach())
+        return _AuxLossInBackward.apply(output, aux_loss, float(self.scale()))
+
+
+def apply_aux_loss_in_backward(module: nn.Module, scale: Callable[[], float]) -> dict[str, AuxLossInBackward]:
+    """Give every router layer of ``module`` that can take one an :class:`AuxLossInBackward` of ``scale``; they, by
+    layer name."""
+    given = {n: AuxLossInBackward(scale) for n, m in router_layers(module).items() if hasattr(m, AUX_LOSS_IN_BACKWARD)}
+    for name, attached in given.items():
+        setattr(module.get_submodule(name), AUX_LOSS_IN_BACKWARD, attached)
+    return given
+
+
+def started_aux_losses(given: dict[str, AuxLossInBackward], forwards: int) -> Tensor | None:
+    """The sum over the layers of the mean of the last ``forwards`` weighted losses each started (a step's
+    micro-batches), and forget them; None when none started any."""
+    per_layer = [torch.stack(a.values[-forwards:]).float().mean() for a in given.values() if a.values]
+    for attached in given.values():
+        attached.values = []
+    return torch.stack(per_layer).sum() if per_layer else None
 
 
 def check_global_scope(layer: nn.Module) -> None:

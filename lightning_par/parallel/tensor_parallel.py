@@ -91,6 +91,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_par._compat import StridedShard
 from lightning_par.parallel import experts_ep, experts_tp
+from lightning_par.parallel.plans import find_plan, is_hf_model, pattern_regex
 from lightning_par.parallel.rng import TensorParallelRNG
 from lightning_par.topology import LayoutError
 
@@ -152,41 +153,6 @@ def _valid_style(style: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # Finding and resolving the plan (no process group needed)
 # ---------------------------------------------------------------------------------------------------------------------
-def _is_hf_model(module: nn.Module) -> bool:
-    return hasattr(module, "config") and hasattr(module, "base_model_prefix") and hasattr(module, "post_init")
-
-
-def _declared_plan(module: nn.Module) -> dict[str, str] | None:
-    """The plan ``module`` itself declares, relative to ``module``; None when it declares none."""
-    if _is_hf_model(module):
-        plan = getattr(module, "tp_plan", None)  # transformers >= 5: merged on the instance by post_init
-        if isinstance(plan, dict) and plan:
-            return dict(plan)
-        # older transformers: the base model's plan lives on the config, the head's on the class
-        base = dict(getattr(module.config, "base_model_tp_plan", None) or {})
-        prefix = module.base_model_prefix
-        if base and prefix and getattr(module, prefix, None) is not None and getattr(module, prefix) is not module:
-            base = {f"{prefix}.{k}": v for k, v in base.items()}
-        base.update(getattr(type(module), "_tp_plan", None) or {})
-        return base or None
-    plan = getattr(module, "tp_plan", None)
-    return dict(plan) if isinstance(plan, dict) and plan else None
-
-
-def find_tp_plan(module: nn.Module) -> tuple[str, nn.Module, dict[str, str]] | None:
-    """The first sub-module (pre-order, ``module`` included) that declares a plan: ``(fqn, model, plan)``."""
-    for name, sub in module.named_modules():
-        plan = _declared_plan(sub)
-        if plan:
-            return name, sub, plan
-    return None
-
-
-def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    parts = ["[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")]
-    return re.compile(r"\.".join(parts))
-
-
 def _config_sizes(model: nn.Module) -> list[tuple[str, str, int]]:
     config = getattr(model, "config", None)
     out = []
@@ -232,7 +198,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     A unit removed from a stage (``None``, or a parameter-free
     :class:`~lightning_par.parallel.pipeline.split.RemovedUnit` stand-in) is never matched.
     """
-    found = find_tp_plan(module)
+    found = find_plan(module, "tp")
     if found is None:
         raise LayoutError(
             f"{type(module).__name__} declares no tensor-parallel plan, so tp={tp} cannot split it. Add a `tp_plan` "
@@ -268,7 +234,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
                 f"{model_name}.tp_plan[{pattern!r}] = {style!r} is not a style lightning-par applies; "
                 f"use one of: {allowed} ('packed_colwise:N' for a fused projection of N equal parts, N >= 2)."
             )
-        regex = _pattern_regex(pattern)
+        regex = pattern_regex(pattern)
         matched = [name for name in candidates if regex.fullmatch(name)]
         params = [name for name in parameters if regex.fullmatch(name)]
         if by_ep and (matched or params):  # the experts modules expert parallel splits, and their parameters
@@ -279,7 +245,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
         if not matched and params:
             planned_parameters.update(dict.fromkeys(params, style))
             continue
-        if not matched and (stage or _is_hf_model(model)):
+        if not matched and (stage or is_hf_model(model)):
             # held by another pipeline stage (the whole model was checked by check_tp_plan); or an entry of a
             # published plan for a variant this config does not build (a dense MLP in a model of experts only),
             # which transformers skips too: the module it would split does not exist, nothing stays unsplit
@@ -297,7 +263,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     for name, style in resolved.items():
         _check_module(model_name, name, model.get_submodule(name), style, tp)
 
-    if sequence_parallel and _is_hf_model(model):
+    if sequence_parallel and is_hf_model(model):
         raise LayoutError(
             f"sequence_parallel=True with the Hugging Face model {model_name}: its forward derives positions and "
             "the attention mask from the local sequence length, which sequence shards would change. Use "
@@ -1134,7 +1100,7 @@ def _compare(whole: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, x: tor
 
 
 def _declared_pattern(declared: dict[str, str], name: str) -> str:
-    return next((p for p in declared if _pattern_regex(p).fullmatch(name)), name)
+    return next((p for p in declared if pattern_regex(p).fullmatch(name)), name)
 
 
 def _self_check_error(model_name: str, unit_name: str, unit: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh,
@@ -1223,11 +1189,11 @@ def apply_tensor_parallel(
     """
     tp = tp_mesh.size()
     plan = resolve_tp_plan(module, tp, sequence_parallel, stage=stage, ep=ep)
-    root_name, model, declared = find_tp_plan(module)  # type: ignore[misc]
+    root_name, model, declared = find_plan(module, "tp")  # type: ignore[misc]
     prefix = f"{root_name}." if root_name else ""
     tied = _tied_parameters(module)
     sequence = _SequenceLength()
-    if not _is_hf_model(model):  # (a transformers model's published plan and forward are written for each other)
+    if not is_hf_model(model):  # (a transformers model's published plan and forward are written for each other)
         self_check(module, plan, tp_mesh, type(model).__name__, declared, prefix)
     self_check_experts(module, plan, tp_mesh, type(model).__name__, prefix)
     styles = _styles(module, plan, sequence_parallel, sequence)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +54,31 @@ class Piece:
     at: int  # where that element sits in the chunk
 
 
-def pieces(partitioner: ZeroPartitioner) -> Iterator[Piece]:
+#: one partitioner, or several over disjoint parameters (expert parallel: the experts' own, over ``expert_dp``)
+Partitioners = ZeroPartitioner | Sequence[ZeroPartitioner]
+
+
+def _each(partitioners: Partitioners) -> list[ZeroPartitioner]:
+    return [partitioners] if isinstance(partitioners, ZeroPartitioner) else list(partitioners)
+
+
+def _buckets(partitioners: Partitioners) -> Iterable:
+    return [bucket for partitioner in _each(partitioners) for bucket in partitioner.buckets]
+
+
+def _wait(partitioners: Partitioners) -> None:
+    for partitioner in _each(partitioners):
+        partitioner.wait_all()
+
+
+def _gather(partitioners: Partitioners) -> None:
+    for partitioner in _each(partitioners):
+        partitioner.gather_parameters(wait=True)
+
+
+def pieces(partitioners: Partitioners) -> Iterator[Piece]:
     """Every (parameter, chunk) overlap on this rank; bucket padding belongs to no parameter and is skipped."""
-    for bucket in partitioner.buckets:
+    for bucket in _buckets(partitioners):
         low, high = bucket.rank * bucket.chunk, (bucket.rank + 1) * bucket.chunk
         for index, param in enumerate(bucket.params):
             begin, end = bucket.region(index)
@@ -127,10 +149,10 @@ def blocks_tensor(shards: list[Shard], size: torch.Size) -> ShardedTensor:
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
-                    partitioner: ZeroPartitioner) -> dict[str, Any]:
+                    partitioner: Partitioners) -> dict[str, Any]:
     """``optimizer``'s state (its state must exist: a step was taken or it was materialized) as this rank's part
     of the per-parameter flat format; the tensors are views of the optimizer's own, so DCP can load into them."""
-    partitioner.wait_all()  # no all-gather after the step still writing a bucket (the shard's chunk among them)
+    _wait(partitioner)  # no all-gather after the step still writing a bucket (the shard's chunk among them)
     names = {id(p): name for name, p in module.named_parameters()}
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     flat: dict[str, Any] = {}
@@ -148,33 +170,19 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
         for key, value in group.items():
             if key != "params":
                 flat[f"param_groups.{name}.{key}"] = value
-    for name, param, group in _stepped_whole(module, optimizer):  # as torch keys them: DTensor states stay DTensors
-        for key, value in optimizer.state.get(param, {}).items():
-            flat[f"state.{name}.{key}"] = value
-        for key, value in group.items():
-            if key != "params":
-                flat[f"param_groups.{name}.{key}"] = value
     return flat
-
-
-def _stepped_whole(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter, dict]]:
-    """The model's own parameters ``optimizer`` steps whole beside the bucket shards (the partitioner's ``exclude``:
-    expert parallel's experts), with their names and groups."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    return [(names[id(p)], p, group) for group in optimizer.param_groups for p in group["params"] if id(p) in names]
 
 
 def _chunk_numel(shard: nn.Parameter) -> int:
     return (shard.to_local() if isinstance(shard, DTensor) else shard).numel()
 
 
-def set_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner: ZeroPartitioner,
+def set_hyperparameters(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner: Partitioners,
                         flat: dict[str, Any]) -> None:
     """After DCP filled the state tensors in place: each param group's hyper-parameters from the loaded entries of
     its parameters (DCP replaces those dict values rather than filling them)."""
     names = {id(p): name for name, p in module.named_parameters()}
     owner = {id(piece.shard): names[id(piece.param)] for piece in pieces(partitioner)}
-    owner.update({id(param): name for name, param, _ in _stepped_whole(module, optimizer)})
     for group in optimizer.param_groups:
         name = next((owner[id(s)] for s in group["params"] if id(s) in owner), None)
         if name is None:
@@ -196,14 +204,14 @@ def copy_full(target: dict[str, Any], full: dict[str, Any]) -> None:
                 where = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
                                                                shard.metadata.shard_sizes, strict=True))
                 shard.tensor.copy_(full[key][where])
-        elif isinstance(value, DTensor):  # a parameter stepped whole, split by tp or ep: this rank's slice
+        elif isinstance(value, DTensor):  # outside the buckets (a frozen parameter split by tp or ep): its slice
             shape, offset = _local_offset(value)
             value.to_local().copy_(full[key][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
         elif isinstance(value, Tensor):
             value.copy_(full[key])
 
 
-def fill_from_full(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner: ZeroPartitioner,
+def fill_from_full(module: nn.Module, optimizer: torch.optim.Optimizer, partitioner: Partitioners,
                    full: dict[str, Any]) -> None:
     """Set ``optimizer``'s state from ``full``, the flat per-parameter format with whole tensors. The optimizer's
     state must exist."""
@@ -211,15 +219,15 @@ def fill_from_full(module: nn.Module, optimizer: torch.optim.Optimizer, partitio
     set_hyperparameters(module, optimizer, partitioner, full)
 
 
-def model_state(module: nn.Module, partitioner: ZeroPartitioner) -> dict[str, Any]:
+def model_state(module: nn.Module, partitioner: Partitioners) -> dict[str, Any]:
     """The model's state with each bucket parameter's weights taken from the optimizer's shards rather than the
     buckets: under mixed precision the buckets hold bf16 copies and the shards the fp32 master weights, which are the
     ones to save (and to load into, before the all-gather writes them back into the buckets). A rank holding no
     element of a parameter writes nothing for it."""
-    partitioner.wait_all()  # the gathers after the step land before anything is read (also a state_dict hook)
+    _wait(partitioner)  # the gathers after the step land before anything is read (also a state_dict hook)
     state = module.state_dict(keep_vars=True)
     held: dict[int, Piece] = {id(piece.param): piece for piece in pieces(partitioner)}
-    partitioned = {id(p) for bucket in partitioner.buckets for p in bucket.params}
+    partitioned = {id(p) for bucket in _buckets(partitioner) for p in bucket.params}
     out: dict[str, Any] = {}
     for name, value in state.items():
         if id(value) not in partitioned:
@@ -231,53 +239,59 @@ def model_state(module: nn.Module, partitioner: ZeroPartitioner) -> dict[str, An
     return out
 
 
-def finish_model_load(module: nn.Module, partitioner: ZeroPartitioner, loaded: dict[str, Any]) -> None:
+def finish_model_load(module: nn.Module, partitioner: Partitioners, loaded: dict[str, Any]) -> None:
     """After DCP filled :func:`model_state`'s blocks (the optimizer's shards) in place: load the entries outside
     the buckets (buffers, frozen parameters) into the module, and all-gather the shards into the buckets -- under
     mixed precision the fp32 masters, rounded once, as after a step. Every rank calls it (a collective)."""
     rest = {name: value for name, value in loaded.items() if not isinstance(value, ShardedTensor)}
-    partitioned = {id(p) for bucket in partitioner.buckets for p in bucket.params}
+    partitioned = {id(p) for bucket in _buckets(partitioner) for p in bucket.params}
     own = module.state_dict(keep_vars=True)
     rest = {name: value for name, value in rest.items() if id(own.get(name)) not in partitioned}
     module.load_state_dict(rest, strict=False)
-    partitioner.gather_parameters(wait=True)  # outside a forward: nothing else would wait for it
+    _gather(partitioner)  # outside a forward: nothing else would wait for it
 
 
 class ZeroStates(ParamStates):
     """The checkpoint state of ZeRO-1/2 (the answers of its owner, ``ZeroSync``): the weights come from, and load
     into, the optimizer's shards -- the fp32 masters under mixed precision -- and the load's refresh all-gathers the
     shards into the buckets, the model's parameters (rounded once, as after a step). Refreshing the other way, shards
-    from the buckets, would round the fp32 masters to bf16."""
+    from the buckets, would round the fp32 masters to bf16.
 
-    def __init__(self, partitioner: ZeroPartitioner) -> None:
-        self.partitioner = partitioner
+    Expert parallel has two partitioners over disjoint parameters -- the dense weights' over dp, the experts' over
+    their own replicas (``expert_dp``) -- and both are answered by the same code: each rank's chunks of either are
+    cut at the parameters' borders and placed in the parameter's full shape (an expert weight's ep/tp offset
+    included), so every expert is saved once, by name, whatever the ep and expert_dp sizes."""
+
+    def __init__(self, *partitioners: ZeroPartitioner) -> None:
+        self.partitioners = list(partitioners)
+        self.partitioner = self.partitioners[0]  # the one over dp: every group's model parameters (group_params)
 
     def wait(self) -> None:
-        self.partitioner.wait_all()
+        _wait(self.partitioners)
 
     def model_state(self, module: nn.Module) -> dict[str, Any]:
-        return model_state(module, self.partitioner)
+        return model_state(module, self.partitioners)
 
     def optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer_state(module, optimizer, self.partitioner)
+        return optimizer_state(module, optimizer, self.partitioners)
 
     def optimizer_target(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         materialize_optimizer_state(optimizer)  # the load fills the state tensors' views
         return self.optimizer_state(module, optimizer)
 
     def load_model_state(self, module: nn.Module, state: dict[str, Any]) -> None:
-        finish_model_load(module, self.partitioner, state)
+        finish_model_load(module, self.partitioners, state)
 
     def load_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        set_hyperparameters(module, optimizer, self.partitioner, state)
+        set_hyperparameters(module, optimizer, self.partitioners, state)
 
     def load_full_model_state(self, module: nn.Module, full: dict[str, Any]) -> None:
         super().load_full_model_state(module, full)  # buffers and parameters outside the buckets
-        copy_full(model_state(module, self.partitioner), full)  # the shards (fp32 masters) from the full values
-        self.partitioner.gather_parameters(wait=True)
+        copy_full(model_state(module, self.partitioners), full)  # the shards (fp32 masters) from the full values
+        _gather(self.partitioners)
 
     def optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[Sequence[Tensor]]:
-        # the groups' parameters before the partitioner replaced them by bucket shards
+        # the groups' parameters before the partitioners replaced them by bucket shards (the first one saw them all)
         return [self.partitioner.group_params[id(group)] for group in optimizer.param_groups]
 
     def load_full_optimizer_state(self, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -286,4 +300,4 @@ class ZeroStates(ParamStates):
         for group in state["param_groups"]:
             flat.update({f"param_groups.{name}.{key}": value for name in group["params"]
                          for key, value in group.items() if key != "params"})
-        fill_from_full(module, optimizer, self.partitioner, flat)
+        fill_from_full(module, optimizer, self.partitioners, flat)

@@ -17,12 +17,13 @@ pipeline sizes, ZeRO stage, pipeline schedule and virtual stages, sequence paral
   whole stage and its unsharded gradients --, ZeRO-2's full gradients under a pipeline, the flat gradient buffer
   of the pipeline's data-parallel all-reduce);
 - **experts** (a mixture-of-experts model, :class:`~lightning_par.planner.model.Experts`): under expert parallel
-  ``ep`` each rank holds 1/ep of every expert weight, whole -- with its gradient and whole optimizer state in the
-  precision's ZeRO-0 bytes, as the engine keeps them (neither ZeRO's partitioner nor FSDP2 shards them) -- and the
-  other weights as without experts; their gradients are all-reduced over the ``dp x cp / ep`` ranks holding the
-  same experts (in ``dp``);
+  ``ep`` each rank holds 1/ep of every expert weight (dimension 0), and the ZeRO stage shards that slice again over
+  the ``expert_dp = dp x cp / ep`` ranks holding the same experts, as the engine does (a second ZeRO partitioner
+  on ``expert_dp`` at ZeRO-1/2, FSDP2 groups on it at ZeRO-3): the same formulas and bytes per element as the other
+  weights, with ``expert_dp`` in place of ``dp x cp``; the other weights as without experts;
 - **traffic per step**, bytes each rank sends with ring algorithms, by group: ``dp`` (the ZeRO formulas on the
-  rank's own parameters), ``ep`` (the token exchange: see :meth:`Planner.all_to_all_bytes`), ``tp`` (an
+  rank's own parameters; the experts' over ``expert_dp``: all-reduced at ZeRO-0, reduce-scattered and all-gathered
+  at ZeRO 1-3), ``ep`` (the token exchange: see :meth:`Planner.all_to_all_bytes`), ``tp`` (an
   all-reduce -- or with sequence parallelism a reduce-scatter plus an all-gather -- per row-parallel output in
   forward and per column-parallel input in backward, again in the recomputed forward), ``pp`` (each micro-batch's
   activation to the next stage and its gradient back);
@@ -377,6 +378,11 @@ class Planner:
         tokens = self.work.micro_batch * self.work.seq_len / c.cp
         return 2 * tokens * sum(inside) * (self.info.hidden_size or 0) * act_elt * (c.ep - 1) / c.ep, len(inside)
 
+    def _local_shape(self, p: ParamInfo, split: TPSplit, ep: int) -> tuple[int, ...]:
+        """Shape of ``p`` on one rank before ZeRO: its tensor-parallel shard; an expert weight's 1/ep of dim 0."""
+        shape = split.local_shape(p)
+        return (shape[0] // ep, *shape[1:]) if ep > 1 and p.name in self._expert_names else shape
+
     def _local_numel(self, p: ParamInfo, split: TPSplit, ep: int) -> int:
         """Elements of ``p`` on one rank: its tensor-parallel shard; an expert weight's 1/ep."""
         n = split.local_numel(p)
@@ -540,7 +546,6 @@ class Planner:
         # -- memory and traffic per pipeline rank --------------------------------------------------------------
         ranks: list[RankMemory] = []
         dp_bytes_max = tp_bytes_max = pp_bytes_max = ep_bytes_max = ep_exposed_max = opt_numel = 0.0
-        whole = element_bytes(c.precision, 0)  # the experts under ep > 1: held whole, as a replica holds them
         n_tensors = 0  # parameter tensors of the fullest rank
         reduce_finish = gather_exposed = tp_exposed_max = 0.0
         bucket = runtime.bucket_mb * 2**20
@@ -554,14 +559,16 @@ class Planner:
             expert_numel = sum(self._local_numel(p, split, c.ep) for p in params
                                if p.name in self._expert_names) if c.ep > 1 else 0
             dense_numel = numel - expert_numel
-            opt_numel = max(opt_numel, dense_numel / (d if c.zero_stage >= 1 else 1) + expert_numel)
+            shards = (d, d // c.ep) if c.zero_stage >= 1 else (1, 1)  # the experts' ZeRO is over expert_dp
+            opt_numel = max(opt_numel, dense_numel / shards[0] + expert_numel / shards[1])
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
             blocks = [u for u in rank_units if u in info.blocks]
             if c.zero_stage == 3 and c.pp == 1:
-                # FSDP2 gathers one block at a time (and prefetches the next); the root group stays gathered
-                block_numel = max((sum(split.local_numel(p) for p in info.unit_params(u)
-                                       if c.ep == 1 or p.name not in self._expert_names) for u in blocks), default=0)
+                # FSDP2 gathers one block at a time (and prefetches the next; a block's experts, its own group on
+                # expert_dp, with it); the root group stays gathered
+                block_numel = max((sum(self._local_numel(p, split, c.ep) for p in info.unit_params(u))
+                                   for u in blocks), default=0)
                 root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
                 transient += (2 * block_numel + root_numel) * eb.gather
             elif c.zero_stage == 3:
@@ -569,15 +576,18 @@ class Planner:
                 # reduce-scattered after the last backward (lightning_par.parallel.pipeline.fsdp)
                 transient += numel * (eb.gather + eb.grad) - mem[0] - mem[1]
             elif c.pp > 1 and c.dp * c.cp > 1 and c.zero_stage == 0:
-                transient += numel * eb.grad  # the pipeline's flat all-reduce of all gradients
+                transient += dense_numel * eb.grad  # the pipeline's flat all-reduce of the gradients (not the experts')
             elif c.pp > 1 and c.zero_stage == 2:
                 transient += numel * eb.grad - mem[1]  # full gradients until the one reduce-scatter after the schedule
             ranks.append(RankMemory(r, *mem, held_peak[r], transient, numel))
 
             # data-parallel traffic of this rank, per step, and how much of it the compute around it hides
-            reduce_bytes = _ring("all_reduce" if c.zero_stage == 0 else "reduce_scatter", dense_numel * eb.reduce, d)
-            reduce_bytes += _ring("all_reduce", expert_numel * whole.reduce, d // c.ep)  # over expert_dp
-            gather_bytes = _ring("all_gather", dense_numel * eb.gather, d) if c.zero_stage else 0.0
+            # (the experts' over their expert_dp ranks, by the same stage)
+            reduce_kind = "all_reduce" if c.zero_stage == 0 else "reduce_scatter"
+            reduce_bytes = _ring(reduce_kind, dense_numel * eb.reduce, d) + _ring(reduce_kind, expert_numel * eb.reduce,
+                                                                                  d // c.ep)
+            gather_bytes = _ring("all_gather", dense_numel * eb.gather, d) + _ring(
+                "all_gather", expert_numel * eb.gather, d // c.ep) if c.zero_stage else 0.0
             n_gathers = (1 if c.pp > 1 else 2 * m) if c.zero_stage == 3 else 1
             dp_bytes = reduce_bytes + n_gathers * gather_bytes
             first_f = stage_f[stage_ids[0]]
@@ -730,21 +740,21 @@ class Planner:
         key = (id(params), split.tp, split.sequence_parallel, c.dp * c.cp, c.zero_stage, eb, n_states, c.ep)
         if key not in self._states:
             experts = [p for p in params if p.name in self._expert_names] if c.ep > 1 else []
-            if experts:  # the others as without experts; each expert weight 1/ep, whole, in ZeRO-0's bytes
+            if experts:  # the others as without experts; the experts' ep slices under ZeRO over expert_dp
                 dense = self._state_bytes([p for p in params if p.name not in self._expert_names], split, c, eb,
                                           n_states)
-                n = sum(self._local_numel(p, split, c.ep) for p in experts)
-                whole = element_bytes(c.precision, 0)
-                self._states[key] = (dense[0] + n * whole.param, dense[1] + n * whole.grad,
-                                     dense[2] + n * (n_states * whole.state + whole.master))
+                own = self._state_bytes(experts, split, c, eb, n_states, c.dp * c.cp // c.ep)
+                self._states[key] = tuple(a + b for a, b in zip(dense, own, strict=True))
             else:
                 self._states[key] = self._state_bytes(params, split, c, eb, n_states)
         return self._states[key]
 
     def _state_bytes(self, params: Sequence[ParamInfo], split: TPSplit, c: Candidate, eb: ElementBytes,
-                     n_states: int) -> tuple[float, float, float]:
-        d = c.dp * c.cp  # the cp ranks of a replica shard the states too (gradients averaged over dp x cp)
-        full = sum(split.local_numel(p) for p in params)
+                     n_states: int, d: int | None = None) -> tuple[float, float, float]:
+        """The ZeRO stage's bytes of ``params`` sharded over ``d`` ranks (default dp x cp: the cp ranks of a replica
+        shard the states too; the experts: their expert_dp)."""
+        d = d or c.dp * c.cp
+        full = sum(self._local_numel(p, split, c.ep) for p in params)
         # measured: with replicas (ZeRO-0) the gradient of a vocabulary-parallel embedding is a full-vocabulary
         # tensor on every tp rank (its shard is a view into it); ZeRO-1/2 copy it into their buckets and FSDP2
         # reduce-scatters it into a new shard
@@ -759,7 +769,7 @@ class Planner:
         if c.zero_stage == 3:
             sharded = 0
             for p in params:
-                shape = split.local_shape(p)
+                shape = self._local_shape(p, split, c.ep)
                 rest = math.prod(shape[1:]) if len(shape) > 1 else 1
                 sharded += -(-shape[0] // d) * rest if shape else 1
             return sharded * eb.param, sharded * eb.grad, sharded * (n_states * eb.state + eb.master)

@@ -100,12 +100,9 @@ class LayoutStrategy(MeshStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        super().__init__(
-            process_group_backend, timeout, accelerator=accelerator,
-            parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(process_group_backend, timeout, accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
         self.layout = Layout(
             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,

@@ -113,9 +113,7 @@ def plan_layouts(model: torch.nn.Module, budget: Budget, batch: int, seq_len: in
             found, _ = planner.plan(budget.world, zero_stages=zero_stages,
                                     schedules=list(schedules or SCHEDULES), recompute=list(recompute or
                                                                                           RECOMPUTE_KINDS),
-                                    precisions=[planner_precision], sizes=[(dp, tp, pp)],
-                                    # not ep > 1 yet: no checkpoint is written under it, and a fit checkpoints
-                                    expert_parallel=[1])
+                                    precisions=[planner_precision], sizes=[(dp, tp, pp)])
             estimates += found
     if not estimates:
         raise LayoutError(f"strategy='planned': no layout of {budget.world} ranks to plan for this model and batch "

@@ -277,15 +277,16 @@ class ExpertParallelStrategy(LayoutStrategy):
     Each rank routes its own tokens as one process would; every expert layer sends them to the ranks holding their
     experts and back with all-to-all (dropless), and each expert's gradient is averaged over the ``world / ep`` ranks
     holding it (docs/moe.md). Per rank, with E the expert weights' elements, Ψ the others', N ranks and fp32 AdamW:
-    the experts ``16 E / ep`` bytes, held whole (parameters, gradients, two states); the others as
-    :class:`ZeroStrategy`'s table at the same stage. Tokens sent per step through the all-to-all, per expert layer
-    and micro-batch: ``4 x tokens x top_k x hidden x bytes x (ep - 1) / ep`` (dispatch and combine, forward and
-    backward; what ``lightning-par plan`` counts).
+    the experts ``16 E / ep`` bytes at ZeRO-0, and from ZeRO-1 on ZeroStrategy's table at the same stage over the
+    ``N / ep`` ranks holding the same experts (states ``8 E / N``; stage 2: + gradients, stage 3: + parameters); the
+    others as :class:`ZeroStrategy`'s table at the same stage. Tokens sent per step through the all-to-all, per
+    expert layer and micro-batch: ``4 x tokens x top_k x hidden x bytes x (ep - 1) / ep`` (dispatch and combine,
+    forward and backward; what ``lightning-par plan`` counts).
 
     Args:
         ep: expert-parallel size: divides the ranks (x cp) and every expert layer's experts.
-        stage: ZeRO stage of the other weights across all ranks: 0 replicas (DDP), 1 optimizer states sharded
-            (default), 2 + gradients, 3 + parameters (FSDP2).
+        stage: ZeRO stage of the other weights across all ranks (of the experts across their replicas): 0 replicas
+            (DDP), 1 optimizer states sharded (default), 2 + gradients, 3 + parameters (FSDP2).
 
     The other options are :class:`~lightning_par.strategies.engine.LayoutStrategy`'s.
 

@@ -20,8 +20,9 @@ of the example MoE GPT with 4 layers (each rank holds stages of 2 of them), the 
 * ``cp2_sgd`` (1F1B): dp1 x cp2 x pp2, each sequence and each stage's experts split over the 2 cp ranks;
 * ``tp2_zero1`` (8 ranks): dp2 x tp2 x pp2, ZeRO-1, SGD.
 
-Then the ``REFUSALS`` named (after a fit: the process group exists): a dense model, and the example MoE with a
-load-balancing loss, under pp2 x ep2, each rank's error gathered (``report["refused"]``).
+A case named from tests/launch/router_pipeline_worker.py's table (the load-balancing loss inside the schedule) runs
+there, in this launch. Then the ``REFUSALS`` named (after a fit: the process group exists): a dense model under
+pp2 x ep2, each rank's error gathered (``report["refused"]``).
 
 Each rank also logs the order of its token exchanges in the second batch (forward, and the start of each one's
 backward): the ranks of an ep group must run them in the same order, or their all_to_all would pair different
@@ -51,6 +52,7 @@ from lightning_par.examples.lit_gpt import GPTLightningModule
 from lightning_par.examples.moe import MoEGPT, MoEGPTLightningModule
 from lightning_par.parallel.expert_parallel import expert_layers
 from tests.harness import close_process_group, every_ranks_error
+from tests.launch import router_pipeline_worker
 from tests.launch.expert_parallel_worker import PER_RANK, Record, reference, sequences
 
 STEPS, LAYERS = 4, 4
@@ -79,8 +81,6 @@ CASES = {  # the module's arguments, the layout besides pp=2, ep=2
 #: refused at setup on every rank alike, before any collective: the module's arguments, and a piece of the message
 REFUSALS = {
     "dense_model": (dict(dense=True), "ep=2 but GPTLightningModule has no expert layers"),
-    "load_balancing_loss": (dict(aux_loss_coef=0.01), "pipeline parallel (pp=2): layers.0.mlp, layers.1.mlp, "
-                            "layers.2.mlp ... of MoEGPT compute a load-balancing loss"),
 }
 
 
@@ -183,7 +183,9 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     names = sys.argv[2:] or [*(name for name, case in CASES.items() if case.get("world", 4) == world), *REFUSALS]
     records = {name: fit(name, out) for name in names if name in CASES}
+    balanced = {name: router_pipeline_worker.fit(name, out) for name in names if name in router_pipeline_worker.CASES}
     rank, report = dist.get_rank(), {"world": dist.get_world_size()}
+    report.update(router_pipeline_worker.reports(balanced, world))
     report["refused"] = {name: refused(name, out) for name in names if name in REFUSALS}
     for name, record in records.items():
         accumulate = CASES[name].get("accumulate", 1)

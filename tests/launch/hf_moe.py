@@ -271,18 +271,21 @@ class _Record(L.Callback):
                 if ".mlp.experts." in name and isinstance(param, DTensor):
                     self.placements[name.split(".mlp.experts.")[1]] = (
                         f"{param.placements} local {tuple(param.to_local().shape)} of {tuple(param.shape)}")
-            self.expert_bytes = expert_bytes(pl_module, trainer.optimizers[0])
+            self.expert_bytes = expert_bytes(pl_module, trainer.optimizers[0], trainer.strategy)
 
 
-def expert_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The bytes of the experts' parameters on this rank and in all, and of their optimizer state on this rank."""
+def expert_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Any) -> dict[str, int]:
+    """The bytes of the experts' parameters on this rank and in all, and of their optimizer state on this rank (under
+    ZeRO-1/2 the optimizer steps the expert partitioner's shards of them)."""
     from torch.distributed.tensor import DTensor
 
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
     params = [p for n, p in module.named_parameters() if ".mlp.experts." in n]
-    states = [v for p in params for v in optimizer.state.get(p, {}).values()
+    partitioner = getattr(getattr(strategy, "gradient_sync", None), "expert_partitioner", None)
+    stepped = params if partitioner is None else [b.shard for b in partitioner.buckets]
+    states = [v for p in stepped for v in optimizer.state.get(p, {}).values()
               if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"held": sum(local(p).nbytes for p in params), "total": sum(p.numel() * p.element_size() for p in params),
             "state": sum(local(v).nbytes for v in states), "states": len(states)}

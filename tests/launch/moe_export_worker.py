@@ -1,6 +1,7 @@
 """``lightning-par export --hf`` of a Hugging Face MoE model trained under tensor parallel, in one torchrun launch.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.launch.moe_export_worker OUT ARCH...
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m tests.launch.moe_export_worker OUT [--ep2] ARCH...
 
 for tests/launch/test_moe_checkpoints.py. Per architecture (tiny configs of ``tests.launch.hf_moe``: qwen3_moe,
 mixtral; their experts fused modules, ``gate_up_proj [E, 2f, d]``, ``down_proj [E, d, f]``): ``Trainer.fit`` of 2
@@ -13,6 +14,11 @@ difference against that model and against one process trained on the same batche
 the per-expert directory with ``FromPretrained`` under tp2 and under ZeRO-3 over dp2 (each rank reading only its
 share of the fused experts), and rank 0 writes ``OUT/ARCH_pretrained.json``: their losses and one process's, started
 from the same directory (and from its own initialisation: what a run that read nothing would log).
+
+``--ep2``: the same under expert parallel instead of tp2 -- trained under ep2 (ZeRO-1: the experts' own partitioner;
+each rank half of each batch, its 2 of the 4 experts), exported from that checkpoint, and fine-tuned from the
+per-expert directory under ep2; each rank then also records which expert tensors of the files it read
+(``ARCH_ep2_reads_rankR.json``). Files are ``ARCH_ep2.json`` and ``ARCH_ep2_pretrained.json``.
 """
 
 from __future__ import annotations
@@ -40,30 +46,39 @@ class ExportableMoELM(HFMoELM):
         self.save_hyperparameters()
 
 
-def main(out: Path, archs: list[str]) -> None:
-    from lightning_par import MegatronTPStrategy
+def strategy(layout: str):
+    from lightning_par import MegatronTPStrategy, ZeroStrategy
 
+    return {"tp2": lambda: MegatronTPStrategy(tp=2), "zero3": lambda: ZeroStrategy(stage=3),
+            "ep2": lambda: ZeroStrategy(stage=1, ep=2)}[layout]()
+
+
+def main(out: Path, archs: list[str], layout: str = "tp2") -> None:
     dist.init_process_group("gloo")
     rows = make_rows(STEPS)
+    dp = 1 if layout == "tp2" else 2
     for arch in archs:
-        root = out / arch
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MegatronTPStrategy(tp=2), max_steps=STEPS,
+        name = arch if layout == "tp2" else f"{arch}_{layout}"
+        root = out / name
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy(layout), max_steps=STEPS,
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, default_root_dir=root,
                             callbacks=[ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)])
-        loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False)  # tp: every rank the whole batch
-        trainer.fit(ExportableMoELM(arch), loader)
+        # tp: every rank the whole batch; ep: replica r rows r, r + 2, ... (its half of each batch)
+        share = rows[dist.get_rank() % dp::dp]
+        trainer.fit(ExportableMoELM(arch), torch.utils.data.DataLoader(share, batch_size=BATCH // dp, shuffle=False))
         dist.barrier()
         if dist.get_rank() == 0:
             (ckpt,) = sorted((root / "ckpt").glob(f"*step={STEPS}.ckpt"))
-            (out / f"{arch}.json").write_text(json.dumps(check_export(arch, ckpt, root, rows)))
+            (out / f"{name}.json").write_text(json.dumps(check_export(arch, ckpt, root, rows)))
         dist.barrier()
-        # fine-tuning from the exported directory in its per-expert form, under tp2 and ZeRO-3 over dp2
-        losses = {layout: from_pretrained(arch, root / "original", rows, layout, root) for layout in ("tp2", "zero3")}
+        # fine-tuning from the exported directory in its per-expert form: under tp2 and ZeRO-3 over dp2, or ep2
+        tunes = ("tp2", "zero3") if layout == "tp2" else (layout,)
+        losses = {tune: from_pretrained(arch, root / "original", rows, tune, root, out / name) for tune in tunes}
         losses["one_process"] = one_process_from(arch, root / "original", rows)  # every rank (load_pretrained gathers)
         losses["not_loaded"] = one_process_from(arch, None, rows)  # what the runs would log from their own init
         if dist.get_rank() == 0:
-            (out / f"{arch}_pretrained.json").write_text(json.dumps(losses))
+            (out / f"{name}_pretrained.json").write_text(json.dumps(losses))
     close_process_group()
 
 
@@ -75,20 +90,35 @@ class _Losses(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def from_pretrained(arch: str, directory: Path, rows: list[dict], layout: str, root: Path) -> list[float]:
-    """The losses of :data:`STEPS` AdamW steps started from ``directory`` by ``FromPretrained`` under ``layout``."""
-    from lightning_par import MegatronTPStrategy, ZeroStrategy
-    from lightning_par.plugins.pretrained import FromPretrained
+def from_pretrained(arch: str, directory: Path, rows: list[dict], layout: str, root: Path, out: Path) -> list[float]:
+    """The losses of :data:`STEPS` AdamW steps started from ``directory`` by ``FromPretrained`` under ``layout``;
+    under ep2 each rank writes ``OUT_reads_rankR.json``: the expert tensors of the files it read (name -> bytes)."""
+    from lightning_par.plugins import pretrained
 
     dp = 1 if layout == "tp2" else 2
     record = _Losses()
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_progress_bar=False,
-                        strategy=MegatronTPStrategy(tp=2) if layout == "tp2" else ZeroStrategy(stage=3),
+                        strategy=strategy(layout),
                         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
-                        default_root_dir=root / layout, callbacks=[record, FromPretrained(str(directory))])
+                        default_root_dir=root / layout, callbacks=[record, pretrained.FromPretrained(str(directory))])
     # replica r takes rows r, r + dp, ...: its share of each batch of one process
     share = rows[dist.get_rank() % dp::dp]
-    trainer.fit(ExportableMoELM(arch), torch.utils.data.DataLoader(share, batch_size=BATCH // dp, shuffle=False))
+    reads: dict[str, int] = {}
+    original = pretrained._SafetensorsFile.read
+
+    def counted(self, name, slices):
+        tensor = original(self, name, slices)
+        if ".experts." in name:
+            reads[name] = reads.get(name, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    pretrained._SafetensorsFile.read = counted
+    try:
+        trainer.fit(ExportableMoELM(arch), torch.utils.data.DataLoader(share, batch_size=BATCH // dp, shuffle=False))
+    finally:
+        pretrained._SafetensorsFile.read = original
+    if layout == "ep2":
+        Path(f"{out}_reads_rank{dist.get_rank()}.json").write_text(json.dumps(reads))
     return record.losses
 
 
@@ -154,4 +184,5 @@ def check_export(arch: str, ckpt: Path, root: Path, rows: list[dict]) -> dict:
             "weights_not_equal": equal}
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    args = sys.argv[2:]
+    main(Path(sys.argv[1]), [a for a in args if a != "--ep2"], "ep2" if "--ep2" in args else "tp2")

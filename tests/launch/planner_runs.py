@@ -79,6 +79,14 @@ CASES: dict[str, Case] = {
 }
 
 
+#: ep2 x expert_dp2 on the example MoE (AdamW): the experts' own ZeRO over expert_dp (launched apart, full set)
+EP_CASES: dict[str, Case] = {
+    f"zero{z}_dp4_ep2": Case(Candidate(4, 1, 1, z, precision="fp32", ep=2), "MoEGPTLightningModule", SHORT)
+    for z in (1, 3)
+}
+ALL_CASES = {**CASES, **EP_CASES}
+
+
 class _Timeline(PipelineTimeline):
     _draw = staticmethod(lambda *args: None)  # the figure costs about a second per fit; the tests read the numbers
 
@@ -90,7 +98,7 @@ def _tokens(n: int) -> TensorDataset:
 
 
 def fit(root: Path, name: str) -> None:
-    case = CASES[name]
+    case = ALL_CASES[name]
     layout = case.layout.layout()
     pl.seed_everything(1234)
     model = getattr(examples, case.model)(**case.kwargs)
@@ -108,7 +116,7 @@ def fit(root: Path, name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
-    parser.add_argument("--cases", nargs="*", help="the CASES to run (default: all)")
+    parser.add_argument("--cases", nargs="*", help="the ALL_CASES to run (default: CASES)")
     args = parser.parse_args()
     for name in args.cases or CASES:
         start = time.perf_counter()

@@ -1,8 +1,9 @@
 """Expert parallel inside every pipeline schedule (pp2 x ep2) on the example MoE GPT, against one process.
 
 Launches of ``tests/launch/expert_pipeline_worker.py`` (see its docstring): on 4 ranks (pp2 x dp2, each stage's
-experts over ep2 of its data-parallel ranks) plain SGD under 1F1B and ZBV, then the refusals (a dense model, a
-load-balancing loss) in the default set; the other cases (AdamW, GPipe, interleaved 1F1B, looped BFS, interleaved
+experts over ep2 of its data-parallel ranks) plain SGD under 1F1B and ZBV, the example MoE's load-balancing loss
+inside ZBV (global scope; tests/launch/test_router_pipeline.py's case, checked with its functions), then the refusal
+of a dense model in the default set; the other cases (AdamW, GPipe, interleaved 1F1B, looped BFS, interleaved
 zero bubble, DualPipeV, ZeRO-1/2/3, accumulated batches, a validation before the fit, cp2 x pp2 x ep2) in a second
 launch, and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. The tests read every rank's report.
 """
@@ -15,6 +16,8 @@ import pytest
 
 from tests.harness import launch_matrix, max_rel_diff
 from tests.launch.expert_pipeline_worker import CASES, PER_RANK, REFUSALS, STEPS
+from tests.launch.test_router_pipeline import DEFAULT as BALANCED
+from tests.launch.test_router_pipeline import check_parity, check_wrong_scale
 
 PARITY_RTOL = 1e-5  # per-step loss against one process
 NORM_RTOL = 1e-5  # the pre-step global gradient norm: each expert counted once, over both stages
@@ -38,7 +41,7 @@ def _launch(tmp_path_factory, cache_dir, ranks: int, cases: tuple[str, ...]) -> 
 
 @pytest.fixture(scope="module")
 def default(tmp_path_factory, cache_dir) -> list[dict]:
-    return _launch(tmp_path_factory, cache_dir, 4, (*DEFAULT, *REFUSALS))  # (the refusals after the fits)
+    return _launch(tmp_path_factory, cache_dir, 4, (*DEFAULT, BALANCED, *REFUSALS))  # (the refusals after the fits)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,12 @@ def test_the_ranks_of_an_ep_group_exchange_tokens_in_the_same_order(request, lau
             assert all(log.count(entry) == micro for entry in set(log)), (case, log)
             for other in report["ep_group"]:
                 assert held[other]["exchanges"] == log, (case, rank, other)
+
+
+@pytest.mark.launch(ranks=4)
+def test_the_load_balancing_loss_trains_inside_zbv_as_one_process(default):
+    check_parity(default, (BALANCED,))
+    check_wrong_scale(default, (BALANCED,))
 
 
 @pytest.mark.launch(ranks=4)

@@ -103,20 +103,26 @@ def _check_expert_parallel(case, result):
     replicated over tp beside tensor parallel), 1/ep of the expert bytes and of their AdamW state; with the
     load-balancing loss on, the reference is per rank (the mean of each rank's loss on its share), which a
     one-process run on whole batches is not."""
-    ep = case.layout["ep"]
+    ep, stage = case.layout["ep"], case.layout.get("zero_stage", 0)
+    expert_dp = case.world // case.layout.get("tp", 1) // case.layout.get("pp", 1) // ep
+    # ZeRO over the experts' replicas: parameters 1/expert_dp more at stage 3, optimizer state at stages 1-3
+    params_over, state_over = ep * (expert_dp if stage == 3 else 1), ep * (expert_dp if stage >= 1 else 1)
     assert len(result["placements"]) == case.world
     for rank, held in enumerate(result["placements"]):
         if "pp" in case.layout and not held["bytes"]["total"]:  # a stage of DeepSeek-V3's dense first layer only
             assert case.arch == "deepseek_v3" and held == {"bytes": {"held": 0, "total": 0, "state": 0, "states": 0}}
             continue
         placement = "(Shard(dim=0), Replicate())" if "tp" in case.layout else "(Shard(dim=0),)"
+        if stage == 3:  # FSDP2 shards the rank's ep slice further over expert_dp (on dimension 0 too)
+            placement = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
         assert held["gate_up_proj"].startswith(placement), (rank, held)
         assert held["down_proj"].startswith(placement), (rank, held)
-        assert " local (2, " in held["gate_up_proj"] and " of (4, " in held["gate_up_proj"], (rank, held)
+        local = f" local ({4 // params_over}, "
+        assert local in held["gate_up_proj"] and " of (4, " in held["gate_up_proj"], (rank, held)
         sizes = held["bytes"]
-        assert sizes["held"] * ep == sizes["total"] > 0, (rank, sizes)
-        if case.optimizer == "adamw":  # exp_avg and exp_avg_sq of the held experts only
-            assert sizes["state"] == 2 * sizes["held"] and sizes["states"] > 0, (rank, sizes)
+        assert sizes["held"] * params_over == sizes["total"] > 0, (rank, sizes)
+        if case.optimizer == "adamw":  # exp_avg and exp_avg_sq of this rank's share of the experts only
+            assert sizes["state"] * state_over == 2 * sizes["total"] and sizes["states"] > 0, (rank, sizes)
         else:
             assert sizes["states"] == 0, (rank, sizes)
     if case.aux:

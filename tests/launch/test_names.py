@@ -207,9 +207,10 @@ def test_expert_parallel_names_and_options_and_the_layouts_refusals():
                             ("zero3_ep4", "ZeroStrategy", {"stage": 3, "ep": 4})):
         assert strategy_spec(name) == {"class_path": f"lightning_par.{cls}", "init_args": args}
     assert MegatronTPStrategy(tp=2, ep=2, zero_stage=1).layout.ep == 2
-    # what is not built yet is refused by the layout itself, with its own words
-    for preset, kwargs in ((lambda: Hybrid3DStrategy(tp=2, pp=2, ep=2), {"tp": 2, "pp": 2, "ep": 2, "zero_stage": 1}),
-                           (lambda: MegatronTPStrategy(tp=2, ep=2), {"tp": 2, "ep": 2})):
+    # every preset's ep composes (pp, tp under any ZeRO stage); a bad ep is refused by the layout itself, in its words
+    assert Hybrid3DStrategy(tp=2, pp=2, ep=2).layout.ep == 2 and MegatronTPStrategy(tp=2, ep=2).layout.ep == 2
+    for preset, kwargs in ((lambda: Hybrid3DStrategy(tp=2, pp=2, ep=0), {"tp": 2, "pp": 2, "ep": 0, "zero_stage": 1}),
+                           (lambda: MegatronTPStrategy(tp=2, ep=-1), {"tp": 2, "ep": -1})):
         with pytest.raises(LayoutError) as from_layout:
             Layout(**kwargs)
         with pytest.raises(LayoutError) as from_preset:

@@ -76,3 +76,52 @@ def test_planned_on_4_ranks_trains_at_parity_with_one_process(tmp_path, cache_di
     print(f"planned: dp{dp} tp{tp} pp{pp} z{chosen[6]}, max relative per-step loss difference {diff:.2e}")
     assert len(losses) == STEPS and diff <= PARITY_RTOL
     assert expected[0] - expected[-1] > 0.05  # the loss moves: a wrong gradient would show
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a mixture-of-experts model: the plan may choose expert parallel (checkpoints are written under ep)
+# ----------------------------------------------------------------------------------------------------------------------
+MOE = {"preset": "tiny", "n_layers": 2}
+MOE_ARGS = ["--model=lightning_par.examples.MoEGPTLightningModule", *(f"--model.{k}={v}" for k, v in MOE.items())]
+
+
+def _ep4_budget_gib() -> float:
+    """Just the memory the planner predicts for dp4 x ep4 at ZeRO-0 without recompute (SGD, the CLI's 32-token
+    sequences): dp4 without ep needs more, recompute would make room for it."""
+    from lightning_par.examples import MoEGPTLightningModule
+    from lightning_par.planner import Planner, Workload, build_model, inspect_model, load_hardware
+    from lightning_par.planner.plan import Candidate
+
+    info = inspect_model(build_model(MoEGPTLightningModule, MOE))
+    planner = Planner(info, load_hardware("cpu"), Workload(BATCH, 32, 4 * BATCH), "sgd")
+    return planner.estimate(Candidate(4, 1, 1, 0, precision="fp32", ep=4)).worst.total * 1.0001 / 2**30
+
+
+def test_the_plan_chooses_expert_parallel_where_only_it_fits():
+    from lightning_par.examples import MoEGPTLightningModule
+    from lightning_par.planner import build_model
+
+    model = build_model(MoEGPTLightningModule, MOE)
+    roomy = plan_layouts(model, Budget(4, 4, 8.0), batch=BATCH, seq_len=32, precision="32-true", optimizer="sgd",
+                         zero_stages=(0,), recompute=("none",))
+    assert roomy.best.candidate.ep == 1  # the exchange costs time: with room, no ep
+    tight = plan_layouts(model, Budget(4, 4, _ep4_budget_gib()), batch=BATCH, seq_len=32, precision="32-true",
+                         optimizer="sgd", zero_stages=(0,), recompute=("none",))
+    assert tight.best.candidate.ep == 4 and tight.best.runs_today and tight.considered > roomy.considered / 2
+
+
+@pytest.mark.launch(ranks=4, full=True)
+def test_planned_expert_parallel_trains_at_parity_with_one_process(tmp_path, cache_dir):
+    planned = launch_cli(tmp_path / "planned", cache_dir, [
+        *job(BATCH), *SGD, *MOE_ARGS, "--trainer.strategy=planned", "--trainer.strategy.optimizer=sgd",
+        "--trainer.strategy.zero_stages=[0]", "--trainer.strategy.recompute=[none]",
+        f"--trainer.strategy.gpu_memory={_ep4_budget_gib()}"], devices=4).check()
+    assert re.search(r"planned layout \(\d+ estimated, [\d.e-]+ GiB per rank\): chosen: dp4 ep4 tp1 pp1 z0",
+                     planned.log), planned.log[-3000:]
+    reference = launch_cli(tmp_path / "single", cache_dir, [*job(BATCH * 4), *SGD, *MOE_ARGS,
+                                                            "--trainer.strategy=auto"], devices=1).check()
+    losses, expected = planned.losses(), reference.losses()
+    diff = max_rel_diff(losses, expected)
+    print(f"planned dp4 ep4 (MoE): max relative per-step loss difference {diff:.2e}")
+    assert len(losses) == STEPS and diff <= PARITY_RTOL
+    assert expected[0] - expected[-1] > 0.05

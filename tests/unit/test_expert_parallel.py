@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from torch import nn
 
 from lightning_par import (
     Hybrid3DStrategy,
@@ -19,6 +20,7 @@ from lightning_par import (
     ZeroStrategy,
 )
 from lightning_par.examples import GPT, GPT_PRESETS, MOE_PRESETS, MoEConfig, MoEGPT
+from lightning_par.examples.moe import MoEFeedForward
 from lightning_par.parallel.expert_parallel import _regroup, check_expert_parallel, expert_layers
 from lightning_par.parallel.gradient_sync import DDPSync
 from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
@@ -175,8 +177,15 @@ def test_the_deferring_zero0_owner_of_a_pipeline_leaves_the_experts_out():
     assert not launched & {id(p.grad) for p in experts}  # averaged over their own replicas in finalize instead
 
 
-def test_a_load_balancing_loss_under_a_pipeline_is_refused_naming_the_layers():
-    with pytest.raises(LayoutError, match=r"pp=2.*layers.0.mlp, layers.1.mlp of MoEGPT compute a load-balancing "
-                                          r"loss.*aux_loss_coef=0"):
-        check_layer_losses(moe(aux_loss_coef=0.01), 2)
+def test_a_load_balancing_loss_under_a_pipeline_is_refused_only_for_layers_that_cannot_start_its_backward():
+    check_layer_losses(moe(aux_loss_coef=0.01), 2)  # the example's layer takes an aux_loss_backward
     check_layer_losses(moe(), 2)
+    # a layer that keeps its loss for the step to add and has no aux_loss_backward: the example's, without the hook
+    own_loss = type("OwnLoss", (nn.Module,), {k: v for k, v in vars(MoEFeedForward).items()
+                                             if k not in ("aux_loss_backward", "__dict__", "__weakref__")})
+    model = moe(aux_loss_coef=0.01)
+    for block in model.layers.values():
+        block.mlp.__class__ = own_loss
+    with pytest.raises(LayoutError, match=r"pp=2.*layers.0.mlp, layers.1.mlp of MoEGPT compute a load-balancing "
+                                          r"loss.*aux_loss_backward = None.*aux_loss_coef=0"):
+        check_layer_losses(model, 2)

@@ -11,10 +11,18 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from lightning_par.examples.gpt import GPT_PRESETS
+from lightning_par.examples.gpt import GPT_PRESETS, causal_lm_loss
 from lightning_par.examples.lit_gpt import GPTLightningModule
 from lightning_par.examples.moe import MOE_PRESETS, MoEConfig, MoEFeedForward, MoEGPT, MoEGPTLightningModule
-from lightning_par.parallel.router import SumOverRanks, load_metrics, reset_router_load, router_layers, router_load
+from lightning_par.parallel.router import (
+    SumOverRanks,
+    apply_aux_loss_in_backward,
+    load_metrics,
+    reset_router_load,
+    router_layers,
+    router_load,
+    started_aux_losses,
+)
 from lightning_par.utilization import active_parameter_count, model_flops_per_token
 
 TINY = MOE_PRESETS["tiny"]  # dim 64, 4 experts of 96, top-2, 2 layers
@@ -171,3 +179,56 @@ def test_a_global_scope_no_strategy_resolved_is_refused_under_several_processes(
         layer(torch.randn(8, TINY.dim))
     layer.router_statistics = SumOverRanks(None, 1)  # what a lightning-par strategy sets on one data-parallel rank
     layer(torch.randn(8, TINY.dim))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_aux_loss_started_from_the_layers_output_gives_the_gradient_of_the_loss_plus_it(recompute):
+    """What a pipeline stage does (parallel/pipeline/runtime.py): the layers' load-balancing losses start their
+    backward from the layers' outputs with the factor the schedule gives each micro-batch's loss, and only the
+    language-model loss is backpropagated; the gradients are those of ``mean over micro-batches (lm + aux)``. A
+    block recomputed in the backward (non-reentrant checkpoint) starts it once."""
+    config = replace(TINY, aux_loss_coef=0.1, n_layers=2)
+    torch.manual_seed(0)
+    reference = MoEGPT(config)
+    reference.init_weights()
+    attached = MoEGPT(config)
+    attached.load_state_dict(reference.state_dict())
+    m = 4
+    given = apply_aux_loss_in_backward(attached, lambda: 1 / m)
+    assert list(given) == ["layers.0.mlp", "layers.1.mlp"]
+    tokens = torch.randint(0, config.vocab_size, (m, 17))
+    aux = 0.0
+    for chunk in tokens.split(1):
+        inputs, targets = chunk[:, :-1], chunk[:, 1:]
+        ((causal_lm_loss(reference(inputs), targets) + reference.aux_loss()) / m).backward()
+        aux += reference.aux_loss().item() / m
+        if recompute:
+            x = attached.embed(inputs)
+            for block in attached.layers.values():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            logits = attached.head(attached.norm(x))
+        else:
+            logits = attached(inputs)
+        assert attached.aux_loss() is None  # (the step adds nothing: it is in the backward)
+        (causal_lm_loss(logits, targets) / m).backward()
+    for (name, p), q in zip(reference.named_parameters(), attached.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # for the logged loss: the micro-batches' mean of the started losses, summed over the layers (once each)
+    assert abs(float(started_aux_losses(given, m)) / aux - 1) < 1e-6 and started_aux_losses(given, m) is None
+    router = attached.layers["0"].mlp.router.weight
+    assert router.grad.norm() > 0
+    # the term is visible: without it, the routers' gradients differ
+    plain = MoEGPT(config)
+    plain.load_state_dict(reference.state_dict())
+    for chunk in tokens.split(1):
+        (causal_lm_loss(plain(chunk[:, :-1]), chunk[:, 1:]) / m).backward()
+    assert not torch.allclose(plain.layers["0"].mlp.router.weight.grad, router.grad, rtol=1e-3)
+
+
+def test_the_aux_loss_in_the_backward_is_the_identity_without_grad():
+    layer = _layer(aux_loss_coef=0.1)
+    apply_aux_loss_in_backward(layer, lambda: 1.0)
+    x = torch.randn(8, TINY.dim)
+    with torch.no_grad():
+        expected = _layer(aux_loss_coef=0.1)(x)
+        torch.testing.assert_close(layer(x), expected)

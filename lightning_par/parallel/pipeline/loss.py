@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from lightning_par.parallel.blocks import is_hf_model
 from lightning_par.parallel.expert_parallel import expert_layers
 from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
+from lightning_par.parallel.router import AUX_LOSS_IN_BACKWARD
 from lightning_par.topology import LayoutError
 
 #: the Hugging Face loss functions whose token count :class:`ModelLoss` knows (``transformers.loss.loss_utils``)
@@ -128,18 +129,21 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
 
 
 def check_layer_losses(model: nn.Module, pp: int) -> None:
-    """Refuse expert layers that keep a load-balancing loss for the step to add (``aux_loss_coef > 0``, as
-    :class:`~lightning_par.examples.moe.MoEFeedForward` for ``MoEGPT.aux_loss()``): under a pipeline the schedule
-    backpropagates the last stage's loss alone, so the term would be silently dropped. ``model``: the whole model,
+    """Refuse expert layers that keep a load-balancing loss for the step to add (``aux_loss_coef > 0``) and cannot
+    start its backward from their output (no ``aux_loss_backward``, see :mod:`lightning_par.parallel.router`): under
+    a pipeline the schedule backpropagates the last stage's loss alone, so the term would be silently dropped.
+    :class:`~lightning_par.examples.moe.MoEFeedForward` can (the runtime gives it one). ``model``: the whole model,
     before the split (the same verdict on every rank)."""
-    balanced = [n for n, m in expert_layers(model).items() if _positive(getattr(m, "aux_loss_coef", 0))]
+    balanced = [n for n, m in expert_layers(model).items()
+                if _positive(getattr(m, "aux_loss_coef", 0)) and not hasattr(m, AUX_LOSS_IN_BACKWARD)]
     if balanced:
         raise LayoutError(
             f"pipeline parallel (pp={pp}): {', '.join(balanced[:3])}{' ...' if len(balanced) > 3 else ''} of "
             f"{type(model).__name__} compute a load-balancing loss (aux_loss_coef > 0) that the step adds to the "
             "loss, but under a pipeline the schedule backpropagates the last stage's loss_fn alone and the layers "
-            "live on different stages. Set aux_loss_coef=0 to train under pp, or train with the load-balancing loss "
-            "without pp (ep, tp, ZeRO).")
+            f"live on different stages. Declare `{AUX_LOSS_IN_BACKWARD} = None` on the layer class and pass the "
+            f"output through it (`y = self.{AUX_LOSS_IN_BACKWARD}(y, coef * aux_loss)` when set), as "
+            "lightning_par.examples.moe.MoEFeedForward does; or set aux_loss_coef=0 to train under pp.")
 
 
 def _positive(value: Any) -> bool:

@@ -55,6 +55,7 @@ from lightning_par.parallel.parts import ModelParts, TiedCopy
 from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
+from lightning_par.parallel.router import apply_aux_loss_in_backward, started_aux_losses
 from lightning_par.parallel.runners import GradSyncFunc
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan  # noqa: F401 -- SCHEDULES: the old import path
 from lightning_par.topology import LayoutError
@@ -203,6 +204,9 @@ class PipelineRuntime:
         self.recording: Recording | None = None
 
         self.loss_scale = loss_scale  # (set again when a later fit of the same model accumulates otherwise)
+        # each router layer's load-balancing loss starts its backward from the layer's output, scaled as the
+        # micro-batch's loss is (the schedule backpropagates the last stage's loss alone)
+        self._aux_losses = apply_aux_loss_in_backward(self.module, lambda: self.loss_scale)
 
         def scaled_loss(outputs: Any, targets: Any) -> Tensor:
             loss = self._step_loss(outputs, targets)
@@ -334,7 +338,8 @@ class PipelineRuntime:
         losses; or, with ``labels=`` instead (Hugging Face's convention), the model's own loss
         (:class:`~.loss.ModelLoss`), whose batch loss is the token mean over the whole batch, as one process
         computes it (``num_items_in_batch``: the token count to divide by, default the labels' own).
-        Returns the batch loss (unscaled) on every pipeline rank.
+        Returns the batch loss (unscaled) on every pipeline rank, with the load-balancing losses the stages' router
+        layers started in the backward added (their micro-batches' mean; see :mod:`lightning_par.parallel.router`).
 
         FSDP2 stage modules (ZeRO-3): torch's schedule accumulates the micro-batches' gradients unreduced and
         reduce-scatters each FSDP group once after the last backward of the step. With ``require_sync = False``
@@ -369,9 +374,15 @@ class PipelineRuntime:
                 del stage.perform_reduce_grad
         # the last m: on its first step torch also calls the loss function to infer the backward's shapes
         micro = self._micro_losses[-m:]
-        if self.is_last:
-            return self._from_last(torch.stack(micro).float().mean())
-        return self._from_last(torch.zeros((), dtype=torch.float32, device=self.device))
+        loss = torch.stack(micro).float().mean() if self.is_last else \
+            torch.zeros((), dtype=torch.float32, device=self.device)
+        # the step's loss is the same quantity as without pp: the micro-batches' mean of the loss plus the
+        # load-balancing losses the layers started, each stage's added (the sum gives every rank the total)
+        aux = started_aux_losses(self._aux_losses, m)
+        if aux is not None:
+            loss = loss + aux.to(loss.device)
+        dist.all_reduce(loss, group=self.group)
+        return loss
 
     def _from_last(self, tensor: Tensor) -> Tensor:
         dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
@@ -591,6 +602,9 @@ class PipelineRuntime:
 
     def describe(self) -> str:
         units = [u for i in self.stage_ids for u in self.units_by_stage[i]]
+        balanced = [n for n in self._aux_losses if getattr(self.module.get_submodule(n), "aux_loss_coef", 0)]
         return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.plan.n_stages} "
                 f"({len(units)} units, {units[0]} .. {units[-1]}), schedule {self.plan.schedule}, "
-                f"{self.plan.n_microbatches} micro-batches")
+                f"{self.plan.n_microbatches} micro-batches"
+                + (f", the load-balancing losses of {len(balanced)} router layers started from their outputs in the "
+                   "backward (added to the logged loss)" if balanced else ""))
