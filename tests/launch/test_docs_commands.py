@@ -141,10 +141,7 @@ COMMANDS: dict[str, str] = {
     "megatron-overlap --precision bf16-mixed-master --exposed": RUN,
     # README: mixture of experts
     "lightning-par fit --model=lightning_par.examples.MoEGPTLightningModule --data=lightning_par.data.TextDataModule "
-    "--trainer.accelerator=cpu --trainer.devices=2 --trainer.strategy=ep2 --trainer.max_steps=20 "
-    "--trainer.enable_checkpointing=false":
-        f"{PARSE}: writes no checkpoint (none under ep yet), which the run check looks for; "
-        "tests/launch/test_readme_model.py trains the README's MoE code under ep2",
+    "--trainer.accelerator=cpu --trainer.devices=2 --trainer.strategy=ep2 --trainer.max_steps=20": RUN,
     "lightning-par plan --model=lightning_par.examples.MoEGPTLightningModule --model.preset=small --hardware cpu "
     "--layout dp=4,ep=2": RUN,
     # docs/precision.md
