@@ -116,7 +116,7 @@ CASES: dict[str, Case] = {
     "qwen2_1f1b_sgd_accumulate2": Case("qwen2", "sgd", {"schedule": "1f1b"}, accumulate=2, full=True),
     # tp2 x pp2
     "llama_tp2_pp2_1f1b_adamw": Case("llama", "adamw", {"tp": 2, "schedule": "1f1b"}, world=4, full=True),
-    "qwen2_tp2_pp2_zbv_sgd": Case("qwen2", "sgd", {"tp": 2, "schedule": "zbv"}, world=4),
+    "qwen2_tp2_pp2_zbv_sgd": Case("qwen2", "sgd", {"tp": 2, "schedule": "zbv"}, world=4, full=True),
     "llama_tp2_pp2_zbv_sgd": Case("llama", "sgd", {"tp": 2, "schedule": "zbv"}, world=4, full=True),
     "qwen2_tp2_pp2_1f1b_adamw": Case("qwen2", "adamw", {"tp": 2, "schedule": "1f1b"}, world=4, full=True),
 }

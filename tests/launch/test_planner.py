@@ -258,6 +258,7 @@ def test_bubble_of_uniform_stages_equals_the_closed_form(schedule):
 # ----------------------------------------------------------------------------------------------------------------------
 # Megatron-LM, seed 004 Table 1
 # ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.full
 def test_megatron_table1_throughput_within_15_percent():
     """The ten configurations of the paper's Table 1 planned on the a100 preset (see benchmarks/planner_megatron.py):
     each fits in 80 GB and its predicted TFLOP/s per GPU is within 15% of the published figure (7.4% at most with
@@ -404,6 +405,7 @@ def test_long_schedules_extrapolate_exactly_from_two_shorter_runs(schedule):
         assert getattr(line, field_name) == pytest.approx(getattr(whole, field_name), rel=1e-9, abs=1e-9), field_name
 
 
+@pytest.mark.full
 def test_a_large_world_plans_in_seconds():
     """The 8b GPT on 2048 H100s (global batch 16384 of 8192 tokens: up to 2048 micro-batches per pipeline), one
     precision, full recompute: layouts that cannot fit are left out before their schedules run, long

@@ -38,7 +38,7 @@ def _summed(per_rank: list[list]) -> list:
     return sum(per_rank)
 
 
-@pytest.mark.launch(ranks=2)
+@pytest.mark.launch(ranks=2, full=True)  # (the default set's budget; unit tests and the ZBV global case stay)
 @pytest.mark.parametrize("case", SCOPE_CASES)
 def test_losses_match_one_process_of_the_same_semantics(ranks, case):
     reference = ranks[0][case]["reference"]
@@ -61,7 +61,7 @@ def test_losses_match_one_process_of_the_same_semantics(ranks, case):
         assert not any(d for step in dropped for d in step)
 
 
-@pytest.mark.launch(ranks=2)
+@pytest.mark.launch(ranks=2, full=True)  # (the default set's budget; unit tests and the ZBV global case stay)
 def test_router_load_and_active_mfu_in_tensorboard(ranks):
     scalars = {tag: {int(step): v for step, v in by_step.items()} for tag, by_step in ranks[0]["scalars"].items()}
     reference = ranks[0]["ep2_capacity"]["reference"]

@@ -71,7 +71,7 @@ def gpt2_runs(tmp_path_factory, cache_dir, request):
 
 
 # -- (a) parity with one process ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [pytest.param("tp2_tied_sgd", marks=pytest.mark.launch(ranks=2)),
+@pytest.mark.parametrize("name", [pytest.param("tp2_tied_sgd", marks=pytest.mark.launch(ranks=2, full=True)),
                                   pytest.param("tp2_untied_adamw", marks=pytest.mark.launch(ranks=2, full=True))])
 def test_gpt2_style_model_under_tp2_matches_one_process(gpt2_runs, name):
     reference, run = gpt2_runs(PARITY[name]), gpt2_runs(name)
