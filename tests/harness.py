@@ -277,6 +277,14 @@ def launch_matrix(root: Path, cache_dir: Path, module: str, args: list[str], npr
         return _finish(root, [proc], [log], start, timeout)
 
 
+
+def launch_reports(root: Path, cache_dir: Path, module: str, cases: tuple[str, ...], nproc: int) -> list[dict]:
+    """Launch the worker ``module`` on ``nproc`` ranks for ``cases`` (its arguments after its output folder) and read
+    each rank's report, ``out/rank<r>.json``."""
+    run = launch_matrix(root, cache_dir, module, [str(root / "out"), *cases], nproc=nproc, timeout=900).check()
+    print(f"{module} on {nproc} ranks ({', '.join(cases)}): {run.seconds:.1f} s")
+    return [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(nproc)]
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), f"different number of steps: {len(a)} vs {len(b)}"
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))

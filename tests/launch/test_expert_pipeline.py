@@ -10,11 +10,9 @@ launch, and dp2 x tp2 x pp2 with ep2 under ZeRO-1 on 8 ranks, in the full run. T
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.harness import launch_matrix, max_rel_diff
+from tests.harness import launch_reports, max_rel_diff
 from tests.launch.expert_pipeline_worker import CASES, PER_RANK, REFUSALS, STEPS
 from tests.launch.test_router_pipeline import DEFAULT as BALANCED
 from tests.launch.test_router_pipeline import check_parity, check_wrong_scale
@@ -33,10 +31,7 @@ STAGE_EXPERT_BYTES = 2 * 3 * 4 * 64 * 96 * 4
 
 def _launch(tmp_path_factory, cache_dir, ranks: int, cases: tuple[str, ...]) -> list[dict]:
     root = tmp_path_factory.mktemp(f"expert_pipeline_{ranks}")
-    run = launch_matrix(root, cache_dir, "tests.launch.expert_pipeline_worker", [str(root / "out"), *cases],
-                        nproc=ranks, timeout=900).check()
-    print(f"tests.launch.expert_pipeline_worker on {ranks} ranks ({', '.join(cases)}): {run.seconds:.1f} s")
-    return [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return launch_reports(root, cache_dir, "tests.launch.expert_pipeline_worker", cases, ranks)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ data-parallel ranks) inside tests/launch/test_expert_pipeline.py's default launc
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.harness import launch_matrix, max_rel_diff
+from tests.harness import launch_reports, max_rel_diff
 from tests.launch.router_pipeline_worker import CASES, STEPS
 
 PARITY_RTOL = 1e-5  # per-step loss and pre-step global gradient norm against one process
@@ -25,10 +23,7 @@ TWO = tuple(c for c in CASES if CASES[c]["ep"] == 1)
 
 def _launch(tmp_path_factory, cache_dir, ranks: int, cases: tuple[str, ...]) -> list[dict]:
     root = tmp_path_factory.mktemp(f"router_pipeline_{ranks}")
-    run = launch_matrix(root, cache_dir, "tests.launch.router_pipeline_worker", [str(root / "out"), *cases],
-                        nproc=ranks, timeout=900).check()
-    print(f"tests.launch.router_pipeline_worker on {ranks} ranks ({', '.join(cases)}): {run.seconds:.1f} s")
-    return [json.loads((root / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return launch_reports(root, cache_dir, "tests.launch.router_pipeline_worker", cases, ranks)
 
 
 @pytest.fixture(scope="module")
