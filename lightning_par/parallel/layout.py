@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_par.parallel.recompute import check_recompute
+from lightning_par.parallel.router import check_aux_loss_scope
 from lightning_par.parallel.stage_plan import StagePlan, check_positive_int, check_schedule_name
 from lightning_par.topology import LayoutError, ParallelDims, Size, _check_size, check_number, is_number
 
@@ -35,6 +36,8 @@ class Layout:
         recompute: activation recompute per block: "none", "selective" (the attention core) or "full".
         block_types: the model's repeated block classes (or class names), where they cannot be found otherwise.
         bucket_cap_mb: gradient bucket size for data-parallel reductions, in MiB.
+        aux_loss_scope: the routers' load-balancing loss, ``"micro_batch"`` or ``"global"``
+            (:mod:`lightning_par.parallel.router`); None: each model's own.
     """
 
     dp: Size = "auto"
@@ -53,6 +56,7 @@ class Layout:
     recompute: str = "none"
     block_types: Sequence[type | str] | None = None
     bucket_cap_mb: float = 25.0
+    aux_loss_scope: str | None = None
 
     def __post_init__(self) -> None:
         _check_size("dp", self.dp, allow_auto=True)
@@ -65,6 +69,7 @@ class Layout:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_recompute(self.recompute)
+        check_aux_loss_scope(self.aux_loss_scope)
         # an int, not a bool or a float: True == 1 and 1.0 == 1 would pass a bare membership test
         if not is_number(self.zero_stage, integer=True) or self.zero_stage not in SUPPORTED_ZERO_STAGES:
             raise LayoutError(

@@ -80,6 +80,8 @@ class ParallelizeConfig:
     cp_mesh: DeviceMesh | None = None
     #: expert parallel (ep > 1): the mesh of topology.build_expert_mesh
     expert_mesh: DeviceMesh | None = None
+    #: the routers' load-balancing scope (None: each model's own)
+    aux_loss_scope: str | None = None
 
 
 @dataclass
@@ -154,7 +156,8 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     # (the owner's sharding leaves them alone, or shards them over their own replicas)
     parts.experts, parts.expert_mesh = (experts.parameters, experts.mesh) if experts is not None else ([], None)
     # a global load-balancing loss sums the routers' statistics over the ranks the gradients are averaged over
-    router = apply_router_statistics(parts.root, config.dp_mesh.get_group(), config.dp_mesh.size())
+    router = apply_router_statistics(parts.root, config.dp_mesh.get_group(), config.dp_mesh.size(),
+                                     config.aux_loss_scope, config.sequence_parallel)
     cp = None
     if config.cp_mesh is not None and config.cp_mesh.size() > 1:
         cp = apply_context_parallel(parts.root, parts.stages, parts.blocks, config.cp_mesh, parts.pipelined)

@@ -30,6 +30,8 @@ micro-batch's load-balancing loss trains its stage's routers inside any schedule
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,11 +40,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par._compat import current_graph_task_id
+from lightning_par.topology import LayoutError
 
 #: the scopes of the load-balancing loss (see the module docstring)
 AUX_LOSS_SCOPES = ("micro_batch", "global")
 #: what a router layer declares to take part in the global scope and the logs
 ROUTER_ATTRIBUTES = ("aux_loss_scope", "router_statistics")
+#: where a Hugging Face model keeps its :class:`GlobalLoadBalancing` hook's handle
+BALANCING_HOOK = "_lightning_par_global_balancing"
 #: what a router layer declares to start its load-balancing loss's backward from its output's (under a pipeline)
 AUX_LOSS_IN_BACKWARD = "aux_loss_backward"
 
@@ -84,16 +89,50 @@ class SumOverRanks:
         return _SumOverRanks.apply(tensor, self.group)
 
 
-def apply_router_statistics(module: nn.Module, group: Any, ranks: int) -> str | None:
+def check_aux_loss_scope(scope: str | None) -> None:
+    """A strategy's ``aux_loss_scope``: None (each model's own) or one of :data:`AUX_LOSS_SCOPES`."""
+    if scope is not None and scope not in AUX_LOSS_SCOPES:
+        raise LayoutError(f"aux_loss_scope={scope!r} is not a scope of the load-balancing loss: use one of "
+                          f"{', '.join(map(repr, AUX_LOSS_SCOPES))}, or None for each model's own.")
+
+
+def apply_router_statistics(module: nn.Module, group: Any, ranks: int, scope: str | None = None,
+                            sequence_parallel: bool = False) -> str | None:
     """Give every router layer of ``module`` whose scope is global the sum over the data-parallel ``group`` (of
-    ``ranks`` ranks; dp x cp); a line for the log saying which scope each layer computes (None: no router)."""
-    layers = router_layers(module)
-    if not layers:
-        return None
+    ``ranks`` ranks; dp x cp), and every Hugging Face model adding a load-balancing loss (:func:`balancing_models`)
+    under the global scope a :class:`GlobalLoadBalancing` hook; a line for the log saying which scope each computes
+    (None: no router). ``scope``: the strategy's, which replaces each layer's own (a Hugging Face model's own is
+    ``"micro_batch"``, transformers' per-forward loss); a scope given for a model without a router is refused, and
+    so is a load-balancing loss under ``sequence_parallel`` (each tensor-parallel rank routes its own tokens, and the
+    router's gradient, summed over them, would train the sum of their losses: no scope's function)."""
+    layers, models = router_layers(module), balancing_models(module)
+    balanced = [n for n, m in layers.items() if getattr(m, "aux_loss_coef", 0)]
+    balanced += [n for n, m in models.items() if m.router_aux_loss_coef
+                 and getattr(getattr(m, "config", None), "output_router_logits", False)]
+    if sequence_parallel and balanced:
+        raise LayoutError(
+            f"sequence_parallel=True with a load-balancing loss ({balanced[0] or type(module).__name__}): each "
+            "tensor-parallel rank routes its own part of the sequence, and their losses are not yet combined into one "
+            "scope's function. Train without sequence_parallel, or with the loss off (aux_loss_coef=0; a Hugging "
+            "Face model: router_aux_loss_coef=0 or output_router_logits=False).")
+    if scope is not None and not layers and not models:
+        raise LayoutError(
+            f"aux_loss_scope={scope!r} but {type(module).__name__} has no router whose load-balancing loss it could "
+            "scope (a layer declaring aux_loss_scope, as lightning_par.examples.moe.MoEFeedForward, or a Hugging Face "
+            "MoE model with load_balancing_loss_func): leave aux_loss_scope unset.")
     for layer in layers.values():
+        layer.aux_loss_scope = scope or layer.aux_loss_scope
         if layer.aux_loss_scope == "global":
             layer.router_statistics = SumOverRanks(group, ranks)
-    return describe_routers(layers, ranks)
+    for model in models.values():
+        if (previous := getattr(model, BALANCING_HOOK, None)) is not None:  # (a second setup of the same model)
+            previous.remove()
+        if scope == "global":
+            setattr(model, BALANCING_HOOK, model.register_forward_hook(
+                GlobalLoadBalancing(model, SumOverRanks(group, ranks)), with_kwargs=True))
+    lines = [describe_routers(layers, ranks)] if layers else []
+    lines += [describe_balancing(model, scope or "micro_batch", ranks) for model in models.values()]
+    return "; ".join(lines) or None
 
 
 def describe_routers(layers: dict[str, nn.Module], ranks: int) -> str:
@@ -104,6 +143,92 @@ def describe_routers(layers: dict[str, nn.Module], ranks: int) -> str:
     capacities = sorted({str(getattr(m, "capacity_factor", None)) for m in layers.values()})
     return (f"router: {len(layers)} layers, load-balancing loss {' and '.join(scopes) or 'off (aux_loss_coef=0)'}, "
             f"{'dropless' if capacities == ['None'] else 'capacity factor ' + ', '.join(capacities)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hugging Face MoE models: one load-balancing loss over all layers' router logits
+# ----------------------------------------------------------------------------------------------------------------------
+def balancing_models(module: nn.Module) -> dict[str, nn.Module]:
+    """The Hugging Face causal LMs inside ``module`` that add their routers' load-balancing loss to their ``.loss``:
+    those with a ``router_aux_loss_coef`` whose modeling module computes the loss with ``load_balancing_loss_func``
+    (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss; DeepSeek-V3 has none), by name."""
+    return {name: m for name, m in module.named_modules() if hasattr(m, "router_aux_loss_coef")
+            and callable(getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None))}
+
+
+def describe_balancing(model: nn.Module, scope: str, ranks: int) -> str:
+    """``router: ...`` for a Hugging Face model: its load-balancing loss's scope, or off."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or not model.router_aux_loss_coef:
+        return f"router: {type(model).__name__}'s load-balancing loss off (output_router_logits, router_aux_loss_coef)"
+    said = {"micro_batch": "scope micro_batch (the model's own: each rank's tokens of each forward)",
+            "global": f"scope global (all layers' statistics summed over the {ranks} data-parallel ranks)"}
+    return (f"router: {type(model).__name__}'s load-balancing loss (coefficient {model.router_aux_loss_coef}), "
+            f"{said[scope]}")
+
+
+def balancing_statistics(router_logits: tuple[Tensor, ...], experts: int, top_k: int,
+                         attention_mask: Tensor | None = None) -> Tensor:
+    """The numerators and the count behind transformers' ``load_balancing_loss_func`` (the Switch loss over all
+    layers' rows at once), ``[routed (token, choice) pairs per expert (E), router probability sums (E), rows]`` in
+    fp32, padding (``attention_mask`` 0) left out as transformers leaves it out; :func:`balancing_loss` forms the
+    loss. Sums, so that the sum over ranks is the statistics of all their tokens."""
+    stats = torch.zeros(2 * experts + 1, dtype=torch.float32, device=router_logits[0].device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.to(stats.device), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        rows = torch.ones(probs.shape[0], device=stats.device) if attention_mask is None \
+            else attention_mask.reshape(-1).to(device=stats.device, dtype=torch.float32)
+        counts = torch.zeros(experts, device=stats.device).scatter_add_(0, chosen.reshape(-1),
+                                                                          rows.repeat_interleave(top_k))
+        stats = stats + torch.cat([counts, (probs.float() * rows.unsqueeze(-1)).sum(dim=0), rows.sum().reshape(1)])
+    return stats
+
+
+def balancing_loss(stats: Tensor, experts: int) -> Tensor:
+    """transformers' load-balancing loss of :func:`balancing_statistics`: ``E * sum_e (routed_e / rows) * (prob_e /
+    rows)`` (as transformers forms it: the routed fraction not divided by top-k)."""
+    rows = stats[-1]
+    return experts * (stats[:experts] / rows * stats[experts:2 * experts] / rows).sum()
+
+
+class GlobalLoadBalancing:
+    """A forward hook (with kwargs) of a Hugging Face causal LM under the global scope: its output's ``aux_loss``
+    becomes the loss of the statistics summed over the data-parallel ranks (``statistics``: a
+    :class:`SumOverRanks`), and its ``loss`` has the coefficient times the difference added -- the gradient of the
+    model's own per-rank term cancels exactly (it meets its negative), the global term's trains. The hook recomputes
+    the model's own loss from the same router logits first and, on the first forward, refuses a model whose loss is
+    not this one (a modeling file whose load-balancing loss changed): rather an error than another function."""
+
+    def __init__(self, model: nn.Module, statistics: Callable[[Tensor], Tensor]) -> None:
+        self.experts, self.top_k = model.num_experts, model.num_experts_per_tok
+        self.statistics, self.name = statistics, type(model).__name__
+        self.mask_at = next((i for i, n in enumerate(inspect.signature(model.forward).parameters)
+                             if n == "attention_mask"), None)
+        self.checked = False
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        local, logits = getattr(output, "aux_loss", None), getattr(output, "router_logits", None)
+        if not isinstance(local, Tensor) or not isinstance(logits, tuple) or not logits or local.is_meta:
+            return output  # (no load-balancing loss in this forward)
+        mask = kwargs.get("attention_mask", args[self.mask_at] if self.mask_at is not None
+                          and len(args) > self.mask_at else None)
+        stats = balancing_statistics(logits, self.experts, self.top_k, mask)
+        if not self.checked:
+            mine = balancing_loss(stats, self.experts).detach()
+            if not torch.allclose(mine, local.detach().float(), rtol=1e-4, atol=1e-6):
+                raise RuntimeError(
+                    f"aux_loss_scope='global': {self.name}'s load-balancing loss is {float(local.detach()):.6g} "
+                    f"where the Switch loss lightning_par sums over the ranks gives {float(mine):.6g} from the same "
+                    "router logits: this "
+                    "version of the model computes another loss, which the global scope cannot sum. Use "
+                    "aux_loss_scope='micro_batch' (the model's own loss on each rank's tokens).")
+            self.checked = True
+        aux = balancing_loss(self.statistics(stats), self.experts)
+        if getattr(output, "loss", None) is not None:
+            output.loss = output.loss + model.router_aux_loss_coef * (aux - local).to(output.loss.device)
+        output.aux_loss = aux
+        return output
 
 
 class _AuxLossInBackward(torch.autograd.Function):

@@ -87,6 +87,7 @@ class LayoutStrategy(MeshStrategy):
         recompute: str = "none",
         block_types: list[str] | None = None,
         bucket_cap_mb: float = 25.0,
+        aux_loss_scope: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         heartbeat_timeout: float | None = 60.0,
@@ -107,8 +108,7 @@ class LayoutStrategy(MeshStrategy):
             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, schedule=schedule, n_microbatches=n_microbatches,
             virtual_stages=virtual_stages, stage_costs=stage_costs, sequence_parallel=sequence_parallel,
-            recompute=recompute, block_types=block_types, bucket_cap_mb=bucket_cap_mb,
-        )
+            recompute=recompute, block_types=block_types, bucket_cap_mb=bucket_cap_mb, aux_loss_scope=aux_loss_scope)
         self.precision_plugin = self._precision_plugin  # checks the precision against the layout, now it exists
         self._heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)  # in the launching process
         self._heartbeat: Heartbeat | None = None
@@ -296,7 +296,8 @@ class LayoutStrategy(MeshStrategy):
                                    tp_mesh=self.device_mesh["tp"], sequence_parallel=self.layout.sequence_parallel,
                                    recompute=self.layout.recompute, compile=self.compiler,
                                    parameter_device=torch.device("cpu") if self._gradient_sync.parameters_on_host
-                                   else None, cp_mesh=self.device_mesh["cp"], expert_mesh=self.expert_mesh)
+                                   else None, cp_mesh=self.device_mesh["cp"], expert_mesh=self.expert_mesh,
+                                   aux_loss_scope=self.layout.aux_loss_scope)
         done = parallelize(parts, config, self._gradient_sync.shard, deferred=self._construction.take(),
                            pretrained=self.pretrained)
         self._tensor_parallel, self._context_parallel = done.tensor_parallel, done.context_parallel

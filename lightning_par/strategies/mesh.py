@@ -186,11 +186,16 @@ class MeshStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses): the tensor- and
         pipeline-parallel ranks of one replica hold the same value, so a ``sum`` over all ranks would count it
-        tp * pp times."""
+        tp * pp times. A mean is over dp x cp (:attr:`grad_mesh`): the cp ranks of a replica saw different tokens of
+        the same samples, so a value they differ in (a mixture of experts' per-rank load-balancing loss) is averaged
+        as its gradients are, and one they share (the loss under cp, a mean over whole sequences) is unchanged; a sum
+        stays over dp (a count of samples is the same on the cp ranks)."""
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self._device_mesh is not None:
-            group = self._device_mesh["dp"].get_group()
+            mean = reduce_op is None or (reduce_op.lower() in ("mean", "avg") if isinstance(reduce_op, str)
+                                         else reduce_op == dist.ReduceOp.AVG)
+            group = (self.grad_mesh if mean else self._device_mesh["dp"]).get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 

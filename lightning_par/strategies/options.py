@@ -51,6 +51,13 @@ OPTIONS = """
         block_types: the classes (or class names) of the model's repeated blocks, for a model whose blocks cannot
             be found otherwise (see :func:`lightning_par.parallel.blocks.find_blocks`); used by ZeRO-3 and
             data-parallel grouping and by the pipeline split.
+        aux_loss_scope: the tokens a mixture-of-experts model's load-balancing loss is computed over:
+            ``"micro_batch"`` (each rank's tokens of each forward: transformers' and the anchors' default) or
+            ``"global"`` (the routers' statistics summed over the dp x cp ranks of each forward before the loss is
+            formed: one process's loss of the whole batch, as Megatron-Core's global auxiliary loss; one small
+            all-reduce per forward). For the example MoE's layers and Hugging Face MoE models
+            (:mod:`lightning_par.parallel.router`); default: each model's own (the example's ``aux_loss_scope``,
+            a Hugging Face model's ``"micro_batch"``).
         bucket_cap_mb: gradient bucket size for the data-parallel all-reduce, in MiB (as in DDP).
         process_group_backend: ``"gloo"``, ``"nccl"`` or a per-device string such as ``"cpu:gloo,cuda:nccl"``;
             by default ``"cpu:gloo,cuda:nccl"`` on CUDA (CPU tensors, e.g. offloaded gradients' norms, can still

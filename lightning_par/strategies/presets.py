@@ -20,8 +20,8 @@ from lightning_par.strategies.engine import LayoutStrategy
 #: what each data-parallel preset takes besides its layout, in the order its signature lists them
 ZERO_OPTIONS = ("offload_optimizer", "offload_parameters")
 PIPELINE_OPTIONS = ("schedule", "n_microbatches", "virtual_stages")
-RUN_OPTIONS = ("recompute", "bucket_cap_mb", "block_types", "process_group_backend", "timeout", "heartbeat_timeout",
-               "async_save", "nonfinite", "nonfinite_patience", "compile", "checkpoint_io")
+RUN_OPTIONS = ("recompute", "aux_loss_scope", "bucket_cap_mb", "block_types", "process_group_backend", "timeout",
+               "heartbeat_timeout", "async_save", "nonfinite", "nonfinite_patience", "compile", "checkpoint_io")
 
 
 def engine_options(*names: str, **defaults: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:

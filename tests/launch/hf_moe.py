@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,7 @@ class Case:
     full: bool = False  # in the full run only (pytest --full)
     world: int = 2
     resume: bool = False  # one epoch of 3 batches, then a second one resumed from its checkpoint in a new Trainer
+    scope: str | None = None  # the strategy's aux_loss_scope ("global": the reference is one process, whole batches)
 
 
 CASES: dict[str, Case] = {
@@ -183,6 +184,20 @@ CASES: dict[str, Case] = {
     # ... with the load-balancing loss: each cp rank computes it on the tokens it holds (reference: cp_aux_loss)
     "qwen3_moe_ep2_cp2_sgd_aux": Case("qwen3_moe", "sgd", {"ep": 2, "cp": 2}, aux=EP_AUX_COEF, full=True),
     "mixtral_ep2_cp2_adamw_aux": Case("mixtral", "adamw", {"ep": 2, "cp": 2}, aux=EP_AUX_COEF, full=True),
+    # the global scope: the routers' statistics summed over the dp x cp ranks, so each step's loss is one process's on
+    # whole batches (the default set: one)
+    "qwen3_moe_ep2_sgd_global": Case("qwen3_moe", "sgd", {"ep": 2}, aux=EP_AUX_COEF, scope="global"),
+    **{f"{arch}_ep2_{opt}_global": Case(arch, opt, {"ep": 2}, aux=EP_AUX_COEF, scope="global", full=True)
+       for arch, opt in (("qwen3_moe", "adamw"), ("mixtral", "sgd"), ("qwen2_moe", "adamw"), ("olmoe", "sgd"),
+                         ("gpt_oss", "adamw"))},
+    "qwen3_moe_zero1_dp2_sgd_global": Case("qwen3_moe", "sgd", {"zero_stage": 1}, aux=EP_AUX_COEF, scope="global",
+                                           full=True),
+    "mixtral_ep2_cp2_sgd_global": Case("mixtral", "sgd", {"ep": 2, "cp": 2}, aux=EP_AUX_COEF, scope="global",
+                                       full=True),
+    "qwen3_moe_ep2_dp2_zero3_adamw_global": Case("qwen3_moe", "adamw", {"ep": 2, "zero_stage": 3}, aux=EP_AUX_COEF,
+                                                 scope="global", full=True, world=4),
+    "mixtral_ep2_tp2_zero1_sgd_global": Case("mixtral", "sgd", {"ep": 2, "tp": 2, "zero_stage": 1}, aux=EP_AUX_COEF,
+                                             scope="global", full=True, world=4),
 }
 #: fits that must be refused at setup: (case, strategy options, the start of the error every rank must raise)
 ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
@@ -194,6 +209,9 @@ ERROR_CASES: dict[str, tuple[Case, dict[str, Any], str]] = {
         Case("mixtral", "sgd", aux=True), {"pp": 2},
         "LayoutError: pipeline parallel (pp=2): MixtralForCausalLM adds its routers' load-balancing loss to its "
         "`.loss` (config.output_router_logits=True, router_aux_loss_coef=0.05)"),
+    "global_scope_without_a_balancing_loss": (
+        Case("deepseek_v3", "sgd"), {"ep": 2, "aux_loss_scope": "global"},
+        "LayoutError: aux_loss_scope='global' but HFMoELM has no router whose load-balancing loss it could scope"),
 }
 
 
@@ -212,44 +230,44 @@ def reference(case: Case, train: list[dict], chunks: int = 1, cp: int = 1) -> di
     ``chunks``: the loss is the mean of the model's loss on each data-parallel rank's share of the batch (rows r,
     r + chunks, ...), as each rank's forward computes it -- the per-rank load-balancing loss's semantics. ``cp``:
     the same within a row, whose tokens are split over the cp ranks: the language-model loss of whole sequences
-    plus the mean over the cp ranks of the load-balancing loss of the tokens each holds (:func:`cp_aux_loss`)."""
+    plus the mean over the cp ranks of the load-balancing loss of the tokens each holds (:func:`cp_aux_loss`; the
+    logged loss is averaged over dp x cp, so it is that mean too)."""
     lm = HFMoELM(case.arch, case.optimizer, case.aux)
     lm.configure_model()
     optimizer = lm.configure_optimizers()
     losses, aux = [], []
     for batch in train:
         outs = [lm.model(**{k: v[r::chunks] for k, v in batch.items()}) for r in range(chunks)]
-        logged = None
         if cp > 1 and case.aux:
-            coef, logged = aux_coef(case.aux), 0.0
-            for out in outs:  # the model's term on whole sequences replaced by the cp ranks' mean
-                shards = cp_aux_loss(lm.model, out.router_logits, batch["input_ids"].size(1), cp)
-                language = out.loss - coef * out.aux_loss
-                # (the log is reduced over dp only: it shows each replica's cp rank 0's loss, its own tokens' term)
-                logged += float(language + coef * shards[0]) / chunks
-                out.loss, out.aux_loss = language + coef * shards.mean(), shards.mean()
+            coef = aux_coef(case.aux)
+            for out in outs:  # the model's term on whole sequences replaced by the cp ranks' mean (or the global one)
+                shards = cp_aux_loss(lm.model, out.router_logits, batch["input_ids"].size(1), cp,
+                                     together=case.scope == "global").mean()
+                out.loss, out.aux_loss = out.loss - coef * out.aux_loss + coef * shards, shards
         loss = sum(out.loss for out in outs) / chunks
         loss.backward()
-        losses.append(loss.item() if logged is None else logged)
+        losses.append(loss.item())
         aux.append(aux_coef(case.aux) * sum(out.aux_loss.item() for out in outs) / chunks if case.aux else 0.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"losses": losses, "aux_terms": aux}
 
 
-def cp_aux_loss(model: torch.nn.Module, router_logits: tuple[torch.Tensor, ...], length: int, cp: int) -> torch.Tensor:
+def cp_aux_loss(model: torch.nn.Module, router_logits: tuple[torch.Tensor, ...], length: int, cp: int,
+                together: bool = False) -> torch.Tensor:
     """The model's own load-balancing loss of the tokens each of the ``cp`` ranks holds under context parallel
     (sequence chunks r and 2 cp - 1 - r of 2 cp; a last token of an odd length is dropped), from the router logits of
     whole sequences (``[rows x length, experts]`` per layer: a token's logits do not depend on how the sequence is
-    split)."""
+    split); ``together``: one loss of all the tokens the cp ranks hold (the global scope's)."""
     import sys
 
     balance = sys.modules[type(model).__module__].load_balancing_loss_func
     config, chunk = model.config, length // (2 * cp)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     per_rank = []
-    for r in range(cp):
-        held = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (r, 2 * cp - 1 - r)])
+    for r in range(1 if together else cp):
+        chunks = range(2 * cp) if together else (r, 2 * cp - 1 - r)
+        held = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks])
         shard = tuple(logits.view(-1, length, logits.size(-1))[:, held].reshape(-1, logits.size(-1))
                       for logits in router_logits)
         per_rank.append(balance(shard, experts, config.num_experts_per_tok))
@@ -295,6 +313,9 @@ def strategy_for(layout: dict[str, Any], heartbeat: bool = True):
     from lightning_par import Hybrid3DStrategy, LayoutStrategy, MegatronTPStrategy, PipelineStrategy, ZeroStrategy
 
     options: dict[str, Any] = {} if heartbeat else {"heartbeat_timeout": None}
+    if "aux_loss_scope" in layout:
+        layout = dict(layout)
+        options["aux_loss_scope"] = layout.pop("aux_loss_scope")
     if "ep" in layout and ("pp" in layout or "cp" in layout):
         return LayoutStrategy(**layout, **({"n_microbatches": MICROBATCHES} if "pp" in layout else {}), **options)
     if "ep" in layout:  # the experts from the model's own ep plan; with tp, attention from its tp plan
@@ -316,7 +337,7 @@ def fit(case: Case, rows: list[dict], root: Path, layout: dict[str, Any] | None 
     all ``rows`` (a checkpoint in ``root / "ckpt"`` at each end), continuing from ``ckpt_path`` if given."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    layout = layout or case.layout
+    layout = layout or {**case.layout, **({"aux_loss_scope": case.scope} if case.scope else {})}
     world, tp, cp = dist.get_world_size(), layout.get("tp", 1), layout.get("cp", 1)
     dp = world // (tp * cp * layout.get("pp", 1))
     dp_rank = dist.get_rank() // (tp * cp) % dp  # (the mesh is (pp, dp, cp, tp), tp innermost; cp ranks share rows)
@@ -511,11 +532,17 @@ def main() -> None:
         if rank == 0:
             batches = batches_of(rows[:RESUME_EPOCH * BATCH]) * 2 if case.resume else batches_of(rows)
             dp = world // case.layout.get("tp", 1) // case.layout.get("pp", 1) // case.layout.get("cp", 1)
-            ref = reference(case, batches, chunks=dp if "ep" in case.layout else 1, cp=case.layout.get("cp", 1))
+            cp = case.layout.get("cp", 1)
+            # the global scope: one process on whole batches (the tokens cp holds); the per-rank loss's reference is
+            # another function
+            ref = reference(case, batches, chunks=1 if case.scope == "global" else dp if "ep" in case.layout else 1,
+                            cp=cp)
             results[name] = {"fit": losses, "reference": ref["losses"], "aux_terms": ref["aux_terms"],
                              "placements": placements, "seconds": seconds}
-            if "ep" in case.layout and case.aux:  # what one process computes on whole batches: another function
-                results[name]["whole_batches"] = reference(case, batches)["losses"]
+            if case.scope == "global":
+                results[name]["other_scope"] = reference(replace(case, scope=None), batches, chunks=dp, cp=cp)["losses"]
+            elif "ep" in case.layout and case.aux:  # what one process computes on whole batches: another function
+                results[name]["other_scope"] = reference(case, batches)["losses"]
             print(f"{name}: {seconds:.1f} s, losses {losses[:3]} vs {ref['losses'][:3]}", flush=True)
     for name in args.errors:
         case, layout, _ = ERROR_CASES[name]

@@ -86,6 +86,8 @@ def test_moe_model_trains_as_one_process(results, name):
     assert result["reference"][-1] < result["reference"][0] - 1.0, "the model must learn for parity to mean much"
     if case.aux:  # the load-balancing term is in the loss, far above the tolerance
         assert min(result["aux_terms"]) > 1e3 * PARITY_RTOL * max(result["reference"])
+    if case.scope == "global":  # its reference: one process on whole batches
+        _check_other_scope(result, "the per-rank (micro_batch) loss's reference")
     if "ep" in case.layout:
         _check_expert_parallel(case, result)
     elif "tp" in case.layout and not case.resume:  # each rank its slice of every expert: gate|up packed, down by input
@@ -125,10 +127,16 @@ def _check_expert_parallel(case, result):
             assert sizes["state"] * state_over == 2 * sizes["total"] and sizes["states"] > 0, (rank, sizes)
         else:
             assert sizes["states"] == 0, (rank, sizes)
-    if case.aux:
-        whole = max_rel_diff(result["whole_batches"], result["reference"])
-        print(f"  one process on whole batches differs by {whole:.2e} (the per-rank loss's semantics)")
-        assert whole > 10 * PARITY_RTOL
+    if case.aux and case.scope is None:
+        _check_other_scope(result, "one process on whole batches (the global scope's reference)")
+
+
+def _check_other_scope(result, what):
+    """The reference of the other load-balancing scope is another function, well beyond the parity tolerance: the
+    test tells the two apart."""
+    other = max_rel_diff(result["other_scope"], result["reference"])
+    print(f"  {what} differs by {other:.2e}")
+    assert other > 10 * PARITY_RTOL
 
 
 @pytest.mark.launch(ranks=2)
