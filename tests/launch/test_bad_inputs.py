@@ -66,6 +66,15 @@ def test_numeric_options_refuse_bools_floats_and_non_finite_values(make, value, 
         make(value)
 
 
+@pytest.mark.parametrize("make", [lambda v: ZeroStrategy(stage=1, aux_loss_scope=v),
+                                  lambda v: Hybrid3DStrategy(tp=2, pp=2, aux_loss_scope=v)])
+def test_an_unknown_load_balancing_scope_lists_the_scopes(make):
+    with pytest.raises(LayoutError, match=r"aux_loss_scope='global_batch' is not a scope of the load-balancing loss: "
+                                          r"use one of 'micro_batch', 'global', or None"):
+        make("global_batch")
+    assert make("global").layout.aux_loss_scope == "global"
+
+
 def test_the_good_values_still_pass():
     assert ZeroStrategy(stage=2, bucket_cap_mb=0.5).layout.bucket_cap_mb == 0.5
     assert LayoutStrategy(zero_stage=3, bucket_cap_mb=25).layout.zero_stage == 3
