@@ -1,6 +1,7 @@
 """Bad steps (issue 30): fits on 2 ranks where one step goes non-finite, under one layout per launch.
 
-Run under torchrun (``tests.harness.launch_matrix``, ``--layout zero2|pp2``); the cases run one after another in the
+Run under torchrun (``tests.harness.launch_matrix``, ``--layout zero2|pp2|zero2_ep2``; the last: the example
+mixture-of-experts GPT with its experts split over the 2 ranks, a NaN routed and exchanged like any token); the cases run one after another in the
 same ranks, each writing ``ROOT/NAME/tb`` (per-step losses) and ``ROOT/NAME/result.json`` (how the fit ended):
 
 - ``clean``: 12 steps of plain SGD, the default checkpointing (keep the newest, every 3 steps); the pipeline's with
@@ -28,7 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from lightning_par import PipelineStrategy, ZeroStrategy
-from lightning_par.examples import GPTLightningModule
+from lightning_par.examples import GPTLightningModule, MoEGPTLightningModule
 from lightning_par.parallel.bad_steps import NonFiniteStop
 
 STEPS, SAVE_EVERY, GLOBAL_BATCH, SEQ = 12, 3, 8, 32
@@ -45,10 +46,12 @@ def fit(root: Path, layout: str, name: str) -> None:
     from tests.probes import PoisonAt, UninitialisedIsNaN
 
     pl.seed_everything(1234)
-    model = GPTLightningModule(preset="tiny", n_layers=4, optimizer="sgd", lr=0.2)
+    module = MoEGPTLightningModule if layout == "zero2_ep2" else GPTLightningModule
+    model = module(preset="tiny", n_layers=4, optimizer="sgd", lr=0.2)
     policy = "skip" if name == "skip" else "stop"
-    if layout == "zero2":
-        strategy, batch = ZeroStrategy(stage=2, nonfinite=policy, heartbeat_timeout=30), GLOBAL_BATCH // 2
+    if layout in ("zero2", "zero2_ep2"):
+        strategy = ZeroStrategy(stage=2, ep=2 if layout == "zero2_ep2" else 1, nonfinite=policy, heartbeat_timeout=30)
+        batch = GLOBAL_BATCH // 2
     else:
         strategy = PipelineStrategy(pp=2, schedule="1f1b", n_microbatches=2, nonfinite=policy, heartbeat_timeout=30)
         batch = GLOBAL_BATCH
@@ -84,7 +87,7 @@ def fit(root: Path, layout: str, name: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
-    parser.add_argument("--layout", choices=("zero2", "pp2"), required=True)
+    parser.add_argument("--layout", choices=("zero2", "pp2", "zero2_ep2"), required=True)
     parser.add_argument("--cases", nargs="+", default=list(CASES))
     args = parser.parse_args()
     for case in args.cases:

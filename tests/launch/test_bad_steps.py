@@ -4,7 +4,8 @@ with ``nonfinite="skip"``), and never costs the last finite checkpoint; ``export
 
 One launch of ``tests/launch/bad_steps_worker.py`` per layout (2 ranks, plain SGD, 12 steps, the default checkpointing:
 keep the newest, every 3 steps): ZeRO-2 in the default run (about 45 s), a 2-stage pipeline (1F1B) with ``--full``
-(about 55 s, its clean fit under ``detect_anomaly=True``)."""
+(about 55 s, its clean fit under ``detect_anomaly=True``) and ZeRO-2 with ep2 on the example mixture-of-experts GPT
+with ``--full``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lightning_par.plugins.checkpoint_export import CheckpointTensors
 from tests.harness import Run, launch_matrix, max_rel_diff
 from tests.launch.bad_steps_worker import BETWEEN_STEP, POISON_STEP, SAVE_EVERY, SKIP_STEP, STEPS
 
-LAYOUTS = {"zero2": False, "pp2": True}  # layout -> full run only
+LAYOUTS = {"zero2": False, "pp2": True, "zero2_ep2": True}  # layout -> full run only
 #: one 2-rank launch per layout
 LAYOUT_CASES = [pytest.param(layout, marks=pytest.mark.launch(ranks=2, full=full)) for layout, full in LAYOUTS.items()]
 
