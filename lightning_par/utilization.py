@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par.topology import LayoutError
+
 _LAYER_NAMES = ("num_hidden_layers", "n_layers", "n_layer", "num_layers")
 _HIDDEN_NAMES = ("hidden_size", "dim", "n_embd", "d_model")
 
@@ -73,20 +75,21 @@ def active_parameter_count(module: nn.Module, n_params: int) -> tuple[int, str] 
     """The parameters one token uses in a mixture-of-experts ``module`` of ``n_params`` parameters, and how they were
     counted; None for a dense model. From the model's config when it says (``config.active_params()``, the example
     :class:`~lightning_par.examples.moe.MoEConfig`), else ``n_params`` less the unused share ``1 - top_k / E`` of
-    each router layer's expert weights (:func:`lightning_par.parallel.router.router_layers`, those declaring
-    ``expert_parameters`` and ``top_k``; on a pipeline, the stages this rank holds)."""
+    each mixture-of-experts layer's stacked expert weights, the layers found as the planner finds them
+    (:func:`~lightning_par.parallel.expert_parallel.moe_layers`: declared, or a Hugging Face model's ep plan; on a
+    pipeline, the stages this rank holds)."""
     for holder in (module, *module.modules()):
         count = getattr(getattr(holder, "config", None), "active_params", None)
         if callable(count):
             return int(count()), "the config's active_params()"
-    from lightning_par.parallel.router import router_layers
+    from lightning_par.parallel.expert_parallel import moe_layers
 
-    unused = 0.0
-    for layer in router_layers(module).values():
-        experts, top_k = getattr(layer, "num_experts", 0), getattr(layer, "top_k", 0)
-        if experts and top_k:
-            stacked = sum(getattr(layer, name).numel() for name in getattr(layer, "expert_parameters", ()))
-            unused += stacked * (1 - top_k / experts)
+    try:
+        layers = moe_layers(module)
+    except LayoutError:  # (an ep plan expert parallel cannot apply: the MFU then counts every parameter)
+        return None
+    unused = sum(sum(module.get_submodule(name).get_parameter(p).numel() for p in layer.parameters)
+                 * (1 - layer.top_k / layer.num_experts) for name, layer in layers.items())
     return (n_params - round(unused), "the routers' top_k of their experts") if unused else None
 
 

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_par._compat import all_to_all_single_autograd, foreach_mul_
-from lightning_par.parallel.experts_ep import declare_planned_experts
+from lightning_par.parallel.experts_ep import declare_planned_experts, resolve_ep_plan
 from lightning_par.topology import LayoutError
 
 #: what a layer declares to take part (see the module docstring)
@@ -48,6 +48,42 @@ def expert_layers(module: nn.Module) -> dict[str, nn.Module]:
     """The modules inside ``module`` that declare experts, by name."""
     return {name: m for name, m in module.named_modules()
             if all(hasattr(m, attribute) for attribute in EXPERT_LAYER_ATTRIBUTES)}
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """A mixture-of-experts layer as the planner and the MFU count it: its experts, the experts a token uses, and
+    its parameters stacked over the experts."""
+
+    num_experts: int
+    top_k: int
+    parameters: tuple[str, ...]
+
+
+def moe_layers(module: nn.Module) -> dict[str, MoELayer]:
+    """Every mixture-of-experts layer inside ``module``, by name: those declaring the interface (the example's, or a
+    Hugging Face experts module expert parallel declared) and those a Hugging Face model's ``base_model_ep_plan``
+    plans (not declared: no ep, or not yet). Shapes only."""
+    found = {name: MoELayer(layer.num_experts, experts_per_token(layer, module), tuple(layer.expert_parameters))
+             for name, layer in expert_layers(module).items()}
+    for name, stacked in resolve_ep_plan(module).items():
+        if name not in found:
+            layer = module.get_submodule(name)
+            found[name] = MoELayer(layer.num_experts, experts_per_token(layer, module), tuple(stacked))
+    return found
+
+
+def experts_per_token(layer: nn.Module, root: nn.Module) -> int:
+    """The layer's ``top_k`` (or ``num_experts_per_tok``), else its config's, else the first one of ``root``'s
+    modules' configs (a Hugging Face experts module keeps none itself)."""
+    configs = (getattr(m, "config", None) for m in root.modules())
+    for holder in (layer, getattr(layer, "config", None), *configs):
+        for name in ("top_k", "num_experts_per_tok"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise LayoutError(f"{type(layer).__name__} has experts but no top_k (or num_experts_per_tok), nor a config "
+                      "saying it: the experts each token uses must be known to count the active parameters.")
 
 
 def check_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dict[str, nn.Module]:

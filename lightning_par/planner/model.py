@@ -9,8 +9,8 @@ needs is then read from the module tree, with the same functions the strategies 
 - every parameter, the units that hold it (a tied embedding/head: two), its shape and dtype;
 - how tensor parallelism splits it: :func:`lightning_par.parallel.tensor_parallel.resolve_tp_plan` (which also
   says when tp does not divide the heads, the hidden or FFN size or the vocabulary);
-- its mixture-of-experts layers, found as expert parallel finds them
-  (:func:`lightning_par.parallel.expert_parallel.expert_layers`): experts, top-k, the parameters stacked over the
+- its mixture-of-experts layers, found as expert parallel finds them (declared, or from a Hugging Face model's ep
+  plan: :func:`lightning_par.parallel.expert_parallel.moe_layers`): experts, top-k, the parameters stacked over the
   experts, and so the parameters a token uses (active) beside all of them (:class:`Experts`).
 
 :func:`build_model` makes the model from a class path and its init arguments, or from a Hugging Face
@@ -33,7 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.parallel.blocks import ModelBlocks, find_blocks
-from lightning_par.parallel.expert_parallel import expert_layers
+from lightning_par.parallel.expert_parallel import moe_layers
 from lightning_par.parallel.tensor_parallel import planned_split_dim, resolve_tp_plan
 from lightning_par.topology import LayoutError
 
@@ -209,26 +209,15 @@ class Experts:
         return f"{'; '.join(kinds)} in {len(self.layers)} layers"
 
 
-def _top_k(layer: nn.Module, root: nn.Module) -> int:
-    """Experts per token: the layer's ``top_k`` (or ``num_experts_per_tok``), else its model config's."""
-    for holder in (layer, getattr(layer, "config", None), getattr(root, "config", None)):
-        for name in ("top_k", "num_experts_per_tok"):
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    raise LayoutError(f"{type(layer).__name__} declares experts but no top_k (or num_experts_per_tok): the planner "
-                      "needs the experts each token uses.")
-
-
 def find_experts(root: nn.Module) -> Experts | None:
-    """The expert layers of ``root`` (None: a dense model)."""
-    layers = expert_layers(root)
+    """The mixture-of-experts layers of ``root`` (None: a dense model): declared, or planned by a Hugging Face
+    model's ep plan (:func:`~lightning_par.parallel.expert_parallel.moe_layers`)."""
+    layers = moe_layers(root)
     if not layers:
         return None
-    names = {f"{name}.{p}" if name else p for name, layer in layers.items() for p in layer.expert_parameters}
+    names = {f"{name}.{p}" if name else p for name, layer in layers.items() for p in layer.parameters}
     numel = sum(p.numel() for n, p in root.named_parameters() if n in names)
-    return Experts({name: (layer.num_experts, _top_k(layer, root)) for name, layer in layers.items()},
-                   frozenset(names), numel)
+    return Experts({name: (layer.num_experts, layer.top_k) for name, layer in layers.items()}, frozenset(names), numel)
 
 
 @dataclass

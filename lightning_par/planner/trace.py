@@ -22,7 +22,10 @@ sequence ``s`` -- :func:`trace_model`:
 
 A mixture-of-experts layer counts its tokens per expert (``torch.bincount``) and reads the counts on the host: data
 a fake tensor does not have. The trace routes them evenly (:class:`_BalancedRouting`): each expert gets ``n k / E``
-of the ``n`` tokens' ``k`` choices, so the experts' FLOPs are those of the active parameters.
+of the ``n`` tokens' ``k`` choices, so the experts' FLOPs are those of the active parameters. A Hugging Face
+experts module (planned by the model's ep plan) picks each expert's tokens inside its own kernel with data-dependent
+shapes; the trace runs a stand-in in its place (:func:`_balanced_experts`): every token's ``k`` choices through one
+expert's weights each -- the same balanced assumption, the same FLOPs and shapes.
 
 With sequence parallelism the norms run on ``s/tp`` tokens: the bytes they save (and, in a block, its input)
 and the time of their ops are divided by tp afterwards.
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +47,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import flop_registry
 
 from lightning_par._compat import FakeTensorMode, TorchDispatchMode, tree_leaves, tree_map, unset_fake_temporarily
+from lightning_par.parallel.experts_ep import resolve_ep_plan
 from lightning_par.parallel.recompute import apply_recompute
 from lightning_par.parallel.tensor_parallel import planned_split_dim, resolve_tp_plan
 from lightning_par.planner.model import ModelInfo, short_model
@@ -464,6 +470,47 @@ class _BalancedRouting(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _stand_in_for_planned_experts(root: nn.Module) -> None:
+    """Give each experts module a Hugging Face model's ep plan names the forward :func:`_balanced_experts` (on the
+    trace's own copy of the model)."""
+    for name, stacked in resolve_ep_plan(root).items():
+        experts = root.get_submodule(name)
+        experts.forward = functools.partial(_balanced_experts, experts, stacked)
+
+
+def _balanced_experts(module: nn.Module, stacked: tuple[str, ...], hidden: Tensor, index: Tensor, weights: Tensor,
+                      *args: Any, **kwargs: Any) -> Tensor:
+    """A Hugging Face experts module's forward as the planner counts it: each token's ``k`` choices through the
+    stacked matrices of one expert (``[out, in]`` or ``[in, out]``, whichever takes the input; a fused ``gate_up``
+    output gated into its halves; biases added), weighted and summed over the choices. Balanced routing: the FLOPs and
+    activations of the active experts, with the output's shape."""
+    k, width = index.shape[-1], hidden.shape[-1]
+    x, gated = hidden.reshape(-1, width).repeat_interleave(k, dim=0), False
+    for name in stacked:
+        weight = getattr(module, name)[0]
+        if weight.dim() == 1:  # the bias of the matrix before it
+            x = x + weight
+            continue
+        if gated:
+            x, gated = _gate(x), False
+        x = x @ weight.T if weight.shape[-1] == x.shape[-1] else x @ weight
+        gated = "gate_up" in name
+    x = _gate(x) if gated else x
+    if x.shape[-1] != width:
+        raise LayoutError(f"the planner's stand-in for {type(module).__name__} (balanced routing through its stacked "
+                          f"weights {list(stacked)}) does not map the hidden size {width} back to itself: this experts "
+                          "module's layout is not one the planner can count.")
+    if weights.shape[-1] != k:  # (dense scores over all experts: each token's chosen ones)
+        weights = weights.gather(-1, index)
+    out = (x.view(-1, k, width) * weights.reshape(-1, k, 1).to(x.dtype)).sum(dim=1)
+    return out.view(hidden.shape)
+
+
+def _gate(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _forward(model: nn.Module, tokens: Tensor, root_path: str = "") -> Any:
     """The model's output (logits, or an output holding them) for ``tokens``. A LightningModule without a
     ``forward`` of its own (the README's: its steps call ``self.model``) runs its network: the child holding the
@@ -491,6 +538,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
     short = short_model(info)
     model = copy.deepcopy(short.obj)
     root = model.get_submodule(short.root_path) if short.root_path else model
+    _stand_in_for_planned_experts(model)
     styles = _split_like_tp(root, tp, sequence_parallel) if tp > 1 else {}
     blocks = [root.get_submodule(b) for b in short.blocks]
     apply_recompute(blocks, recompute)
@@ -504,7 +552,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
     if info.loss_fn is not None and getattr(info.loss_fn, "__self__", None) is info.obj:
         loss_fn = getattr(model, info.loss_fn.__name__)  # the copy's bound method
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _BalancedRouting():
+    with FakeTensorMode(allow_non_fake_inputs=True), _BalancedRouting(), _quiet_fake_tensor_log():
         model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
         skip = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         unit_modules = {u: root.get_submodule(u) for u in short.units}
@@ -518,13 +566,7 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
         except LayoutError:
             raise
         except Exception as err:  # noqa: BLE001 -- one line naming the model, not a traceback
-            cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": .")
-            raise LayoutError(
-                f"{type(model).__name__}'s forward does not run on fake tensors (shapes without data), which the "
-                f"planner traces: {cause}. A forward whose shapes depend on the data (the routing of a Hugging Face "
-                "mixture-of-experts model) cannot be planned yet; an expert layer is traced when it declares the "
-                "expert interface and counts its tokens with torch.bincount(choices, minlength=num_experts) "
-                "(docs/moe.md).") from err
+            raise _untraceable(model, "forward", err) from err
         finally:
             for h in handles:
                 h.remove()
@@ -543,7 +585,12 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
 
             inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
             shared = inputs - ({_storage_key(x)} if x is not None else set())
-            traces[unit] = _trace_unit(unit, run, sub, seq_modules, skip, x, is_block, autocast, module, shared)
+            try:
+                traces[unit] = _trace_unit(unit, run, sub, seq_modules, skip, x, is_block, autocast, module, shared)
+            except LayoutError:
+                raise
+            except Exception as err:  # noqa: BLE001 -- one line naming the unit, not a traceback
+                raise _untraceable(model, f"unit {unit}", err) from err
         logits_leaf = logits.detach().requires_grad_(True)
         targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         loss = _trace_unit("loss", lambda: loss_fn(logits_leaf, targets), {}, set(), skip, None, False, autocast,
@@ -551,6 +598,29 @@ def trace_model(info: ModelInfo, tp: int = 1, sequence_parallel: bool = False, r
 
     full = {u: traces[short.represents[u]] for u in info.units}
     return ModelTrace(full, loss, tp, sequence_parallel, recompute, precision, micro_batch, seq_len)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs the traceback of an op that fails on fake tensors before raising it; the planner turns the error
+    into one line (:func:`_untraceable`), which must be the last one printed."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _untraceable(model: nn.Module, what: str, err: Exception) -> LayoutError:
+    """The one-line refusal of a model whose ``what`` does not run on the trace's fake tensors."""
+    cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": .")
+    return LayoutError(
+        f"{type(model).__name__}'s {what} does not run on fake tensors (shapes without data), which the planner "
+        f"traces: {cause}. A forward whose shapes depend on the data cannot be planned; an expert layer is traced "
+        "when it declares the expert interface and counts its tokens with torch.bincount(choices, "
+        "minlength=num_experts), or when a Hugging Face model's ep plan names it (docs/moe.md).")
 
 
 def _trace_unit(name: str, run: Callable[[], Any], modules: dict[str, nn.Module], seq_modules: set[int],

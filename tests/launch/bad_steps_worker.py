@@ -1,8 +1,9 @@
 """Bad steps (issue 30): fits on 2 ranks where one step goes non-finite, under one layout per launch.
 
 Run under torchrun (``tests.harness.launch_matrix``, ``--layout zero2|pp2|zero2_ep2``; the last: the example
-mixture-of-experts GPT with its experts split over the 2 ranks, a NaN routed and exchanged like any token); the cases run one after another in the
-same ranks, each writing ``ROOT/NAME/tb`` (per-step losses) and ``ROOT/NAME/result.json`` (how the fit ended):
+mixture-of-experts GPT with its experts split over the 2 ranks, a NaN routed and exchanged like any token); the
+cases run one after another in the same ranks, each writing ``ROOT/NAME/tb`` (per-step losses) and
+``ROOT/NAME/result.json`` (how the fit ended):
 
 - ``clean``: 12 steps of plain SGD, the default checkpointing (keep the newest, every 3 steps); the pipeline's with
   ``detect_anomaly=True``, the uninitialised tensors of its first step's metadata inference filled with NaN;

@@ -164,18 +164,87 @@ def test_ep_in_the_search_follows_the_layout_and_the_experts(small, monkeypatch)
     assert found and {c.ep for c in found} == {1}
 
 
-def test_a_hugging_face_moe_is_refused_in_one_line(tmp_path, capsys):
-    """transformers' MoE experts route with data-dependent shapes, which fake tensors cannot trace: one line, not a
-    traceback."""
+def _hf_moe(arch: str, **overrides):
+    """The tiny ``arch`` config of the HF MoE tests (2 layers, 4 experts, top-2; DeepSeek-V3's first layer dense),
+    built as ``plan --hf-config`` builds it, on the meta device."""
+    pytest.importorskip("transformers")
     import transformers
 
-    from lightning_par.plan_cli import main as plan
+    from tests.launch.hf_moe import EP_ARCHS, moe_config
 
-    transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                                num_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
-    assert plan(["--hf-config", str(tmp_path), "--world", "2", "--hardware", "cpu", "--seq", "32", "--precision",
-                 "fp32", "--recompute", "none"]) == 2
+    config = moe_config(arch, False)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return inspect_model(build_model(getattr(transformers, EP_ARCHS[arch]), {"config": config}))
+
+
+#: arch -> (MoE layers, the experts' FFN width) of the tiny configs
+HF_MOE = {"qwen3_moe": (2, 32), "mixtral": (2, 32), "deepseek_v3": (1, 32), "qwen2_moe": (2, 32), "olmoe": (2, 32)}
+
+
+@pytest.mark.parametrize("arch", list(HF_MOE))
+def test_a_hugging_face_moe_is_described_and_traced_with_balanced_routing(arch):
+    """The experts from the model's own ep plan: total and active parameters from the config's dimensions, and the
+    traced FLOPs of the experts those of top_k experts per token (the trace's stand-in for transformers' kernel):
+    one more expert per token adds exactly 2 x tokens x 3 x hidden x ffn per MoE layer forward, twice that
+    backward."""
+    layers, ffn = HF_MOE[arch]
+    hidden, experts, top_k = 64, 4, 2
+    info = _hf_moe(arch)
+    stacked = layers * experts * 3 * hidden * ffn  # gate|up [E, 2f, d] and down [E, d, f] per MoE layer
+    assert info.experts.numel == stacked and set(info.experts.layers.values()) == {(experts, top_k)}
+    assert info.active_numel == info.numel - stacked * (1 - top_k / experts)
+    assert f"{info.active_numel:,}" in info.description
+    one = _hf_moe(arch, num_experts_per_tok=1)
+    traced = [trace_model(i, seq_len=SEQ) for i in (info, one)]
+    for phase, factor in (("forward", 1), ("backward", 2)):
+        flops = [sum(getattr(t, phase).total_flops for t in tr.units.values()) for tr in traced]
+        assert flops[0] - flops[1] == factor * layers * 2 * SEQ * 3 * hidden * ffn, (phase, flops)
+
+
+def test_plan_searches_ep_for_a_hugging_face_moe_and_refuses_gpt_oss_in_one_line(tmp_path, capsys):
+    from lightning_par.plan_cli import main as plan
+    from tests.launch.hf_moe import moe_config
+
+    for arch in ("qwen3_moe", "gpt_oss"):
+        moe_config(arch, False).save_pretrained(tmp_path / arch)
+    common = ["--world", "4", "--hardware", "cpu", "--seq", "32", "--precision", "fp32", "--recompute", "none"]
+    assert plan(["--hf-config", str(tmp_path / "qwen3_moe"), *common, "--layout", "dp=4,ep=2,zero=1"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "mixture of experts: 4 experts, top-2 in 2 layers" in out and "(82,816)" in out, out[:600]
+    # gpt-oss's attention (sinks, sliding windows) does not run in the unit trace: one line naming the unit
+    assert plan(["--hf-config", str(tmp_path / "gpt_oss"), *common]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("lightning-par plan: Qwen3MoeForCausalLM's forward does not run on fake tensors") and \
-        "docs/moe.md" in last, last
+    assert last.startswith("lightning-par plan: GptOssForCausalLM's unit model.layers.0 does not run on fake "
+                           "tensors") and "docs/moe.md" in last, last
+
+
+def test_the_experts_bytes_of_a_hugging_face_moe_per_rank_under_ep():
+    """The planner's expert state per rank for qwen3_moe under ep2 x expert_dp2: the same formulas as the example's
+    (E/ep, and E/(ep x expert_dp) where the ZeRO stage shards)."""
+    info = _hf_moe("qwen3_moe")
+    p = planner(info)
+    experts = info.experts.numel
+    for zero, sharded in ((0, False), (1, True)):
+        got = p.state_bytes(Candidate(4, 1, 1, zero, precision="fp32", ep=2))[0]["optimizer_states"]
+        dense = info.numel - experts
+        assert got - 8 * (math.ceil(dense / 4) if sharded else dense) == 8 * experts // (4 if sharded else 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_the_mfu_of_a_hugging_face_moe_counts_its_active_parameters(arch):
+    """``train/mfu``'s FLOPs per token of a Hugging Face MoE (experts found from its ep plan, not declared: no ep)
+    are 6 x its active parameters + the attention term, the active ones computed here from the config."""
+    pytest.importorskip("transformers")
+    from lightning_par.utilization import model_flops_per_token
+    from tests.launch.hf_moe import HFMoELM
+
+    module = HFMoELM(arch)
+    module.configure_model()
+    total = sum(p.numel() for p in module.parameters())
+    layers, ffn = HF_MOE[arch]
+    active = total - layers * 4 * 3 * 64 * ffn // 2  # top-2 of 4 experts: half of each MoE layer's experts unused
+    flops, how = model_flops_per_token(module, total, 32)
+    assert flops == 6 * active + 12 * 2 * 64 * 32, how
+    assert f"{active:,} active parameters of {total:,}" in how
