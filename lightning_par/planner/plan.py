@@ -564,12 +564,12 @@ class Planner:
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
             blocks = [u for u in rank_units if u in info.blocks]
+            root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
             if c.zero_stage == 3 and c.pp == 1:
                 # FSDP2 gathers one block at a time (and prefetches the next; a block's experts, its own group on
                 # expert_dp, with it); the root group stays gathered
                 block_numel = max((sum(self._local_numel(p, split, c.ep) for p in info.unit_params(u))
                                    for u in blocks), default=0)
-                root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
                 transient += (2 * block_numel + root_numel) * eb.gather
             elif c.zero_stage == 3:
                 # torch's schedules keep FSDP2 stages gathered through the step and accumulate unsharded gradients,
@@ -590,6 +590,8 @@ class Planner:
                 "all_gather", expert_numel * eb.gather, d // c.ep) if c.zero_stage else 0.0
             n_gathers = (1 if c.pp > 1 else 2 * m) if c.zero_stage == 3 else 1
             dp_bytes = reduce_bytes + n_gathers * gather_bytes
+            if c.zero_stage == 3 and c.pp == 1:  # FSDP2 keeps the root group gathered from forward to backward
+                dp_bytes -= m * _ring("all_gather", root_numel * eb.gather, d)
             first_f = stage_f[stage_ids[0]]
             if d > 1:
                 k = max(1, math.ceil(numel * eb.grad / bucket))  # buckets (ZeRO-3: FSDP2's groups, one per block)
