@@ -151,9 +151,11 @@ def describe_routers(layers: dict[str, nn.Module], ranks: int) -> str:
 def balancing_models(module: nn.Module) -> dict[str, nn.Module]:
     """The Hugging Face causal LMs inside ``module`` that add their routers' load-balancing loss to their ``.loss``:
     those with a ``router_aux_loss_coef`` whose modeling module computes the loss with ``load_balancing_loss_func``
-    (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss; DeepSeek-V3 has none), by name."""
+    (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss; DeepSeek-V3 has none), by name. The class's bases are read
+    too: FSDP2 (ZeRO-3) swaps a sharded module's class for a subclass defined in torch's own module."""
     return {name: m for name, m in module.named_modules() if hasattr(m, "router_aux_loss_coef")
-            and callable(getattr(sys.modules.get(type(m).__module__), "load_balancing_loss_func", None))}
+            and any(callable(getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None))
+                    for c in type(m).__mro__)}
 
 
 def describe_balancing(model: nn.Module, scope: str, ranks: int) -> str:

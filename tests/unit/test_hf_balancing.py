@@ -50,6 +50,9 @@ def test_the_statistics_give_the_models_own_loss_and_add_up_over_a_split_batch(a
         whole = model(**batch)
         halves = [model(**{k: v[r::2] for k, v in batch.items()}) for r in range(2)]
     assert set(balancing_models(model)) == {""}
+    # found through a subclass defined elsewhere too (what FSDP2 makes of a sharded module's class)
+    model.__class__ = type(f"Sharded{type(model).__name__}", (type(model),), {"__module__": __name__})
+    assert set(balancing_models(model)) == {""}
     # the model's own per-forward loss, from the same router logits
     torch.testing.assert_close(balancing_loss(_stats(model, whole, mask), model.num_experts), whole.aux_loss.float(),
                                rtol=1e-6, atol=1e-7)
