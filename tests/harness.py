@@ -78,6 +78,9 @@ def base_env(cache_dir: Path) -> dict[str, str]:
         # One thread per rank: several ranks share 2 cores, and a fixed thread count keeps float reductions
         # identical between the single-process reference and the parallel runs.
         OMP_NUM_THREADS="1",
+        # inductor compiles in this process: its pool of compile workers is one more torch start-up per rank, with no
+        # core to spare (test_compile.py on 2 cores: 158 s with the pool, 129 s without)
+        TORCHINDUCTOR_COMPILE_THREADS="1",
         HF_HOME=str(cache_dir / "hf_home"),
         HF_DATASETS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
@@ -174,19 +177,27 @@ def launch_cli(
 def launch_cli_group(root: Path, cache_dir: Path, jobs: dict[str, list[str]], devices: int,
                      timeout: float = 900) -> dict[str, Run]:
     """The fits ``jobs`` (name -> arguments, as :func:`launch_cli` takes them), all of ``devices`` ranks, one after
-    another in one launch of :mod:`tests.launch.cli_matrix` (one process, or one torchrun agent): one start-up for all.
-    Each run is in ``root/NAME`` with its own ``launch.log``; the launch fails if one of them fails."""
+    another in one launch (:func:`launch_command_group`)."""
+    return launch_command_group(root, cache_dir, {name: cli_argv(root / name, cache_dir, args, devices)
+                                                  for name, args in jobs.items()}, devices, timeout)
+
+
+def launch_command_group(root: Path, cache_dir: Path, commands: dict[str, list[str]], devices: int,
+                         timeout: float = 900) -> dict[str, Run]:
+    """``lightning-par ARGV`` for each of ``commands`` (name -> ARGV, exactly as given), all of ``devices`` ranks,
+    one after another in one launch of :mod:`tests.launch.cli_matrix` (one process, or one torchrun agent): one
+    start-up for all. Each run is in ``root/NAME`` with its own ``launch.log``; the launch fails if one of them
+    fails."""
     root.mkdir(parents=True, exist_ok=True)
     spec = root / "jobs.json"
-    spec.write_text(json.dumps([[str(root / name), cli_argv(root / name, cache_dir, args, devices)]
-                                for name, args in jobs.items()]))
+    spec.write_text(json.dumps([[str(root / name), argv] for name, argv in commands.items()]))
     if devices > 1:
         group = launch_matrix(root, cache_dir, "tests.launch.cli_matrix", [str(spec)], nproc=devices, timeout=timeout)
     else:
         group = launch_command_module(root, cache_dir, "tests.launch.cli_matrix", [str(spec)], timeout=timeout)
     group.check()
     return {name: Run(root / name, 0, (root / name / "launch.log").read_text(errors="replace"), group.seconds,
-                      _rank_reports(root / name)) for name in jobs}
+                      _rank_reports(root / name)) for name in commands}
 
 
 def launch_torchrun(

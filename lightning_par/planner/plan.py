@@ -286,6 +286,7 @@ class Planner:
         self._params_of: dict[frozenset[str], list[ParamInfo]] = {}
         self._stage_costs: dict[tuple, tuple[float, ...]] = {}
         self._numels: dict[tuple, tuple[int, int]] = {}
+        self._root_numels: dict[tuple, int] = {}  # a rank's parameters outside every block
         self._held: dict[tuple, float] = {}
         self._states: dict[tuple, tuple[float, float, float]] = {}
 
@@ -458,17 +459,18 @@ class Planner:
                     bwd_elems += [e for u in units if u in info.blocks for e in collectives.get(u, ([], []))[0]]
                 fwd_bytes, fwd_comm = coll_time(fwd_elems)
                 bwd_bytes, bwd_comm = coll_time(bwd_elems)
+                tp_modules = (sum(1 for n in split.styles for u in units if n == u or n.startswith(u + "."))
+                              if c.tp > 1 else 0)
                 self._stage_costs[key] = (
                     f, b, w, f_mm, b_mm, fwd_bytes + bwd_bytes, fwd_comm, bwd_comm, saved_bytes(traces, tp_seq),
                     # I keeps the output gradients of the ops that read parameters, and the gradient it received
                     sum(t.weight_grad_inputs for t in traces) + traces[-1].output_bytes / tp_seq,
-                    sum(t.saved_weight_path for t in traces), trace.units[units[-1]].output_bytes / tp_seq)
-            f, b, w, f_mm, b_mm, tp_bytes, fwd_comm, bwd_comm, held, wgrad, released, out = self._stage_costs[key]
+                    sum(t.saved_weight_path for t in traces), trace.units[units[-1]].output_bytes / tp_seq, tp_modules)
+            (f, b, w, f_mm, b_mm, tp_bytes, fwd_comm, bwd_comm, held, wgrad, released, out,
+             tp_modules) = self._stage_costs[key]
             fwd_t, bwd_t = tp_exposed(fwd_comm, f_mm), tp_exposed(bwd_comm, b_mm)
             # the Python dispatch of the DTensor ops of the tp modules, half in forward and half in backward
-            dispatch = (TP_MODULE_DTENSOR_OPS / 2 * hw.dtensor_op_overhead_s
-                        * sum(1 for n in split.styles for u in units if n == u or n.startswith(u + "."))
-                        if c.tp > 1 else 0.0)
+            dispatch = TP_MODULE_DTENSOR_OPS / 2 * hw.dtensor_op_overhead_s * tp_modules
             stage_f.append(f + fwd_t + dispatch)
             stage_b.append(b + bwd_t + dispatch)
             stage_w.append(w)
@@ -564,7 +566,11 @@ class Planner:
             mem = self._state(params, split, c, eb, n_states)
             transient = max(0.0, grads_peak[r])  # a zero-bubble I's output gradients, kept for its W
             blocks = [u for u in rank_units if u in info.blocks]
-            root_numel = sum(split.local_numel(p) for p in params if not any(u in info.blocks for u in p.units))
+            root_key = (id(params), split.tp, split.sequence_parallel)
+            if root_key not in self._root_numels:
+                self._root_numels[root_key] = sum(split.local_numel(p) for p in params
+                                                  if not any(u in info.blocks for u in p.units))
+            root_numel = self._root_numels[root_key]
             if c.zero_stage == 3 and c.pp == 1:
                 # FSDP2 gathers one block at a time (and prefetches the next; a block's experts, its own group on
                 # expert_dp, with it); the root group stays gathered

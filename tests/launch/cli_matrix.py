@@ -3,7 +3,7 @@
 What one CLI launch per run would give, minus the repeated start-up (python, torch, Lightning: most of a short run's
 time on 2 cores). Each run's output goes to its own ``ROOT/launch.log``, as a launch of its own would write it, so
 :class:`tests.harness.Run` reads each as before. ``python -m tests.launch.cli_matrix SPEC`` with SPEC a JSON list of
-``[root, argv]`` (:func:`tests.harness.launch_cli_group` writes it); under torchrun for runs of several ranks.
+``[root, argv]`` (:func:`tests.harness.launch_command_group` writes it); under torchrun for runs of several ranks.
 """
 
 from __future__ import annotations

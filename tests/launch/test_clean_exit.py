@@ -3,7 +3,8 @@
 That abort is the C++ runtime's answer to a thread that is inside C++ when the interpreter finalizes (see
 lightning_par/parallel/shutdown.py): the first test makes it happen on purpose, with a daemon thread in a c10d store
 call, and shows that the engine's exit sequence prevents it. The others repeat short tensor-parallel and 3D runs
-through the CLI (four of each in the full run; every CLI launch of the default run must exit 0 too)."""
+through the CLI (two of each in the full run: every checked launch of both sets must exit 0 too, and the full set checks
+hundreds)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ LAYOUTS = {"tp2": (2, "megatron_tp2"), "tp2_pp2": (4, "hybrid3d_tp2_pp2")}
 
 
 @pytest.mark.launch(ranks=4, full=True)  # the default set's CLI launches end through the same exit
-@pytest.mark.parametrize("repeat", range(4))
+@pytest.mark.parametrize("repeat", range(2))
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_finished_run_exits_0(tmp_path, cache_dir, name, repeat):
     devices, strategy = LAYOUTS[name]

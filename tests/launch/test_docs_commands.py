@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness import REPO, launch_command
+from tests.harness import REPO, Run, launch_command, launch_command_group
 from tests.launch.doc_commands import bash_commands
 
 # -- what is done with each command ---------------------------------------------------------------------------------
@@ -252,22 +252,67 @@ def test_a_wrong_command_fails_the_check(argv, monkeypatch, capsys):
     assert failure.type is AssertionError or failure.value.code not in (0, None)
 
 
+#: the README's main job runs alone, through Lightning's own launcher as a user types it; every other fit shares one
+#: launch with the fits of its rank count (tests/launch/cli_matrix.py: the same command lines, one start-up for all)
+ALONE = {"lightning-par fit --config configs/demo.yaml"}
+
+
+def _real_argv(command: str, cache_dir: Path) -> list[str]:
+    """The command's arguments as run here: its relative paths' root made absolute, a fit's tiny sizes appended."""
+    argv = [a.replace("configs/", f"{REPO / 'configs'}/") for a in shlex.split(command)[1:]]
+    if argv[0] != "fit" or "--trainer.strategy.help" in argv:
+        return argv
+    extra = [*TINY_FIT, f"--data.cache_dir={cache_dir}"]
+    if "--config" in argv or any("GPTLightningModule" in a for a in argv):
+        extra += TINY_GPT
+    return [*argv, *extra]
+
+
+def _devices(argv: list[str]) -> int:
+    """The ranks a fit starts: ``--trainer.devices`` on the command line, else its config's (1 when neither says)."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--trainer.devices=")]
+    if given:
+        return int(given[-1])
+    if "--config" in argv:
+        return int(yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())["trainer"].get("devices", 1))
+    return 1
+
+
+def _grouped(command: str) -> bool:
+    return COMMANDS.get(command) == RUN and command not in ALONE and command.startswith("lightning-par fit ") \
+        and "--trainer.strategy.help" not in command
+
+
+@pytest.fixture(scope="module")
+def grouped_fits(tmp_path_factory, cache_dir):
+    """``get(command)``: the finished run of a grouped fit; the fits of its rank count launched together on the first
+    request of any."""
+    done: dict[str, Run] = {}
+
+    def get(command: str) -> Run:
+        if command not in done:
+            devices = _devices(_real_argv(command, cache_dir))
+            members = [c for c in bash_commands() if _grouped(c) and _devices(_real_argv(c, cache_dir)) == devices]
+            root = tmp_path_factory.mktemp(f"docs_fits_{devices}")
+            names = {c: f"fit{i}" for i, c in enumerate(members)}
+            runs = launch_command_group(root, cache_dir, {names[c]: _real_argv(c, cache_dir) for c in members},
+                                        devices, timeout=300 * len(members))
+            print(f"{len(members)} fits of {devices} rank(s) in one launch: {next(iter(runs.values())).seconds:.0f} s")
+            done.update({c: runs[names[c]] for c in members})
+        return done[command]
+
+    return get
+
+
 @pytest.mark.launch(ranks=4, full=True)
 @pytest.mark.parametrize("command", [c for c in bash_commands() if COMMANDS.get(c) == RUN], ids=_id)
-def test_command_runs(command, tmp_path, cache_dir):
+def test_command_runs(command, tmp_path, cache_dir, grouped_fits):
     """The full set: the command for real, from a copy of its relative paths' root, at a size of seconds."""
-    argv = shlex.split(command)[1:]
-    argv = [a.replace("configs/", f"{REPO / 'configs'}/") for a in argv]
-    extra: list[str] = []
-    if argv[0] == "fit":
-        extra = [*TINY_FIT, f"--data.cache_dir={cache_dir}"]
-        if "--config" in argv or any("GPTLightningModule" in a for a in argv):
-            extra += TINY_GPT
-        if "--trainer.strategy.help" in argv:
-            extra = []
-    run = launch_command(tmp_path, cache_dir, [*argv, *extra], timeout=300).check()
-    if argv[0] == "fit" and extra:  # two optimizer steps trained: the CLI's checkpoint at the end of fit names step 2
-        assert [p.name for p in tmp_path.rglob("*-step=2.ckpt")], run.log[-2000:]
+    argv = _real_argv(command, cache_dir)
+    run = grouped_fits(command) if _grouped(command) else launch_command(tmp_path, cache_dir, argv, timeout=300).check()
+    if argv[0] == "fit" and "--trainer.strategy.help" not in argv:
+        # two optimizer steps trained: the CLI's checkpoint at the end of fit names step 2
+        assert [p.name for p in run.root.rglob("*-step=2.ckpt")], run.log[-2000:]
     if argv[0] == "plan":
         assert "layouts planned" in run.log or "rank" in run.log, run.log[-2000:]
         if "--json" in argv:

@@ -24,7 +24,7 @@ from lightning_par import LayoutError
 from lightning_par.examples.gpt2 import GPT2, GPT2Config
 from lightning_par.parallel.tensor_parallel import resolve_tp_plan
 from tests.conftest import GLOBAL_BATCH, PARITY_STEPS, job, uses_run
-from tests.harness import Run, launch_cli, launch_matrix, max_rel_diff
+from tests.harness import Run, launch_cli, launch_cli_group, launch_matrix, max_rel_diff
 
 PARITY_RTOL = 1e-5
 GPT2_MODEL = "--model=lightning_par.examples.GPT2LightningModule"
@@ -62,9 +62,11 @@ def gpt2_runs(tmp_path_factory, cache_dir, request):
             uses_run("gpt2_untied_adamw")
         if name.startswith("plain_lm"):
             uses_run("plain_lm_tp2_sgd")
-        if name not in done:
-            devices, args = RUNS[name]
-            done[name] = launch_cli(tmp_path_factory.mktemp(name), cache_dir, args, devices=devices).check()
+        if name not in done:  # every run of its rank count in one launch (one start-up; all of them --full)
+            devices = RUNS[name][0]
+            jobs = {n: args for n, (d, args) in RUNS.items() if d == devices and n not in done}
+            done.update(launch_cli_group(tmp_path_factory.mktemp(f"gpt2_runs_{devices}"), cache_dir, jobs, devices,
+                                         timeout=300 * len(jobs)))
         return done[name]
 
     return get
