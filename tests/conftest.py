@@ -12,9 +12,6 @@ import pytest
 from tests import harness
 from tests.harness import Run, close_process_group, launch_cli, launch_cli_group, launch_matrix, launch_torchrun
 
-# this process's own compiles as the launches' (tests.harness.base_env): inductor without its pool of workers
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 PARITY_STEPS = 20
 EPOCH_STEPS = 10  # two short epochs: checkpoints at the epoch boundary make resumption exact
 GLOBAL_BATCH = 8

@@ -78,9 +78,6 @@ def base_env(cache_dir: Path) -> dict[str, str]:
         # One thread per rank: several ranks share 2 cores, and a fixed thread count keeps float reductions
         # identical between the single-process reference and the parallel runs.
         OMP_NUM_THREADS="1",
-        # inductor compiles in this process: its pool of compile workers is one more torch start-up per rank, with no
-        # core to spare (test_compile.py on 2 cores: 158 s with the pool, 129 s without)
-        TORCHINDUCTOR_COMPILE_THREADS="1",
         HF_HOME=str(cache_dir / "hf_home"),
         HF_DATASETS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
