@@ -2,8 +2,9 @@
 
 The default set parses each one with the parser of the program it names (``lightning-par fit ... --print_config``,
 the planner's and the exporter's own parsers, torchrun's); the full set runs the ones that can run here for real,
-at a size that takes seconds. ``COMMANDS`` lists every command with what is done with it, so a command added to the
-docs without a line there fails ``test_every_command_is_listed``.
+at a size that takes seconds (the README's main job alone, through Lightning's launcher; the other fits with their
+command lines as written, one launch per rank count: ``ALONE``). ``COMMANDS`` lists every command with what is done
+with it, so a command added to the docs without a line there fails ``test_every_command_is_listed``.
 """
 
 from __future__ import annotations
