@@ -1,9 +1,9 @@
 """Hybrid3DStrategy: data x tensor x pipeline parallel inside Lightning, at parity with one process.
 
-Two launches of tests/launch/hybrid3d_matrix.py: tp2 x pp2 on 4 ranks and dp2 x tp2 x pp2 on 8, each training several
-layouts (ZeRO 1/2/3 across data parallel; 1F1B, interleaved and ZBV; sequence parallel on and off; selective and
-full recompute; tied embeddings; SGD and AdamW; accumulation with clipping; a Hugging Face Llama) against the
-single-process runs of tests/conftest.py. Plus the bad-input checks, made before any rank waits.
+Two launches of tests/launch/hybrid3d_matrix.py: tp2 x pp2 on 4 ranks and dp2 x tp2 x pp2 on 8 (one epoch), each
+training several layouts (ZeRO 1/2/3 across data parallel; 1F1B, interleaved and ZBV; sequence parallel on and off;
+selective and full recompute; tied embeddings; SGD and AdamW; accumulation with clipping; a Hugging Face Llama) against
+the single-process runs of tests/conftest.py. Plus the bad-input checks, made before any rank waits.
 """
 
 import json
@@ -43,16 +43,18 @@ def _norms(run: Run) -> list[float]:
 @pytest.mark.parametrize("name", cases(CASES))
 def test_losses_and_gradient_norms_match_one_process(matrix, runs, name):
     run, _ = matrix(name)
-    reference = runs(CASES[name].reference)
-    diff = max_rel_diff(run.losses(), reference.losses())
+    reference, steps = runs(CASES[name].reference), CASES[name].steps  # (8 ranks: the references' first epoch)
+    diff = max_rel_diff(run.losses(), reference.losses()[:steps])
     norm_diff = max_rel_diff(_norms(run), _norms(reference))
-    print(f"{name}: per-step loss {diff:.2e}, pre-clip gradient norm {norm_diff:.2e} (max relative difference)")
-    assert len(run.losses()) == PARITY_STEPS and diff <= LOSS_RTOL
+    print(f"{name}: per-step loss {diff:.2e} over {steps} steps, pre-clip gradient norm {norm_diff:.2e} (max "
+          f"relative difference)")
+    assert len(run.losses()) == steps and diff <= LOSS_RTOL
     assert len(_norms(run)) == 5 and norm_diff <= NORM_RTOL
-    assert reference.losses()[0] - reference.losses()[-1] > 0.3  # the loss moves: a wrong gradient would show
+    assert reference.losses()[0] - reference.losses()[steps - 1] > 0.3  # the loss moves: a wrong gradient would show
     # validation runs forward-only through the tensor-parallel stages (loss from the last stage, vocab-parallel)
-    val, val_reference = run.scalars()["val/loss"], reference.scalars()["val/loss"]
-    assert val.keys() == val_reference.keys()
+    val = run.scalars()["val/loss"]
+    val_reference = {step: loss for step, loss in reference.scalars()["val/loss"].items() if step <= steps}
+    assert val and val.keys() == val_reference.keys()
     assert max_rel_diff(list(val.values()), list(val_reference.values())) <= LOSS_RTOL
 
 
