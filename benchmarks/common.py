@@ -84,6 +84,70 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def reset_peak_rss() -> None:
+    """Reset this process's resident high-water mark (``VmHWM``) to its resident size now (Linux: ``clear_refs``
+    5), so that the next ``status_kib("VmHWM")`` is the peak since; a variant that is not a process's first then
+    reads its own peak. Where the kernel refuses, the mark stays the process's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def launch_variants(tmp: Path, module: str, names: list[str], rnd: int, args: list[str], nproc: int) -> dict[str, dict]:
+    """``python -m MODULE --worker --variants NAMES ARGS`` on ``nproc`` ranks of one torchrun agent: the worker fits
+    each variant in turn (:func:`fit_variants`). Per variant ``{"ok", "ranks" (its per-rank reports), "seconds"
+    (the launch's), "error" / "log_tail" where it failed}``."""
+    from tests.harness import launch_matrix
+
+    root = tmp / f"{'+'.join(names)}-{rnd}"
+    run = launch_matrix(root, tmp / "cache", module, ["--worker", "--variants", *names, "--root", str(root), *args],
+                        nproc=nproc, timeout=900 * len(names))
+    results = {}
+    for name in names:
+        out = root / name / "reports.json"
+        if out.exists():
+            results[name] = {"ok": True, "ranks": json.loads(out.read_text()), "seconds": run.seconds}
+            continue
+        tail = "\n".join(run.log.strip().splitlines()[-30:])
+        print(f"  {name} round {rnd} failed; the end of its log:\n{tail}", flush=True)
+        results[name] = {"ok": False, "error": last_error(run), "seconds": run.seconds, "log_tail": tail}
+    return results
+
+
+def fit_variants(opts, fit) -> None:
+    """The worker side of :func:`launch_variants`: for each of ``opts.variants``, ``fit(name, root)`` returns this
+    rank's report; the ranks' reports go to ``ROOT/NAME/reports.json``. The peak resident size is reset before
+    each variant (:func:`reset_peak_rss`), so a later variant's ``peak_rss_bytes`` is its own -- though it may run
+    in memory an earlier one freed to the allocator, so its growth can read lower than in a process of its own."""
+    import torch.distributed as dist
+
+    from tests.harness import close_process_group
+
+    for name in opts.variants:
+        root = Path(opts.root) / name
+        root.mkdir(parents=True, exist_ok=True)
+        reset_peak_rss()
+        report = fit(name, root)
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        if dist.get_rank() == 0:
+            (root / "reports.json").write_text(json.dumps(reports))
+    close_process_group()  # a gloo thread outliving its group would abort the process at exit
+
+
+def add_launch_options(parser) -> None:
+    """``--one-launch`` and the worker's hidden options, for :func:`launch_variants` / :func:`fit_variants`."""
+    import argparse
+
+    parser.add_argument("--one-launch", action="store_true",
+                        help="every variant of a round in one launch (one start-up; memory columns then read each "
+                             "variant's peak after the ones before it in the same process)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variants", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+
+
 class FixedTokens(Dataset):
     """``n`` samples ``(inputs, targets)`` of ``seq`` byte tokens, cycling through ``distinct`` fixed random rows
     drawn from ``seed``: the same data for every strategy of a benchmark, without a corpus."""

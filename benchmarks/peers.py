@@ -19,7 +19,9 @@ after ``torch.manual_seed`` in ``configure_model`` on every rank, so every varia
 (lightning-par's deferred init replays those draws; the peers build them for real). The data is fixed random token
 batches, ``--batch`` sequences per optimizer step in all (data parallel: half per rank through the distributed
 sampler). Each variant is its own 2-rank torchrun launch, so each process's peak memory is its own; each pair runs
-in the order A B, then B A in the next round, and so on.
+in the order A B, then B A in the next round, and so on. ``--one-launch`` fits a round's variants one after another
+in one launch (one start-up: what the full test set runs); the peak is then reset before each variant, whose growth
+may read low where it reuses memory an earlier one freed.
 
 Measured, per variant (largest over the ranks):
 
@@ -129,14 +131,13 @@ def make_variant(name: str, opts):
     return strategy, cls(**kwargs)
 
 
-def worker(opts) -> None:
+def fit_variant(opts, name: str, root: Path) -> dict:
+    """One variant's fit on this rank; its report (:func:`benchmarks.common.fit_variants` gathers the ranks')."""
     import lightning.pytorch as pl
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from benchmarks.common import FixedTokens, StepMeter, status_kib
-    from tests.harness import close_process_group
 
     class Measure(StepMeter):
         """:class:`~benchmarks.common.StepMeter`, plus per-step losses and the CPU time of each phase of a step."""
@@ -187,22 +188,22 @@ def worker(opts) -> None:
                 self.profiler.__exit__(None, None, None)
                 table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
                 Path(opts.profile).mkdir(parents=True, exist_ok=True)
-                (Path(opts.profile) / f"{opts.variant}.txt").write_text(table)
+                (Path(opts.profile) / f"{name}.txt").write_text(table)
 
-    _, dp = VARIANTS[opts.variant]
-    strategy, model = make_variant(opts.variant, opts)
+    _, dp = VARIANTS[name]
+    strategy, model = make_variant(name, opts)
     steps = opts.warmup + opts.steps + 1  # the start of one more step closes the last timed one
     pl.seed_everything(SEED, verbose=False)
     measure = Measure()
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=steps,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=opts.root,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=root,
     )
     loader = DataLoader(FixedTokens(steps * opts.batch, opts.seq, SEED, N_SAMPLES), batch_size=opts.batch // dp)
     rss_before = status_kib("VmRSS") * 1024
     trainer.fit(model, loader)
-    report = {
+    return {
         "rank": trainer.global_rank, "seconds_per_step": measure.times, "cpu_seconds_per_step": measure.cpu,
         "phase_cpu_seconds": measure.phases,
         "losses": measure.losses,
@@ -210,33 +211,19 @@ def worker(opts) -> None:
         "peak_rss_bytes": status_kib("VmHWM") * 1024,
         "numel": sum(p.numel() for p in model.parameters()),  # DTensor numel is global: the whole model's
     }
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    if dist.get_rank() == 0:
-        Path(opts.out).write_text(json.dumps(reports))
-    close_process_group()  # a gloo thread outliving its group would abort the process at exit
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Launcher: one torchrun job per variant and round, pairs alternating, then the table
+# Launcher: one torchrun job per variant and round (or per round, --one-launch), pairs alternating, then the table
 # ----------------------------------------------------------------------------------------------------------------------
-def run_variant(tmp: Path, name: str, rnd: int, opts) -> dict:
-    from benchmarks.common import last_error
-    from tests.harness import launch_matrix
+def run_variants(tmp: Path, names: list[str], rnd: int, opts) -> dict[str, dict]:
+    from benchmarks.common import launch_variants
 
-    root = tmp / f"{name}-{rnd}"
-    out = root / "reports.json"
-    args = ["--worker", "--variant", name, "--out", str(out), "--root", str(root), "--preset", opts.preset,
-            "--n-layers", str(opts.n_layers), "--batch", str(opts.batch), "--seq", str(opts.seq),
-            "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
+    args = ["--preset", opts.preset, "--n-layers", str(opts.n_layers), "--batch", str(opts.batch), "--seq",
+            str(opts.seq), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
     if opts.profile:
         args += ["--profile", str(Path(opts.profile).resolve())]
-    run = launch_matrix(root, tmp / "cache", "benchmarks.peers", args, nproc=WORLD, timeout=900)
-    if run.returncode != 0 or not out.exists():
-        tail = "\n".join(run.log.strip().splitlines()[-30:])
-        print(f"  {name} round {rnd} failed; the end of its log:\n{tail}", flush=True)
-        return {"ok": False, "error": last_error(run), "seconds": run.seconds, "log_tail": tail}
-    return {"ok": True, "ranks": json.loads(out.read_text()), "seconds": run.seconds}
+    return launch_variants(tmp, "benchmarks.peers", names, rnd, args, WORLD)
 
 
 def step_time(run: dict) -> float:
@@ -308,13 +295,12 @@ def run_pairs(opts) -> list[dict]:
     runs: dict[str, list[dict]] = {v: [] for pair in opts.pairs for v in PAIRS[pair]}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(opts.rounds):
-            for pair in opts.pairs:
-                order = PAIRS[pair] if rnd % 2 == 0 else PAIRS[pair][::-1]
-                for name in order:
-                    run = run_variant(Path(tmp), name, rnd, opts)
+            order = [name for pair in opts.pairs for name in (PAIRS[pair] if rnd % 2 == 0 else PAIRS[pair][::-1])]
+            for group in [order] if opts.one_launch else [[name] for name in order]:
+                for name, run in run_variants(Path(tmp), group, rnd, opts).items():
                     runs[name].append(run)
                     status = "ok" if run["ok"] else f"FAILED: {run['error']}"
-                    print(f"  {name} round {rnd}: {status} ({run['seconds']:.0f} s)", flush=True)
+                    print(f"  {name} round {rnd}: {status} (launch: {run['seconds']:.0f} s)", flush=True)
     return [summarise(pair, runs) for pair in opts.pairs]
 
 
@@ -350,6 +336,8 @@ def print_table(rows: list[dict], opts) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from benchmarks.common import add_launch_options, fit_variants
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--n-layers", type=int, default=8)
@@ -361,13 +349,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--json", default="benchmarks/results/peers.json")
     parser.add_argument("--profile", help="a folder: rank 0's timed steps under torch.profiler, one table per variant")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--root", help=argparse.SUPPRESS)
+    add_launch_options(parser)
     opts = parser.parse_args(argv)
     if opts.worker:
-        worker(opts)
+        fit_variants(opts, lambda name, root: fit_variant(opts, name, root))
         return {}
 
     start = time.time()
@@ -378,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"(load average {load:.1f} on {os.cpu_count()} CPUs; wall time {elapsed:.0f} s)")
     result = {"preset": opts.preset, "n_layers": opts.n_layers, "batch": opts.batch, "seq": opts.seq,
               "warmup": opts.warmup, "steps": opts.steps, "rounds": opts.rounds, "world": WORLD, "rows": rows,
-              "load_average_1min_at_end": load, "cpus": os.cpu_count(), "wall_seconds": elapsed}
+              "one_launch": opts.one_launch, "load_average_1min_at_end": load, "cpus": os.cpu_count(),
+              "wall_seconds": elapsed}
     if opts.json:
         path = Path(opts.json)
         path.parent.mkdir(parents=True, exist_ok=True)

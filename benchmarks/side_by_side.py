@@ -16,7 +16,9 @@ The model is the example GPT (``--preset``, default ``small`` with ``--n-layers 
 that tp=4 divides every head count), fp32, AdamW (``GPTLightningModule``'s, with its LR schedule), fixed random
 batches of ``--batch`` x ``--seq`` tokens (the global batch: the data-parallel layouts give each replica a quarter
 through Lightning's distributed sampler). Each layout is its own 4-rank launch (torchrun), so every process's peak
-memory is its own; with ``--rounds`` > 1 the layouts run again in reverse order, and so on.
+memory is its own; with ``--rounds`` > 1 the layouts run again in reverse order, and so on. ``--one-launch`` fits a
+round's layouts one after another in one launch (one start-up: what the full test set runs); the peak is then reset
+before each layout, whose growth may read low where it reuses memory an earlier one freed.
 
 Measured per rank, the table showing the largest value over the ranks:
 
@@ -45,6 +47,7 @@ on this machine").
 
     python benchmarks/side_by_side.py                  # 5 layouts x 1 round: ~5 minutes on 2 shared cores
     python benchmarks/side_by_side.py --rounds 2 --layouts dp 3d
+    python benchmarks/side_by_side.py --steps 3 --warmup 2 --one-launch  # the full test set's quick check
     python benchmarks/side_by_side.py --predict-only    # the planner's predictions into the stored JSON
 """
 
@@ -120,16 +123,16 @@ def predict(preset: str = "small", n_layers: int = 8, n_kv_heads: int = 4, batch
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker: one layout, one fit, on each of the 4 ranks (under torchrun)
 # ----------------------------------------------------------------------------------------------------------------------
-def worker(opts) -> None:
+def fit_layout(opts, name: str, root: Path) -> dict:
+    """One layout's fit on this rank; its report (:func:`benchmarks.common.fit_variants` gathers the ranks')."""
     import lightning.pytorch as pl
     import torch
-    import torch.distributed as dist
 
     import lightning_par
     from benchmarks.common import FixedTokens, StepMeter, status_kib
     from lightning_par.examples import GPTLightningModule
 
-    cls_name, kwargs, dp, _ = LAYOUTS[opts.layout]
+    cls_name, kwargs, dp, _ = LAYOUTS[name]
     strategy = getattr(lightning_par, cls_name)(**kwargs)
     steps = opts.warmup + opts.steps + 1  # the start of one more step closes the last timed one
     pl.seed_everything(SEED, verbose=False)
@@ -138,13 +141,13 @@ def worker(opts) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true", max_steps=steps,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=opts.root,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=root,
     )
     data = FixedTokens(steps * opts.batch, opts.seq, SEED, N_SAMPLES)
     loader = torch.utils.data.DataLoader(data, batch_size=opts.batch // dp)
     rss_before = status_kib("VmRSS") * 1024
     trainer.fit(model, loader)
-    report = {
+    return {
         "rank": trainer.global_rank, "coordinates": trainer.strategy.coordinates,
         "gradient_sync": trainer.strategy.gradient_sync.name, "dims": trainer.strategy.dims.describe(),
         "seconds_per_step": measure.times, "cpu_seconds_per_step": measure.cpu, "state_bytes": measure.state,
@@ -152,29 +155,18 @@ def worker(opts) -> None:
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "numel": sum(p.numel() for p in model.parameters()),  # DTensor numel is global: the whole model's
     }
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    if dist.get_rank() == 0:
-        Path(opts.out).write_text(json.dumps(reports))
-    dist.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Launcher: one torchrun job per layout, then the table
+# Launcher: one torchrun job per layout (or per round, --one-launch), then the table
 # ----------------------------------------------------------------------------------------------------------------------
-def run_layout(tmp: Path, name: str, rnd: int, opts) -> dict:
-    from benchmarks.common import last_error
-    from tests.harness import launch_matrix
+def run_layouts(tmp: Path, names: list[str], rnd: int, opts) -> dict[str, dict]:
+    from benchmarks.common import launch_variants
 
-    root = tmp / f"{name}-{rnd}"
-    out = root / "reports.json"
-    args = ["--worker", "--layout", name, "--out", str(out), "--root", str(root), "--preset", opts.preset,
-            "--n-layers", str(opts.n_layers), "--n-kv-heads", str(opts.n_kv_heads), "--batch", str(opts.batch),
-            "--seq", str(opts.seq), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
-    run = launch_matrix(root, tmp / "cache", "benchmarks.side_by_side", args, nproc=WORLD, timeout=900)
-    if run.returncode != 0 or not out.exists():
-        return {"ok": False, "error": last_error(run), "seconds": run.seconds}
-    return {"ok": True, "ranks": json.loads(out.read_text()), "seconds": run.seconds}
+    args = ["--preset", opts.preset, "--n-layers", str(opts.n_layers), "--n-kv-heads", str(opts.n_kv_heads),
+            "--batch", str(opts.batch), "--seq", str(opts.seq), "--warmup", str(opts.warmup), "--steps",
+            str(opts.steps)]
+    return launch_variants(tmp, "benchmarks.side_by_side", names, rnd, args, WORLD)
 
 
 def summarise(name: str, runs: list[dict]) -> dict:
@@ -248,6 +240,8 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
+    from benchmarks.common import add_launch_options, fit_variants
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--n-layers", type=int, default=8)
@@ -261,13 +255,10 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/side_by_side.json")
     parser.add_argument("--predict-only", action="store_true",
                         help="run nothing: add the planner's predictions to the rows of --json and print the table")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--layout", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--root", help=argparse.SUPPRESS)
+    add_launch_options(parser)
     opts = parser.parse_args()
     if opts.worker:
-        worker(opts)
+        fit_variants(opts, lambda name, root: fit_layout(opts, name, root))
         return
     if opts.predict_only:
         path = Path(opts.json)
@@ -283,11 +274,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(opts.rounds):
             order = opts.layouts if rnd % 2 == 0 else opts.layouts[::-1]
-            for name in order:
-                run = run_layout(Path(tmp), name, rnd, opts)
-                runs[name].append(run)
-                status = "ok" if run["ok"] else f"FAILED: {run['error']}"
-                print(f"  {name} round {rnd}: {status} ({run['seconds']:.0f} s)", flush=True)
+            for group in [order] if opts.one_launch else [[name] for name in order]:
+                for name, run in run_layouts(Path(tmp), group, rnd, opts).items():
+                    runs[name].append(run)
+                    status = "ok" if run["ok"] else f"FAILED: {run['error']}"
+                    print(f"  {name} round {rnd}: {status} (launch: {run['seconds']:.0f} s)", flush=True)
     rows = [summarise(name, runs[name]) for name in opts.layouts]
     elapsed = time.time() - start
     base = next((r for r in rows if r["layout"] == "dp" and r["ok"]), None)
@@ -299,6 +290,7 @@ def main() -> None:
     result = {"preset": opts.preset, "n_layers": opts.n_layers, "n_kv_heads": opts.n_kv_heads,
               "numel": next((r["numel"] for r in rows if r["ok"]), 0), "batch": opts.batch, "seq": opts.seq,
               "warmup": opts.warmup, "steps": opts.steps, "rounds": opts.rounds, "world": WORLD, "rows": rows,
+              "one_launch": opts.one_launch,
               "load_average_1min_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), "wall_seconds": elapsed}
     add_predictions(result)
     print_table(result)

@@ -31,7 +31,7 @@ from lightning_par.plugins.checkpoint_export import (
     read_model_state,
 )
 from lightning_par.plugins.checkpoint_files import CheckpointError
-from tests.harness import TINY_JOB, launch_cli, max_rel_diff
+from tests.harness import TINY_JOB, launch_cli, launch_cli_group, max_rel_diff
 
 HF_CLASS = "lightning_par.examples.HFLlamaLightningModule"
 TINY_HF = {"n_layers": 2}  # in-process models: 2 decoder layers of the default width
@@ -294,29 +294,32 @@ def _one_process(pretrained, cache_dir, tied: bool) -> tuple[list[float], HFLlam
     return losses, lm.eval()
 
 
-def _start_from_pretrained(layout, tmp_path, cache_dir):
-    """Fine-tune from a HF directory under ``layout``, save its sharded checkpoint, export that with --hf."""
+def _fine_tune_args(layout: str, root) -> list[str]:
+    """The fine-tune of ``layout`` from a HF directory made in ``root``, saving its checkpoint into ``root/ckpt``."""
+    _, batch, strategy, tied = LAYOUTS[layout]
+    tie = ["--model.tie_embeddings=true"] if tied else []
+    return [*HF_JOB, *tie, *strategy, f"--data.batch_size={batch}",
+            "--trainer.callbacks+=lightning_par.plugins.checkpoint_export.FromPretrained",
+            f"--trainer.callbacks.path={_pretrained_dir(root, tied)}",
+            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={root / 'ckpt'}"]
+
+
+def _check_fine_tune(layout: str, root, run, cache_dir) -> None:
+    """The fine-tune's losses are one process's from the same directory; its checkpoint exports with --hf to a
+    directory transformers loads, with that process's logits after the same steps."""
     from transformers import AutoModelForCausalLM
 
-    devices, batch, strategy, tied = LAYOUTS[layout]
-    pretrained = _pretrained_dir(tmp_path, tied)
-    tie = ["--model.tie_embeddings=true"] if tied else []
-    args = [*HF_JOB, *tie, *strategy, f"--data.batch_size={batch}",
-            "--trainer.callbacks+=lightning_par.plugins.checkpoint_export.FromPretrained",
-            f"--trainer.callbacks.path={pretrained}",
-            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}"]
-    run = launch_cli(tmp_path / "run", cache_dir, args, devices=devices).check()
     # read into the shards while the layout was applied (not loaded over a random initialisation afterwards)
     assert "pretrained weights: rank 0 read its slices" in run.log
-    reference, trained = _one_process(pretrained, cache_dir, tied)
+    reference, trained = _one_process(root / "pretrained", cache_dir, LAYOUTS[layout][3])
     losses = run.losses()
     # the run's own init (seed 1234) gives losses 1.6e-2 away: this fails if the weights were not loaded
     assert max_rel_diff(losses, reference) < STEPS_RTOL, (losses, reference)
-    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # the layout's own format, sharded or one file
+    (checkpoint,) = (root / "ckpt").glob("*.ckpt")  # the layout's own format, sharded or one file
     # the class the CLI saved with the hyper-parameters, trusted
-    cli_main(["export", str(checkpoint), str(tmp_path / "exported"), "--hf", "--trust-checkpoint-class"])
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    cli_main(["export", str(checkpoint), str(root / "exported"), "--hf", "--trust-checkpoint-class"])
+    model = AutoModelForCausalLM.from_pretrained(root / "exported").eval()
     with torch.no_grad():
         logits_diff = _max_diff(model(TOKENS).logits, trained(TOKENS))
     print(f"{layout}: losses {losses}, one process {reference}, max rel diff {max_rel_diff(losses, reference):.2e}; "
@@ -326,14 +329,35 @@ def _start_from_pretrained(layout, tmp_path, cache_dir):
 
 @pytest.mark.launch(ranks=2)
 def test_start_from_a_hf_directory_under_zero3(tmp_path, cache_dir):
-    _start_from_pretrained("zero3", tmp_path, cache_dir)
+    run = launch_cli(tmp_path / "run", cache_dir, _fine_tune_args("zero3", tmp_path), devices=2).check()
+    _check_fine_tune("zero3", tmp_path, run, cache_dir)
+
+
+@pytest.fixture(scope="module")
+def fine_tunes(tmp_path_factory, cache_dir):
+    """``get(layout)``: (its folder, its run) for the full run's layouts, each rank count's in one launch."""
+    done: dict[str, tuple] = {}
+
+    def get(layout: str):
+        if layout not in done:
+            devices = LAYOUTS[layout][0]
+            group = tmp_path_factory.mktemp(f"fine_tunes_{devices}")
+            names = [n for n in OTHER_LAYOUTS if LAYOUTS[n][0] == devices]
+            runs = launch_cli_group(group, cache_dir, {n: _fine_tune_args(n, group / n) for n in names}, devices)
+            done.update((n, (group / n, runs[n])) for n in names)
+        return done[layout]
+
+    return get
+
+
+OTHER_LAYOUTS = ["tp2", "pp2_tied", "zero1", "tp2_pp2"]
 
 
 @pytest.mark.launch(ranks=4, full=True)
-@pytest.mark.parametrize("layout", ["tp2", "pp2_tied", "zero1", "tp2_pp2"])
-def test_start_from_a_hf_directory_under_other_layouts(tmp_path, cache_dir, layout):
-    _start_from_pretrained(layout, tmp_path, cache_dir)
-
+@pytest.mark.parametrize("layout", OTHER_LAYOUTS)
+def test_start_from_a_hf_directory_under_other_layouts(fine_tunes, cache_dir, layout):
+    root, run = fine_tunes(layout)
+    _check_fine_tune(layout, root, run, cache_dir)
 
 
 def test_export_hf_imports_no_class_the_checkpoint_names_unless_told(tmp_path, capsys):

@@ -50,7 +50,7 @@ def test_the_cpu_preset_predicts_the_stored_side_by_side_ratios():
 
 @pytest.mark.launch(ranks=4, full=True)  # the benchmark's 5 layouts
 def test_a_fresh_run_of_the_benchmark_agrees_with_the_planner(tmp_path):
-    """A short fresh run (5 layouts, 3 timed steps after 2, one round: about 2-3 minutes) against the planner,
+    """A short fresh run (5 layouts in one launch, 3 timed steps after 2, one round: about 35 s) against the planner,
     within 40% per layout: two full runs of the benchmark on this shared machine (load 26 and 7.5) gave CPU ratios
     that differ by 17% (ZeRO-3), 33% (tp), 32% (pp) and 36% (3D), and the planner is -18%, -33%, -15% and -26% from
     the loaded one; one short run at load 7 came within +13%, -1%, -3% and +4%. Full run only (``pytest --full``)."""
@@ -59,5 +59,5 @@ def test_a_fresh_run_of_the_benchmark_agrees_with_the_planner(tmp_path):
     out = tmp_path / "side_by_side.json"
     launching(4)  # the benchmark's own launch of its layouts
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "side_by_side.py"), "--steps", "3", "--warmup", "2",
-                    "--json", str(out)], cwd=REPO, check=True, timeout=1200)
+                    "--one-launch", "--json", str(out)], cwd=REPO, check=True, timeout=1200)
     _compare(json.loads(out.read_text()), FRESH_TOLERANCE)
