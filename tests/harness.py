@@ -125,9 +125,11 @@ class Run:
         (path,) = sorted(self.root.glob(f"ckpt/*step={step}.ckpt"))
         return path
 
-    def losses(self, tag: str = "train/loss") -> list[float]:
+    def losses(self, tag: str = "train/loss", steps: int | None = None) -> list[float]:
+        """The values of ``tag`` in step order; ``steps``: only those of the first ``steps`` optimizer steps (a
+        reference's start, against a run of fewer steps)."""
         series = self.scalars()[tag]
-        return [series[s] for s in sorted(series)]
+        return [series[s] for s in sorted(series) if steps is None or s < steps]
 
 
 def _finish(root: Path, procs: list[subprocess.Popen], logs: list[Path], start: float, timeout: float) -> Run:
