@@ -314,6 +314,27 @@ def metadata_inference_without_anomaly(schedule: Any) -> Any:
 # the strategies launch and join processes as Lightning's own DDP strategy does (strategies/engine.py)
 _SubprocessScriptLauncher = private("lightning", "lightning.pytorch.strategies.launchers.subprocess_script",
                                     "_SubprocessScriptLauncher")
+
+
+def quiet_child_process_observer() -> None:
+    """Stop Lightning's child-process observer of this process (rank 0 of its subprocess launcher), if one runs.
+
+    The observer polls the ranks it launched every few seconds and SIGKILLs every process, this one included, once one
+    exits non-zero; a rank 0 that waits for its ranks to exit after an error they all raise (``shutdown.
+    wait_for_launched_ranks``) would be killed mid-wait. Its loop asks ``_run()`` whether it is done: answering yes
+    ends it at its next tick. Where a Lightning release names things otherwise, the observer is left as it is."""
+    import threading
+
+    try:
+        observer = private("lightning", "lightning.fabric.strategies.launchers.subprocess_script",
+                           "_ChildProcessObserver")
+    except ImportError:
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, observer) and hasattr(thread, "_run"):
+            thread._run = lambda: True  # type: ignore[method-assign]
+
+
 distributed_is_initialized = private("lightning", "lightning.fabric.utilities.distributed",
                                      "_distributed_is_initialized")
 default_process_group_backend = private("lightning", "lightning.fabric.utilities.distributed",

@@ -44,6 +44,7 @@ import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par import run_dir
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
+from lightning_par.parallel import shutdown
 from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
@@ -588,6 +589,7 @@ def main(args: list[str] | None = None) -> None:
         # a layout, model or checkpoint the run cannot take, before launch or at setup on each rank: the message
         # names the cause and the fix; the traceback only says where it was found (TRACEBACK_ENV=1 shows it)
         print(f"lightning-par: error: {error}", file=sys.stderr, flush=True)
+        shutdown.wait_for_launched_ranks()  # rank 0: the other ranks' same line comes before the shell's prompt
         raise SystemExit(1) from None
 
 

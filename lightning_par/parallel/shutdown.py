@@ -29,13 +29,17 @@ import atexit
 import gc
 import logging
 import signal
+import subprocess
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+#: how long rank 0 of Lightning's launcher waits, after an error at setup, for the ranks it started to end
+LAUNCHED_TIMEOUT = 30.0
 #: how long a finished rank waits at exit for the others before it leaves without destroying the group
 BARRIER_TIMEOUT = timedelta(seconds=60)
 #: how long exit waits for a thread of ours still inside a store call (one whose store host froze never returns)
@@ -44,6 +48,7 @@ STRAGGLER_TIMEOUT = 5.0
 _registered = False
 _failed = False
 _stragglers: list[threading.Thread] = []
+_launchers: list = []  # Lightning's subprocess launchers of this process (rank 0): the ranks they started
 
 
 def close_at_exit() -> None:
@@ -59,6 +64,31 @@ def mark_failed() -> None:
     anywhere)."""
     global _failed
     _failed = True
+
+
+def launched_ranks(launcher) -> None:
+    """``launcher`` (Lightning's subprocess launcher, on rank 0) starts the other ranks of this machine as children
+    of this process: :func:`wait_for_launched_ranks` waits for them."""
+    _launchers.append(launcher)
+
+
+def wait_for_launched_ranks() -> None:
+    """After an error every rank raises at setup (an agreed one: each prints the same line): wait, bounded, for the
+    ranks this process launched to print theirs and exit, so that the error is the last line of the run's output,
+    printed before the shell's prompt comes back -- rank 0 is the process the shell waits for. Lightning's
+    child-process observer is stopped first: it would kill this process when it sees a child exit with the error."""
+    procs = [proc for launcher in _launchers for proc in getattr(launcher, "procs", ())]
+    if not procs:
+        return
+    from lightning_par._compat import quiet_child_process_observer
+
+    quiet_child_process_observer()
+    deadline = time.monotonic() + LAUNCHED_TIMEOUT
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:  # a rank elsewhere (it did not raise the same error): do not hold the exit
+            pass
 
 
 def straggler(thread: threading.Thread) -> None:

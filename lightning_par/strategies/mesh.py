@@ -129,6 +129,7 @@ class MeshStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            shutdown.launched_ranks(self._launcher)
 
     def setup_environment(self) -> None:
         """Join the process group; every rank then continues from global rank 0's RNG state."""
