@@ -15,6 +15,7 @@ attributes of objects (a ShardedTensor's ``_local_shards``; FSDP2's ``_fsdp_para
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -91,6 +92,41 @@ def check_versions(installed: dict[str, str] | None = None) -> list[str]:
     if os.environ.get(ALLOW_UNTESTED, "") not in ("", "0"):
         warnings.warn(message, UserWarning, stacklevel=2)
         return untested
+    raise UntestedVersionError(message)
+
+
+#: optional packages lightning-par reads the behaviour of, tested the same way (pyproject's extras declare the range;
+#: tests/compat/transformers.sh runs their tests on the oldest and newest release, docs/compat.md has the results):
+#: transformers' published plans, its model classes and their forwards. Checked when a model of it is first seen
+OPTIONAL_TESTED = {"transformers": ("5.17", "5.25")}
+
+
+@functools.cache
+def check_optional(package: str) -> str | None:
+    """Like :func:`check_versions` for one package of :data:`OPTIONAL_TESTED`, once per process: an untested
+    release raises :class:`UntestedVersionError` in one line (a warning with ``LIGHTNING_PAR_ALLOW_UNTESTED=1``).
+    Returns the installed version (None where it is not installed)."""
+    try:
+        found = str(importlib.import_module(package).__version__)
+    except (ImportError, AttributeError):
+        return None
+    return check_optional_version(package, found)
+
+
+def check_optional_version(package: str, found: str) -> str:
+    """:func:`check_optional`'s check of the version ``found`` (not cached)."""
+    low, high = (Version(v).release[:2] for v in OPTIONAL_TESTED[package])
+    minor = _minor(found)
+    if minor is not None and low <= minor <= high:
+        return found
+    first, last = OPTIONAL_TESTED[package]
+    major, newest = last.split(".")
+    message = (f"lightning-par is tested with {package} {first} to {last} (the plans and forwards of its models "
+               f"change between releases); found {package} {found}. Install "
+               f"'{package}>={first},<{major}.{int(newest) + 1}', or set {ALLOW_UNTESTED}=1 to try anyway.")
+    if os.environ.get(ALLOW_UNTESTED, "") not in ("", "0"):
+        warnings.warn(message, UserWarning, stacklevel=2)
+        return found
     raise UntestedVersionError(message)
 
 

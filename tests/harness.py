@@ -317,6 +317,24 @@ def every_ranks_error(call: Callable[[], object]) -> list[str]:
     return errors
 
 
+def case_or_error(call: Callable[[], object]) -> tuple[object, str | None]:
+    """One case of a shared launch on every rank: ``(its value, None)``, or ``(None, the error)`` when any rank raised
+    (the first such rank's ``"rank r: Type: message"``), so the launch goes on to its other cases and only the tests
+    reading this one fail. A collective after the call: every rank calls it (an error that leaves another rank
+    waiting in a collective still hangs the launch, which its timeout ends)."""
+    import torch.distributed as dist
+
+    value, error = None, None
+    try:
+        value = call()
+    except Exception as err:  # noqa: BLE001 -- the case's result is its error
+        error = f"{type(err).__name__}: {err}"
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    return (value, None) if first is None else (None, f"rank {first[0]}: {first[1]}")
+
+
 def close_process_group() -> None:
     """End a worker's process group: collect the DDP / FSDP2 objects that still hold it (often in reference cycles)
     and let every rank finish first -- a gloo thread that outlives its group aborts the process at exit ("terminate

@@ -19,7 +19,8 @@ weights of one, and combines the outputs with the routing weights as the model's
 over each token's choices). Routing, the load-balancing loss and the shared experts are the model's own code, run on
 this rank's tokens: the one-process function of them.
 
-Styles applied: ``ep_dispatch_experts`` (a module) and ``grouped_gemm`` (its parameters); any other is refused at
+Styles applied: ``ep_dispatch_experts`` (a module) and ``grouped_gemm`` (its parameters); a published plan's
+``colwise``/``rowwise`` entries on dense layers (:data:`DENSE_TP_STYLES`) are left out; any other is refused at
 setup, as is an experts module whose parameters are not all planned and stacked over its experts. A published plan's
 pattern that matches nothing is skipped (transformers does too); a user's own ``ep_plan`` on a plain module is strict.
 """
@@ -44,6 +45,17 @@ from lightning_par.topology import LayoutError
 DISPATCH_STYLE = "ep_dispatch_experts"
 STACKED_STYLE = "grouped_gemm"
 EP_STYLES = (DISPATCH_STYLE, STACKED_STYLE)
+#: styles of a published ep plan left out on purpose: tensor-parallel splits of dense layers over the ep ranks
+#: (Gemma-4's MLP beside its experts). Here the ep ranks hold different tokens, so a dense layer is one more
+#: data-parallel replica -- the same function, its parameters whole on each rank
+DENSE_TP_STYLES = ("colwise", "rowwise")
+#: published ep styles refused by name, with why
+REFUSED_EP_STYLES = {
+    "replicated_with_grad_allreduce": (
+        "it keeps a parameter of the experts module whole on every ep rank (a norm after the experts) with its "
+        "gradient summed over them; lightning-par's expert parallel splits every parameter of an experts module "
+        "over the experts and has no such replicated one yet"),
+}
 
 
 def resolve_ep_plan(module: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -61,6 +73,12 @@ def resolve_ep_plan(module: nn.Module) -> dict[str, tuple[str, ...]]:
     dispatch: list[str] = []
     stacked: dict[str, list[str]] = {}
     for pattern, style in plan.items():
+        if style in DENSE_TP_STYLES and not strict:
+            continue
+        if style in REFUSED_EP_STYLES:
+            raise LayoutError(f"{model_name}.ep_plan[{pattern!r}] = {style!r} is not applied by lightning-par: "
+                              f"{REFUSED_EP_STYLES[style]}. Train {model_name} with ep=1 (its experts then whole on "
+                              "every rank, or sharded by ZeRO).")
         if style not in EP_STYLES:
             raise LayoutError(
                 f"{model_name}.ep_plan[{pattern!r}] = {style!r} is not a style lightning-par's expert parallel "

@@ -9,10 +9,17 @@ import re
 
 from torch import nn
 
+from lightning_par._compat import check_optional
+
 
 def is_hf_model(module: nn.Module) -> bool:
-    """A transformers ``PreTrainedModel`` (by what it has: a config, a base-model prefix, ``post_init``)."""
-    return hasattr(module, "config") and hasattr(module, "base_model_prefix") and hasattr(module, "post_init")
+    """A transformers ``PreTrainedModel`` (by what it has: a config, a base-model prefix, ``post_init``). The first
+    one seen checks that the installed transformers is a tested release (:func:`~lightning_par._compat.check_optional`:
+    its plans and forwards are what the engine reads)."""
+    found = hasattr(module, "config") and hasattr(module, "base_model_prefix") and hasattr(module, "post_init")
+    if found and type(module).__module__.startswith("transformers."):
+        check_optional("transformers")
+    return found
 
 
 def declared_plan(module: nn.Module, kind: str) -> dict[str, str] | None:

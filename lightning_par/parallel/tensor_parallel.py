@@ -58,6 +58,17 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
 ``replicate``                        parameters replicated on every TP rank
 ``replicated_with_grad_allreduce``   replicated, gradients summed over tp: for parameters used inside a region,
                                      on this rank's heads only (e.g. a q/k norm)
+``mla_kv_a_proj``, ``mla_kv_a_proj:R``  the shared down-projection of multi-head latent attention (DeepSeek-V2/V3's
+                                     ``kv_a_proj_with_mqa``): replicated, its output ``[latent | rope key]``; the
+                                     last ``R`` features (``config.qk_rope_head_dim``, read at resolve time) are the
+                                     rope key every head shares, which goes straight into attention on this rank's
+                                     heads, so its gradient is summed over tp in backward (the latent part reaches
+                                     the heads through a column-parallel ``kv_b_proj``, whose shared input already
+                                     reduces it)
+``embedding_colwise``                Embedding with the hidden features (columns) sharded, each rank's lookups
+                                     all-gathered to the whole vector
+``unit_colwise``                     transformers' head-aligned column split (k/v with fewer heads than ranks):
+                                     read as ``colwise``, which it is whenever tp divides the key/value heads (checked)
 ``moe_tp_experts``                   a module of experts with 3-D weights [experts, out, in] (transformers' MoE
                                      models): each expert's intermediate features split over tp by the entries
                                      that name its parameters -- ``packed_colwise`` (fused gate|up, each part
@@ -65,6 +76,10 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
                                      (:mod:`~lightning_par.parallel.experts_tp`). Every parameter of the module
                                      must have one; a parameter entry is applied only inside such a module
 ==================================== ============================================================================
+
+Styles transformers publishes that lightning-par does not apply are refused by name (:data:`REFUSED_STYLES`, with
+the reason), before any collective; ``tests/unit/test_hf_plan_styles.py`` walks every plan of the installed
+transformers, so a style a new release adds is named the day it is installed.
 """
 
 from __future__ import annotations
@@ -110,9 +125,24 @@ PLAN_STYLES: tuple[str, ...] = (
     "sequence_parallel",
     "replicate",
     "replicated_with_grad_allreduce",
+    "mla_kv_a_proj",
+    "embedding_colwise",
     experts_tp.EXPERTS_STYLE,
     "block_input",
 )
+#: Hugging Face styles read as one of ours: ``unit_colwise`` replicates heads over a unit mesh only when tp exceeds the
+#: head count, which the config checks refuse (tp must divide the key/value heads); otherwise it is ``colwise``
+STYLE_ALIASES: dict[str, str] = {"unit_colwise": "colwise"}
+#: Hugging Face styles refused by name, with why (and the nearest layout that trains): a plan naming one stops at setup
+REFUSED_STYLES: dict[str, str] = {
+    "local_params": (
+        "it splits bare parameters of an attention module (per-head attention sinks or gates) over the heads and "
+        "runs the module on local tensors; lightning-par splits a bare parameter only inside an experts module, "
+        "and replicating the sinks would give each rank every head's sinks for its own heads"),
+    "packed_rowwise": (
+        "it splits a fused expert weight packed along its input features in strides; lightning-par's experts "
+        "split ('moe_tp_experts') takes 'packed_colwise', 'colwise' or 'rowwise' parameters only"),
+}
 _COLUMN_STYLES = ("colwise", "packed_colwise", "colwise_rep", "colwise_gather_output")
 #: the column-parallel styles whose output stays sharded (local) and whose input a block shares
 _LOCAL_COLUMN_STYLES = ("colwise", "packed_colwise")
@@ -147,6 +177,8 @@ def _valid_style(style: str) -> bool:
     name, colon, count = style.partition(":")
     if name not in PLAN_STYLES or name == "block_input":
         return False
+    if name == "mla_kv_a_proj":
+        return not colon or (count.isdigit() and int(count) >= 1)
     return not colon or (name == "packed_colwise" and count.isdigit() and int(count) >= 2)
 
 
@@ -228,6 +260,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     planned_parameters: dict[str, str] = {}  # an expert parameter's split, applied by its module's style
     by_ep = set(experts_ep.resolve_ep_plan(model)) if ep > 1 else set()  # (relative to model, as candidates)
     for pattern, style in plan.items():
+        style = _canonical_style(model_name, model, pattern, style, sequence_parallel)
         if not isinstance(style, str) or not _valid_style(style):
             allowed = ", ".join(s for s in PLAN_STYLES if s != "block_input")
             raise LayoutError(
@@ -294,6 +327,35 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     ordered = {**additions, **resolved}
     _check_tied(model_name, model, ordered)
     return {f"{prefix}{name}": ordered[name] for name in sorted(ordered, key=names.index)}
+
+
+def _canonical_style(model_name: str, model: nn.Module, pattern: str, style: Any, sequence_parallel: bool) -> Any:
+    """A declared style as the engine applies it: an alias read as its style, ``mla_kv_a_proj`` given its rope width
+    from the config; a refused style raises, naming the entry, the reason and the layouts that train it."""
+    if not isinstance(style, str):
+        return style
+    if style in REFUSED_STYLES:
+        raise LayoutError(
+            f"{model_name}.tp_plan[{pattern!r}] = {style!r} is not applied by lightning-par: {REFUSED_STYLES[style]}. "
+            f"Train {model_name} with tp=1 (ZeRO, pipeline or expert parallel), or plan the module "
+            "'replicate' in the model's tp_plan."
+        )
+    style = STYLE_ALIASES.get(style, style)
+    if style_name(style) == "mla_kv_a_proj" and sequence_parallel:
+        raise LayoutError(
+            f"{model_name}.tp_plan[{pattern!r}] = {style!r} with sequence_parallel=True: the shared rope key would "
+            "be computed on sequence shards while attention needs all positions. Use sequence_parallel=False."
+        )
+    if style == "mla_kv_a_proj":
+        rope = getattr(getattr(model, "config", None), "qk_rope_head_dim", None)
+        if not isinstance(rope, int) or rope < 1:
+            raise LayoutError(
+                f"{model_name}.tp_plan[{pattern!r}] = 'mla_kv_a_proj' needs the width of the shared rope key: the "
+                "model has no config.qk_rope_head_dim. Name it in the plan as 'mla_kv_a_proj:R' (R features at the "
+                "end of the projection's output)."
+            )
+        style = f"mla_kv_a_proj:{rope}"
+    return style
 
 
 def _check_grad_allreduce_in_regions(model_name: str, model: nn.Module, resolved: dict[str, str],
@@ -425,6 +487,8 @@ def _planned_split(style: str, module: nn.Module, param: str) -> str:
         return "Shard(1)" if param == "weight" else "Replicate()"
     if style in ("vocab_parallel", "embedding_rowwise"):
         return "Shard(0)"  # embedding rows
+    if style == "embedding_colwise":
+        return "Shard(1)"  # embedding columns (the hidden features)
     return "Replicate()"
 
 
@@ -490,6 +554,20 @@ def _check_module(model_name: str, name: str, module: nn.Module, style: str, tp:
         _check_divisible(f"{where}: in_features", module.in_features, tp,
                          f"{style!r} splits the input features over tp ranks. Use a tp that divides "
                          f"{module.in_features} or resize the layer.")
+    elif style_name(style) == "mla_kv_a_proj":
+        rope = int(style.partition(":")[2])
+        if not isinstance(module, nn.Linear) or module.out_features <= rope:
+            raise LayoutError(
+                f"{where} is planned {style!r}: an nn.Linear whose output ends with the {rope} rope-key features of "
+                "multi-head latent attention is expected (out_features = latent + rope). Fix the plan entry or "
+                "config.qk_rope_head_dim."
+            )
+    elif style == "embedding_colwise":
+        if not isinstance(module, nn.Embedding):
+            raise _not_splittable(where, style, module, "an nn.Embedding over its hidden features")
+        _check_divisible(f"{where}: embedding_dim", module.embedding_dim, tp,
+                         f"{style!r} splits the hidden features over tp ranks. Use a tp that divides "
+                         f"{module.embedding_dim}.")
     elif style in ("vocab_parallel", "embedding_rowwise"):
         if not isinstance(module, nn.Embedding):
             raise _not_splittable(where, style, module, "an nn.Embedding or a head nn.Linear over the vocabulary")
@@ -574,6 +652,47 @@ class ReplicateWithGradAllReduce(ReplicateParameters):
 
         # runs after ReplicateParameters' swap (hooks run in registration order)
         module.register_forward_pre_hook(reduce_weight_grads)
+        return module
+
+
+class _SumOverRanksInBackward(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (Megatron's "f" on a plain tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class LatentKeyProjection(ReplicateParameters):
+    """``mla_kv_a_proj:R``: multi-head latent attention's shared projection ``[latent | rope key]``, replicated.
+
+    The latent part reaches the heads through the column-parallel ``kv_b_proj`` (whose shared block input sums its
+    gradient over tp); the last ``R`` features, the rope key, go straight to attention on this rank's heads, so each
+    rank's gradient of them covers its heads only: they are summed over tp on their way back. Without the sum the
+    projection's weight and the residual stream would get 1/tp of the rope key's gradient per head group."""
+
+    def __init__(self, rope: int) -> None:
+        super().__init__()
+        self.rope = rope
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        group, rope = device_mesh.get_group(), self.rope
+
+        def rope_gradient_summed(_mod: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                return output
+            latent, key = output.split([output.size(-1) - rope, rope], dim=-1)
+            return torch.cat([latent, _SumOverRanksInBackward.apply(key, group)], dim=-1)
+
+        module.register_forward_hook(rope_gradient_summed)
         return module
 
 
@@ -817,6 +936,10 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, child
         return SequenceShardedNorm()
     if style == "replicated_with_grad_allreduce":
         return ReplicateWithGradAllReduce()
+    if style_name(style) == "mla_kv_a_proj":
+        return LatentKeyProjection(int(style.partition(":")[2]))
+    if style == "embedding_colwise":  # torch's column split of an Embedding: its hidden features
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if style in ("replicate", "sequence_parallel"):
         return ReplicateParameters()
     if style == "block_input":

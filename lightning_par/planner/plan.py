@@ -337,6 +337,10 @@ class Planner:
                     fwd.append(("all_reduce", tokens * module.out_features))
                 elif style in ("vocab_parallel", "embedding_rowwise") and isinstance(module, nn.Embedding):
                     fwd.append(("all_reduce", tokens * module.embedding_dim))
+                elif style == "embedding_colwise" and isinstance(module, nn.Embedding):
+                    fwd.append(("all_gather", tokens * module.embedding_dim))
+                elif style.startswith("mla_kv_a_proj:"):  # the shared rope key's gradient, summed over tp
+                    bwd.append(("all_reduce", tokens * int(style.partition(":")[2])))
                 elif style == "block_input":
                     child = next((c for c in names if c.startswith(name + ".")
                                   and styles[c].startswith(("colwise", "packed_colwise"))), None)

@@ -40,7 +40,7 @@ from lightning_par.parallel.experts_ep import declare_planned_experts, resolve_e
 from lightning_par.parallel.tensor_parallel import check_layout_plan, planned_split_dim, resolve_tp_plan
 from tests.conftest import full_run
 from tests.harness import launch_matrix, max_rel_diff
-from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_config, moe_model
+from tests.launch.hf_moe import ARCHS, CASES, ERROR_CASES, STEPS, moe_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,12 +72,20 @@ def results(tmp_path_factory, cache_dir, request):
     return get
 
 
+def _part(launched: dict, name: str):
+    """One part of a shared launch; its error, if it raised, fails only the tests reading it."""
+    part = launched[name]
+    if isinstance(part, dict) and "error" in part:
+        pytest.fail(f"{name} failed in the shared launch: {part['error']}")
+    return part
+
+
 # -- (a) parity with one process ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.launch(ranks=c.world, full=c.full))
                                   for n, c in CASES.items()])
 def test_moe_model_trains_as_one_process(results, name):
     case = CASES[name]
-    result = results(case.world)[name]
+    result = _part(results(case.world), name)
     diff = max_rel_diff(result["fit"], result["reference"])
     print(f"{name}: max relative per-step loss difference {diff:.2e} over {STEPS} steps "
           f"({result['reference'][0]:.3f} -> {result['reference'][-1]:.3f}), {result['seconds']:.1f} s; "
@@ -145,7 +153,7 @@ def test_published_moe_plan_gives_one_process_gradients(results, arch):
     """``apply_tensor_parallel`` alone on 2 ranks, one step with the load-balancing loss on (DeepSeek-V3 routes without
     one): the loss, every gradient and the global gradient norm against one process, each rank's slices of the
     experts, and the DCP checkpoint as one process's state dict."""
-    for rank, applied in enumerate(results(2)["styles"]):
+    for rank, applied in enumerate(_part(results(2), "styles")):
         got = applied[arch]
         print(f"{arch} rank {rank}: loss {got['loss_rel']:.1e}, worst gradient {got['grad_rel']:.1e} ({got['worst']}), "
               f"gradient norm {got['norm_rel']:.1e}")
@@ -161,7 +169,7 @@ def test_published_moe_plan_gives_one_process_gradients(results, arch):
 def test_experts_of_a_users_moe_are_self_checked_at_setup(results):
     """A plain PyTorch MoE declaring transformers' plan: its experts match one process; experts that squash their
     output after down would not be a sum of the ranks' slices, and the self-check at setup refuses them by name."""
-    for applied in results(2)["styles"]:
+    for applied in _part(results(2), "styles"):
         got = applied["user_experts"]
         print(f"user's experts: worst gradient {got['grad_rel']:.1e}; squashed: {got['squashed_error']}")
         assert got["grad_rel"] <= PARITY_RTOL
@@ -187,7 +195,8 @@ def test_a_refused_moe_layout_is_one_error_on_every_rank(results, name):
 
 # -- (b) plans and refusals, in this process ------------------------------------------------------------------------
 def _model(arch: str):
-    return getattr(transformers, ARCHS[arch])(moe_config(arch, aux=False))
+    """The tiny ``arch`` model with its experts' split declared (:data:`~tests.launch.hf_moe.EXPERTS_TP_PLAN`)."""
+    return moe_model(arch)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -202,10 +211,16 @@ def test_published_moe_plans_resolve(arch):
     module = model.get_submodule(experts)
     assert planned_split_dim(plan[experts], module, "gate_up_proj") == 1
     assert planned_split_dim(plan[experts], module, "down_proj") == 2
-    if arch == "deepseek_v3":  # a dense first layer, the shared experts a Megatron MLP, MLA attention replicated
+    if arch == "deepseek_v3":  # a dense first layer, the shared experts a Megatron MLP
         assert plan["model.layers.0.mlp.gate_proj"] == plan["model.layers.1.mlp.shared_experts.up_proj"] == "colwise"
         assert plan["model.layers.1.mlp.shared_experts"] == "block_input"
         assert plan["model.layers.1.self_attn.q_a_proj"] == "replicate"
+        if "mla_kv_a_proj" in model.tp_plan.values():  # MLA attention split by heads (transformers >= 5.2x)
+            assert plan["model.layers.1.self_attn.kv_a_proj_with_mqa"] == "mla_kv_a_proj:8"  # qk_rope_head_dim
+            assert plan["model.layers.1.self_attn.kv_b_proj"] == plan["model.layers.1.self_attn.q_b_proj"] == "colwise"
+            assert plan["model.layers.1.self_attn.o_proj"] == "rowwise"
+        else:  # (5.17: attention replicated)
+            assert plan["model.layers.1.self_attn.kv_a_proj_with_mqa"] == "replicate"
 
 
 class _Experts(nn.Module):
@@ -286,7 +301,7 @@ def test_an_unknown_style_lists_the_styles_lightning_par_applies():
     model.tp_plan = {**_Tiny.tp_plan, "layers.*.experts": "ep_dispatch_experts"}
     with pytest.raises(LayoutError, match=r"'ep_dispatch_experts' is not a style lightning-par applies; use one of: "
                                           r"colwise, packed_colwise, .*replicated_with_grad_allreduce, "
-                                          r"moe_tp_experts"):
+                                          r".*moe_tp_experts"):
         resolve_tp_plan(model, 2)
 
 

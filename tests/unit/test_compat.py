@@ -67,6 +67,25 @@ def test_tested_versions_match_pyproject():
     assert _compat.check_versions() == []  # this environment is a tested one
 
 
+def test_transformers_range_matches_pyproject_and_an_untested_one_is_one_line(monkeypatch):
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    low, high = _compat.OPTIONAL_TESTED["transformers"]
+    major, minor = high.split(".")
+    wanted = f"transformers>={low},<{major}.{int(minor) + 1}"
+    assert wanted in project["optional-dependencies"]["hf"] and wanted in project["optional-dependencies"]["dev"]
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED, raising=False)
+    for found in (f"{low}.0", f"{high}.3"):
+        assert _compat.check_optional_version("transformers", found) == found
+    with pytest.raises(_compat.UntestedVersionError) as err:
+        _compat.check_optional_version("transformers", "4.57.1")
+    message = str(err.value)
+    assert len(message.splitlines()) == 1 and "found transformers 4.57.1" in message, message
+    assert f"tested with transformers {low} to {high}" in message and f"Install '{wanted}'" in message, message
+    monkeypatch.setenv(_compat.ALLOW_UNTESTED, "1")
+    with pytest.warns(UserWarning, match="found transformers 9.0.0"):
+        assert _compat.check_optional_version("transformers", "9.0.0") == "9.0.0"
+
+
 @pytest.mark.parametrize("found", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0"])
 def test_every_torch_of_the_range_is_accepted(found, monkeypatch):
     monkeypatch.delenv(_compat.ALLOW_UNTESTED, raising=False)
