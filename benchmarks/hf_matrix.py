@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +81,10 @@ TINY: dict[str, Any] = {
 }
 
 
+#: words naming a config's random parts (a float of that name is set to 0): the comparison is of one function
+_RANDOM = ("dropout", "pdrop", "layerdrop", "jitter", "drop_path", "noise")
+
+
 def causal_lms() -> dict[str, str]:
     """``{model type: causal-LM class name}`` of the installed transformers."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -114,7 +117,7 @@ def _shrunk(default):
 
     fields = {k: v for k, v in TINY.items() if _settable(default, k)
               and (isinstance(v, float) == isinstance(getattr(default, k), float))}  # (a field typed int stays int)
-    if isinstance(fields.get("eos_token_id"), int) and isinstance(getattr(default, "eos_token_id"), list):
+    if isinstance(fields.get("eos_token_id"), int) and isinstance(default.eos_token_id, list):
         fields["eos_token_id"] = [2]
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # (MLA: the rope width is the head_dim rope uses)
         fields["head_dim"] = fields["qk_rope_head_dim"]
@@ -125,6 +128,9 @@ def _shrunk(default):
             n += 1
         n = max(n, 2)
         fields["layer_types"], fields["num_hidden_layers"] = list(layer_types[:n]), n
+    for name, value in vars(default).items():  # every random part off (dropout, layer drop, router jitter): the
+        if isinstance(value, float) and any(w in name for w in _RANDOM) and _settable(default, name):  # same function
+            fields[name] = 0.0
     if _settable(default, "output_router_logits"):  # the load-balancing loss off: one function for every layout
         fields["output_router_logits"] = False
     for name, value in vars(default).items():
@@ -342,11 +348,14 @@ def run_layout(layout: str, archs: list[str], root: Path, timeout: float) -> dic
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         log = root / f"{layout}.log"
         with log.open("a") as out:
-            try:
-                subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-                died = "the launch died"
-            except subprocess.TimeoutExpired:
-                died = f"the launch hung (killed after {timeout:.0f} s)"
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            died = "the launch died"
+            while proc.poll() is None:  # a case that runs past `timeout` is taken as hung: the launch is ended
+                time.sleep(2)
+                if lines.exists() and time.time() - lines.stat().st_mtime > timeout:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                    died = f"the case hung (the launch ended after {timeout:.0f} s without progress)"
         started = None
         for line in lines.read_text().splitlines() if lines.exists() else []:
             record = json.loads(line)
@@ -415,7 +424,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "hf_matrix.json"))
     parser.add_argument("--markdown", help="also write the table here (docs/models.md)")
     parser.add_argument("--root", default="/tmp/hf_matrix", help="launch logs")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a case may run before it counts as hung")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

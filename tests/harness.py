@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,6 +330,7 @@ def case_or_error(call: Callable[[], object]) -> tuple[object, str | None]:
         value = call()
     except Exception as err:  # noqa: BLE001 -- the case's result is its error
         error = f"{type(err).__name__}: {err}"
+        traceback.print_exc()  # (into the launch's log, where the case's error is read in full)
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)

@@ -127,6 +127,15 @@ def is_hf_model(module: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """``module.get_submodule(name)``, or None where the module has none of that name (a published pp plan may name
+    a module this model class does not build: HRM's ``layers``)."""
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _hf(module: nn.Module) -> ModelBlocks | None:
     top = next(((p, m) for p, m in module.named_modules() if is_hf_model(m)), None)
     if top is None:
@@ -138,7 +147,7 @@ def _hf(module: nn.Module) -> ModelBlocks | None:
     base = model.get_submodule(base_path) if base_path else model
     plan = getattr(getattr(base, "config", None), "base_model_pp_plan", None) or {}
     units: tuple[str, ...] | None = None
-    if plan and all(isinstance(base.get_submodule(n), nn.Module) for n in plan):
+    if plan and all(isinstance(_submodule(base, n), nn.Module) for n in plan):
         names = [f"{base_path}.{n}" if base_path else n for n in plan]
         head_plan = getattr(model, "_pp_plan", None) or {} if base is not model else {}
         units = tuple(_expand(model, names) + [n for n in head_plan if isinstance(getattr(model, n, None), nn.Module)])

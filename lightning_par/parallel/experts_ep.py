@@ -49,8 +49,17 @@ EP_STYLES = (DISPATCH_STYLE, STACKED_STYLE)
 #: (Gemma-4's MLP beside its experts). Here the ep ranks hold different tokens, so a dense layer is one more
 #: data-parallel replica -- the same function, its parameters whole on each rank
 DENSE_TP_STYLES = ("colwise", "rowwise")
+#: transformers up to 5.1x (5.17 tested) named its ep plan's styles after its own all-tokens-on-every-rank expert
+#: parallel: the experts module ``moe_tp_experts`` (read as :data:`DISPATCH_STYLE`: the same module, the same
+#: function) and the router ``ep_router`` (its outputs cut to each rank's experts), which lightning-par leaves out:
+#: its ep ranks hold different tokens, and the model's own router runs on them unchanged
+EP_ALIASES = {"moe_tp_experts": DISPATCH_STYLE}
+ROUTER_STYLES = ("ep_router",)
 #: published ep styles refused by name, with why
 REFUSED_EP_STYLES = {
+    "all_reduce": (
+        "it sums a module's output over the ep ranks, which is right where every ep rank holds every token "
+        "(transformers 5.17's expert parallel); lightning-par's ep ranks hold different tokens"),
     "replicated_with_grad_allreduce": (
         "it keeps a parameter of the experts module whole on every ep rank (a norm after the experts) with its "
         "gradient summed over them; lightning-par's expert parallel splits every parameter of an experts module "
@@ -73,8 +82,9 @@ def resolve_ep_plan(module: nn.Module) -> dict[str, tuple[str, ...]]:
     dispatch: list[str] = []
     stacked: dict[str, list[str]] = {}
     for pattern, style in plan.items():
-        if style in DENSE_TP_STYLES and not strict:
+        if style in DENSE_TP_STYLES + ROUTER_STYLES and not strict:
             continue
+        style = EP_ALIASES.get(style, style) if not strict else style
         if style in REFUSED_EP_STYLES:
             raise LayoutError(f"{model_name}.ep_plan[{pattern!r}] = {style!r} is not applied by lightning-par: "
                               f"{REFUSED_EP_STYLES[style]}. Train {model_name} with ep=1 (its experts then whole on "

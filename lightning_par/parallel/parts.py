@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.parallel.pipeline.adapter import StageIO, stage_forward, stage_io
-from lightning_par.parallel.pipeline.chain import check_chain
+from lightning_par.parallel.pipeline.chain import check_chain, check_layer_positions
 from lightning_par.parallel.pipeline.loss import ModelLoss, check_layer_losses
 from lightning_par.parallel.pipeline.split import (
     Costs,
@@ -167,7 +167,9 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     units_by_stage = plan_stages(whole, plan, costs=costs, units=all_units)
     io = stage_io(whole)
     # before the split and before any collective, on the (meta) model: the same verdict on every rank
-    chain_seconds = check_chain(whole, all_units, units_by_stage, io)
+    chain: dict[str, Any] = {}
+    chain_seconds = check_chain(whole, all_units, units_by_stage, io, found=chain)
+    check_layer_positions(whole, units_by_stage)
     check_layer_losses(whole, plan.pp)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = plan.stages_of(pp_rank)
@@ -176,7 +178,10 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     stages = [stage_view(module, units_by_stage[i], units=all_units, to_none=to_none) for i in stage_ids]
     for i, view in zip(stage_ids, stages, strict=True):
         # an instance attribute, so the stage keeps the model's class and parameter names
-        view.forward = stage_forward(view, io, first=i == 0, entry=view.get_submodule(units_by_stage[i][0]))
+        # (a forward that computes after its last unit: each earlier stage hands on its last unit's output)
+        last_unit = view.get_submodule(units_by_stage[i][-1]) if chain and i < len(units_by_stage) - 1 else None
+        view.forward = stage_forward(view, io, first=i == 0, entry=view.get_submodule(units_by_stage[i][0]),
+                                     last_unit=last_unit)
     record = StageSplit(plan=plan, pp_rank=pp_rank, module=module, units=all_units, units_by_stage=units_by_stage,
                         stage_ids=stage_ids, io=io, model_loss=ModelLoss.of(whole),
                         tied=_tied_across_ranks(whole, plan, units_by_stage, all_units, pp_rank),

@@ -139,6 +139,13 @@ REFUSED_STYLES: dict[str, str] = {
         "it splits bare parameters of an attention module (per-head attention sinks or gates) over the heads and "
         "runs the module on local tensors; lightning-par splits a bare parameter only inside an experts module, "
         "and replicating the sinks would give each rank every head's sinks for its own heads"),
+    "all_reduce": (
+        "it sums a module's forward output over the tp ranks, for a module that computes on this rank's share "
+        "without a split parameter saying so (transformers 5.17's Inkling); lightning-par splits a module by the "
+        "styles of its parameters and cannot check that such a sum is the one-process function"),
+    "moe_identity_expert": (
+        "it divides the input of identity ('zero') experts by tp so that the experts' sum over tp counts it once "
+        "(transformers 5.17's LongCat-Flash); lightning-par's experts split has no such experts yet"),
     "packed_rowwise": (
         "it splits a fused expert weight packed along its input features in strides; lightning-par's experts "
         "split ('moe_tp_experts') takes 'packed_colwise', 'colwise' or 'rowwise' parameters only"),
@@ -611,20 +618,30 @@ class ReplicateParameters(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
             module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        swapped: list[dict[str, Any]] = []
-
-        def to_local(mod: nn.Module, _args: Any) -> None:
-            originals = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
-            swapped.append(originals)
-            for n, p in originals.items():
-                mod._parameters[n] = p.to_local()  # type: ignore[assignment]
-
-        def restore(mod: nn.Module, _args: Any, _output: Any) -> None:
-            mod._parameters.update(swapped.pop())
-
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore)
+        _local_while(module, module)
         return module
+
+
+def _local_while(runner: nn.Module, owner: nn.Module) -> None:
+    """Swap ``owner``'s replicated DTensor parameters for their local values while ``runner`` runs (forward hooks).
+
+    ``runner`` is the owner itself (:class:`ReplicateParameters`), or also its parent, which may read them itself
+    (Qwen3-Next's gated delta net passes ``self.conv1d.weight`` to a convolution kernel without calling ``conv1d``)
+    and would otherwise mix a DTensor with plain tensors: for plain replicated modules only, since one local value
+    then serves every call of the owner in that forward, right without a gradient hook of its own."""
+    swapped: list[dict[str, Any]] = []
+
+    def to_local(_mod: nn.Module, _args: Any) -> None:
+        originals = {n: p for n, p in owner._parameters.items() if isinstance(p, DTensor)}
+        swapped.append(originals)
+        for n, p in originals.items():
+            owner._parameters[n] = p.to_local()  # type: ignore[assignment]
+
+    def restore(_mod: nn.Module, _args: Any, _output: Any) -> None:
+        owner._parameters.update(swapped.pop())
+
+    runner.register_forward_pre_hook(to_local)
+    runner.register_forward_hook(restore, always_call=True)
 
 
 class ReplicateWithGradAllReduce(ReplicateParameters):
@@ -1321,6 +1338,9 @@ def apply_tensor_parallel(
     self_check_experts(module, plan, tp_mesh, type(model).__name__, prefix)
     styles = _styles(module, plan, sequence_parallel, sequence)
     parallelize_module(module, tp_mesh, styles)
+    for name, style in styles.items():
+        if type(style) is ReplicateParameters and name:
+            _local_while(module.get_submodule(name.rpartition(".")[0]), module.get_submodule(name))
     for names in tied:  # (differing planned splits were refused by resolve_tp_plan; this checks the actual ones)
         first = module.get_parameter(names[0])
         for other in names[1:]:

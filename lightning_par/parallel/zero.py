@@ -847,7 +847,8 @@ class DataParallelGroups:
             grouped (embedding, final norm, head), kept gathered from forward into backward.
         outside: ``(name, module)`` of each module outside ``found.root`` that holds parameters (an auxiliary head
             of a LightningModule, say): one group each. Containers without a ``forward`` (``nn.ModuleList`` /
-            ``nn.ModuleDict``) are replaced by their items.
+            ``nn.ModuleDict``) are replaced by their items. One tied to a parameter inside ``found.root`` joins
+            the root group, which is then the searched module (``root == ("", module)``).
         loose: names of the parameters held directly by an ancestor of ``found.root`` (an ``nn.Parameter`` set on
             the LightningModule itself). They go into one group on the searched module, the outermost.
     """
@@ -908,7 +909,48 @@ def data_parallel_groups(module: nn.Module, block_types: BlockTypes = None,
 
     if root_path:
         visit("", module)
+    _merge_tied(module, groups)
     return groups
+
+
+def _merge_tied(module: nn.Module, groups: DataParallelGroups) -> None:
+    """Keep each tied (or shared) parameter in one FSDP2 group, in place. FSDP2 holds a parameter in one group,
+    gathered where that group's modules run: a second owner in another group would compute with a stale or sharded
+    copy -- an error at the first forward, or a silently wrong gradient (ELECTRA's embeddings and its head, two
+    groups outside the blocks' root: 5e-4 off one process). The groups holding an owner of a tied parameter are
+    dissolved into their nearest common ancestor, which becomes the root group (BERT's embeddings block and head
+    ``cls``: the whole causal LM, whose forward runs both)."""
+    paths = [*(p for p, _ in groups.blocks), *(p for p, _ in groups.outside), groups.root[0]]
+
+    def group_of(path: str) -> str:
+        return max((g for g in paths if path == g or _under(path, g)), key=len, default="")
+
+    owners: dict[int, set[str]] = {}
+    for path, owner in module.named_modules(remove_duplicate=False):
+        for param in owner.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(path)
+    involved: set[str] = set()
+    for held_by in owners.values():
+        found_in = {group_of(path) for path in held_by}
+        if len(found_in) > 1:
+            involved |= found_in
+    if not involved:
+        return
+    common = groups.root[0].split(".") if groups.root[0] else []
+    for path in involved:
+        parts = path.split(".") if path else []
+        while common and parts[:len(common)] != common:
+            common = common[:-1]
+    anchor = ".".join(common)
+    groups.blocks = [(p, b) for p, b in groups.blocks if p not in involved]
+    groups.outside = [(p, u) for p, u in groups.outside if p not in involved]
+    groups.root = (anchor, module.get_submodule(anchor) if anchor else module)
+    groups.loose = [name for name in groups.loose if not _under(name, anchor)]
+
+
+def _under(name: str, ancestor: str) -> bool:
+    """``name`` (a module or parameter path) lies inside the module at ``ancestor`` ("" is the searched module)."""
+    return not ancestor or name.startswith(ancestor + ".")
 
 
 def _apply_groups(module: nn.Module, groups: DataParallelGroups, apply) -> list[nn.Module]:
@@ -916,15 +958,17 @@ def _apply_groups(module: nn.Module, groups: DataParallelGroups, apply) -> list[
     FSDP2 roots (the outermost groups) are returned."""
     for _, block in groups.blocks:
         apply(block)
-    apply(groups.root[1])
-    for _, unit in groups.outside:
+    for _, unit in groups.outside:  # (siblings of the root group, or inside it when it is the searched module)
         apply(unit)
+    apply(groups.root[1])
+    if groups.root[1] is module:
+        return [module]
     if groups.loose:
         # what is left (parameters set directly on the LightningModule or a container on the way to the root)
         # becomes the outermost group; it is gathered by the searched module's forward, so that forward must run
         apply(module)
         return [module]
-    return [groups.root[1]] + [unit for _, unit in groups.outside]
+    return [groups.root[1]] + [unit for path, unit in groups.outside if not _under(path, groups.root[0])]
 
 
 def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = False, mp_policy: object | None = None,

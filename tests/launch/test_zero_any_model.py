@@ -186,3 +186,46 @@ def test_gathered_meter_sees_one_block_and_the_root(dp_mesh):
     assert meter.peak_bytes == block + root and meter.peak_groups == ["model", "model.blocks.0"]
     assert meter.live()[0] == root  # after forward: the root group stays gathered for backward, blocks are freed
     loss.backward()
+
+
+def _tiny_tied(arch: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if arch == "bert":
+        return transformers.BertLMHeadModel, transformers.BertConfig(**common)
+    return transformers.ElectraForCausalLM, transformers.ElectraConfig(**common, embedding_size=32)
+
+
+@pytest.mark.parametrize(("arch", "blocks", "outside"), [
+    # its embeddings a "no split" module of their own, its head `cls` outside `bert`, tied to them
+    ("bert", ["bert.encoder.layer.0", "bert.encoder.layer.1"], []),
+    # its embeddings and head `generator_lm_head` two groups outside the blocks' root `electra.encoder` (the
+    # untied `generator_predictions` stays a group of its own, inside the root group)
+    ("electra", ["electra.encoder.layer.0", "electra.encoder.layer.1"], ["generator_predictions"]),
+])
+def test_zero3_keeps_a_parameter_tied_across_groups_in_one_group(dp_mesh, arch, blocks, outside):
+    """Found by the conformance matrix: FSDP2 holds a parameter in one group, so the groups holding owners of a tied
+    parameter join their nearest common ancestor, the root group. Before, BERT failed at the first forward ("shared
+    with a parameter already managed by another FSDP group") and ELECTRA trained 5e-4 off one process under
+    ZeRO-3 dp2, silently."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_par.parallel.zero import data_parallel_groups, fully_shard_units
+
+    cls, config = _tiny_tied(arch)
+    torch.manual_seed(0)
+    model = cls(config)
+    reference = cls(config)
+    reference.load_state_dict(model.state_dict())
+    embedding = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embedding
+    groups = data_parallel_groups(model)
+    assert [name for name, _ in groups.blocks] == blocks and [name for name, _ in groups.outside] == outside
+    assert groups.root == ("", model)  # the common ancestor of the tied owners' groups: the whole causal LM
+    assert fully_shard_units(model, dp_mesh) == [model] and isinstance(model, FSDPModule)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(param.grad.full_tensor(), ref.grad, atol=1e-6), name

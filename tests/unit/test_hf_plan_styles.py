@@ -22,7 +22,8 @@ from lightning_par.parallel import tensor_parallel as tpmod
 transformers = pytest.importorskip("transformers")
 
 APPLIED_TP = {s for s in tpmod.PLAN_STYLES if s != "block_input"} | set(tpmod.STYLE_ALIASES)
-APPLIED_EP = set(experts_ep.EP_STYLES) | set(experts_ep.DENSE_TP_STYLES)
+APPLIED_EP = (set(experts_ep.EP_STYLES) | set(experts_ep.DENSE_TP_STYLES) | set(experts_ep.ROUTER_STYLES)
+              | set(experts_ep.EP_ALIASES))
 
 
 def published_styles() -> tuple[dict[str, set[str]], dict[str, set[str]], int]:
@@ -169,3 +170,38 @@ def test_an_ep_plan_splitting_a_dense_layer_leaves_it_to_data_parallel():
     with pytest.raises(LayoutError, match=r"_UserEP.ep_plan\['layers.\*.mlp.up_proj'\] = 'colwise' is not a style "
                                           r"lightning-par's expert parallel applies"):
         experts_ep.resolve_ep_plan(_UserEP())
+
+
+class _ConvReader(nn.Module):
+    """Qwen3-Next's gated delta net in small: it reads its short convolution's weight itself (without calling the
+    ``nn.Conv1d``), next to split projections."""
+
+    tp_plan = {"q": "colwise", "o": "rowwise"}
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 3, groups=8, padding=2)
+
+    def forward(self, x):
+        h = self.q(x).transpose(1, 2)
+        h = torch.nn.functional.conv1d(h, self.conv.weight, self.conv.bias, padding=2, groups=8)[..., :x.size(1)]
+        return self.o(h.transpose(1, 2))
+
+
+def test_a_replicated_parameter_read_by_its_parent_is_local_there(one_process_group):
+    """A replicated module's parameters are local tensors while its parent runs, not only its own forward: before,
+    a DTensor weight met plain activations ("got mixed torch.Tensor and DTensor"), 12 architectures of the matrix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model, reference = _ConvReader(), _ConvReader()
+    reference.load_state_dict(model.state_dict())
+    tpmod.apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
+    assert isinstance(model.conv.weight, DTensor)
+    x = torch.randn(2, 5, 8)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert isinstance(model.conv.weight, DTensor), "restored after the forward"
+    assert torch.allclose(model.conv.weight.grad.full_tensor(), reference.conv.weight.grad, atol=1e-6)

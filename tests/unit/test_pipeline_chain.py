@@ -55,8 +55,14 @@ class SkipLM(nn.Module):
         elif self.variant == "skip_argument":
             return self.head(self.norm(h, h0))
         out = self.head(self.norm(h))
-        if self.variant == "post_processed":
+        if self.variant == "post_processed":  # a logit scale after the head: the last stage's (accepted)
             out = out * 0.5
+        if self.variant == "soft_capped":  # Gemma-2's final soft-cap: accepted
+            out = torch.tanh(out / 30.0) * 30.0
+        if self.variant == "post_in_place":
+            out.mul_(0.5)
+        if self.variant == "post_with_skip":
+            out = out + self.head(h0)
         if self.variant == "cast_and_view":  # the same values: accepted
             out = out[:, slice(0, None)].contiguous().float()
         return out
@@ -132,7 +138,9 @@ def test_skip_connection_is_refused_under_pp2_naming_the_unit():
     ("skip_argument", "is given a tensor computed from the output of 'embed' (stage 0) besides its input"),
     ("modified_in_place", "modifies it in place"),
     ("between_blocks", "pipeline unit 'blocks.2' (stage 1) does not take the output of 'blocks.1'"),
-    ("post_processed", "the model's output is not the output of its last pipeline unit 'head'"),
+    ("post_in_place", "the model's output is not computed from the output of its last pipeline unit 'head' "
+                      "alone: the forward modifies it in place"),
+    ("post_with_skip", "calls the pipeline unit 'head' (stage 1) more than once"),
 ])
 def test_other_forwards_that_are_not_a_chain_are_refused(variant, expected):
     model = SkipLM(variant)
@@ -179,9 +187,10 @@ def test_runtime_refuses_on_every_rank_before_any_collective():
 
 
 # -- accepted ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["chain", "scaled_embedding", "cast_and_view"])
+@pytest.mark.parametrize("variant", ["chain", "scaled_embedding", "cast_and_view", "post_processed", "soft_capped"])
 def test_chains_are_accepted(variant):
-    """Stage 0 glue of a model fed by injection is discarded on later stages; casts and full views keep values."""
+    """Stage 0 glue of a model fed by injection is discarded on later stages; casts and full views keep values;
+    what the forward computes from the head's output alone (a scale, a soft-cap) runs on the last stage."""
     check(SkipLM(variant), UNITS)
     check(SkipLM(variant), UNITS, pp=4)
 

@@ -131,11 +131,25 @@ class _Injection:
         return args, {**kwargs, name: self.x}
 
 
-def stage_forward(module: nn.Module, io: StageIO, first: bool, entry: nn.Module | None = None
-                  ) -> Callable[..., Tensor]:
+class _Exit:
+    """A forward hook keeping the first tensor a stage's last unit returns (on its first call of a forward)."""
+
+    def __init__(self) -> None:
+        self.output: Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.output is None:
+            self.output = first_tensor(output)
+
+
+def stage_forward(module: nn.Module, io: StageIO, first: bool, entry: nn.Module | None = None,
+                  last_unit: nn.Module | None = None) -> Callable[..., Tensor]:
     """``forward(x, attention_mask=None, model_inputs=None) -> Tensor`` for one stage's module, installed as its
     instance ``forward``. ``entry`` is the stage's first unit, into which a later stage of an ``inject`` model puts
-    ``x`` while the forward runs on ``model_inputs`` (the model's own input for this micro-batch).
+    ``x`` while the forward runs on ``model_inputs`` (the model's own input for this micro-batch). ``last_unit``: the
+    last unit of a stage before the last, whose output the stage passes on -- not the model's output, which is
+    computed after the removed later units (a logit scale or soft-cap after the head is the last stage's, run by
+    the model's own forward there; :func:`~.chain.check_chain` accepts what derives from the last unit alone).
 
     The stage module keeps the model's class and parameter names (a wrapper module would prefix them); this
     function calls the class's own forward with the stage's input under the right keyword.
@@ -152,6 +166,26 @@ def stage_forward(module: nn.Module, io: StageIO, first: bool, entry: nn.Module 
         kwargs = {**io.constant, **model_kwargs}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        kept = _Exit() if last_unit is not None else None
+        exit_handle = last_unit.register_forward_hook(kept) if last_unit is not None else None
+        try:
+            output = _run(x, model_inputs, kwargs)
+        finally:
+            if exit_handle is not None:
+                exit_handle.remove()
+        if kept is not None:
+            if kept.output is None:
+                raise LayoutError(f"the forward of {type(module).__name__} did not call "
+                                  f"{type(last_unit).__name__}, the last unit of this pipeline stage, so the stage "
+                                  "had nothing to pass on.")
+            y = kept.output
+        else:
+            y = first_tensor(output, io.output_key)
+        # A removed head passes a view of the hidden states through (Hugging Face slices them for `logits_to_keep`);
+        # torch's split backward (zero-bubble schedules) detaches stage outputs in place, which a view refuses.
+        return y.clone() if y._base is not None else y
+
+    def _run(x: Tensor, model_inputs: Tensor | None, kwargs: dict[str, Any]) -> Any:
         if inject:
             if model_inputs is None:
                 raise LayoutError(f"a later pipeline stage of {type(module).__name__} runs the model's forward on "
@@ -165,14 +199,10 @@ def stage_forward(module: nn.Module, io: StageIO, first: bool, entry: nn.Module 
             if not injection.fired:
                 raise LayoutError(f"the forward of {type(module).__name__} did not call {type(entry).__name__}, the "
                                   "first unit of this pipeline stage, so the stage's input went nowhere.")
-        elif key is None:
-            output = model_forward(module, x, **kwargs)
-        else:
-            output = model_forward(module, **{key: x}, **kwargs)
-        y = first_tensor(output, io.output_key)
-        # A removed head passes a view of the hidden states through (Hugging Face slices them for `logits_to_keep`);
-        # torch's split backward (zero-bubble schedules) detaches stage outputs in place, which a view refuses.
-        return y.clone() if y._base is not None else y
+            return output
+        if key is None:
+            return model_forward(module, x, **kwargs)
+        return model_forward(module, **{key: x}, **kwargs)
 
     return forward
 

@@ -37,6 +37,7 @@ device) of any tensor.
 from __future__ import annotations
 
 import inspect
+import re
 import time
 import warnings
 from collections.abc import Sequence
@@ -237,9 +238,12 @@ def _names(units: Sequence[str], indices: frozenset[int] | set[int]) -> str:
 
 
 def check_chain(model: nn.Module, units: Sequence[str], units_by_stage: Sequence[Sequence[str]],
-                io: StageIO | None = None, example: tuple[tuple, dict] | None = None) -> float:
+                io: StageIO | None = None, example: tuple[tuple, dict] | None = None,
+                found: dict[str, Any] | None = None) -> float:
     """Raise a :class:`LayoutError` unless ``model``'s forward is the chain of ``units`` at the stage boundaries of
-    ``units_by_stage`` (see the module docstring); returns the seconds the check took.
+    ``units_by_stage`` (see the module docstring); returns the seconds the check took. ``found["after_last_unit"]``
+    (when ``found`` is given) says whether the forward computes its output from the last unit's (a logit scale, a
+    soft-cap) rather than returning it: then each stage but the last passes on its last unit's output explicitly.
 
     The model is not modified or run: a parameter-free copy on the meta device is. ``example`` is the trial input
     ``(args, kwargs)`` on the meta device (default: 2 x 4 token ids, or features of the first linear layer's width).
@@ -375,9 +379,60 @@ def check_chain(model: nn.Module, units: Sequence[str], units_by_stage: Sequence
     last = len(units) - 1
     produced = outputs.get(last)
     if produced is None or flow.values_of(y) is not produced[0] or produced[0]._version != produced[1]:
+        # What the forward computes from the last unit's output alone (a logit scale, a soft-cap) is the last
+        # stage's: it runs the model's own forward, and each earlier stage passes on its last unit's output
+        # (adapter.stage_forward's last_unit); an in-place step or a use of an earlier unit's output cannot be split.
         origin = flow.origin_of(y) - {last}
-        detail = (f"it is computed from the output of {_names(units, origin)} as well" if origin else
-                  "the forward computes something else from it")
-        raise refuse(f"the model's output is not the output of its last pipeline unit {units[last]!r}: {detail}, "
-                     "and a stage before the last would pass that on in place of its last unit's output.")
+        in_place = produced is not None and produced[0]._version != produced[1]
+        if origin or in_place or last not in flow.origin_of(y):
+            detail = (f"it is computed from the output of {_names(units, origin)} as well" if origin else
+                      "the forward modifies it in place" if in_place else
+                      "the forward returns something not computed from it")
+            raise refuse(f"the model's output is not computed from the output of its last pipeline unit "
+                         f"{units[last]!r} alone: {detail}, which no pipeline stage can run.")
+        if found is not None:
+            found["after_last_unit"] = True
     return time.perf_counter() - start
+
+
+# A forward that looks up per-layer settings by the loop's position: `for i, layer in enumerate(self.layers)` with
+# `self.config.layer_types[i]` (Gemma-2/3, Cohere-2 and some 80 Hugging Face models pick each layer's attention mask
+# and rotary table so). A stage iterates over the layers it holds only, from position 0.
+_ENUMERATED = re.compile(r"for\s+(\w+)\s*,\s*\w+\s+in\s+enumerate\(\s*self\.(\w+)")
+
+
+def check_layer_positions(model: nn.Module, units_by_stage: Sequence[Sequence[str]]) -> None:
+    """Raise a :class:`LayoutError` where a stage would give one of its layers another layer's setting: the forward
+    of a module of ``model`` enumerates its list of layers and indexes a config list by the position (read from its
+    source), and on some stage the layer at a position is not the one of that index in the whole model, with a
+    different value (a stage starting at layer 3 runs it with ``layer_types[0]``). Nothing to refuse where the values
+    agree (a uniform list, or stages starting where a pattern repeats). Single-process: every rank alike."""
+    if len(units_by_stage) < 2:
+        return
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        try:
+            source = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            continue
+        for var, attr in _ENUMERATED.findall(source):
+            names = sorted(set(re.findall(rf"config\.(\w+)\[\s*{var}\s*\]", source)))
+            layers = f"{path}.{attr}" if path else attr
+            for stage, units in enumerate(units_by_stage):
+                held = [int(u.rpartition(".")[2]) for u in units
+                        if u.rpartition(".")[0] == layers and u.rpartition(".")[2].isdigit()]
+                for name in names:
+                    values = getattr(config, name, None)
+                    if not isinstance(values, (list, tuple)):
+                        continue
+                    wrong = next(((pos, j) for pos, j in enumerate(held)
+                                  if j < len(values) and pos < len(values) and values[pos] != values[j]), None)
+                    if wrong is not None:
+                        pos, j = wrong
+                        raise LayoutError(
+                            f"{type(module).__name__}'s forward looks up config.{name}[{var}] by each layer's "
+                            f"position in {layers}, and pipeline stage {stage} holds layers {held[0]}..{held[-1]}: "
+                            f"it would run layer {j} with the {name} of layer {pos} ({values[pos]!r} instead of "
+                            f"{values[j]!r}), another function than one process's. Use pp=1 (ZeRO, tensor or "
+                            f"context parallel), or stages that start where config.{name} repeats "
+                            "(stage_costs=).")
