@@ -331,8 +331,13 @@ def classify(cell: dict[str, Any], ref: list[float]) -> str:
     losses = cell.get("losses") or []
     if len(losses) != len(ref):
         return f"fails: {len(losses)} steps logged of {len(ref)}"
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
-    return "parity" if worst <= RTOL else f"fails: loss off by {worst:.1e} (relative)"
+    # a reference whose loss jumps up (SGD diverging on this tiny model) amplifies rounding from that step on:
+    # the steps up to the jump are compared, and the cell says so
+    jump = next((i for i in range(1, len(ref)) if ref[i] > 1.1 * ref[i - 1]), len(ref))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:jump], ref[:jump], strict=True))
+    if worst > RTOL:
+        return f"fails: loss off by {worst:.1e} (relative)"
+    return "parity" if jump == len(ref) else f"unstable: parity for {jump} steps, then the reference diverges"
 
 
 def run_layout(layout: str, archs: list[str], root: Path, timeout: float) -> dict[str, dict[str, Any]]:
@@ -376,7 +381,7 @@ def run_layout(layout: str, archs: list[str], root: Path, timeout: float) -> dic
 
 
 def markdown(rows: dict[str, dict[str, Any]], layouts: list[str], meta: dict[str, Any]) -> str:
-    counts = {name: {"parity": 0, "refused": 0, "fails": 0, "cells": 0} for name in layouts}
+    counts = {name: {"parity": 0, "unstable": 0, "refused": 0, "fails": 0, "cells": 0} for name in layouts}
     lines = [f"| architecture | {' | '.join(layouts)} |", f"|---|{'---|' * len(layouts)}"]
     for arch in sorted(rows):
         row = rows[arch]
@@ -404,13 +409,16 @@ def markdown(rows: dict[str, dict[str, Any]], layouts: list[str], meta: dict[str
         f"`hf_matrix.TINY`), {STEPS} steps of plain SGD against one process, parity within {RTOL:g} per step "
         f"(relative). {meta['seconds'] / 60:.0f} min on {meta['machine']}.",
         "",
-        "| layout | cells | parity | refused | fails |",
-        "|---|---|---|---|---|",
-        *(f"| {n} | {c['cells']} | {c['parity']} ({100 * c['parity'] / max(c['cells'], 1):.0f}%) | {c['refused']} "
-          f"| {c['fails']} |" for n, c in counts.items()),
+        "| layout | cells | parity | unstable | refused | fails |",
+        "|---|---|---|---|---|---|",
+        *(f"| {n} | {c['cells']} | {c['parity']} ({100 * c['parity'] / max(c['cells'], 1):.0f}%) | {c['unstable']} "
+          f"| {c['refused']} | {c['fails']} |" for n, c in counts.items()),
         "",
-        "A cell is `parity`, `refused: <lightning-par's setup error>` or `fails: <what happened>`; `–`: the "
-        "architecture publishes no plan for that layout.",
+        "A cell is `parity`, `unstable` (parity until the one-process reference's loss jumps up -- plain SGD "
+        "diverging on that tiny model -- after which rounding is amplified and the steps are not compared), "
+        "`refused: <lightning-par's setup error>` or `fails: <what happened>`; `–`: the architecture publishes no "
+        "plan for that layout. `not built`: the one rule's tiny config of that architecture does not build or run "
+        "in one process (nothing to compare with).",
         "",
     ]
     return "\n".join(head + lines) + "\n"
@@ -425,11 +433,23 @@ def main() -> None:
     parser.add_argument("--markdown", help="also write the table here (docs/models.md)")
     parser.add_argument("--root", default="/tmp/hf_matrix", help="launch logs")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a case may run before it counts as hung")
+    parser.add_argument("--reclassify", help="a JSON this wrote: classify its cells again and write the table")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.archs, Path(args.out))
+        return
+    if args.reclassify:
+        saved = json.loads(Path(args.reclassify).read_text())
+        for row in saved["rows"].values():
+            for layout, cell in row.get("raw", {}).items():
+                row["cells"][layout] = classify(cell, row["reference"])
+        Path(args.reclassify).write_text(json.dumps(saved, indent=1))
+        table = markdown(saved["rows"], saved["layouts"], saved["meta"])
+        print(table)
+        if args.markdown:
+            Path(args.markdown).write_text(table)
         return
     import lightning
     import transformers

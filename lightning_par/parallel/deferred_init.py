@@ -444,6 +444,11 @@ class DeferredInit:
         elif func is torch.Tensor.to and len(args) > 1 and self._is_deferred(args[1]):  # x.to(deferred_other)
             other = args[1]
             return func(args[0], self._device_of(other), other.dtype, *args[2:], **kwargs)
+        if func is torch.where and len(args) == 3 and any(self._is_deferred(a) for a in args):
+            # torch.where(cond, x, float("-inf")) wraps the number into a 0-dim tensor on x's device, meta here:
+            # its value would be lost to the replay (MiniMax's decay mask). A 0-dim CPU tensor keeps it, and
+            # promotes as the number would (a dimensionless operand does not change the result's dtype category)
+            args = tuple(torch.tensor(a) if isinstance(a, (bool, int, float)) else a for a in args)
         return func(*args, **kwargs)
 
     def _to(self, t, *args, **kwargs):

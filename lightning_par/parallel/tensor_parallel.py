@@ -85,6 +85,7 @@ transformers, so a style a new release adds is named the day it is installed.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import re
 from collections.abc import Callable, Iterator
@@ -622,6 +623,17 @@ class ReplicateParameters(ParallelStyle):
         return module
 
 
+def _used_uncalled(parent: nn.Module, attr: str) -> bool:
+    """Whether ``parent``'s forward uses its child ``attr`` other than by calling it (``self.conv1d.weight``, or
+    ``self.conv1d`` handed to a kernel), read from the source; True where the source cannot be read. Only then do
+    its parameters need to be local while the parent runs: hooks on a block that is compiled would break its graph."""
+    try:
+        source = inspect.getsource(type(parent).forward)
+    except (OSError, TypeError):
+        return True
+    return re.search(rf"self\.{re.escape(attr)}\b(?!\s*\()", source) is not None
+
+
 def _local_while(runner: nn.Module, owner: nn.Module) -> None:
     """Swap ``owner``'s replicated DTensor parameters for their local values while ``runner`` runs (forward hooks).
 
@@ -641,7 +653,7 @@ def _local_while(runner: nn.Module, owner: nn.Module) -> None:
         owner._parameters.update(swapped.pop())
 
     runner.register_forward_pre_hook(to_local)
-    runner.register_forward_hook(restore, always_call=True)
+    runner.register_forward_hook(restore)
 
 
 class ReplicateWithGradAllReduce(ReplicateParameters):
@@ -1339,8 +1351,10 @@ def apply_tensor_parallel(
     styles = _styles(module, plan, sequence_parallel, sequence)
     parallelize_module(module, tp_mesh, styles)
     for name, style in styles.items():
-        if type(style) is ReplicateParameters and name:
-            _local_while(module.get_submodule(name.rpartition(".")[0]), module.get_submodule(name))
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        if type(style) is ReplicateParameters and name and _used_uncalled(parent, attr):
+            _local_while(parent, module.get_submodule(name))
     for names in tied:  # (differing planned splits were refused by resolve_tp_plan; this checks the actual ones)
         first = module.get_parameter(names[0])
         for other in names[1:]:

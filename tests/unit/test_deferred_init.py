@@ -311,3 +311,29 @@ def test_errors():
     source.add_(1.0)
     with pytest.raises(DeferredInitError, match="modified in place"):
         record.materialize(module)
+
+
+class _DecayMask(nn.Module):
+    """MiniMax's linear attention in small: a buffer from ``torch.where`` with a Python number on a deferred tensor."""
+
+    def __init__(self, size: int = 64):
+        super().__init__()
+        rate = torch.rand(size, 1) + 0.5
+        steps = torch.arange(size, dtype=torch.float32)
+        decay = rate * (steps[:, None] - steps[None, :])
+        self.mask = nn.Buffer(torch.exp(torch.where(decay >= 0, -decay, float("-inf"))))
+        self.proj = nn.Linear(size, size)
+
+
+def test_a_python_number_in_torch_where_keeps_its_value():
+    """The number became a 0-dim meta tensor at dispatch, its value lost: materialising failed ("Tensor on device
+    meta is not on the expected device cpu") -- the conformance matrix's MiniMax under every layout."""
+    torch.manual_seed(0)
+    eager = _DecayMask()
+    torch.manual_seed(0)
+    with deferred_init(threshold=0) as record:
+        model = _DecayMask()
+    assert model.mask.is_meta
+    record.materialize(model)
+    assert torch.equal(model.mask, eager.mask) and torch.isinf(torch.log(model.mask)).any()
+    assert torch.equal(model.proj.weight, eager.proj.weight)
