@@ -34,6 +34,7 @@ from lightning_par.parallel.pipeline.chain import check_chain, check_layer_posit
 from lightning_par.parallel.pipeline.loss import ModelLoss, check_layer_losses
 from lightning_par.parallel.pipeline.split import (
     Costs,
+    KeptModuleList,
     block_units,
     held_blocks,
     model_units,
@@ -169,13 +170,18 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     # before the split and before any collective, on the (meta) model: the same verdict on every rank
     chain: dict[str, Any] = {}
     chain_seconds = check_chain(whole, all_units, units_by_stage, io, found=chain)
-    check_layer_positions(whole, units_by_stage)
+    positional = check_layer_positions(whole, units_by_stage)
     check_layer_losses(whole, plan.pp)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = plan.stages_of(pp_rank)
     module = rank_module(whole, units_by_stage, stage_ids, units=all_units)
     to_none = removes_to_none(whole)
     stages = [stage_view(module, units_by_stage[i], units=all_units, to_none=to_none) for i in stage_ids]
+    for held in (module, *stages):  # (a forward that picks each layer's setting by its index in the loop)
+        for path in positional:
+            layers = held.get_submodule(path)
+            if isinstance(layers, KeptModuleList):
+                layers.positional = True
     for i, view in zip(stage_ids, stages, strict=True):
         # an instance attribute, so the stage keeps the model's class and parameter names
         # (a forward that computes after its last unit: each earlier stage hands on its last unit's output)

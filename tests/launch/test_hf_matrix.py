@@ -3,10 +3,10 @@ the other tests never name, built from their config defaults shrunk by one rule,
 a layout and compared with one process (plain SGD, per-step losses within 1e-5).
 
 The default set: one 2-rank launch under pp2 of architectures whose causal-LM forward does something after the head
--- Cohere scales the logits -- which the last stage runs (its pipeline was refused before, as "not the chain of its
-pipeline units"), and of Gemma-3, whose forward picks each layer's attention by its position in the
-loop, which a later stage would get wrong: refused (it trained 5e-5 off one process before, silently). The full set:
-a sample of every layout, one launch per layout.
+-- Cohere scales the logits, Gemma-2 soft-caps them -- which the last stage runs (their pipeline was refused before,
+as "not the chain of its pipeline units"), and whose forward picks each layer's attention by its index in the loop
+(Gemma-2 and -3: ``config.layer_types[i]``), which a later stage now iterates with every index kept (Gemma-3 trained
+5e-5 off one process before, silently). The full set: a sample of every layout, one launch per layout.
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ transformers = pytest.importorskip("transformers")
 hf_matrix = pytest.importorskip("benchmarks.hf_matrix")
 
 #: (layout, architectures): each cell must be at parity
-DEFAULT_SAMPLE = {"pp2": ["cohere", "gemma3_text"]}
+DEFAULT_SAMPLE = {"pp2": ["cohere", "gemma2", "gemma3_text"]}
 #: cells that must be refused, with the start of the reason
-REFUSED = {("pp2", "gemma3_text"): "refused: Gemma3TextModel's forward looks up config.layer_types[i] by each "
-                                   "layer's position in model.layers, and pipeline stage 1 holds layers 3..5",
-           ("pp2", "gemma2"): "refused: Gemma2Model's forward looks up config.layer_types[i]"}
+REFUSED: dict[tuple[str, str], str] = {}
 FULL_SAMPLE = {
     "zero3": ["olmo2", "phi3", "starcoder2", "electra", "bert"],
     "tp2": ["deepseek_v2", "glm4_moe_lite", "minicpm3", "gemma2", "qwen3_next"],
-    "pp2": ["gemma2", "deepseek_v3", "phi3"],
+    "pp2": ["cohere2", "gpt_oss", "qwen3_next", "deepseek_v3", "phi3"],
     "ep2": ["deepseek_v2", "glm4_moe"],
     "cp2": ["qwen3", "olmo2"],
 }

@@ -240,3 +240,72 @@ def test_pipeline_any_model_cases_pass(name):
     for virtual in (1, 2):
         seconds = check(blocks.root, list(blocks.units), virtual=virtual)
         assert seconds < 10
+
+
+class _KindsConfig:
+    kinds = ["local", "local", "global", "local"]
+
+
+class _ByPosition(nn.Module):
+    """Picks each layer's setting by its index in the loop, as Gemma-2/3 pick attention (``layer_types[i]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = _KindsConfig()
+        self.embed = nn.Embedding(32, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, tokens):
+        hidden = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden) * (2.0 if self.config.kinds[i] == "global" else 1.0)
+        return self.head(hidden)
+
+
+class _ByPositionTupled(_ByPosition):
+    """The same, its loop not a plain chain of layer outputs (a stand-in could not pass one through)."""
+
+    def forward(self, tokens):
+        hidden = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            out = (layer(hidden),)
+            hidden = out[0] * (2.0 if self.config.kinds[i] == "global" else 1.0)
+        return self.head(hidden)
+
+
+BY_POSITION_UNITS = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+
+
+def test_a_forward_picking_settings_by_loop_index_keeps_the_index_on_every_stage():
+    """The split keeps each layer at its index for such a forward: the stage's list iterates over every slot, the
+    other stages' layers passing the hidden states through. Before, stage 1 ran layer 2 ("global") as "local",
+    and Gemma-3 trained 5e-5 off one process under pp2, silently."""
+    from lightning_par.parallel.pipeline import KeptModuleList
+    from lightning_par.parallel.pipeline.chain import check_layer_positions
+    from lightning_par.parallel.pipeline.split import stage_view
+
+    model = _ByPosition()
+    stages = [BY_POSITION_UNITS[:3], BY_POSITION_UNITS[3:]]
+    assert check_layer_positions(model, stages) == ["layers"]
+    assert check_layer_positions(model, [BY_POSITION_UNITS]) == []  # one stage: nothing to keep
+    later = stage_view(model, stages[1], units=BY_POSITION_UNITS, to_none=False)
+    layers = later.layers
+    assert isinstance(layers, KeptModuleList) and [int(k) for k in layers._modules] == [2, 3]
+    assert len(layers) == 2 and list(layers) == [model.layers[2], model.layers[3]]
+    layers.positional = True
+    assert len(layers) == 4 and list(layers)[2:] == [model.layers[2], model.layers[3]]
+    x = torch.randn(3, 8)
+    assert [torch.equal(layer(x), x) for layer in list(layers)[:2]] == [True, True]  # passed through
+
+
+def test_a_forward_picking_settings_by_loop_index_that_is_no_chain_is_refused():
+    from lightning_par.parallel.pipeline.chain import check_layer_positions
+
+    with pytest.raises(LayoutError, match=r"_ByPositionTupled's forward looks up config.kinds\[i\] by each layer's position "
+                                          r"in layers, and pipeline stage 1 holds layers 2..3: it would run layer 2 "
+                                          r"with the kinds of layer 0 \('local' instead of 'global'\)"):
+        check_layer_positions(_ByPositionTupled(), [BY_POSITION_UNITS[:3], BY_POSITION_UNITS[3:]])
+    # a later stage whose layers' kinds agree with those of its positions (layer 3 "local" at position 0): no refusal
+    split = [BY_POSITION_UNITS[:4], BY_POSITION_UNITS[4:]]
+    assert check_layer_positions(_ByPositionTupled(), split) == []

@@ -398,26 +398,34 @@ def check_chain(model: nn.Module, units: Sequence[str], units_by_stage: Sequence
 # A forward that looks up per-layer settings by the loop's position: `for i, layer in enumerate(self.layers)` with
 # `self.config.layer_types[i]` (Gemma-2/3, Cohere-2 and some 80 Hugging Face models pick each layer's attention mask
 # and rotary table so). A stage iterates over the layers it holds only, from position 0.
-_ENUMERATED = re.compile(r"for\s+(\w+)\s*,\s*\w+\s+in\s+enumerate\(\s*self\.(\w+)")
+_ENUMERATED = re.compile(r"for\s+(\w+)\s*,\s*(\w+)\s+in\s+enumerate\(\s*self\.(\w+)")
 
 
-def check_layer_positions(model: nn.Module, units_by_stage: Sequence[Sequence[str]]) -> None:
-    """Raise a :class:`LayoutError` where a stage would give one of its layers another layer's setting: the forward
-    of a module of ``model`` enumerates its list of layers and indexes a config list by the position (read from its
-    source), and on some stage the layer at a position is not the one of that index in the whole model, with a
-    different value (a stage starting at layer 3 runs it with ``layer_types[0]``). Nothing to refuse where the values
-    agree (a uniform list, or stages starting where a pattern repeats). Single-process: every rank alike."""
+def check_layer_positions(model: nn.Module, units_by_stage: Sequence[Sequence[str]]) -> list[str]:
+    """The lists of layers a stage must iterate with their full-list indices, or a :class:`LayoutError`.
+
+    Where the forward of a module of ``model`` enumerates its list of layers and indexes a config list by the
+    position (read from its source), a stage iterating over its own layers only would run a layer with another
+    layer's setting where the values differ (a stage starting at layer 3 runs it with ``layer_types[0]``). When the
+    loop hands each layer's output to the next (``hidden = layer(hidden, ...)``), the stage iterates over every
+    slot instead, the other stages' layers passing the hidden states through (:attr:`~.split.KeptModuleList
+    .positional`): those lists are returned (relative to ``model``). Any other loop is refused where a stage would
+    get a setting wrong. Single-process: every rank alike."""
+    positional: list[str] = []
     if len(units_by_stage) < 2:
-        return
+        return positional
     for path, module in model.named_modules():
         config = getattr(module, "config", None)
         try:
             source = inspect.getsource(type(module).forward)
         except (OSError, TypeError):
             continue
-        for var, attr in _ENUMERATED.findall(source):
+        for var, layer, attr in _ENUMERATED.findall(source):
             names = sorted(set(re.findall(rf"config\.(\w+)\[\s*{var}\s*\]", source)))
             layers = f"{path}.{attr}" if path else attr
+            if names and re.search(rf"(\w+)\s*=\s*{layer}\(\s*\1\b", source):
+                positional.append(layers)  # a chain of layers: the stage keeps every index
+                continue
             for stage, units in enumerate(units_by_stage):
                 held = [int(u.rpartition(".")[2]) for u in units
                         if u.rpartition(".")[0] == layers and u.rpartition(".")[2].isdigit()]
@@ -436,3 +444,4 @@ def check_layer_positions(model: nn.Module, units_by_stage: Sequence[Sequence[st
                             f"{values[j]!r}), another function than one process's. Use pp=1 (ZeRO, tensor or "
                             f"context parallel), or stages that start where config.{name} repeats "
                             "(stage_costs=).")
+    return positional

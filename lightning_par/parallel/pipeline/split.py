@@ -74,6 +74,10 @@ class KeptModuleList(nn.ModuleList):
     """
 
     _n_slots: int  # the length of the full list
+    #: iterate over every slot, a pass-through stand-in in the slots another stage holds, so that a forward that
+    #: enumerates the layers sees each at its index in the full list (``config.layer_types[i]``); set by the split
+    #: where :func:`~.chain.check_layer_positions` found such a forward
+    positional: bool = False
 
     @classmethod
     def convert(cls, module_list: nn.ModuleList) -> KeptModuleList:
@@ -86,6 +90,15 @@ class KeptModuleList(nn.ModuleList):
 
     def kept_indices(self) -> list[int]:
         return [int(k) for k in self._modules]
+
+    def __iter__(self):
+        if not self.positional:
+            return iter(self._modules.values())
+        # (RemovedUnit "pass": the stage's hidden states go through the layers of the other stages unchanged)
+        return iter(self._modules.get(str(i)) or RemovedUnit(f"{i}", "pass") for i in range(self._n_slots))
+
+    def __len__(self) -> int:
+        return self._n_slots if self.positional else len(self._modules)
 
     def _get_abs_string_index(self, idx) -> str:
         idx = operator.index(idx)
