@@ -302,8 +302,9 @@ def test_a_forward_picking_settings_by_loop_index_keeps_the_index_on_every_stage
 def test_a_forward_picking_settings_by_loop_index_that_is_no_chain_is_refused():
     from lightning_par.parallel.pipeline.chain import check_layer_positions
 
-    with pytest.raises(LayoutError, match=r"_ByPositionTupled's forward looks up config.kinds\[i\] by each layer's position "
-                                          r"in layers, and pipeline stage 1 holds layers 2..3: it would run layer 2 "
+    with pytest.raises(LayoutError, match=r"_ByPositionTupled's forward looks up config.kinds\[i\] by each layer's "
+                                          r"position in layers, and pipeline stage 1 holds layers 2..3: it would run "
+                                          r"layer 2 "
                                           r"with the kinds of layer 0 \('local' instead of 'global'\)"):
         check_layer_positions(_ByPositionTupled(), [BY_POSITION_UNITS[:3], BY_POSITION_UNITS[3:]])
     # a later stage whose layers' kinds agree with those of its positions (layer 3 "local" at position 0): no refusal
