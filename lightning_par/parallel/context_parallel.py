@@ -508,10 +508,28 @@ def use_hf_attention(model: nn.Module, undo: ExitStack | None = None) -> bool:
     configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None),
                                                               "_attn_implementation_internal")}
     for sub in configs.values():
+        _check_plain_causal(type(model).__name__, sub)
+    for sub in configs.values():
         if undo is not None:
             undo.callback(setattr, sub, "_attn_implementation_internal", sub._attn_implementation_internal)
         sub._attn_implementation_internal = HF_ATTENTION
     return True
+
+
+
+
+
+def _check_plain_causal(name: str, config: Any) -> None:
+    """Refuse, before the first step, a config whose layers use chunked attention (Llama-4's ``attention_chunk_size``):
+    context parallel's ring computes plain causal attention over the whole sequence, so the chunks would be ignored --
+    trained 6e-3 off one process, silently, before this check (the conformance matrix)."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    chunk = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" in kinds or (isinstance(chunk, int) and not kinds):
+        raise LayoutError(
+            f"context parallel: {name} uses chunked attention (config.attention_chunk_size={chunk}), whose mask the "
+            "ring attention does not apply (it computes plain causal attention over the whole sequence). Train it "
+            "without cp.")
 
 
 def check_takes_positions(model: nn.Module) -> None:

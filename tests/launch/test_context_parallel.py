@@ -66,6 +66,29 @@ def test_a_model_whose_positions_stay_local_is_refused():
         check_takes_positions(GPT2(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
 
 
+def test_chunked_attention_is_refused_by_name():
+    """Llama-4's chunked attention: the ring computes plain causal attention over the whole sequence, so the chunks
+    were ignored (the conformance matrix: 6e-3 off one process under cp2, silently). Refused before the first step."""
+    transformers = pytest.importorskip("transformers")
+    from contextlib import ExitStack
+
+    from lightning_par.parallel.context_parallel import HF_ATTENTION, use_hf_attention
+
+    config = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=16, num_local_experts=2, attention_chunk_size=8)
+    assert "chunked_attention" in config.layer_types
+    model = transformers.Llama4ForCausalLM(config)
+    with ExitStack() as undo, pytest.raises(LayoutError, match=r"context parallel: Llama4ForCausalLM uses chunked "
+                                                               r"attention \(config.attention_chunk_size=8\)"):
+        use_hf_attention(model, undo)
+    assert model.config._attn_implementation != HF_ATTENTION, "nothing changed"
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                                   num_attention_heads=2, intermediate_size=64))
+    with ExitStack() as undo:
+        assert use_hf_attention(llama, undo)
+
+
 def test_batches_are_cut_alike_or_refused():
     from lightning_par.parallel.context_parallel import ContextParallel
 
