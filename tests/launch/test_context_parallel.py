@@ -76,7 +76,8 @@ def test_chunked_attention_is_refused_by_name():
 
     config = transformers.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                            intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=2,
-                                           num_key_value_heads=1, head_dim=16, num_local_experts=2, attention_chunk_size=8)
+                                           num_key_value_heads=1, head_dim=16, num_local_experts=2,
+                                           attention_chunk_size=8)
     assert "chunked_attention" in config.layer_types
     model = transformers.Llama4ForCausalLM(config)
     with ExitStack() as undo, pytest.raises(LayoutError, match=r"context parallel: Llama4ForCausalLM uses chunked "
