@@ -178,7 +178,7 @@ def reference(model_type: str) -> list[float]:
     for batch in batches():
         loss = model(**batch).loss
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses
