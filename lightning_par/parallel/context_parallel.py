@@ -516,9 +516,6 @@ def use_hf_attention(model: nn.Module, undo: ExitStack | None = None) -> bool:
     return True
 
 
-
-
-
 def _check_plain_causal(name: str, config: Any) -> None:
     """Refuse, before the first step, a config whose layers use chunked attention (Llama-4's ``attention_chunk_size``):
     context parallel's ring computes plain causal attention over the whole sequence, so the chunks would be ignored --

@@ -185,7 +185,8 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     for i, view in zip(stage_ids, stages, strict=True):
         # an instance attribute, so the stage keeps the model's class and parameter names
         # (a forward that computes after its last unit: each earlier stage hands on its last unit's output)
-        last_unit = view.get_submodule(units_by_stage[i][-1]) if chain and i < len(units_by_stage) - 1 else None
+        hand_on = chain.get("after_last_unit", False) and i < len(units_by_stage) - 1
+        last_unit = view.get_submodule(units_by_stage[i][-1]) if hand_on else None
         view.forward = stage_forward(view, io, first=i == 0, entry=view.get_submodule(units_by_stage[i][0]),
                                      last_unit=last_unit)
     record = StageSplit(plan=plan, pp_rank=pp_rank, module=module, units=all_units, units_by_stage=units_by_stage,

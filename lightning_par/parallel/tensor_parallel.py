@@ -656,6 +656,17 @@ def _local_while(runner: nn.Module, owner: nn.Module) -> None:
     runner.register_forward_hook(restore)
 
 
+def _summed_over(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook summing the gradient over ``group`` on its way back (Megatron's "f" on a plain tensor)."""
+
+    def sum_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    return sum_over_ranks
+
+
 class ReplicateWithGradAllReduce(ReplicateParameters):
     """Replicated parameters whose gradients are summed over the tp group on their way back to the parameter.
 
@@ -666,12 +677,7 @@ class ReplicateWithGradAllReduce(ReplicateParameters):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        group = device_mesh.get_group()
-
-        def sum_over_ranks(grad: torch.Tensor) -> torch.Tensor:
-            total = grad.clone()
-            torch.distributed.all_reduce(total, group=group)
-            return total
+        sum_over_ranks = _summed_over(device_mesh.get_group())
 
         def reduce_weight_grads(mod: nn.Module, _args: Any) -> None:
             if torch.is_grad_enabled():
@@ -682,21 +688,6 @@ class ReplicateWithGradAllReduce(ReplicateParameters):
         # runs after ReplicateParameters' swap (hooks run in registration order)
         module.register_forward_pre_hook(reduce_weight_grads)
         return module
-
-
-class _SumOverRanksInBackward(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group`` (Megatron's "f" on a plain tensor)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class LatentKeyProjection(ReplicateParameters):
@@ -713,13 +704,14 @@ class LatentKeyProjection(ReplicateParameters):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        group, rope = device_mesh.get_group(), self.rope
+        sum_over_ranks, rope = _summed_over(device_mesh.get_group()), self.rope
 
         def rope_gradient_summed(_mod: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-            if not torch.is_grad_enabled():
+            if not (torch.is_grad_enabled() and output.requires_grad):
                 return output
             latent, key = output.split([output.size(-1) - rope, rope], dim=-1)
-            return torch.cat([latent, _SumOverRanksInBackward.apply(key, group)], dim=-1)
+            key.register_hook(sum_over_ranks)
+            return torch.cat([latent, key], dim=-1)
 
         module.register_forward_hook(rope_gradient_summed)
         return module

@@ -94,8 +94,8 @@ class KeptModuleList(nn.ModuleList):
     def __iter__(self):
         if not self.positional:
             return iter(self._modules.values())
-        # (RemovedUnit "pass": the stage's hidden states go through the layers of the other stages unchanged)
-        return iter(self._modules.get(str(i)) or RemovedUnit(f"{i}", "pass") for i in range(self._n_slots))
+        # (a pass-through stand-in: the stage's hidden states go through the layers of the other stages unchanged)
+        return iter(self._modules.get(str(i)) or _HELD_ELSEWHERE for i in range(self._n_slots))
 
     def __len__(self) -> int:
         return self._n_slots if self.positional else len(self._modules)
@@ -219,6 +219,11 @@ class RemovedUnit(nn.Module):
     def extra_repr(self) -> str:
         how = "zeros of its output shape" if self.mode == "shape" else "input passed through"
         return f"{self.unit!r}: held by another pipeline stage; {how}"
+
+
+#: the stand-in a positional :class:`KeptModuleList` yields for a layer another stage holds (one for all: it holds
+#: nothing and passes its input through)
+_HELD_ELSEWHERE = RemovedUnit("a layer another pipeline stage holds", "pass")
 
 
 def removes_to_none(model: nn.Module) -> bool:
