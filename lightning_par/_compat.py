@@ -401,6 +401,44 @@ def uses_distributed_sampler(trainer: Any) -> bool:
     return trainer._accelerator_connector.use_distributed_sampler
 
 
+def train_step_metrics(trainer: Any) -> list[tuple[str, Any]]:
+    """``(key, metric)`` of the tensor values ``self.log(..., on_step=True)`` holds for the current training step,
+    each with its ``meta`` and ``_forward_cache`` (what the logger writes at the step): Lightning's result collection,
+    private (step.py averages them over accumulated micro-batches)."""
+    _require_attribute(trainer, "_results", "Trainer")
+    results = trainer._results
+    if results is None:
+        return []
+    return [(key, metric) for key, metric in results.items()
+            if getattr(metric, "is_tensor", False) and hasattr(metric, "_forward_cache")
+            and getattr(getattr(metric, "meta", None), "on_step", False)]
+
+
+def keep_sequential_train_loaders(trainer: Any) -> None:
+    """A training DataLoader with a ``SequentialSampler`` (``shuffle=False``) gets Lightning's injected sampler with
+    ``shuffle=False``: Lightning's data connector asks for a shuffled one for every training loader
+    (``_process_dataloader`` passes ``shuffle=True``), which on one device under ``strategy="auto"`` it never
+    injects -- so the same loader would be shuffled under a lightning-par strategy alone (``is_distributed`` is True
+    even on one device). Wraps the trainer's ``_data_connector._prepare_dataloader`` once."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import SequentialSampler
+
+    _require_attribute(trainer, "_data_connector", "Trainer")
+    connector = trainer._data_connector
+    _require_attribute(connector, "_prepare_dataloader", "Trainer._data_connector")
+    if getattr(connector, "_lightning_par_sequential", False):
+        return
+    prepare = connector._prepare_dataloader
+
+    def prepared(dataloader: Any, shuffle: bool, mode: Any) -> Any:
+        if mode == RunningStage.TRAINING and isinstance(getattr(dataloader, "sampler", None), SequentialSampler):
+            shuffle = False
+        return prepare(dataloader, shuffle=shuffle, mode=mode)
+
+    connector._prepare_dataloader = prepared
+    connector._lightning_par_sequential = True
+
+
 def set_device_mesh(module: Any, mesh: Any) -> None:
     """Make ``LightningModule.device_mesh`` return ``mesh``, as Lightning's ModelParallelStrategy does (the property
     has no setter)."""

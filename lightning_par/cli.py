@@ -44,6 +44,7 @@ import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par import run_dir
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
+from lightning_par.data import DataError
 from lightning_par.parallel import shutdown
 from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
@@ -550,9 +551,65 @@ def _precision_as_plugin(argv: list[str]) -> list[str]:
 TRACEBACK_ENV = "LIGHTNING_PAR_TRACEBACK"
 
 
+#: options whose value is a class path the CLI imports (a value without a dot is a registered short name)
+CLASS_PATH_OPTIONS = ("--model", "--data", "--model.class_path", "--data.class_path", "--trainer.callbacks",
+                      "--trainer.callbacks+", "--trainer.logger")
+
+
+def _with_working_directory() -> None:
+    """The current directory on ``sys.path``, as ``python -m`` puts it (a console script's is its own folder):
+    ``--model=mymodule.MyModel`` finds ``./mymodule.py``. Appended, so a file there shadows no installed package."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def _class_path_problem(argv: list[str]) -> str | None:
+    """The first class path given on the command line (:data:`CLASS_PATH_OPTIONS`) whose module cannot be imported
+    or lacks the class, in one line with the fix -- jsonargparse would print its usage and every subtype it tried."""
+    given = []
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=")
+        if option in CLASS_PATH_OPTIONS:
+            if not eq and i + 1 < len(argv):
+                value = argv[i + 1]
+            given.append((option, value))
+    for option, value in given:
+        module, _, name = value.rpartition(".")
+        if (not module or not name or not re.fullmatch(r"[A-Za-z_][\w.]*", value) or os.path.exists(value)
+                or value.endswith((".yaml", ".yml", ".json"))):
+            continue  # a short name, a config file, a dict: jsonargparse's
+        try:
+            imported = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            missing = error.name or module
+            if missing != module and not module.startswith(missing + "."):  # the module imports something missing
+                return f"{option}={value}: importing {module} failed: {error} (a module it imports: install it)."
+            parent, _, last = missing.rpartition(".")
+            if parent and _imports(parent) and hasattr(sys.modules[parent], last):
+                continue  # a nested class (module.Outer.Inner): jsonargparse's
+            return (f"{option}={value}: no module named {missing!r}, neither in the current directory "
+                    f"({os.getcwd()}) nor on PYTHONPATH. Run lightning-par from the folder that holds "
+                    f"{missing.split('.')[0]}.py (or its package), or add that folder to PYTHONPATH: "
+                    f"PYTHONPATH=/path/to/folder lightning-par ...")
+        if not hasattr(imported, name):
+            where = getattr(imported, "__file__", None) or module
+            return f"{option}={value}: {module} ({where}) has no {name!r}."
+    return None
+
+
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-par`` command."""
     argv = sys.argv[1:] if args is None else list(args)
+    _with_working_directory()
     if any(a.startswith("--trainer.precision") for a in argv):
         argv = _precision_as_plugin(argv)
         if args is None:
@@ -573,6 +630,10 @@ def main(args: list[str] | None = None) -> None:
         if code:
             raise SystemExit(code)
         return
+    problem = _class_path_problem(argv)
+    if problem is not None:
+        print(f"lightning-par: error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     try:
         LightningParCLI(
             LightningModule,
@@ -583,7 +644,7 @@ def main(args: list[str] | None = None) -> None:
             parser_kwargs={"description": strategies_help(), "formatter_class": _HelpFormatter},
             args=args,
         )
-    except (LayoutError, CheckpointError) as error:
+    except (LayoutError, CheckpointError, DataError) as error:
         if os.environ.get(TRACEBACK_ENV, "0") not in ("", "0"):
             raise
         # a layout, model or checkpoint the run cannot take, before launch or at setup on each rank: the message

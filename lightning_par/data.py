@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -344,6 +345,11 @@ def _builder(files: list[str]) -> str:
     return next(iter(kinds))
 
 
+class DataError(ValueError):
+    """A data file the run cannot read; the message names the file, where in it, and the fix. Every rank raises the
+    same one (``lightning-par`` prints it as one ``error:`` line)."""
+
+
 def _bad_file(files: list[str], builder: str) -> str | None:
     """What makes one of ``files`` unreadable by ``builder``, naming it: empty (no record), or, for the record
     formats read as UTF-8 (JSON, CSV), a byte that is not UTF-8 (its line and column). ``None``: none of that."""
@@ -391,15 +397,50 @@ class NextTokenDataset(Dataset):
 
 NextByteDataset = NextTokenDataset  # its name when tokens were only bytes
 
+#: the target of a token that ends a document (what follows is another document): not counted
+IGNORE_INDEX = -100
+
+
+def document_positions(block: torch.Tensor, separator: int) -> torch.Tensor:
+    """Each token's position in its document, for a block of packed documents: 0 at the block's first token and
+    after every ``separator`` (the token that ends each document), counting up from there."""
+    index = torch.arange(block.size(-1), device=block.device)
+    starts = torch.ones_like(block, dtype=torch.bool)
+    starts[..., 1:] = block[..., :-1] == separator
+    return index - torch.cummax(torch.where(starts, index, 0), dim=-1).values
+
+
+class PackedDocuments(Dataset):
+    """Map-style dataset of ``(block, position_ids)`` of packed documents: a block of ``seq_len + 1`` tokens and each
+    token's position in its document (:func:`document_positions`); :data:`PACKED_BATCH_FORMATS` makes the batches.
+
+    Args:
+        blocks: as :class:`NextTokenDataset` takes them.
+        separator: the token that ends every document (NUL bytes, or the tokenizer's EOS).
+    """
+
+    def __init__(self, blocks: Any, separator: int) -> None:
+        self.blocks = blocks
+        self.separator = separator
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.blocks[int(index)]["input_ids"].long()
+        return block, document_positions(block, self.separator)
+
 
 class _StreamedPairs(IterableDataset):
     """``(inputs, targets)`` pairs of a streamed (``datasets.IterableDataset``) corpus of packed blocks, its shuffle
     drawn anew each epoch (the trainer's epoch, read when an iteration starts)."""
 
-    def __init__(self, blocks: Any, trainer: Any = None, limit: int | None = None) -> None:
+    def __init__(self, blocks: Any, trainer: Any = None, limit: int | None = None,
+                 separator: int | None = None) -> None:
         self.blocks = blocks
         self.trainer = trainer
         self.limit = limit
+        self.separator = separator  # packed documents: yield (block, position_ids) as PackedDocuments does
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.trainer is not None:
@@ -408,7 +449,10 @@ class _StreamedPairs(IterableDataset):
             if self.limit is not None and count >= self.limit:
                 return
             block = torch.as_tensor(row["input_ids"]).long()
-            yield block[:-1], block[1:]
+            if self.separator is not None:
+                yield block, document_positions(block, self.separator)
+            else:
+                yield block[:-1], block[1:]
 
 
 def collate_pairs(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,6 +477,28 @@ def collate_hf_dict(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str,
 
 
 BATCH_FORMATS = {"tuple": collate_pairs, "dict": collate_hf_dict}
+
+
+def collate_packed(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack :class:`PackedDocuments` items into ``(inputs, targets, position_ids)`` [B, seq_len]: the target of a
+    document's last token (the first token of the next document) is ``-100``, so each document's loss is what it
+    would be on its own."""
+    blocks, positions = (torch.stack(t) for t in zip(*batch, strict=True))
+    targets = blocks[:, 1:].masked_fill(positions[:, 1:] == 0, IGNORE_INDEX)
+    return blocks[:, :-1], targets, positions[:, :-1]
+
+
+def collate_packed_hf_dict(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack :class:`PackedDocuments` items as transformers' ``DataCollatorWithFlattening`` makes packed batches:
+    ``{"input_ids", "labels", "position_ids"}`` [B, seq_len + 1], labels ``-100`` at each document's first token, and
+    no ``attention_mask`` (transformers finds the documents from the positions only without one)."""
+    blocks, positions = (torch.stack(t) for t in zip(*batch, strict=True))
+    labels = blocks.masked_fill(positions == 0, IGNORE_INDEX)
+    labels[:, 0] = blocks[:, 0]  # (never a target: the model shifts the labels)
+    return {"input_ids": blocks, "labels": labels, "position_ids": positions}
+
+
+PACKED_BATCH_FORMATS = {"tuple": collate_packed, "dict": collate_packed_hf_dict}
 
 
 class TextDataModule(L.LightningDataModule):
@@ -495,6 +561,12 @@ class TextDataModule(L.LightningDataModule):
         num_proc: Processes that tokenize the corpus in ``prepare_data`` (``None``: this one).
         trust_remote_code: Load a tokenizer directory that ships its own Python code (``auto_map``), running that
             code on every rank; refused by default.
+        pack_documents: Keep attention within each document of a packed block: batches carry each token's position
+            in its document (restarting after every NUL byte / EOS token and at the block's start), as
+            ``(inputs, targets, position_ids)`` (dict: ``{"input_ids", "labels", "position_ids"}``, no
+            ``attention_mask``), and the target that would cross into the next document is ``-100``: each
+            document's loss is what it would be alone. The model must take them (the example models do; another
+            LightningModule is refused at setup unless it sets ``takes_position_ids = True``).
     """
 
     def __init__(
@@ -516,6 +588,7 @@ class TextDataModule(L.LightningDataModule):
         shuffle_buffer: int = 10_000,
         num_proc: int | None = None,
         trust_remote_code: bool = False,
+        pack_documents: bool = False,
     ) -> None:
         super().__init__()
         if batch_format not in BATCH_FORMATS:
@@ -558,6 +631,7 @@ class TextDataModule(L.LightningDataModule):
         self.streaming = streaming
         self.shuffle_buffer = shuffle_buffer
         self.num_proc = num_proc
+        self.pack_documents = pack_documents
         # loaded now, so a wrong path or a tokenizer without EOS fails at construction
         self.tokenizer = ByteTokenizer() if tokenizer is None else load_tokenizer(tokenizer, trust_remote_code)
         self._tokenizer_key = None if tokenizer is None else tokenizer_fingerprint(self.tokenizer)
@@ -591,6 +665,11 @@ class TextDataModule(L.LightningDataModule):
         if self.byte_level:
             return VOCAB_SIZE
         return tokenizer_vocab_size(self.tokenizer, self.pad_vocab_to)
+
+    @property
+    def document_separator(self) -> int:
+        """The token that ends every document: the NUL byte, or the tokenizer's EOS."""
+        return DOC_SEPARATOR if self.byte_level else int(self.tokenizer.eos_token_id)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -666,7 +745,7 @@ class TextDataModule(L.LightningDataModule):
             problem = _bad_file(self.files, self._builder_and_column()[0]) if self.files is not None else None
             if problem is None:
                 raise
-            raise ValueError(problem) from None
+            raise DataError(problem) from None
 
     def _build_splits(self) -> tuple[Any, Any]:
         datasets = _import_datasets(offline=self.files is not None)
@@ -719,20 +798,33 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Load, tokenize and pack once (local rank 0), filling the ``datasets`` cache."""
         if not self.streaming:
-            self._build()
+            try:
+                self._build()
+            except DataError as error:
+                trainer = getattr(self, "trainer", None)
+                if trainer is None or trainer.world_size <= 1:
+                    raise
+                # the other ranks wait at Lightning's barrier after this hook: raised in `setup`, after it, where
+                # every rank's own `_build` finds the same file -- one line on every rank, none blaming rank 0
+                self._prepare_error = error
 
     def setup(self, stage: str | None = None) -> None:
         """Load both splits (from the cache when ``prepare_data`` ran)."""
         if self.train_dataset is not None and self.val_dataset is not None:
             return
+        error, self._prepare_error = getattr(self, "_prepare_error", None), None
+        if error is not None:
+            raise error
+        separator = self.document_separator if self.pack_documents else None
         if self.streaming:
             n_val = min(max(1, math.ceil(self.val_fraction * len(self.files))), len(self.files) - 1)
-            self.train_dataset = _StreamedPairs(self._stream(self.files[:-n_val], train=True), self.trainer)
-            self.val_dataset = _StreamedPairs(self._stream(self.files[-n_val:], train=False))
+            self.train_dataset = _StreamedPairs(self._stream(self.files[:-n_val], train=True), self.trainer,
+                                                separator=separator)
+            self.val_dataset = _StreamedPairs(self._stream(self.files[-n_val:], train=False), separator=separator)
             return
         train, val = self._build()
-        self.train_dataset = NextTokenDataset(train)
-        self.val_dataset = NextTokenDataset(val)
+        self.train_dataset = NextTokenDataset(train) if separator is None else PackedDocuments(train, separator)
+        self.val_dataset = NextTokenDataset(val) if separator is None else PackedDocuments(val, separator)
 
     def state_dict(self) -> dict[str, Any]:
         """With a tokenizer: its files (and key), so a checkpoint carries the tokenizer its model was trained with.
@@ -760,6 +852,7 @@ class TextDataModule(L.LightningDataModule):
                 sampler: DataParallelSampler | None = None) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
+        self._check_position_ids_taken()
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -768,8 +861,29 @@ class TextDataModule(L.LightningDataModule):
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            collate_fn=BATCH_FORMATS[self.batch_format],
+            collate_fn=(PACKED_BATCH_FORMATS if self.pack_documents else BATCH_FORMATS)[self.batch_format],
         )
+
+    def _check_position_ids_taken(self) -> None:
+        """Refuse, before the first batch, packed documents for a LightningModule that does not say it gives the
+        batch's position_ids to its model: its attention would silently cross documents."""
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if not self.pack_documents or module is None:
+            return
+        name = type(module).__name__
+        fix = ("Give the batch's position_ids to a model whose forward takes them (as lightning_par.examples.GPT "
+               "and Hugging Face models do) and set takes_position_ids = True, or train with "
+               "--data.pack_documents=false.")
+        if not getattr(module, "takes_position_ids", False):
+            raise ValueError(f"TextDataModule(pack_documents=True) gives every batch its documents' position_ids, "
+                             f"which keep attention within each document, but {name} does not declare that its "
+                             f"model gets them (takes_position_ids = True), so it would attend across documents. "
+                             + fix)
+        model = getattr(module, "model", None)
+        forward = getattr(type(model), "forward", None) if isinstance(model, torch.nn.Module) else None
+        if forward is not None and "position_ids" not in inspect.signature(forward).parameters:
+            raise ValueError(f"TextDataModule(pack_documents=True): {name}.model ({type(model).__name__}) takes no "
+                             "position_ids, so its attention would cross documents. " + fix)
 
     def _data_parallel_sampler(self, dataset: Dataset) -> DataParallelSampler | None:
         """The training sampler: this data-parallel rank's share of one global order, resumable mid-epoch.
@@ -819,7 +933,7 @@ class TextDataModule(L.LightningDataModule):
         if self.val_dataset is None:
             raise RuntimeError("call setup() before requesting a dataloader")
         if self.streaming:
-            first = _StreamedPairs(self.val_dataset.blocks, limit=self.batch_size)
+            first = _StreamedPairs(self.val_dataset.blocks, limit=self.batch_size, separator=self.val_dataset.separator)
             return self._loader(first, shuffle=False, drop_last=False)
         count = min(self.batch_size, len(self.val_dataset))
         subset = torch.utils.data.Subset(self.val_dataset, range(count))

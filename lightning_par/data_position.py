@@ -64,7 +64,7 @@ def resumable_train_loader(loader: Any, trainer: Any) -> Any:
         raise ValueError(f"the training DataLoader gives no batch: {len(sampler)} samples on each of "
                          f"{sampler.num_replicas} data-parallel ranks, fewer than its batch_size={loader.batch_size} "
                          "(drop_last=True). Use a smaller batch size, or more data.")
-    position = DataPosition(trainer, sampler, loader.batch_size)
+    position = DataPosition(trainer, sampler, loader.batch_size, loader.drop_last)
     # instance attributes: Lightning's `_Stateful` check (a Protocol) accepts them, and the loader keeps its class
     loader.state_dict = position.state_dict
     loader.load_state_dict = position.load_state_dict
@@ -151,13 +151,28 @@ class DataPosition:
         trainer: the Trainer whose fit loop counts the batches.
         sampler: the loader's sampler.
         batch_size: the loader's per-rank batch size.
+        drop_last: whether the loader drops a last, partial batch.
     """
 
-    def __init__(self, trainer: Any, sampler: DataParallelSampler, batch_size: int) -> None:
+    def __init__(self, trainer: Any, sampler: DataParallelSampler, batch_size: int, drop_last: bool = False) -> None:
         self.trainer = trainer
         self.sampler = sampler
         self.batch_size = batch_size
+        self.drop_last = drop_last
         self.global_batch = batch_size * sampler.num_replicas
+
+    def _loader_batches(self) -> int:
+        whole, rest = divmod(len(self.sampler), self.batch_size)
+        return whole + (1 if rest and not self.drop_last else 0)
+
+    def epoch_samples(self) -> tuple[int, bool]:
+        """``(samples, whole)``: the global samples an epoch of this run trains, and whether they are whole loader
+        batches (not so when the epoch ends in a partial one)."""
+        batches = self.trainer.num_training_batches
+        whole = len(self.sampler) // self.batch_size
+        if batches <= whole:
+            return int(batches) * self.global_batch, True
+        return self.sampler.total_size, False
 
     def resume_point(self) -> tuple[int, int, bool]:
         """``(epoch, batches, ended)``: where the epoch that a fit resumed from a checkpoint saved now continues, in
@@ -185,12 +200,44 @@ class DataPosition:
 
     def state_dict(self) -> dict[str, Any]:
         epoch, batches, ended = self.resume_point()
+        epoch_samples, epoch_whole = self.epoch_samples()
         return {"epoch": epoch, "consumed_samples": batches * self.global_batch, "epoch_ended": ended,
                 "global_batch": self.global_batch, "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
                 "dataset_length": self.sampler.dataset_length,
                 # what an attempt on another world size needs to keep the run's function (elastic.py)
                 "accumulate_grad_batches": self.trainer.accumulate_grad_batches,
-                "world_size": self.trainer.world_size}
+                "world_size": self.trainer.world_size, "epoch_samples": epoch_samples, "epoch_whole": epoch_whole}
+
+    def _keep_epoch(self, state: dict[str, Any], elastic: bool) -> None:
+        """Make this run's epochs the checkpoint's: the same samples, so the same optimizer steps. Another
+        loader-global batch splits the global order into another number of loader batches (a dropped last batch,
+        padding), and an elastic attempt's pinned epoch must stay pinned when the next attempt resumes it."""
+        if "epoch_samples" not in state:
+            return
+        samples, whole = int(state["epoch_samples"]), bool(state["epoch_whole"])
+        limit = self.trainer.limit_train_batches
+        unlimited = isinstance(limit, float) and limit == 1.0
+        if not elastic and (not unlimited or state["dataset_length"] != self.sampler.dataset_length):
+            return  # the same loader batch: an epoch changed by the user's own settings is theirs to change
+        fail = f"lightning-par cannot resume as the same run: the checkpoint's epoch is {samples} samples"
+        if elastic and not unlimited:
+            raise ValueError(f"{fail}, and limit_train_batches={limit} counts loader batches, which hold "
+                             f"{self.global_batch} samples here and {state['global_batch']} in the checkpoint's run: "
+                             "leave limit_train_batches unset in an elastic job (docs/elastic.md), or keep the "
+                             "loader-global batch (per-rank batch x data-parallel size).")
+        natural = self._loader_batches()
+        natural_whole = self.drop_last or len(self.sampler) % self.batch_size == 0
+        if (samples, whole) == (natural * self.global_batch if natural_whole else self.sampler.total_size,
+                                natural_whole):
+            return  # this run's epochs are the checkpoint's already
+        if not whole or samples % self.global_batch or samples // self.global_batch > natural:
+            why = ("ending in a partial loader batch, which another loader batch does not reproduce: give the "
+                   "training DataLoader drop_last=True" if not whole else
+                   f"(the global order cut to it), which this run cannot split into whole loader batches of "
+                   f"{self.global_batch} ({natural} of them here): change the per-rank batch")
+            raise ValueError(f"{fail} {why}, or keep the loader-global batch ({state['global_batch']} samples: "
+                             "per-rank batch x data-parallel size).")
+        self.sampler.pin_epoch(samples)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not {"epoch", "consumed_samples", "global_batch"} <= set(state):
@@ -220,8 +267,12 @@ class DataPosition:
                     f"{self.batch_size} x data-parallel size {self.sampler.num_replicas}), and the checkpoint (an "
                     "older one) does not say its gradient accumulation, so the samples per optimizer step cannot be "
                     "kept: keep batch_size x data-parallel size, or resume from a checkpoint saved at an epoch's end.")
+            if accumulate is not None:
+                self._keep_epoch(state, elastic=True)
             if consumed:  # mid-epoch, or at the end of the epoch Lightning resumes into
                 elastic.rewrite_batch_counters(self.trainer, consumed, int(state["global_batch"]), self.global_batch)
+        else:
+            self._keep_epoch(state, elastic=False)
         elastic.report_attempt(self.trainer, state, accumulate)
         if state["epoch_ended"]:  # Lightning resumes at the end of this epoch: nothing of it is left
             self.sampler.resume(epoch, self.sampler.total_size)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 
 def step_batch_problem(step_batch: int, loader_global: int, per_rank: int, dp: int) -> str:
@@ -86,6 +86,9 @@ def rewrite_batch_counters(trainer: Any, consumed: int, old_global: int, new_glo
             setattr(counts, field, getattr(counts, field) + delta)
 
 
+#: torchrun's ``--rdzv-id`` when none is given: the same for every job, so it names none
+DEFAULT_RUN_ID = "none"
+
 #: where rank 0 records the last optimizer step an attempt reached, in the run's log directory
 PROGRESS_FILE = "lightning_par_progress.json"
 
@@ -132,6 +135,13 @@ def same_torchelastic_job(run_dir: Path) -> bool:
     try:
         recorded = json.loads((run_dir / PROGRESS_FILE).read_text()).get("torchelastic_run_id")
     except (OSError, ValueError, AttributeError):
+        return False
+    if run_id == DEFAULT_RUN_ID:  # every job's without --rdzv-id: not this job's identity
+        if recorded == run_id:
+            rank_zero_warn(f"lightning-par: this torchrun job has no run id of its own (--rdzv-id defaults to "
+                           f"'{DEFAULT_RUN_ID}' for every job), nor had the run in {run_dir}: it starts its own run "
+                           "rather than continue that one; give each job its own --rdzv-id so that an attempt after "
+                           "a node joins continues its job's run (docs/elastic.md).")
         return False
     return bool(run_id) and recorded == run_id
 

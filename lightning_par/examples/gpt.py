@@ -103,6 +103,23 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None,
     return angles.cos(), angles.sin()
 
 
+def document_mask(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The block-causal mask [B, 1, T, T] (True: attend) of packed documents, or None for one document per row.
+
+    A document starts wherever a position does not follow the one before by 1 (transformers' rule for packed
+    sequences), so each token attends to the earlier tokens of its own document only.
+    """
+    if position_ids is None:
+        return None
+    first = position_ids[..., :1] - 1
+    documents = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    if not bool((documents[..., -1] > 0).any()):
+        return None
+    length = position_ids.size(-1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((documents[..., :, None] == documents[..., None, :]) & causal).unsqueeze(-3)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x of shape [B, H, T, head_dim] (rotate-half convention: pairs are (i, i + head_dim/2))."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -123,7 +140,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, kv_dim, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: :func:`document_mask` of the positions (packed documents), else causal over the sequence."""
         B, T, _ = x.shape
         # Head counts come from the projection outputs, not the config: under tensor parallelism a
         # column-parallel q_proj/k_proj/v_proj produces only this rank's share of the heads.
@@ -132,7 +151,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device, position_ids=position_ids)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -161,8 +180,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = self.mlp_type(config)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), position_ids)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -240,12 +260,17 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`position_ids` [B, T]: the tokens' positions in their sequence (default 0..T-1), for a caller that
-        gives the model part of a sequence (context parallel)."""
+        gives the model part of a sequence (context parallel), or packed documents: positions that restart at each
+        document's first token, whose attention then stays within each document (:func:`document_mask`)."""
         if tokens.size(1) > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.size(1)} exceeds max_seq_len {self.config.max_seq_len}")
         h = self.embed(tokens) if self.embed is not None else tokens
+        mask = document_mask(position_ids)
         for layer in self.layers.values():
-            h = layer(h) if position_ids is None else layer(h, position_ids)
+            if mask is not None:
+                h = layer(h, position_ids, mask)
+            else:
+                h = layer(h) if position_ids is None else layer(h, position_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.head is not None:

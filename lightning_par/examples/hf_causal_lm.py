@@ -52,6 +52,10 @@ class HFCausalLMLightningModule(L.LightningModule):
         optimizer: ``"adamw"``, or ``"sgd"``: plain SGD, no momentum.
     """
 
+    #: the batch's position_ids (packed documents) reach the model, whose own packed-sequence path keeps attention
+    #: within documents (TextDataModule(pack_documents=True) checks it)
+    takes_position_ids = True
+
     def __init__(
         self,
         arch: str = "llama",
@@ -104,7 +108,7 @@ class HFCausalLMLightningModule(L.LightningModule):
             self.model = getattr(transformers, ARCHITECTURES[self.arch][1])(self.hf_config())
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Logits [B, T, V] of token ids [B, T], or of ``{"input_ids", "attention_mask"}``."""
+        """Logits [B, T, V] of token ids [B, T], or of ``{"input_ids", "attention_mask", "position_ids"}``."""
         if isinstance(inputs, Mapping):
             return self.model(**inputs, use_cache=False).logits
         return self.model(input_ids=inputs, use_cache=False).logits

@@ -39,7 +39,8 @@ class TokenPerplexity(torchmetrics.Metric):
 class GPTLightningModule(L.LightningModule):
     """A byte-level GPT language model trained with AdamW and a warmup + cosine learning-rate schedule.
 
-    Batches are tuples `(inputs, targets)` of LongTensor [B, T]. The network is built in
+    Batches are tuples `(inputs, targets)` of LongTensor [B, T], or `(inputs, targets, position_ids)` of packed
+    documents (`TextDataModule(pack_documents=True)`: the model attends within each document). The network is built in
     `configure_model()`, so a strategy can build it on every rank after seeding (or on the meta device).
 
     Args:
@@ -62,6 +63,8 @@ class GPTLightningModule(L.LightningModule):
     # predict_step: the first `predict_prompt_len` input tokens are the prompt for this many new tokens.
     predict_prompt_len = 16
     predict_new_tokens = 32
+    #: the batch's position_ids (packed documents) reach the model (TextDataModule(pack_documents=True) checks it)
+    takes_position_ids = True
 
     def __init__(
         self,
@@ -105,8 +108,10 @@ class GPTLightningModule(L.LightningModule):
                 self.hparams.vocab_size = vocab_size  # what the checkpoint records, so the model is rebuilt alike
             self.model = self.model_type(self.config)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            return self.model(tokens)
+        return self.model(tokens, position_ids=position_ids)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of one (micro-)batch. A pipeline strategy calls it on the last stage, inside its schedule."""
@@ -115,11 +120,11 @@ class GPTLightningModule(L.LightningModule):
     def compute_loss(self, batch) -> torch.Tensor:
         """The batch's mean loss. Every step gets its loss here, so a pipeline strategy can answer it instead
         (its schedule runs forward and backward across the stages) while the step's logging stays the same."""
-        inputs, targets = batch
-        return self.loss_fn(self(inputs), targets)
+        inputs, targets, *positions = batch  # (inputs, targets[, position_ids])
+        return self.loss_fn(self(inputs, *positions), targets)
 
     def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
-        inputs, targets = batch
+        inputs, targets = batch[:2]
         return self.compute_loss(batch), (targets != -100).sum(), inputs.size(0)
 
     def training_step(self, batch, batch_idx):

@@ -71,7 +71,9 @@ class ModelBlocks:
 
 
 def _span(names: Sequence[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    if len(names) < 2:  # (a pipeline rank whose stages hold no block: only the units before or after them)
+        return names[0] if names else "none"
+    return f"{names[0]} .. {names[-1]}"
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -62,6 +62,7 @@ from lightning_par.parallel.pipeline.batches import (
     IGNORE_INDEX,
     check_sequence_length,
     refuse_padding,
+    sequence_ids,
     shard_positions,
     shard_sequence,
 )
@@ -116,7 +117,12 @@ class ContextParallel:
     group: dist.ProcessGroup
     size: int
     rank: int
-    positions: Tensor | None = None  # this rank's global positions of the current batch [T / cp]
+    positions: Tensor | None = None  # this rank's global positions of the current batch [T / cp] (or [B, T / cp])
+    #: packed documents of the forward in progress: each token's document [B, T], the whole sequence in order
+    documents: Tensor | None = None
+    #: the positions the model was given in the forward in progress (its own attention mask derives from them)
+    model_positions: Tensor | None = None
+    _local_mask: Tensor | None = field(default=None, repr=False)  # the model's mask from them, made once per forward
     targets: Tensor | None = None  # a dict batch: next-token targets of its labels, this rank's share
     attention_calls: int = 0  # in the model's forward in progress
     positions_given: int = 0  # forwards given this batch's positions since it was cut
@@ -175,16 +181,55 @@ class ContextParallel:
     def position_ids(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The forward's keywords with this batch's global ``position_ids`` [1, T / cp] added where none were given
         (for a forward pre-hook); None when there is nothing to add."""
-        if self.positions is None or kwargs.get("position_ids") is not None:
+        self.documents = self.model_positions = self._local_mask = None
+        given = kwargs.get("position_ids")
+        if self.positions is None and given is None:
             return None
+        length = self.positions.size(-1) if self.positions is not None else given.size(-1)
         seq = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() >= 2), None)
-        if seq is not None and seq.size(1) != self.positions.numel():
+        if seq is not None and seq.size(1) != length:
             raise LayoutError(
                 f"context parallel: the model was called on a sequence of {seq.size(1)} tokens, not on this step's "
-                f"shard ({self.positions.numel()} tokens); under cp only the training, validation and test steps "
+                f"shard ({length} tokens); under cp only the training, validation and test steps "
                 "cut their batches (generation and predict_step are not supported: run them without cp).")
         self.positions_given += 1
-        return {**kwargs, "position_ids": self.positions.unsqueeze(0)}
+        if given is not None:  # the batch's own positions, cut (packed documents): the ring keeps to documents
+            self.model_positions = given
+            self.documents = self._whole_sequence_documents(given)
+            return None
+        positions = self.positions if self.positions.dim() == 2 else self.positions.unsqueeze(0)
+        self.model_positions = positions
+        if self.positions.dim() == 2:  # a dict batch's position_ids the step did not give the model itself
+            self.documents = self._whole_sequence_documents(positions)
+        return {**kwargs, "position_ids": positions}
+
+    def _whole_sequence_documents(self, local: Tensor) -> Tensor | None:
+        """Each token's document [B, T] over the whole sequence, from every cp rank's positions (all-gathered):
+        transformers' rule (a document starts where a position does not follow the one before by 1) needs the
+        sequence in order. None when every row is one document."""
+        local = local.contiguous()
+        shards = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(shards, local, group=self.group)
+        length = local.size(-1) * self.size
+        whole = torch.empty(*local.shape[:-1], length, dtype=local.dtype, device=local.device)
+        for rank, shard in enumerate(shards):
+            whole[..., shard_positions(length, self.size, rank, device=local.device)] = shard
+        return sequence_ids(whole)
+
+    def local_mask(self) -> Tensor | None:
+        """The block-causal mask [B, 1, T / cp, T / cp] that the positions the model was given make of this rank's
+        shard alone (what a model that masks packed documents itself, like the example GPT, passes to attention);
+        None without positions or when they hold one document per row."""
+        given = self.model_positions
+        if given is None and self.positions is not None:  # (a caller that gave the shard's positions itself)
+            given = self.positions if self.positions.dim() == 2 else self.positions.unsqueeze(0)
+        if self._local_mask is None and given is not None:
+            ids = sequence_ids(given)
+            if ids is not None:
+                n = ids.size(-1)
+                causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+                self._local_mask = ((ids[..., :, None] == ids[..., None, :]) & causal).unsqueeze(-3)
+        return self._local_mask
 
     # -- the loss ----------------------------------------------------------------------------------------------
     def sum_over_cp(self, share: Tensor) -> Tensor:
@@ -293,7 +338,11 @@ def sequence_attention(query: Tensor, key: Tensor, value: Tensor, *, is_causal: 
         raise LayoutError(f"context parallel: queries, keys and values must be this rank's shard of one sequence; "
                           f"got lengths {query.size(2)}, {key.size(2)} and {value.size(2)} (a key/value cache is not "
                           "supported under cp).")
-    return _RingAttention.apply(query, key, value, context, is_causal, scale)
+    documents = context.documents
+    if documents is not None and not is_causal:
+        raise LayoutError("context parallel: packed documents need causal attention (is_causal=True); this "
+                          "attention is not causal.")
+    return _RingAttention.apply(query, key, value, context, is_causal, scale, documents)
 
 
 # -- ring attention ---------------------------------------------------------------------------------------------------
@@ -321,11 +370,15 @@ class _Kernel:
 
     device: str
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
+                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         from lightning_par import _compat
 
         if self.device == "cpu":
-            out, lse = _compat.sdpa_flash_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+            out, lse = _compat.sdpa_flash_cpu(q, k, v, 0.0, causal, attn_mask=_bias(mask, q), scale=scale)[:2]
+        elif mask is not None:  # packed documents: the memory-efficient kernel, which takes an additive bias
+            out, lse = _compat.sdpa_efficient_cuda(q, k, v, _bias(mask, q), True, 0.0, False, scale=scale)[:2]
+            lse = lse[..., :q.size(2)]
         elif q.dtype in (torch.float16, torch.bfloat16):
             out, lse = _compat.sdpa_flash_cuda(q, k, v, 0.0, causal, False, scale=scale)[:2]
         else:  # the memory-efficient kernel pads its log-sum-exp to a multiple of 32 queries
@@ -334,17 +387,33 @@ class _Kernel:
         return out, lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                 scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+                 scale: float | None, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         from lightning_par import _compat
 
         if self.device == "cpu":
-            return _compat.sdpa_flash_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            return _compat.sdpa_flash_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q),
+                                                   scale=scale)
+        if mask is not None:
+            padded = F.pad(lse, (0, -lse.size(-1) % 32))
+            return _compat.sdpa_efficient_cuda_backward(dout, q, k, v, _bias(mask, q), out, padded, None, None, 0.0,
+                                                        [True, True, True, False], False, scale=scale)[:3]
         if q.dtype in (torch.float16, torch.bfloat16):  # no dropout: the RNG state and varlen offsets are unused
             return _compat.sdpa_flash_cuda_backward(dout, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0,
                                                     causal, None, None, scale=scale)
         padded = F.pad(lse, (0, -lse.size(-1) % 32))
         return _compat.sdpa_efficient_cuda_backward(dout, q, k, v, None, out, padded, None, None, 0.0,
                                                     [True, True, True, False], causal, scale=scale)[:3]
+
+
+def _bias(mask: Tensor | None, q: Tensor) -> Tensor | None:
+    """A boolean mask [B, 1, Tq, Tk] as the kernels take it: an additive bias of the queries' dtype (0 or -inf) over
+    every head, its rows' stride a multiple of 16 elements (the memory-efficient kernel's alignment)."""
+    if mask is None:
+        return None
+    b, _, rows, cols = mask.shape
+    bias = torch.zeros(b, 1, rows, cols + (-cols) % 16, dtype=q.dtype, device=q.device)[..., :cols]
+    bias.masked_fill_(~mask, float("-inf"))
+    return bias.expand(b, q.size(1), rows, cols)
 
 
 def _expand_heads(tensor: Tensor, groups: int) -> Tensor:
@@ -408,7 +477,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, context: ContextParallel, causal: bool,
-                scale: float | None) -> Tensor:
+                scale: float | None, documents: Tensor | None = None) -> Tensor:
         kernel = _Kernel(query.device.type)
         groups = query.size(1) // key.size(1)
         ring = _Ring(context)
@@ -422,9 +491,19 @@ class _RingAttention(torch.autograd.Function):
         for step, (rows, cols, pair_causal) in enumerate(_pairs(context.rank, context.size, causal)):
             wait = ring.shift(block) if step < context.size - 1 else None  # the next block travels meanwhile
             r, c = _rows(rows, length), _rows(cols, length)
+            mask = _document_mask(documents, context, step, r, c, length)
+            if mask is not None and not bool(mask.any()):  # no query of this pair sees a key of its documents
+                if wait is not None:
+                    block = wait()
+                continue
             k, v = (_expand_heads(t[:, :, c], groups) for t in block)
-            part_out, part_lse = kernel.forward(q[:, :, r].contiguous(), k, v, pair_causal, scale)
+            part_out, part_lse = kernel.forward(q[:, :, r].contiguous(), k, v, pair_causal and mask is None, scale,
+                                                mask)
             part_out, part_lse = part_out.to(acc), part_lse.to(acc)
+            if mask is not None:  # a query that sees no key here: nothing to merge (the kernel's lse says 0)
+                seen = mask.any(-1)
+                part_lse = part_lse.masked_fill(~seen, float("-inf"))
+                part_out = part_out.masked_fill(~seen.unsqueeze(-1), 0.0)
             if out is None or lse is None:  # step 0: the own shard, whose causal diagonal every query sees
                 out, lse = part_out, part_lse
             else:
@@ -437,7 +516,7 @@ class _RingAttention(torch.autograd.Function):
         assert out is not None and lse is not None
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.context, ctx.causal, ctx.scale = context, causal, scale
+        ctx.context, ctx.causal, ctx.scale, ctx.documents = context, causal, scale, documents
         return out
 
     @staticmethod
@@ -457,18 +536,33 @@ class _RingAttention(torch.autograd.Function):
         for step, (rows, cols, pair_causal) in enumerate(_pairs(context.rank, context.size, ctx.causal)):
             wait_block = ring.shift(block) if step < context.size - 1 else None
             r, c = _rows(rows, length), _rows(cols, length)
-            k, v = (_expand_heads(t[:, :, c], groups) for t in block)
-            dq_part, dk, dv = kernel.backward(dout[:, :, r].contiguous(), q[:, :, r].contiguous(), k, v,
-                                              out[:, :, r].contiguous(), lse[:, :, r].contiguous(), pair_causal,
-                                              ctx.scale)
-            dq[:, :, r] += dq_part
-            grads[0][:, :, c] += _fold_heads(dk, groups)
-            grads[1][:, :, c] += _fold_heads(dv, groups)
+            mask = _document_mask(ctx.documents, context, step, r, c, length)
+            if mask is None or bool(mask.any()):  # (a pair with nothing visible adds no gradient)
+                k, v = (_expand_heads(t[:, :, c], groups) for t in block)
+                dq_part, dk, dv = kernel.backward(dout[:, :, r].contiguous(), q[:, :, r].contiguous(), k, v,
+                                                  out[:, :, r].contiguous(), lse[:, :, r].contiguous(),
+                                                  pair_causal and mask is None, ctx.scale, mask)
+                dq[:, :, r] += dq_part
+                grads[0][:, :, c] += _fold_heads(dk, groups)
+                grads[1][:, :, c] += _fold_heads(dv, groups)
             if context.size > 1:  # (a group of one sends nothing: a rank cannot send to itself over gloo)
                 grads = ring.shift(grads, tag=1)()  # after cp hops the gradients are home
             if wait_block is not None:
                 block = wait_block()
-        return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None
+        return dq.to(query.dtype), grads[0].to(key.dtype), grads[1].to(value.dtype), None, None, None, None
+
+
+def _document_mask(documents: Tensor | None, context: ContextParallel, step: int, rows: slice, cols: slice,
+                   length: int) -> Tensor | None:
+    """Packed documents: which keys of the ring step's block (that of rank ``rank - step``) each local query sees,
+    [B, 1, queries, keys] -- earlier or the same token of the same document -- or None without documents."""
+    if documents is None:
+        return None
+    total = length * context.size
+    mine = shard_positions(total, context.size, context.rank, device=documents.device)[rows]
+    theirs = shard_positions(total, context.size, (context.rank - step) % context.size, device=documents.device)[cols]
+    same = documents[:, mine, None] == documents[:, None, theirs]
+    return (same & (mine[:, None] >= theirs[None, :])).unsqueeze(1)
 
 
 def _attention_call(context: ContextParallel, query: Tensor, key: Tensor, value: Tensor,
@@ -476,10 +570,16 @@ def _attention_call(context: ContextParallel, query: Tensor, key: Tensor, value:
                     scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention``'s signature, answered by :func:`sequence_attention` (within a step)."""
     if attn_mask is not None:
-        raise LayoutError(
-            "context parallel: the model called scaled_dot_product_attention with an explicit attn_mask, made for "
-            "the local shard of the sequence; only is_causal=True (or no mask) can be applied over the whole "
-            "sequence. Use is_causal=True, or train without cp.")
+        # a mask the model made from its positions (packed documents, the example GPT) covers only this shard; the
+        # ring applies the documents over the whole sequence instead. Any other mask is refused.
+        expected = context.local_mask()
+        if expected is None or attn_mask.shape != expected.shape or not torch.equal(attn_mask, expected):
+            raise LayoutError(
+                "context parallel: the model called scaled_dot_product_attention with an explicit attn_mask, made "
+                "for the local shard of the sequence; only is_causal=True (or no mask), or the block-causal mask of "
+                "packed documents made from the position_ids the model was given, can be applied over the whole "
+                "sequence. Use is_causal=True, or train without cp.")
+        is_causal = True
     return sequence_attention(query, key, value, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                               enable_gqa=enable_gqa, context=context)
 

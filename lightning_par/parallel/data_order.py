@@ -66,6 +66,15 @@ class DataParallelSampler(DistributedSampler):
         repeats = math.ceil(self.total_size / max(len(order), 1))
         return (order * repeats)[:self.total_size]  # pad with the epoch's first samples (again, if n < W)
 
+    def pin_epoch(self, samples: int) -> None:
+        """Make every epoch ``samples`` positions of the global order (cut, or padded as above), whatever the dataset
+        length: an elastic resume keeps the epoch of the run it continues, which another per-rank split (padding,
+        a dropped last batch) would make longer or shorter (docs/elastic.md)."""
+        if samples <= 0 or samples % self.num_replicas:
+            raise ValueError(f"an epoch of {samples} samples is not a positive multiple of the data-parallel size "
+                             f"{self.num_replicas}")
+        self.total_size, self.num_samples = samples, samples // self.num_replicas
+
     def resume(self, epoch: int, consumed: int) -> None:
         """Start the next iteration ``consumed`` global samples into ``epoch``.
 

@@ -94,11 +94,8 @@ def check_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dic
     checked before the split)."""
     layers = expert_layers(module)
     if not layers and not part:
-        raise LayoutError(
-            f"ep={ep} but {type(module).__name__} has no expert layers: expert parallel splits mixture-of-experts "
-            f"layers, found by the attributes {', '.join(EXPERT_LAYER_ATTRIBUTES)} (see "
-            "lightning_par.examples.moe.MoEFeedForward) or by a Hugging Face model's ep plan ('ep_dispatch_experts', "
-            "lightning_par.parallel.experts_ep). Use ep=1 for a dense model.")
+        raise LayoutError(f"ep={ep} but {_no_expert_layers(module)}")
+    check_experts_per_token(module)
     for name, layer in layers.items():
         experts = layer.num_experts
         if experts % ep:
@@ -112,6 +109,69 @@ def check_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dic
                 raise LayoutError(f"{name}.{pname} is declared in expert_parameters but is not a parameter stacked "
                                   f"over the {experts} experts on dimension 0 (it is {shape}): list only those.")
     return layers
+
+
+#: where the interface is shown: its stacked weights and the methods around them
+EXPERTS_EXAMPLE = ("the README's 'Mixture of experts' (class MoE) or lightning_par/examples/moe.py (MoEFeedForward), "
+                   "docs/moe.md")
+
+
+def _no_expert_layers(module: nn.Module) -> str:
+    """Why ``module`` has no expert layer expert parallel can split, naming the module that looks like one: experts
+    kept as an ``nn.ModuleList`` (the weights must be stacked), or an interface declared in part."""
+    root = type(module).__name__
+    for name, layer in module.named_modules():
+        missing = [a for a in EXPERT_LAYER_ATTRIBUTES if not hasattr(layer, a)]
+        if missing and any(hasattr(layer, a) for a in ("expert_parameters", "token_exchange")):
+            return (f"{name or root} ({type(layer).__name__}) declares part of the expert layer interface, without "
+                    f"{', '.join(missing)}: expert parallel needs all of {', '.join(EXPERT_LAYER_ATTRIBUTES)} (see "
+                    f"{EXPERTS_EXAMPLE}), or use ep=1.")
+        for child_name, child in layer.named_children():
+            items = list(child.children()) if isinstance(child, nn.ModuleList) else []
+            looks_like_experts = "expert" in child_name.lower() or any(
+                hasattr(layer, a) for a in ("num_experts", "n_experts", "num_local_experts", "top_k"))
+            if (len(items) > 1 and looks_like_experts and len({type(i) for i in items}) == 1
+                    and any(True for _ in items[0].parameters())):
+                where = f"{name}.{child_name}" if name else child_name
+                stacked = ", ".join(f"{n.replace('.', '_')} {[len(items), *p.shape]}"
+                                    for n, p in items[0].named_parameters())
+                return (f"{where} ({type(layer).__name__}) keeps its {len(items)} experts as an nn.ModuleList of "
+                        f"{type(items[0]).__name__}, which expert parallel cannot split: it splits expert weights "
+                        f"stacked over the experts on dimension 0, one nn.Parameter per weight ({stacked}), in a "
+                        f"layer declaring {', '.join(EXPERT_LAYER_ATTRIBUTES)} (expert_parameters: the stacked "
+                        f"weights' names). Stack them as {EXPERTS_EXAMPLE} show, or use ep=1.")
+    return (f"{root} has no expert layers: expert parallel splits mixture-of-experts layers whose expert weights are "
+            "stacked over the experts on dimension 0, found by the attributes "
+            f"{', '.join(EXPERT_LAYER_ATTRIBUTES)} ({EXPERTS_EXAMPLE}) or by a Hugging Face model's ep plan "
+            "('ep_dispatch_experts', lightning_par.parallel.experts_ep). Use ep=1 for a dense model.")
+
+
+def check_experts_per_token(module: nn.Module) -> None:
+    """A :class:`LayoutError` naming the layer where a token would be routed to more experts than the layer has
+    (``top_k`` or ``num_experts_per_tok`` over ``num_experts``; a Hugging Face config's too): ``torch.topk`` would
+    fail at the first step. Attributes only: every rank refuses alike, before any collective."""
+    def count(holder: object, names: tuple[str, ...]) -> int | None:
+        for attribute in names:
+            value = getattr(holder, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    seen: set[int] = set()
+    for name, layer in module.named_modules():
+        where = f"{name or type(module).__name__} ({type(layer).__name__})"
+        holders = [(layer, where, ("top_k", "num_experts_per_tok"))] \
+            if all(hasattr(layer, a) for a in EXPERT_LAYER_ATTRIBUTES) else []
+        config = getattr(layer, "config", None)
+        if config is not None and not isinstance(config, dict) and id(config) not in seen:
+            seen.add(id(config))  # (a config's top_k was a generation setting in older transformers)
+            holders.append((config, f"{where}.config", ("num_experts_per_tok",)))
+        for holder, said, names in holders:
+            top_k = count(holder, names)
+            experts = count(holder, ("num_experts", "num_local_experts", "n_routed_experts"))
+            if top_k is not None and experts is not None and 0 < experts < top_k:
+                raise LayoutError(f"{said}: top_k={top_k} is larger than its {experts} experts (each token is routed "
+                                  f"to top_k different experts). Use top_k <= {experts}.")
 
 
 def prepare_expert_parallel(module: nn.Module, ep: int, part: bool = False) -> dict[str, nn.Module]:

@@ -45,7 +45,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_par.parallel.compile import BlockCompiler
 from lightning_par.parallel.context_parallel import ContextParallel, apply_context_parallel, recompute_contexts
 from lightning_par.parallel.deferred_init import DeferredInit
-from lightning_par.parallel.expert_parallel import ExpertParallel, apply_expert_parallel, prepare_expert_parallel
+from lightning_par.parallel.expert_parallel import (
+    ExpertParallel,
+    apply_expert_parallel,
+    check_experts_per_token,
+    prepare_expert_parallel,
+)
 from lightning_par.parallel.materialize import materialize_share
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.recompute import apply_recompute
@@ -134,6 +139,7 @@ def parallelize(parts: ModelParts, config: ParallelizeConfig, shard: Callable[[M
     ``deferred``: the record of the model's construction when it was built deferred.
     """
     ep = config.expert_mesh["ep"].size() if config.expert_mesh is not None else 1
+    check_experts_per_token(parts.root)  # (any layout: torch.topk would fail at the first step)
     if config.expert_mesh is not None:
         # a Hugging Face model's experts from its own ep plan; a pipeline rank's stages may hold no expert layer
         # (the whole model was declared and checked before the split)

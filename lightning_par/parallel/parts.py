@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.parallel.blocks import BlockTypes, ModelBlocks, find_blocks
 from lightning_par.parallel.pipeline.adapter import StageIO, stage_forward, stage_io
-from lightning_par.parallel.pipeline.chain import check_chain, check_layer_positions
+from lightning_par.parallel.pipeline.chain import check_chain, check_layer_positions, check_unit_inputs
 from lightning_par.parallel.pipeline.loss import ModelLoss, check_layer_losses
 from lightning_par.parallel.pipeline.split import (
     Costs,
@@ -171,6 +171,7 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     chain: dict[str, Any] = {}
     chain_seconds = check_chain(whole, all_units, units_by_stage, io, found=chain)
     positional = check_layer_positions(whole, units_by_stage)
+    check_unit_inputs(whole, all_units, units_by_stage, io)
     check_layer_losses(whole, plan.pp)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = plan.stages_of(pp_rank)

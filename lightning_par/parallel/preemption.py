@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -48,6 +50,66 @@ EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM,)
 #: the name of a checkpoint saved at a preemption
 PREFIX = "preempted"
+#: the sentinel a torchrun worker keeps in its process group (it ends with its rank; see GroupSignal)
+SENTINEL = "import os, time\nwhile os.getppid() == {}: time.sleep(1)"
+
+
+class GroupSignal:
+    """Whether a SIGTERM reached this rank's whole process group, as torchrun's agent sends it when it is stopped
+    itself (it ``killpg``s each worker's own group on its way down, and then restarts nothing), or only this process,
+    as a scheduler or a user signals a rank (the agent then restarts the job on exit code 75).
+
+    Python gives a handler no sender, so a rank under torchrun (its own group leader: torchrun starts each worker in
+    a new session) keeps a sentinel process in its group: a signal to the group ends it too."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self._proc is not None or "TORCHELASTIC_RUN_ID" not in os.environ or os.getpgrp() != os.getpid():
+            return
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-S", "-c", SENTINEL.format(os.getpid())],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+        except OSError:  # no sentinel: the line then says what a restart needs (see restart_outlook)
+            self._proc = None
+
+    def reached_group(self, wait: float = 0.5) -> bool | None:
+        """True: the SIGTERM reached the whole group; False: this process only; None: unknown (no sentinel)."""
+        if self._proc is None:
+            return None
+        try:  # (one kill signals the whole group; the sentinel may just not have run yet)
+            return self._proc.wait(wait) == -signal.SIGTERM
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+
+def restart_outlook(path: Path, group_signal: bool | None) -> str:
+    """What follows a preemption's exit code 75, as far as this rank can know: a restart by torchrun (an agent that
+    is not going down itself and has restarts left) or SLURM's requeue, or none -- then how to resume by hand."""
+    by_hand = f"start the job again with --ckpt_path={path} to resume from it"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        count, most = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+        if group_signal:
+            return ("but the SIGTERM reached torchrun's agent as well (it sent it to the ranks' process groups): the "
+                    f"agent is going down and restarts nothing, so {by_hand}")
+        if most is not None and count.isdigit() and most.isdigit() and int(count) >= int(most):
+            return (f"but torchrun has no restart left (restart {count} of --max-restarts={most}), so nothing "
+                    f"restarts the job: {by_hand}")
+        if group_signal is None:
+            return (f"so torchrun --max-restarts starts the next attempt, which resumes from it, unless torchrun's "
+                    f"agent was stopped as well: then {by_hand}")
+        return "so torchrun --max-restarts starts the next attempt, which resumes from it"
+    if "SLURM_JOB_ID" in os.environ:
+        return f"so a SLURM requeue starts the next attempt, which resumes from it (without --requeue: {by_hand})"
+    return f"nothing restarts this launch: {by_hand}"
 
 
 class Preempted(SystemExit):
@@ -69,7 +131,8 @@ class PreemptionCheckpoint(Callback):
         self._stale: list[Path] = []  # checkpoints of earlier preemptions, removed after a newer save commits
         self._newest_at_start = ""
         self._pending: Preempted | None = None
-        self._agreed_before_step: tuple[int, int, int, int] | None = None  # under nonfinite="skip" (see agree_now)
+        self._agreed_before_step: tuple[int, int, int, int, int] | None = None  # nonfinite="skip" (see agree_now)
+        self._group = GroupSignal()
 
     # -- the handler ----------------------------------------------------------------------------------------------
     def _handler(self, signum: int, frame: Any) -> None:
@@ -84,6 +147,7 @@ class PreemptionCheckpoint(Callback):
         for signum in SIGNALS:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handler)
+        self._group.start()
         directory = _checkpoint_dir(trainer)
         if directory is not None and directory.is_dir():
             self._stale = sorted(directory.glob(f"{PREFIX}-*.ckpt"))
@@ -103,6 +167,7 @@ class PreemptionCheckpoint(Callback):
         self._restore()
 
     def _restore(self) -> None:
+        self._group.stop()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -125,7 +190,7 @@ class PreemptionCheckpoint(Callback):
         agreed, self._agreed_before_step = self._agreed_before_step, None
         if agreed is None:
             agreed = self._agree(trainer, *(flags.local_lagged() if flags is not None else (0, 0)))
-        who, signum, loss_rank, grad, lag = agreed
+        who, signum, loss_rank, grad, lag, group = agreed
         if flags is not None:
             self._check_nonfinite(trainer, flags, step - lag - 1, loss_rank, grad)  # the step as logged
         if signum == 0 or 0 <= trainer.max_steps <= step:
@@ -133,9 +198,9 @@ class PreemptionCheckpoint(Callback):
         directory = _checkpoint_dir(trainer) or Path(trainer.default_root_dir) / "checkpoints"
         path = directory / f"{PREFIX}-epoch={trainer.current_epoch}-step={step}.ckpt"
         trainer.save_checkpoint(path)
+        outlook = restart_outlook(path, None if group < 0 else bool(group))
         message = (f"lightning-par: {signal.Signals(signum).name} (received by rank {who}): stopped after step {step} "
-                   f"on every rank; saved {path}; exit code {EXIT_CODE}, so torchrun --max-restarts or a SLURM "
-                   "requeue starts the next attempt, which resumes from it")
+                   f"on every rank; saved {path}; exit code {EXIT_CODE}, {outlook}")
         if trainer.is_global_zero:
             print(message, flush=True)
         # raised at the next hook, not here: Lightning logs this step's metrics right after this hook
@@ -170,19 +235,25 @@ class PreemptionCheckpoint(Callback):
 
     on_train_batch_start = on_validation_start = on_train_epoch_end = _stop
 
-    def _agree(self, trainer: Trainer, bits: int, lag: int) -> tuple[int, int, int, int, int]:
-        """``(rank, signal, loss_rank, grad, lag)`` agreed by every rank: the highest rank that received a signal
-        and the signal (``(-1, 0)`` if none did); ``rank + 1`` of the highest rank whose loss was not finite (0 if
-        none); 1 if a gradient norm was not finite; ``lag``, the steps the non-finite bits are late by. One
-        all-reduce (MAX) of three int64: ``(rank + 1) * 256 + signal`` or 0, and the two non-finite fields."""
+    def _agree(self, trainer: Trainer, bits: int, lag: int) -> tuple[int, int, int, int, int, int]:
+        """``(rank, signal, loss_rank, grad, lag, group)`` agreed by every rank: the highest rank that received a
+        signal and the signal (``(-1, 0)`` if none did); ``rank + 1`` of the highest rank whose loss was not finite
+        (0 if none); 1 if a gradient norm was not finite; ``lag``, the steps the non-finite bits are late by;
+        ``group``: 1 if a rank's signal reached its whole process group (its torchrun agent is going down), 0 if
+        not, -1 if no rank could tell. One all-reduce (MAX) of five int64: ``(rank + 1) * 256 + signal`` or 0, the
+        two non-finite fields, the lag and the group field."""
+        group = -1
+        if self.received is not None:  # (only a signalled rank looks: nothing to wait for otherwise)
+            reached = self._group.reached_group()
+            group = -1 if reached is None else int(reached)
         mine = [(trainer.global_rank + 1) * 256 + self.received[0] if self.received is not None else 0,
-                trainer.global_rank + 1 if bits & LOSS else 0, 1 if bits & GRAD else 0, lag]
+                trainer.global_rank + 1 if bits & LOSS else 0, 1 if bits & GRAD else 0, lag, group]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             flag = torch.tensor(mine, dtype=torch.int64, device=_flag_device(trainer))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             mine = [int(v) for v in flag.tolist()]
-        code, loss_rank, grad, lag = mine
-        return code // 256 - 1, code % 256, loss_rank, grad, lag
+        code, loss_rank, grad, lag, group = mine
+        return code // 256 - 1, code % 256, loss_rank, grad, lag, group
 
 
 def _flags(trainer: Trainer) -> NonFiniteFlags | None:

@@ -267,9 +267,9 @@ class AuxLossInBackward:
 
 
 def apply_aux_loss_in_backward(module: nn.Module, scale: Callable[[], float]) -> dict[str, AuxLossInBackward]:
-    """Give every router layer of ``module`` that can take one an :class:`AuxLossInBackward` of ``scale``; they, by
-    layer name."""
-    given = {n: AuxLossInBackward(scale) for n, m in router_layers(module).items() if hasattr(m, AUX_LOSS_IN_BACKWARD)}
+    """Give every layer of ``module`` that declares ``aux_loss_backward`` (a router layer, or any layer with an
+    auxiliary loss of its own) an :class:`AuxLossInBackward` of ``scale``; they, by layer name."""
+    given = {n: AuxLossInBackward(scale) for n, m in module.named_modules() if hasattr(m, AUX_LOSS_IN_BACKWARD)}
     for name, attached in given.items():
         setattr(module.get_submodule(name), AUX_LOSS_IN_BACKWARD, attached)
     return given

@@ -21,13 +21,13 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par._compat import _SubprocessScriptLauncher
+from lightning_par._compat import _SubprocessScriptLauncher, keep_sequential_train_loaders
 from lightning_par._compat import default_process_group_backend as _get_default_process_group_backend_for_device
 from lightning_par._compat import distributed_is_initialized as _distributed_is_initialized
 from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
 from lightning_par.elastic import layouts_for
-from lightning_par.parallel import shutdown
+from lightning_par.parallel import job_store, shutdown
 from lightning_par.parallel.layout import Layout
 from lightning_par.topology import LayoutError, ParallelDims, build_device_mesh, build_expert_mesh, gradient_mesh
 
@@ -128,12 +128,16 @@ class MeshStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
+            job_store.before_launch(self.cluster_environment)  # a MASTER_PORT another job holds: refused here
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             shutdown.launched_ranks(self._launcher)
 
     def setup_environment(self) -> None:
         """Join the process group; every rank then continues from global rank 0's RNG state."""
         super().setup_environment()
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:  # a shuffle=False training loader stays sequential, as under Lightning on one device
+            keep_sequential_train_loaders(trainer)
         self._share_cpu_threads()
         reset_seed()
         self.set_world_ranks()
@@ -143,7 +147,19 @@ class MeshStrategy(ParallelStrategy):
         if not dist.is_initialized():  # ours to destroy at exit, before the interpreter finalizes (exit code 0)
             shutdown.close_at_exit()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              **_attempt_store(self.cluster_environment, self._timeout))
+                              **self._store())
+
+    def _store(self) -> dict[str, Any]:
+        """The store to join through: torchrun's agent store (a namespace per attempt), else this job's own, checked
+        to be this job's (parallel/job_store.py); nothing when the group exists already."""
+        assert self.cluster_environment is not None
+        if dist.is_initialized():
+            return {}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return _attempt_store(self.cluster_environment, self._timeout)
+        environment = self.cluster_environment
+        return job_store.job_store(environment.main_address, environment.main_port, self.global_rank,
+                                   self.world_size, self._timeout)
 
     def _build_mesh(self) -> None:
         self._device_mesh = build_device_mesh(self.dims, self.root_device.type)

@@ -18,6 +18,8 @@ to its loggers.
 
 from __future__ import annotations
 
+import inspect
+import traceback
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -27,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import set_skip_backward
+from lightning_par._compat import set_skip_backward, train_step_metrics
 from lightning_par.parallel.finalize import finalize, no_sync
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
@@ -45,6 +47,7 @@ class LayoutStep:
         self._strategy = strategy
         # the optimizer whose clip marks this step's gradient bit from its global norm (see optimizer_step)
         self._clip_marks: Any = None
+        self._step_means = _AccumulatedMeans()
 
     def attach(self, trainer: Any, fitting: bool) -> None:
         """Before a stage of the Trainer runs: a runner that takes over the step (the pipeline) scales each
@@ -82,7 +85,12 @@ class LayoutStep:
     def training_step(self, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``lightning_step``: Lightning's own (the strategy's ``super().training_step``), for a step it runs."""
         with unpacked_batch_errors(args[0] if args else None):
-            return self._training_step(lightning_step, *args, **kwargs)
+            output = self._training_step(lightning_step, *args, **kwargs)
+        lm = self._strategy.lightning_module
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        if lm is not None and lm.automatic_optimization and isinstance(batch_idx, int):
+            self._step_means.update(lm.trainer, batch_idx)
+        return output
 
     def _training_step(self, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         strategy = self._strategy
@@ -102,8 +110,10 @@ class LayoutStep:
                 return self._model_call_step(lm, *args, **kwargs)
             with self.loss_context():  # a vocab-parallel head (tp > 1) computes its loss on the last stage
                 loss = runner.train_step(*split_batch(batch))
-            with _loss_given(lm, lambda _batch: loss):
-                return lm.training_step(*args, **kwargs)
+            with _loss_given(lm, lambda _batch: loss), _stage_reads(lm):
+                output = lm.training_step(*args, **kwargs)
+            _refuse_another_loss(lm, output, loss, "`self.compute_loss(batch)`")
+            return output
 
     def _model_call_step(self, lm: Any, *args: Any, **kwargs: Any) -> Any:
         """A training_step written the Hugging Face way, ``loss = self.model(**batch).loss``: the step runs as
@@ -128,23 +138,17 @@ class LayoutStep:
 
         runtime.module.forward = train_call
         try:
-            output = lm.training_step(*args, **kwargs)
+            with _stage_reads(lm):
+                output = lm.training_step(*args, **kwargs)
         finally:
             runtime.module.forward = runtime.forward_only
-        returned = output.get("loss") if isinstance(output, Mapping) else output
         if not losses:
             raise LayoutError(
                 f"{type(lm).__name__} defines no loss_fn(), so under pipeline parallel its training_step must get its "
                 "loss from the model's own call, `self.model(**batch).loss` (labels in the batch), which runs the "
                 "schedule; this training_step did not call the model. Call it, or define `loss_fn(outputs, targets)` "
                 "and `compute_loss(batch)` (see lightning_par.examples.GPTLightningModule).")
-        if returned is not None and returned is not losses[0]:
-            raise LayoutError(
-                f"{type(lm).__name__}.training_step returned a loss other than the model's `.loss`: under pipeline "
-                "parallel that loss was computed and backpropagated inside the schedule (the tensor is detached), so "
-                "a loss computed from it (scaled, or with terms added) would not be trained on. Return "
-                "`self.model(**batch).loss` as it is, or define `loss_fn(outputs, targets)` and `compute_loss(batch)` "
-                "to compute your own loss (see lightning_par.examples.GPTLightningModule).")
+        _refuse_another_loss(lm, output, losses[0], "the model's `.loss`")
         return output
 
     def evaluation_step(self, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -331,6 +335,69 @@ def _plain_losses(lm: Any) -> Generator[None, None, None]:
 
 def _plain_value(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _refuse_another_loss(lm: Any, output: Any, loss: Tensor, given: str) -> None:
+    """Under a pipeline the schedule already ran the backward of ``loss`` (and Lightning's is skipped), so the step
+    must return that tensor itself: a loss computed from it -- scaled, or with terms added such as the routers'
+    load-balancing losses read from the layers, which live on different stages -- would train another function than
+    one process does, silently. Refused at the first step, before any update."""
+    returned = output.get("loss") if isinstance(output, Mapping) else output
+    if returned is None or returned is loss:
+        return
+    raise LayoutError(
+        f"{type(lm).__name__}.training_step returned a loss other than {given}: under pipeline parallel that loss "
+        "was computed and backpropagated inside the schedule, stage by stage, so a loss computed from it (scaled, or "
+        "with terms added, e.g. load-balancing losses read from the layers, which live on different stages) would "
+        f"not be trained on. Return {given} as it is; put a scale or extra term of the output in loss_fn(outputs, "
+        "targets) (it runs on the last stage); a layer's own auxiliary loss must start its backward in the layer: "
+        "declare `aux_loss_backward = None` on the layer class and return `self.aux_loss_backward(y, coef * aux)` "
+        "when set, as lightning_par.examples.moe.MoEFeedForward does (docs/pipeline.md); or train without pp.")
+
+
+@contextmanager
+def _stage_reads(lm: Any) -> Generator[None, None, None]:
+    """A step that reads a module of another pipeline stage (a layer's attribute, an index of its layer list) fails
+    with Python's error, raised in the step's own code (its innermost frame in the LightningModule's file); say why."""
+    try:
+        yield None
+    except (AttributeError, IndexError, KeyError) as err:
+        frames = traceback.extract_tb(err.__traceback__)
+        if not frames or frames[-1].filename != inspect.getsourcefile(type(lm)):
+            raise
+        err.add_note(f"lightning-par: {type(lm).__name__}.training_step ran under pipeline parallel, where each rank "
+                     "holds the layers of its stage only (the others are pass-through stand-ins); a step that reads "
+                     "layers' attributes (e.g. an auxiliary loss) cannot see those of other stages. See "
+                     "docs/pipeline.md on auxiliary losses.")
+        raise
+
+
+class _AccumulatedMeans:
+    """Under ``accumulate_grad_batches`` > 1, what ``self.log(..., on_step=True)`` in ``training_step`` logs for an
+    optimizer step is the mean over its micro-batches (Lightning logs the last micro-batch's): the train loss logged
+    is the step's over its whole global batch, as with the same global batch in one loader batch, so an elastic
+    attempt that re-derives the accumulation (docs/elastic.md) logs what the uninterrupted run logged."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, tuple[Tensor, int, Any]] = {}
+
+    def update(self, trainer: Any, batch_idx: int) -> None:
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate <= 1:
+            return
+        if batch_idx % accumulate == 0:  # a new optimizer step's first micro-batch
+            self._sums = {}
+        for key, metric in train_step_metrics(trainer):
+            value = metric._forward_cache
+            seen = self._sums.get(key)
+            if not isinstance(value, Tensor) or not value.is_floating_point() or (seen and seen[2] is value):
+                continue  # not logged by this micro-batch (still the mean set at the last one)
+            total, count = (seen[0] + value, seen[1] + 1) if seen else (value, 1)
+            mean = total / count
+            metric._forward_cache = mean
+            if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
+                metric.value = mean
+            self._sums[key] = (total, count, mean)
 
 
 @contextmanager

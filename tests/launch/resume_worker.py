@@ -30,6 +30,7 @@ EPOCH_STEPS = 12
 MAX_STEPS = 18  # into the second epoch: its order must follow too
 SAVE_EVERY = 5
 GLOBAL_BATCH = 8
+UNEVEN = 100  # samples of the elastic cases' data: not a whole number of global batches
 SEQ = 32
 
 
@@ -46,13 +47,14 @@ class Case:
     script_logs: bool = False  # lightning_par.callbacks.defaults(): what a script adds for tokens/s, MFU, memory
     batch: int | None = None  # elastic: the per-rank batch, kept when dp changes (default GLOBAL_BATCH // dp)
     source_step: int = SAVE_EVERY  # the source's checkpoint it resumes from
+    samples: int | None = None  # "user" data: that many samples in a drop_last loader (default EPOCH_STEPS x 8)
 
 
 def _elastic(strategy: Callable[[], pl.strategies.Strategy], devices: int, source: str | None = None,
-             source_step: int = SAVE_EVERY, batch: int = 2, data: str = "user") -> Case:
+             source_step: int = SAVE_EVERY, batch: int = 2, data: str = "user", samples: int | None = None) -> Case:
     """An elastic case: whole epochs (the resumed world draws another number of loader batches), a per-rank batch
-    kept, every step's loss recorded (:class:`StepLosses`) and checkpoints kept."""
-    return Case(strategy, devices, 0, data, source=source, batch=batch, source_step=source_step)
+    kept, every step's loss recorded (:class:`StepLosses`), the final weights saved and checkpoints kept."""
+    return Case(strategy, devices, 0, data, source=source, batch=batch, source_step=source_step, samples=samples)
 
 
 CASES: dict[str, Case] = {
@@ -69,9 +71,14 @@ CASES: dict[str, Case] = {
     # elastic (docs/elastic.md): ZeRO-3 on 4 ranks (per-rank batch 2, no accumulation) resumed on 2 (accumulation
     # doubled to keep 8 samples per step), then back on 4 from the 2-rank run's step-10 checkpoint; dp2 x tp2 (batch 4
     # per replica) resumed on tp2 alone (one replica, accumulation 2)
-    "zero3_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4),
-    "zero3_dp4_to_dp2": _elastic(lambda: ZeroStrategy(stage=3), 2, source="zero3_dp4"),
-    "zero3_dp2_back_to_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4, source="zero3_dp4_to_dp2", source_step=10),
+    # (100 samples, drop_last: at dp2 the loader alone would make an epoch of 12.5 steps; the checkpoint's 12 are kept)
+    "zero3_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4, samples=UNEVEN),
+    "zero3_dp4_to_dp2": _elastic(lambda: ZeroStrategy(stage=3), 2, source="zero3_dp4", samples=UNEVEN),
+    "zero3_dp2_back_to_dp4": _elastic(lambda: ZeroStrategy(stage=3), 4, source="zero3_dp4_to_dp2", source_step=10,
+                                      samples=UNEVEN),
+    # ZeRO-1 on 2 ranks (per-rank batch 4) resumed on 1 (accumulation 2; the test runs it in its own process)
+    "zero1_dp2": _elastic(lambda: ZeroStrategy(stage=1), 2, batch=4, samples=UNEVEN),
+    "zero1_dp2_to_1": _elastic(lambda: ZeroStrategy(stage=1), 1, source="zero1_dp2", batch=4, samples=UNEVEN),
     "dp2_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 4, batch=4),
     "dp2_tp2_to_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 2, source="dp2_tp2", batch=4),
     # strategy="planned" (it plans for the datamodule's batch per replica): re-planned for 2 ranks
@@ -80,11 +87,28 @@ CASES: dict[str, Case] = {
 }
 
 
-def user_loader(batch: int) -> DataLoader:
-    """What a user writes: a map-style dataset and ``DataLoader(ds, batch_size, shuffle=True)``; 12 global batches."""
-    tokens = torch.randint(0, 256, (EPOCH_STEPS * GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    samples = [(row[:-1], row[1:]) for row in tokens]
-    return DataLoader(samples, batch_size=batch, shuffle=True)
+def user_loader(batch: int, samples: int | None = None) -> DataLoader:
+    """What a user writes: a map-style dataset and ``DataLoader(ds, batch_size, shuffle=True)``; 12 global batches
+    (``samples``: that many samples, ``drop_last=True``)."""
+    count = samples or EPOCH_STEPS * GLOBAL_BATCH
+    tokens = torch.randint(0, 256, (count, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    rows = [(row[:-1], row[1:]) for row in tokens]
+    return DataLoader(rows, batch_size=batch, shuffle=True, drop_last=samples is not None)
+
+
+class FinalWeights(pl.Callback):
+    """At the end of fit, the whole model's weights (DTensor shards gathered on every rank), saved by rank 0."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                   for k, v in pl_module.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save(weights, self.path)
 
 
 def step_checkpoint(root: Path, step: int) -> Path:
@@ -106,13 +130,14 @@ def fit(root: Path, cache: str, name: str, sources: dict[str, Path]) -> None:
         logger=TensorBoardLogger(save_dir=root / name / "tb"), enable_checkpointing=bool(keep),
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root / name,
         callbacks=[*keep, *(defaults() if case.script_logs else []),
-                   *([StepLosses(str(root / name / "steps.json"))] if elastic else [])],
+                   *([StepLosses(str(root / name / "steps.json")), FinalWeights(root / name / "weights.pt")]
+                     if elastic else [])],
     )
     ckpt = None
     if case.source is not None:
         ckpt = sources.get(case.source) or step_checkpoint(root / case.source, case.source_step)
     if case.data == "user":
-        trainer.fit(model, train_dataloaders=user_loader(batch), ckpt_path=ckpt)
+        trainer.fit(model, train_dataloaders=user_loader(batch, case.samples), ckpt_path=ckpt)
     else:
         data = TextDataModule(seq_len=SEQ, max_corpus_bytes=300_000, shuffle=True, batch_size=batch, cache_dir=cache)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt)

@@ -23,9 +23,10 @@ from tests.probes import StepLosses
 LOSS_RTOL = 1e-6
 
 
-def _fit(root, batch, ckpt=None, keep=True, accumulate=1, log_root=None):
+def _fit(root, batch, ckpt=None, keep=True, accumulate=1, log_root=None, samples=None, limit=None, strategy="auto"):
     """The tiny GPT (plain SGD) over the user's 96 shuffled samples in loader batches of ``batch``, 18 optimizer
-    steps; returns the trainer and {step: loss over the step's global batch}."""
+    steps; returns the trainer and {step: loss over the step's global batch}. ``samples``: that many instead, in a
+    loader with ``drop_last=True``; ``limit``: the Trainer's limit_train_batches; ``strategy``: the Trainer's."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -46,14 +47,19 @@ def _fit(root, batch, ckpt=None, keep=True, accumulate=1, log_root=None):
     root.mkdir(parents=True, exist_ok=True)
     losses = OneRank(root / "steps.json")
     saves = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=SAVE_EVERY, save_top_k=-1)] if keep else []
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=MAX_STEPS, accumulate_grad_batches=accumulate,
-                         limit_val_batches=0, logger=TensorBoardLogger(log_root or root, name="tb", version=0),
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=MAX_STEPS,
+                         accumulate_grad_batches=accumulate, limit_val_batches=0, limit_train_batches=limit,
+                         logger=TensorBoardLogger(log_root or root, name="tb", version=0),
                          log_every_n_steps=1, enable_checkpointing=bool(saves), enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[losses, *saves, AttemptProgress()])
     model = GPTLightningModule(preset="tiny", n_layers=2, optimizer="sgd", lr=0.2)
-    plain = user_loader(batch)
+    dataset = user_loader(batch).dataset
+    if samples is not None:
+        tokens = torch.randint(0, 256, (samples, 33), generator=torch.Generator().manual_seed(1))
+        dataset = [(row[:-1], row[1:]) for row in tokens]
     loader = resumable_train_loader(torch.utils.data.DataLoader(
-        plain.dataset, batch_size=batch, sampler=DataParallelSampler(plain.dataset, shuffle=True, seed=3)), trainer)
+        dataset, batch_size=batch, sampler=DataParallelSampler(dataset, shuffle=True, seed=3),
+        drop_last=samples is not None), trainer)
     trainer.fit(model, loader, ckpt_path=ckpt)
     return trainer, losses.steps
 
@@ -99,6 +105,75 @@ def test_another_loader_global_batch_keeps_the_step_batch_and_the_position(tmp_p
     with pytest.warns(UserWarning, match="the position in its epoch cannot be kept"):
         trainer, _ = _fit(tmp_path / "older", 8, ckpt=str(tmp_path / "older.ckpt"), keep=False)
     assert trainer.global_step == MAX_STEPS
+
+
+def _logged(root):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root / "tb" / "version_0"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss")}
+
+
+def test_a_resumed_epoch_of_another_loader_batch_ends_where_the_uninterrupted_one_did(tmp_path):
+    """ZeRO-1 on one process: 100 samples in loader batches of 8, drop_last (12 steps an epoch, 4 samples dropped),
+    saved at step 5; resumed in loader batches of 4 (accumulation 2): the loader alone would give 25 batches, an
+    epoch of 12 and a half steps; the epoch is kept at the checkpoint's 96 samples (24 batches), so steps 5-17 (across
+    the epoch boundary), the logged train/loss (the mean of the two micro-batches, as one batch of 8 logs) and the
+    final weights are the uninterrupted run's. With limit_train_batches (it counts loader batches): refused."""
+    from lightning_par import ZeroStrategy
+
+    trainer, full = _fit(tmp_path / "full", 8, samples=100, strategy=ZeroStrategy(stage=1))
+    full_weights = {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
+    (step5,) = (tmp_path / "full" / "ckpt").glob(f"*step={SAVE_EVERY}.ckpt")
+    trainer, resumed = _fit(tmp_path / "half", 4, ckpt=str(step5), keep=False, samples=100,
+                            strategy=ZeroStrategy(stage=1))
+    assert trainer.accumulate_grad_batches == 2 and trainer.global_step == MAX_STEPS
+    assert trainer.num_training_batches == 24 and sorted(resumed) == list(range(SAVE_EVERY, MAX_STEPS))
+    loss_diff = max_rel_diff([resumed[s] for s in sorted(resumed)], [full[s] for s in range(SAVE_EVERY, MAX_STEPS)])
+    weights = trainer.lightning_module.state_dict()
+    weight_diff = max(float((weights[k] - v).norm() / v.norm()) for k, v in full_weights.items() if v.norm() > 0)
+    logged_full, logged = _logged(tmp_path / "full"), _logged(tmp_path / "half")
+    steps = sorted(logged)
+    assert len(steps) == MAX_STEPS - SAVE_EVERY
+    logged_diff = max_rel_diff([logged[s] for s in steps], [logged_full[s] for s in steps])
+    print(f"one process, 100 samples, loader batch 8 -> 4 (accumulation 1 -> 2): steps {SAVE_EVERY}-{MAX_STEPS - 1} "
+          f"within {loss_diff:.2e}, logged train/loss within {logged_diff:.2e}, final weights within {weight_diff:.2e}")
+    assert loss_diff <= LOSS_RTOL and logged_diff <= LOSS_RTOL and weight_diff <= 1e-5
+
+    with pytest.raises(ValueError, match=r"limit_train_batches=10 counts loader batches, which hold 4 samples here "
+                                         r"and 8 in the checkpoint's run: leave limit_train_batches unset"):
+        _fit(tmp_path / "limited", 4, ckpt=str(step5), keep=False, samples=100, limit=10,
+             strategy=ZeroStrategy(stage=1))
+
+
+def _same_run(root, resumed, source, first):
+    """(max relative loss difference of steps ``first``.. between ``resumed`` and ``source``, max relative difference
+    of their final weights, the resumed case's accumulation)."""
+    full, _ = _steps(root, source)
+    after, acc = _steps(root, resumed)
+    assert sorted(after) == list(range(first, MAX_STEPS))
+    loss = max_rel_diff([after[s] for s in range(first, MAX_STEPS)], [full[s] for s in range(first, MAX_STEPS)])
+    a, b = torch.load(root / resumed / "weights.pt"), torch.load(root / source / "weights.pt")
+    weights = max(float((a[k] - v).norm() / v.norm()) for k, v in b.items() if v.norm() > 0)
+    return loss, weights, acc
+
+
+@pytest.mark.launch(ranks=2)
+def test_zero1_on_2_ranks_resumed_on_1_is_the_same_run(tmp_path, cache_dir):
+    """ZeRO-1 (plain SGD) on 2 ranks, per-rank batch 4, 100 samples (drop_last: 12 steps an epoch), saved at step 5;
+    resumed on 1 rank (in this process): accumulation 2, the epoch kept at 12 steps, steps 5-17 and the final
+    weights the uninterrupted run's."""
+    from tests.harness import launch_matrix
+    from tests.launch import resume_worker
+
+    launch_matrix(tmp_path, cache_dir, "tests.launch.resume_worker",
+                  ["--root", str(tmp_path), "--cache", str(cache_dir), "--cases", "zero1_dp2"], nproc=2).check()
+    resume_worker.fit(tmp_path, str(cache_dir), "zero1_dp2_to_1", {})
+    loss, weights, acc = _same_run(tmp_path, "zero1_dp2_to_1", "zero1_dp2", SAVE_EVERY)
+    print(f"ZeRO-1 2 -> 1 ranks (accumulation {acc}): steps {SAVE_EVERY}-{MAX_STEPS - 1} within {loss:.2e}, final "
+          f"weights within {weights:.2e}")
+    assert acc == 2 and loss <= 1e-5 and weights <= 1e-5
 
 
 # -- launched (--full): 4 ranks -> 2 -> 4 under ZeRO-3, dp2 x tp2 -> tp2 ---------------------------------------------
@@ -153,8 +228,10 @@ def test_a_run_resumed_on_another_world_size_is_the_same_run(elastic_runs, resum
         assert "the planner's fastest layout that fits" in logs
     assert acc == accumulate and sorted(after) == list(range(first, MAX_STEPS))
     diff = max_rel_diff([after[s] for s in range(first, MAX_STEPS)], [full[s] for s in range(first, MAX_STEPS)])
-    print(f"{resumed}: steps {first}-{MAX_STEPS - 1} within {diff:.2e} of {source} (accumulation {acc})")
-    assert diff <= LOSS_RTOL
+    _, weights, _ = _same_run(root, resumed, source, first)
+    print(f"{resumed}: steps {first}-{MAX_STEPS - 1} within {diff:.2e} of {source} (accumulation {acc}), final "
+          f"weights within {weights:.2e}")
+    assert diff <= LOSS_RTOL and weights <= 1e-5
 
 
 # -- two torchrun agents, one lost (--full): dp2 x pp2 on 4 ranks, then pp2 on the survivor's 2 --------------------

@@ -21,6 +21,14 @@ def test_extras_are_only_optional_packages():
     assert (NO_EXTRAS / "sitecustomize.py").read_text().count('BLOCKED = {"matplotlib", "transformers"}') == 1
 
 
+def test_the_readmes_hugging_face_section_installs_the_extra_it_needs():
+    """It names the extra pyproject has, and says what is built (expert parallel was "not there yet")."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    section = (REPO / "README.md").read_text().split("## A Hugging Face model")[1].split("\n## ")[0]
+    assert 'pip install -e ".[hf]"' in section and any(r.startswith("transformers") for r in extras["hf"])
+    assert "not there yet" not in section and "base_model_ep_plan" in section and "--trainer.strategy=ep2" in section
+
+
 @pytest.mark.launch(ranks=2, full=True)
 def test_pipeline_demo_runs_without_the_extras(tmp_path, cache_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(NO_EXTRAS), os.environ.get("PYTHONPATH", "")]))

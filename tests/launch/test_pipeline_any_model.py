@@ -298,12 +298,15 @@ def test_split_batch_forms():
     "batch,match",
     [
         (torch.zeros(2, 3), r"cannot split a batch of type Tensor into micro-batches: it accepts a tuple \(inputs, "
-                            r"targets\) of two tensors or a dict with 'input_ids' and 'labels'"),
-        ((torch.zeros(2), torch.zeros(2), torch.zeros(2)), r"cannot split a tuple of 3 \(Tensor, Tensor, Tensor\)"),
+                            r"targets\) of two tensors, or \(inputs, targets, position_ids\) of packed documents or a "
+                            r"dict with 'input_ids' and 'labels'"),
+        ((torch.zeros(2), torch.zeros(2), torch.zeros(2)), r"position_ids \(\(2,\)\) must be integer positions shaped "
+                                                           r"like its token ids"),
+        ((torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2)), r"cannot split a tuple of 4"),
         ({"input_ids": torch.zeros(2, 3)}, r"a dict batch without 'labels' tensors \(its keys: \['input_ids'\]\)"),
         ({"text": ["a"]}, r"without 'input_ids' and 'labels'"),
-        ({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3), "position_ids": torch.zeros(2, 3)},
-         r"passes only \['input_ids', 'labels', 'attention_mask'\].*also has \['position_ids'\]"),
+        ({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3), "token_type_ids": torch.zeros(2, 3)},
+         r"also has \['token_type_ids'\]"),
         ({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 4)},
          r"labels has shape \(2, 4\) but its input_ids \(2, 3\)"),
     ],

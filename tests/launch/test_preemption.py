@@ -3,6 +3,7 @@ that step and exit code 75; torchrun --max-restarts starts the next attempt, whi
 
 import json
 import re
+import time
 
 import pytest
 
@@ -145,3 +146,76 @@ def test_sigterm_to_every_rank_at_random_moments(tmp_path):
         assert m["restarted"] and m["resumed_at_step"] == m["checkpoint_step"] and m["exit_code"] == 0
         assert m["max_abs_loss_diff"] <= 1e-5
     assert result["all_ok"]
+
+
+def _group_child(ready: int, result: int) -> None:
+    """A "rank" as torchrun starts it (a session of its own), with the preemption callback's sentinel."""
+    import os
+    import signal
+    import time
+
+    from lightning_par.parallel.preemption import GroupSignal
+
+    os.setsid()
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    got = []
+    signal.signal(signal.SIGTERM, lambda *args: got.append(1))
+    group = GroupSignal()
+    group.start()
+    os.write(ready, b"r")
+    while not got:
+        time.sleep(0.01)
+    os.write(result, str(group.reached_group(wait=2)).encode())
+    group.stop()
+
+
+@pytest.mark.launch(ranks=2)
+def test_a_sigterm_to_the_whole_process_group_is_told_from_one_to_the_rank_only():
+    """torchrun's agent, stopped itself, sends SIGTERM to each worker's process group (its own session) and restarts
+    nothing; a scheduler or a user signalling a rank reaches that process only, and the agent restarts the job. Two
+    "ranks" in a new session each (forked): one gets ``kill(pid)``, one ``killpg(pid)``; the sentinel of
+    :class:`GroupSignal` tells them apart (issue 41)."""
+    import os
+    import signal
+
+    from tests.harness import launching
+
+    launching(2)
+    said = {}
+    for kill in ("kill", "killpg"):
+        ready, result = os.pipe(), os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _group_child(ready[1], result[1])
+            finally:
+                os._exit(0)
+        assert os.read(ready[0], 1) == b"r"
+        time.sleep(0.2)  # the sentinel runs
+        (os.kill if kill == "kill" else os.killpg)(pid, signal.SIGTERM)
+        said[kill] = os.read(result[0], 16).decode()
+        os.waitpid(pid, 0)
+    assert said == {"kill": "False", "killpg": "True"}, said
+
+
+def test_the_preemption_line_says_whether_a_restart_follows(monkeypatch, tmp_path):
+    """The line's promise follows what will happen: torchrun restarts a job whose agent is up and has restarts left;
+    an agent that got the SIGTERM itself (it is going down), or one at its last restart, restarts nothing, and
+    neither does Lightning's launcher: the line names the checkpoint to resume from with ``--ckpt_path``."""
+    from lightning_par.parallel.preemption import restart_outlook
+
+    path = tmp_path / "preempted-epoch=1-step=13.ckpt"
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    by_hand = f"start the job again with --ckpt_path={path} to resume from it"
+    assert restart_outlook(path, None) == f"nothing restarts this launch: {by_hand}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    assert restart_outlook(path, False) == "so torchrun --max-restarts starts the next attempt, which resumes from it"
+    agent_down = restart_outlook(path, True)
+    assert "the agent is going down and restarts nothing" in agent_down and agent_down.endswith(by_hand)
+    assert "starts the next attempt" not in agent_down
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    last = restart_outlook(path, False)
+    assert "no restart left (restart 1 of --max-restarts=1)" in last and last.endswith(by_hand)

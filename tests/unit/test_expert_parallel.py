@@ -189,3 +189,79 @@ def test_a_load_balancing_loss_under_a_pipeline_is_refused_only_for_layers_that_
     with pytest.raises(LayoutError, match=r"pp=2.*layers.0.mlp, layers.1.mlp of MoEGPT compute a load-balancing "
                                           r"loss.*aux_loss_backward = None.*aux_loss_coef=0"):
         check_layer_losses(model, 2)
+
+
+# -- a user's own MoE: experts in an nn.ModuleList, top_k over the experts ------------------------------------------
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+class _ListMoE(nn.Module):
+    """The natural layout: a router and an nn.ModuleList of MLPs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.router = 2, nn.Linear(8, 4)
+        self.experts = nn.ModuleList([_MLP() for _ in range(4)])
+
+
+class _StackedMoE(nn.Module):
+    """The interface expert parallel splits (the README's class MoE, without its forward)."""
+
+    expert_parameters = ("w_in", "w_out")
+    token_exchange = None
+
+    def __init__(self, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.w_in = nn.Parameter(torch.zeros(num_experts, 8, 16))
+        self.w_out = nn.Parameter(torch.zeros(num_experts, 16, 8))
+
+    def experts(self, tokens, counts):
+        return tokens
+
+
+def _model(layer: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.LayerNorm(8), layer))
+
+
+def test_experts_in_a_module_list_are_refused_naming_the_module_and_the_stacked_shapes():
+    with pytest.raises(LayoutError) as refused:
+        check_expert_parallel(_model(_ListMoE()), 2)
+    said = str(refused.value)
+    assert "\n" not in said
+    assert said.startswith("ep=2 but 1.1.experts (_ListMoE) keeps its 4 experts as an nn.ModuleList of _MLP")
+    assert "fc1_weight [4, 16, 8], fc1_bias [4, 16], fc2_weight [4, 8, 16], fc2_bias [4, 8]" in said
+    assert "expert_parameters" in said and "lightning_par/examples/moe.py" in said and "ep=1" in said
+
+
+def test_a_partly_declared_expert_layer_is_refused_naming_what_it_lacks():
+    layer = _StackedMoE()
+    del layer.num_experts
+    with pytest.raises(LayoutError, match=r"ep=2 but 1\.1 \(_StackedMoE\) declares part of the expert layer "
+                                          r"interface, without num_experts: "):
+        check_expert_parallel(_model(layer), 2)
+
+
+@pytest.mark.parametrize("ep", [None, 2])
+def test_top_k_over_the_experts_is_refused_at_setup_in_one_line(ep):
+    torch.manual_seed(0)
+    mesh = NoCollectives()
+    parts = split(_model(_StackedMoE(num_experts=4, top_k=5)), need_blocks=False)
+    config = ParallelizeConfig(device=torch.device("cpu"), dp_mesh=mesh, tp_mesh=mesh,
+                               expert_mesh=mesh if ep else None)
+    with pytest.raises(LayoutError) as refused:
+        parallelize(parts, config, shard=lambda p: p.stages)
+    assert str(refused.value) == ("1.1 (_StackedMoE): top_k=5 is larger than its 4 experts (each token is routed to "
+                                  "top_k different experts). Use top_k <= 4.")
+
+
+def test_top_k_over_a_hugging_face_configs_experts_is_refused():
+    model = _model(nn.Linear(8, 8))
+    model.config = SimpleNamespace(num_experts_per_tok=4, num_local_experts=2)
+    with pytest.raises(LayoutError, match=r"^Sequential \(Sequential\)\.config: top_k=4 is larger than its 2 "):
+        check_expert_parallel(model, 2, part=True)
+    model.config.num_experts_per_tok = 2
+    check_expert_parallel(model, 2, part=True)

@@ -310,3 +310,25 @@ def test_a_forward_picking_settings_by_loop_index_that_is_no_chain_is_refused():
     # a later stage whose layers' kinds agree with those of its positions (layer 3 "local" at position 0): no refusal
     split = [BY_POSITION_UNITS[:4], BY_POSITION_UNITS[4:]]
     assert check_layer_positions(_ByPositionTupled(), split) == []
+
+
+def test_a_later_unit_that_takes_the_token_ids_is_refused():
+    """DeepSeek-V4's decoder layers route their experts by token id (``input_ids`` in the layer's forward); a later
+    stage of a Hugging Face model gets ``inputs_embeds``, so the layer would see None there (issue 40's matrix: pp2
+    ended with that stage's error while the first stage waited)."""
+    from lightning_par.parallel.pipeline.adapter import StageIO
+    from lightning_par.parallel.pipeline.chain import check_unit_inputs
+
+    class HashRouted(nn.Linear):
+        def forward(self, hidden_states, input_ids=None):
+            return super().forward(hidden_states)
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([HashRouted(4, 4) for _ in range(4)])
+    units = [f"layers.{i}" for i in range(4)]
+    hf = StageIO(input_key="input_ids", hidden_key="inputs_embeds")
+    with pytest.raises(LayoutError, match=r"HashRouted \(layers.2\) takes the model's `input_ids`.*pp=1"):
+        check_unit_inputs(model, units, [units[:2], units[2:]], hf)
+    check_unit_inputs(model, units, [units], hf)  # one stage: the model gets its input
+    check_unit_inputs(model, units, [units[:2], units[2:]], StageIO(input_key="input_ids", hidden_key="inputs_embeds",
+                                                                     inject=True))  # later stages run on the input

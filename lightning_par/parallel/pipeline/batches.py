@@ -10,6 +10,9 @@ which. :func:`split_batch` accepts:
 
 * ``(inputs, targets)``: a tuple or list of two tensors [B, ...], as ``lightning_par.data.TextDataModule`` yields;
   returned as they are;
+* ``(inputs, targets, position_ids)``: packed documents (``TextDataModule(pack_documents=True)``), each token's
+  position in its document; returned as ``({"input_ids": inputs, "position_ids": position_ids}, targets)``, the
+  positions cut into micro-batches like the ids and given to every stage (whose attention keeps to documents);
 * a dict as Hugging Face collators make it: ``input_ids`` and ``labels`` [B, T] and optionally ``attention_mask``
   [B, T]. The labels follow Hugging Face's convention (aligned with ``input_ids``; the model shifts them, ``-100``
   is ignored), so they are returned shifted to next-token targets, ``targets[:, t] = labels[:, t + 1]`` and ``-100``
@@ -36,10 +39,11 @@ from lightning_par.topology import LayoutError
 
 IGNORE_INDEX = -100
 ACCEPTED_FORMS = (
-    "a tuple (inputs, targets) of two tensors",
-    "a dict with 'input_ids' and 'labels' tensors and optionally 'attention_mask' (Hugging Face collators)",
+    "a tuple (inputs, targets) of two tensors, or (inputs, targets, position_ids) of packed documents",
+    "a dict with 'input_ids' and 'labels' tensors and optionally 'attention_mask' and 'position_ids' (Hugging Face "
+    "collators)",
 )
-DICT_KEYS = ("input_ids", "labels", "attention_mask")
+DICT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 def _refuse(what: str) -> LayoutError:
@@ -54,14 +58,34 @@ def next_token_targets(labels: Tensor) -> Tensor:
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
+def sequence_ids(position_ids: Tensor) -> Tensor | None:
+    """Which packed sequence (document) each token of ``position_ids`` [B, T] belongs to, numbered from 0 in each row:
+    a new one starts wherever the position does not follow the one before by 1 (transformers' rule,
+    ``masking_utils.find_packed_sequence_indices``). None when every row holds one sequence."""
+    first = position_ids[..., :1] - 1
+    ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return ids if bool((ids[..., -1] > 0).any()) else None
+
+
+def _check_positions(positions: Any, ids: Tensor) -> None:
+    if not isinstance(positions, Tensor) or positions.shape != ids.shape or positions.is_floating_point():
+        shape = tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__
+        raise LayoutError(f"the batch's position_ids ({shape}) must be integer positions shaped like its token ids "
+                          f"{tuple(ids.shape)} [batch, sequence].")
+
+
 def split_batch(batch: Any) -> tuple[Tensor | dict[str, Tensor], Tensor]:
     """``(inputs, targets)`` of a batch, or a :class:`LayoutError` naming the forms a pipeline accepts.
 
-    ``inputs`` is a tensor, or ``{"input_ids", "attention_mask"}`` for a dict batch whose mask has zeros.
+    ``inputs`` is a tensor, or a dict with ``input_ids`` and what the model needs with them: ``attention_mask`` (a
+    dict batch whose mask has zeros), ``position_ids`` (packed documents).
     """
     if isinstance(batch, (tuple, list)):
         if len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
             return batch[0], batch[1]
+        if len(batch) == 3 and all(isinstance(t, Tensor) for t in batch):
+            _check_positions(batch[2], batch[0])
+            return {"input_ids": batch[0], "position_ids": batch[2]}, batch[1]
         kinds = ", ".join(type(t).__name__ for t in batch)
         raise _refuse(f"a {type(batch).__name__} of {len(batch)} ({kinds})")
     if not isinstance(batch, Mapping):
@@ -75,7 +99,8 @@ def split_batch(batch: Any) -> tuple[Tensor | dict[str, Tensor], Tensor]:
         raise LayoutError(f"pipeline parallel passes only {list(DICT_KEYS)} of a dict batch through the stages, but "
                           f"this batch also has {unknown}; drop them in the collator (the model would not see them).")
     ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
-    for name, tensor in (("labels", labels), ("attention_mask", mask)):
+    positions = batch.get("position_ids")
+    for name, tensor in (("labels", labels), ("attention_mask", mask), ("position_ids", positions)):
         if tensor is not None and (not isinstance(tensor, Tensor) or tensor.shape != ids.shape):
             shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise LayoutError(f"the batch's {name} has shape {shape} but its input_ids {tuple(ids.shape)}; a dict "
@@ -84,9 +109,10 @@ def split_batch(batch: Any) -> tuple[Tensor | dict[str, Tensor], Tensor]:
         raise LayoutError(f"the batch's input_ids have shape {tuple(ids.shape)}; a dict batch holds token ids "
                           "[batch, sequence].")
     targets = next_token_targets(labels)
+    extra = {} if positions is None else {"position_ids": positions}
     if mask is None or bool(mask.bool().all()):
-        return ids, targets
-    return {"input_ids": ids, "attention_mask": mask}, targets
+        return ({"input_ids": ids, **extra} if extra else ids), targets
+    return {"input_ids": ids, "attention_mask": mask, **extra}, targets
 
 
 def check_sequence_length(seq_len: int, cp: int) -> None:
@@ -119,8 +145,9 @@ def refuse_padding(mask: Tensor) -> None:
 
 
 class SequenceShard(NamedTuple):
-    """What :func:`shard_sequence` made: the rank's ``batch``, the global ``positions`` of its tokens [T / cp],
-    and for a dict batch with labels the next-token ``targets`` of its share, shifted on the whole sequence."""
+    """What :func:`shard_sequence` made: the rank's ``batch``, the global ``positions`` of its tokens ([T / cp]; a
+    batch's own ``position_ids`` cut, [B, T / cp], for packed documents), and for a dict batch with labels the
+    next-token ``targets`` of its share, shifted on the whole sequence."""
 
     batch: Any
     positions: Tensor
@@ -132,12 +159,16 @@ def shard_sequence(batch: Any, cp: int, rank: int, padding_checked: bool = False
     each sequence cut into ``2 * cp`` chunks of which it keeps ``rank`` and ``2 * cp - 1 - rank``. A dict's
     ``attention_mask`` is checked for padding unless ``padding_checked`` (on the host already). Anything else is
     refused."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
-        inputs, targets = batch
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3) and all(isinstance(t, Tensor) for t in batch):
+        inputs, targets = batch[:2]
         if inputs.dim() != 2 or targets.shape != inputs.shape:
             raise LayoutError(f"context parallel cuts a batch (inputs, targets) of token ids [batch, sequence]; "
                               f"got shapes {tuple(inputs.shape)} and {tuple(targets.shape)}.")
         index = shard_positions(inputs.size(1), cp, rank, device=inputs.device)
+        if len(batch) == 3:  # packed documents: each token's position in its document, cut alike
+            _check_positions(batch[2], inputs)
+            cut = [t[:, index] for t in batch]
+            return SequenceShard(type(batch)(cut), cut[2], None)
         return SequenceShard(type(batch)((inputs[:, index], targets[:, index])), index, None)
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
         return _shard_dict(batch, cp, rank, padding_checked)
@@ -174,7 +205,7 @@ def _shard_dict(batch: Mapping[str, Any], cp: int, rank: int, padding_checked: b
             out[key] = value
     positions = index
     if isinstance(out.get("position_ids"), Tensor) and out["position_ids"].dim() == 2:
-        positions = out["position_ids"][0]
+        positions = out["position_ids"]  # every row's: packed rows differ
     # the model shifts labels inside its loss; shifted above on the whole sequence, then cut
     return SequenceShard(out, positions, targets[:, index] if targets is not None else None)
 

@@ -445,3 +445,24 @@ def check_layer_positions(model: nn.Module, units_by_stage: Sequence[Sequence[st
                             f"context parallel), or stages that start where config.{name} repeats "
                             "(stage_costs=).")
     return positional
+
+
+def check_unit_inputs(model: nn.Module, units: Sequence[str], units_by_stage: Sequence[Sequence[str]],
+                      io: StageIO) -> None:
+    """Refuse a unit whose forward takes the model's input (``input_ids``: a layer routing its experts by token id,
+    DeepSeek-V4's hash routing) where a later stage gets hidden states in its place (``io.hidden_key``): the layer
+    would get ``None`` there and fail at its first forward -- on that stage only, the others left waiting in the
+    schedule. Single-process, before the split: every rank alike."""
+    if len(units_by_stage) < 2 or io.input_key is None or io.hidden_key is None or io.inject:
+        return
+    later = {u for stage in units_by_stage[1:] for u in stage}
+    for unit in units:
+        if unit not in later:
+            continue
+        layer = model.get_submodule(unit)
+        if io.input_key in inspect.signature(layer.forward).parameters:
+            raise LayoutError(
+                f"{type(layer).__name__} ({unit}) takes the model's `{io.input_key}` in its forward (e.g. experts "
+                f"routed by token id), but under pipeline parallel a later stage gets the hidden states "
+                f"(`{io.hidden_key}`) instead, so the layer would have no `{io.input_key}` there. Train "
+                f"{type(model).__name__} with pp=1 (ZeRO, tensor or expert parallel).")

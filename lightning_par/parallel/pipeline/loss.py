@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_par.parallel.blocks import is_hf_model
@@ -148,3 +149,38 @@ def check_layer_losses(model: nn.Module, pp: int) -> None:
 
 def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def kept_activations(module: nn.Module, started: Any = ()) -> list[str]:
+    """The tensors of the forward's graph that ``module``'s submodules keep as attributes after a forward
+    (``"layers.3.mlp.aux_loss"``), less those of layers whose load-balancing loss starts its backward in the layer
+    (``started``: their names). Such a tensor is kept for a loss term the step computes later -- a router's auxiliary
+    loss, a z-loss, an extra head's output. Under pp it lives on its stage, whose backward the schedule has already
+    run from the last stage's loss alone, so the term cannot be trained on: :func:`refuse_kept_activations`.
+    None of the 157 causal LMs of transformers 5.25 keeps one (their balancing loss comes from returned logits)."""
+    found = []
+    for name, sub in module.named_modules():
+        if name in started:
+            continue
+        for attribute, value in vars(sub).items():
+            values = value if isinstance(value, list | tuple) else (value,)
+            if any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in values):
+                found.append(f"{name}.{attribute}" if name else attribute)
+    return found
+
+
+def refuse_kept_activations(kept: list[str], ranks: list[int], pp: int) -> None:
+    """After the first training step, on every pipeline rank alike (``ranks``: the pipeline ranks that found some;
+    ``kept``: this rank's own)."""
+    if not ranks:
+        return
+    where = (f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''} (on this rank's stage)" if kept else
+             f"modules of the stages of pipeline ranks {ranks}")
+    raise LayoutError(
+        f"pipeline parallel (pp={pp}): {where} keep a tensor of the forward's graph as a module attribute after the "
+        "forward -- a loss term the step adds from it (an auxiliary or load-balancing loss read from the layers) "
+        "would be computed on its stage after the schedule already ran that stage's backward from the last stage's "
+        "loss alone, so it would not be trained on. Refused at the first step, before any update. Start the term's "
+        f"backward in the layer: declare `{AUX_LOSS_IN_BACKWARD} = None` on the layer class and return "
+        f"`self.{AUX_LOSS_IN_BACKWARD}(y, coef * aux)` when it is set (lightning_par.examples.moe.MoEFeedForward "
+        "does; docs/moe.md); keep a value only logged detached (`.detach()`); or train without pp.")

@@ -36,6 +36,7 @@ launching process); the runtime takes the plan as it is.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from lightning_par.measure import ActivationMeter
 from lightning_par.parallel.parts import ModelParts, TiedCopy
 from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.batches import split_batch
+from lightning_par.parallel.pipeline.loss import kept_activations, refuse_kept_activations
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
 from lightning_par.parallel.router import apply_aux_loss_in_backward, started_aux_losses
 from lightning_par.parallel.runners import GradSyncFunc
@@ -84,6 +86,13 @@ def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     out = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
     dist.recv(out, src=src, group=group)
     return out
+
+
+def _forward_parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _no_reduce(grad_scale_factor: int) -> None:
@@ -207,6 +216,7 @@ class PipelineRuntime:
         # each router layer's load-balancing loss starts its backward from the layer's output, scaled as the
         # micro-batch's loss is (the schedule backpropagates the last stage's loss alone)
         self._aux_losses = apply_aux_loss_in_backward(self.module, lambda: self.loss_scale)
+        self._kept_checked = False  # see kept_activations: checked on the first training step
 
         def scaled_loss(outputs: Any, targets: Any) -> Tensor:
             loss = self._step_loss(outputs, targets)
@@ -255,19 +265,26 @@ class PipelineRuntime:
         if not isinstance(inputs, Mapping) or not isinstance(inputs.get("input_ids"), Tensor):
             raise LayoutError(f"pipeline inputs must be a tensor or a dict with 'input_ids' (and 'attention_mask'), "
                               f"got {type(inputs).__name__}; see lightning_par.parallel.pipeline.batches.split_batch.")
-        unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+        unknown = sorted(set(inputs) - {"input_ids", "attention_mask", "position_ids"})
         if unknown:
-            raise LayoutError(f"pipeline inputs may hold only 'input_ids' and 'attention_mask', got also {unknown}.")
+            raise LayoutError(f"pipeline inputs may hold only 'input_ids', 'attention_mask' and 'position_ids', got "
+                              f"also {unknown}.")
+        # packed documents: every stage's attention keeps to them (cut into micro-batches like the ids)
+        positions = {} if inputs.get("position_ids") is None else {"position_ids": inputs["position_ids"]}
+        if positions and "position_ids" not in _forward_parameters(self.module):
+            raise LayoutError(f"this batch carries position_ids (packed documents), but {type(self.module).__name__}"
+                              ".forward takes no `position_ids`, so the stages' attention would cross documents. Give "
+                              "the forward a position_ids argument (as lightning_par.examples.GPT), or do not pack.")
         mask = inputs.get("attention_mask")
         if mask is None or bool(mask.bool().all()):  # nothing masked: the same as no mask
-            return inputs["input_ids"], {}
+            return inputs["input_ids"], positions
         if not self.io.takes_mask:
             raise LayoutError(
                 f"this batch has an attention_mask with zeros (padding), but {type(self.module).__name__}.forward "
                 "takes no `attention_mask`, so the pipeline cannot give it to the stages. Pack the sequences "
                 "without padding, or give the model's forward an attention_mask argument."
             )
-        return inputs["input_ids"], {"attention_mask": mask}
+        return inputs["input_ids"], {"attention_mask": mask, **positions}
 
     def _losses_for(self, targets: Tensor | None, labels: Tensor | None, m: int,
                     num_items_in_batch: Any = None) -> tuple[Callable[[Any, Any], Tensor], Tensor]:
@@ -381,8 +398,17 @@ class PipelineRuntime:
         aux = started_aux_losses(self._aux_losses, m)
         if aux is not None:
             loss = loss + aux.to(loss.device)
-        dist.all_reduce(loss, group=self.group)
-        return loss
+        if self._kept_checked:
+            dist.all_reduce(loss, group=self.group)
+            return loss
+        # the first step: the loss's one collective also carries each stage's count of kept activations
+        kept = kept_activations(self.module, self._aux_losses)
+        counts = torch.zeros(1 + self.pp, dtype=torch.float32, device=loss.device)
+        counts[0], counts[1 + self.pp_rank] = loss, len(kept)
+        dist.all_reduce(counts, group=self.group)
+        self._kept_checked = True
+        refuse_kept_activations(kept, [r for r in range(self.pp) if counts[1 + r] > 0], self.pp)
+        return counts[0]
 
     def _from_last(self, tensor: Tensor) -> Tensor:
         dist.broadcast(tensor, src=self.global_ranks[self.last_rank], group=self.group)
@@ -535,7 +561,9 @@ class PipelineRuntime:
         if with_loss:  # checked before any communication
             loss_fn, targets = self._losses_for(targets, labels, m, items)
         chunks = ids.tensor_split(m)
-        masks = extra["attention_mask"].tensor_split(m) if extra else [None] * m
+        # what goes with the ids to every stage (attention_mask, position_ids), cut alike
+        extras = [dict(zip(extra, parts, strict=True)) for parts in zip(*(v.tensor_split(m) for v in extra.values()),
+                                                                         strict=True)] if extra else [{}] * m
         last_stage = self.plan.n_stages - 1
         handoff: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> input, between stages of this rank
         pending: list = []
@@ -550,7 +578,7 @@ class PipelineRuntime:
                     x = handoff.pop((stage, k))
                 else:
                     x = _recv(self.global_ranks[self.plan.rank_of(stage - 1)], self.group, self.device)
-                kwargs = {} if masks[k] is None else {"attention_mask": masks[k]}
+                kwargs = dict(extras[k])
                 if self.io.inject:
                     kwargs["model_inputs"] = chunks[k]
                 y = module(x, **kwargs)
