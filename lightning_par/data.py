@@ -884,6 +884,13 @@ class TextDataModule(L.LightningDataModule):
         if forward is not None and "position_ids" not in inspect.signature(forward).parameters:
             raise ValueError(f"TextDataModule(pack_documents=True): {name}.model ({type(model).__name__}) takes no "
                              "position_ids, so its attention would cross documents. " + fix)
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            # transformers builds the per-document mask from restarting position_ids only without a cache, and a
+            # call that does not pass use_cache=False gets one (a training step never reads it)
+            config.use_cache = False
+            rank_zero_info(f"packed documents: {type(model).__name__}.config.use_cache set to False, so transformers "
+                           "keeps attention within each document whatever the step passes.")
 
     def _data_parallel_sampler(self, dataset: Dataset) -> DataParallelSampler | None:
         """The training sampler: this data-parallel rank's share of one global order, resumable mid-epoch.

@@ -35,6 +35,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -49,6 +50,7 @@ from lightning_par.parallel.param_states import PARAM_STATES, ParamStates
 from lightning_par.parallel.parts import ModelParts
 from lightning_par.parallel.zero import ShardPrecision, ZeroPartitioner, check_partitionable, fully_shard_parts
 from lightning_par.parallel.zero_state import ZeroStates
+from lightning_par.topology import LayoutError
 
 FULL_PRECISION = ShardPrecision()  # the parameters' own dtype for everything
 
@@ -135,6 +137,7 @@ class DDPSync(NoSync):
         self.reducer: BucketedAllReduce | None = None  # deferred: the buckets of the step
         self.module: nn.Module | None = None  # deferred: whose parameters finish_grad_sync reduces
         self._launched: set[int] = set()  # deferred: ids of the parameters whose buckets this step launched
+        self._checked_unused = False  # DDP: parameters no backward reached, looked for at the first step
 
     def wrap(self, module: nn.Module) -> nn.Module:
         if self.deferred:
@@ -159,6 +162,9 @@ class DDPSync(NoSync):
         self.reducer.launch([_local(p.grad) for p in params])
 
     def finish_grad_sync(self) -> None:
+        if self.ddp is not None and not self._checked_unused:
+            self._checked_unused = True
+            _refuse_unused(self.ddp, self.experts)
         if self.reducer is None or self.module is None:
             return
         try:
@@ -181,6 +187,27 @@ class DDPSync(NoSync):
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _refuse_unused(ddp: DistributedDataParallel, experts: Any) -> None:
+    """At the first step's end, before any update: parameters that train (``requires_grad``) and got no gradient.
+    DDP's reducer waits for every one of them, so its next forward stops with torch's "Expected to have finished
+    reduction" after a step whose buckets were left unreduced; one process never updates them (the optimizer skips a
+    parameter without a gradient). A text-only forward of a multimodal model (an audio or vision tower) is the usual
+    case: each rank finds the same ones."""
+    ignored = set(getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ()))
+    expert_ids = {id(p) for p in experts.parameters} if experts is not None else set()
+    unused = [n for n, p in ddp.module.named_parameters()
+              if p.requires_grad and p.grad is None and n not in ignored and id(p) not in expert_ids]
+    if unused:
+        modules, many = sorted({n.rsplit(".", 1)[0] for n in unused}), "s" if len(unused) > 1 else ""
+        raise LayoutError(
+            f"{len(unused)} parameter{many} of {type(ddp.module).__name__} got no gradient in the first step "
+            f"({', '.join(modules[:3])}{' ...' if len(modules) > 3 else ''}): data parallel's all-reduce (ZeRO-0 "
+            "with replicas, DistributedDataParallel) needs every trained parameter to take part in every backward. "
+            "Freeze what the forward does not use (`module.requires_grad_(False)` in configure_model: one process "
+            "never updates it either), or train with ZeRO-3 (FSDP2 reduces what the backward reached). Refused "
+            "before the first update.")
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -311,6 +338,11 @@ class ZeroSync(NoSync):
             # (trainer.save_checkpoint) maps them to the parameters through it. remove() first waits for the
             # gathers of the last step, which no forward waits for now
             partitioner.remove()
+        if not _interrupted(module):
+            for partitioner in self.partitioners:
+                # the module back in its own dtype with the fp32 masters' values (a collective, so not after a
+                # failure: a rank may be gone; the module then stays in the buckets' dtype)
+                partitioner.restore_parameters()
         return module
 
     @property
@@ -324,6 +356,14 @@ class ZeroSync(NoSync):
         if not exclude or self.partitioner is None:
             return super().norm_grads(params)
         return self.partitioner.norm_grads(exclude, shards={id(p) for p in params})
+
+
+def _interrupted(module: nn.Module) -> bool:
+    """The fit of ``module`` (a LightningModule) ended by an exception (Lightning's teardown after it)."""
+    try:
+        return module.trainer.state.status == TrainerStatus.INTERRUPTED  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):  # not a LightningModule, or not attached to a Trainer
+        return False
 
 
 def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,

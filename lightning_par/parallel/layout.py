@@ -122,9 +122,10 @@ class Layout:
         return self.zero_stage == 3 or self.pp > 1 or self.tp > 1 or self.ep > 1
 
     def transforms_blocks(self, compiled: bool) -> bool:
-        """A transform works block by block (ZeRO-3 and replicate groups, recompute, compile, context parallel's
-        hooks on the module that runs the blocks): the model's blocks must be found."""
-        return self.zero_stage == 3 or self.recompute != "none" or compiled or self.cp > 1
+        """A transform works block by block (recompute, compile, context parallel's hooks on the module that runs
+        the blocks): the model's blocks must be found. ZeRO-3 groups them where found, else shards the model as one
+        unit (:func:`~lightning_par.parallel.zero.fully_shard_parts`)."""
+        return self.recompute != "none" or compiled or self.cp > 1
 
     @property
     def sharded_checkpoint(self) -> bool:

@@ -356,6 +356,7 @@ class ZeroPartitioner:
         self._wrapped: list[tuple[nn.Module, Any, Any]] = []  # (compiled module, its call, our wrapper)
         self._warned = False
         self._gather_order = self._install_waits(module)
+        self._hooks += self._install_master_loads(module)
 
     # -- where the all-gathers after the step are waited for ------------------------------------------------------
     def _install_waits(self, module: nn.Module) -> list[_Bucket]:
@@ -454,6 +455,102 @@ class ZeroPartitioner:
         """How many buckets' all-gathers were launched and not yet waited for."""
         return sum(b.gather is not None for b in self.buckets)
 
+    # -- what a user writes into the parameters mid-fit reaches the masters ------------------------------------
+    def _separate(self, bucket: _Bucket) -> bool:
+        """The optimizer's shard of ``bucket`` is a copy beside it (the fp32 master under mixed precision, a host
+        copy under offload) rather than a view of its chunk: a write into the parameters alone would be undone by the
+        next step's all-gather."""
+        local = bucket.shard.to_local() if bucket.shard is not None else bucket.flat
+        return local.untyped_storage().data_ptr() != bucket.flat.untyped_storage().data_ptr()
+
+    def _install_master_loads(self, module: nn.Module) -> list[Any]:
+        """A ``load_state_dict`` pre-hook on every module holding a partitioned parameter (so a load into the whole
+        model or into any submodule is seen): :meth:`_load_into_masters`."""
+        self._names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        return [sub.register_load_state_dict_pre_hook(self._load_into_masters) for sub in module.modules()
+                if any(id(p) in self._bucket_of for p in sub.parameters(recurse=False))]
+
+    @torch.no_grad()
+    def _load_into_masters(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict,
+                           *args: Any) -> None:
+        """``load_state_dict`` mid-fit (a callback restoring weights, an EMA swap): torch copies the values into the
+        parameters -- under mixed precision their bf16 buckets -- and this puts them, at their own precision (fp32
+        from the user stays fp32), into this rank's chunk of the masters too. Without it the next step would step
+        the old masters and all-gather them back over the loaded weights."""
+        self.wait_all()  # a gather still running would overwrite the load
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in self._bucket_of or prefix + name not in state_dict:
+                continue
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise RuntimeError(
+                    f"load_state_dict(assign=True) into {type(module).__name__}.{name} during a ZeRO-1/2 fit would "
+                    "replace a parameter whose memory is the partitioner's bucket: load with assign=False.")
+            bucket, index = self._bucket_of[id(param)]
+            value = _local_value(param, state_dict[prefix + name])
+            if value is not None and self._separate(bucket):  # (a mismatch is reported by torch's own load)
+                start, end = bucket.region(index)
+                lo = bucket.rank * bucket.chunk
+                first, last = max(start, lo), min(end, lo + bucket.chunk)
+                if first < last:
+                    master = bucket.shard.to_local()  # type: ignore[union-attr]
+                    master[first - lo : last - lo].copy_(value.reshape(-1)[first - start : last - start])
+
+    @torch.no_grad()
+    def _adopt_direct_writes(self) -> None:
+        """Before the step: a write into the parameters that bypassed ``load_state_dict`` (``p.data.copy_()``,
+        ``p.copy_()`` under ``no_grad``) since the last all-gather left this rank's chunk of a bucket different from
+        its master, rounded. Such parameters' masters take the written values -- at the parameters' precision, all
+        that is known of them -- and a warning names them. One comparison of the owned chunk per bucket (on CUDA one
+        host sync) per optimizer step; only buckets whose shard is a separate copy."""
+        separate = [b for b in self.buckets if self._separate(b)]
+        if not separate:
+            return
+        rounded = lambda b: b.shard.to_local().to(b.flat.device, b.flat.dtype)  # noqa: E731
+        changed = [(_bits(b.own(b.flat)) != _bits(rounded(b))).any() for b in separate]
+        if not torch.stack(changed).any().item():
+            return
+        written = []
+        for bucket, flag in zip(separate, changed, strict=True):
+            if not flag.item():
+                continue
+            own, now, lo = bucket.own(bucket.flat), rounded(bucket), bucket.rank * bucket.chunk
+            master = bucket.shard.to_local()  # type: ignore[union-attr]
+            for index, param in enumerate(bucket.params):
+                start, end = bucket.region(index)
+                first, last = max(start, lo) - lo, min(end, lo + bucket.chunk) - lo
+                if first < last and (_bits(own[first:last]) != _bits(now[first:last])).any():
+                    master[first:last].copy_(own[first:last])
+                    written.append(self._names.get(id(param), str(tuple(param.shape))))
+        names = ", ".join(written[:4]) + (", ..." if len(written) > 4 else "")
+        warnings.warn(
+            f"ZeRO-{self.stage}: parameters were written directly, not through load_state_dict ({names}): their "
+            f"master weights take the written values at the parameters' precision "
+            f"({str(separate[0].flat.dtype).replace('torch.', '')}); use module.load_state_dict(...) to set them at "
+            "full precision.", RuntimeWarning, stacklevel=2)
+
+    @torch.no_grad()
+    def restore_parameters(self) -> None:
+        """The end of fit: the model's parameters back in their own dtype (the masters'), holding the masters'
+        values -- not their bf16 rounding -- so a later fit starts from them and a save carries the module's dtype.
+        Each bucket of a separate dtype is all-gathered in the masters' dtype into a new bucket the parameters
+        become views of (a collective; the bf16 bucket is freed); where on the same device, the shard becomes a view
+        of its chunk of it, so a load after fit reaches both."""
+        self.wait_all()
+        self._adopt_direct_writes()  # a write after the last step (a callback's on_train_end: SWA's averaged weights)
+        for bucket in self.buckets:
+            assert bucket.shard is not None
+            master = bucket.shard.to_local()
+            if master.dtype == bucket.flat.dtype:
+                continue
+            full = torch.empty(bucket.flat.numel(), dtype=master.dtype, device=bucket.flat.device)
+            _compat.all_gather_single(full, master.to(full.device, copy=True), group=self.group,
+                                      async_op=True).wait()
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                _point_into(param, full, offset)
+            bucket.flat = full
+            if master.device == full.device:
+                bucket.shard._local_tensor = bucket.own(full)  # type: ignore[attr-defined]
+
     # -- building ------------------------------------------------------------------------------------------------
     def _slot(self, param: Tensor) -> int:
         """Elements a parameter takes in its bucket: its local size, or for a tp-split parameter the largest local
@@ -506,18 +603,7 @@ class ZeroPartitioner:
         if staging is not flat:
             flat.copy_(staging)
         for p, offset in zip(params, offsets, strict=True):
-            local = _local_data(p)
-            view = flat[offset : offset + local.numel()].view(local.shape)
-            # the model's parameter now lives in the bucket: the all-gather after the step updates it in place. A
-            # DTensor keeps its object (placements, global shape) and computes on the new local tensor, as FSDP2
-            # does with its sharded parameters; its wrapper's metadata is remade from the view (dtype, storage
-            # offset), since torch.compile rebuilds a DTensor input from its local tensor and refuses a wrapper
-            # whose storage offset differs ("set the storage of a tensor on device cpu to a storage on ... meta")
-            if isinstance(p, DTensor):
-                _retype_dtensor(p, view)
-                p._local_tensor = view  # type: ignore[attr-defined]
-            else:
-                p.data = view
+            _point_into(p, flat, offset)
         mesh, placements, global_numel = self.shard_mesh.layout(split, padded)
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, rank=self.rank, world=self.world, split=split,
                          mesh=mesh, placements=placements, global_numel=global_numel)
@@ -620,6 +706,7 @@ class ZeroPartitioner:
         if not self.require_sync:
             return
         self.wait_all()  # the step writes the shards: a gather of a bucket whose modules never ran must land first
+        self._adopt_direct_writes()  # a user's write into the parameters since the last gather, into the masters
         for bucket in self.buckets:
             if bucket.work is None and not bucket.reduced:
                 # parameters that got no gradient this step (unused) still take part, with zeros
@@ -742,6 +829,42 @@ def _local_grad(param: Tensor) -> Tensor:
         raise RuntimeError(f"ZeroPartitioner: a gradient of {grad.numel()} elements for a parameter holding "
                            f"{local.numel()} here (shape {tuple(param.shape)}).")
     return grad
+
+
+def _point_into(param: nn.Parameter, flat: Tensor, offset: int) -> None:
+    """Make ``param``'s local values the view of ``flat`` at ``offset``."""
+    local = _local_data(param)
+    view = flat[offset : offset + local.numel()].view(local.shape)
+    # the model's parameter now lives in the bucket: the all-gather after the step updates it in place. A
+    # DTensor keeps its object (placements, global shape) and computes on the new local tensor, as FSDP2
+    # does with its sharded parameters; its wrapper's metadata is remade from the view (dtype, storage
+    # offset), since torch.compile rebuilds a DTensor input from its local tensor and refuses a wrapper
+    # whose storage offset differs ("set the storage of a tensor on device cpu to a storage on ... meta")
+    if isinstance(param, DTensor):
+        _retype_dtensor(param, view)
+        param._local_tensor = view  # type: ignore[attr-defined]
+    else:
+        param.data = view
+
+
+def _local_value(param: nn.Parameter, value: Any) -> Tensor | None:
+    """The part of ``value`` (a state dict's entry for ``param``) that this rank's bucket holds, laid out as the
+    parameter's local tensor; None where torch's load would refuse it (another shape, a plain tensor for a
+    DTensor)."""
+    if isinstance(param, DTensor):
+        if not isinstance(value, DTensor) or value.shape != param.shape:
+            return None
+        if tuple(value.placements) != tuple(param.placements):
+            value = value.redistribute(param.device_mesh, param.placements)
+        value = value.to_local()
+    if not isinstance(value, Tensor) or isinstance(value, DTensor) or value.shape != _local_data(param).shape:
+        return None
+    return value.detach()
+
+
+def _bits(t: Tensor) -> Tensor:
+    """``t``'s bit patterns (NaN equal to itself, -0 not equal to 0): for an exact comparison."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _retype_dtensor(param: nn.Parameter, local: Tensor) -> None:
@@ -1011,6 +1134,8 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
         fully_shard_experts(parts.root, parts.experts, parts.expert_mesh, kwargs)
     shard = functools.partial(fully_shard, **kwargs)
     if not parts.pipelined:
+        if parts.found is None:  # no repeated blocks (a plain model): it is one unit, as Lightning's FSDP shards it
+            return shard_whole(parts.root, shard)
         groups = data_parallel_groups(parts.root, found=parts.found)
         return _apply_groups(parts.root, groups, shard)
     check_disjoint(parts.stages)
@@ -1019,6 +1144,56 @@ def fully_shard_parts(parts: ModelParts, dp_mesh: DeviceMesh, offload: bool = Fa
             shard(block)
         shard(stage)
     return list(parts.stages)
+
+
+#: the LightningModule methods that run a model which is sharded as one unit with the LightningModule itself
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def shard_whole(module: nn.Module, shard: Any) -> list[nn.Module]:
+    """ZeRO-3 of a model without repeated blocks: the model as one FSDP2 unit, gathered whole for its forward and
+    backward -- each of ``module``'s children holding parameters (the model a LightningModule keeps; the items of a
+    container) its own unit. Where ``module`` holds parameters itself, or its units share one, ``module`` is the
+    one unit, gathered by its step methods (:data:`STEP_METHODS`, FSDP2's ``register_fsdp_forward_method``).
+    Returns the FSDP2 roots. Warns that the gathered memory is then the whole model, with how to get per-block
+    sharding."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    units: list[tuple[str, nn.Module]] = []
+    loose = [n for n, _ in module.named_parameters(recurse=False)]
+
+    def add(path: str, child: nn.Module) -> None:
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # no forward of its own: its items are called
+            loose.extend(_join(path, n) for n, _ in child.named_parameters(recurse=False))
+            for name, item in child.named_children():
+                add(_join(path, name), item)
+        elif any(True for _ in child.parameters()):
+            units.append((path, child))
+
+    for name, child in module.named_children():
+        add(name, child)
+    owner: dict[int, str] = {}
+    shared = False
+    for path, unit in units:
+        for param in unit.parameters():
+            shared |= owner.setdefault(id(param), path) != path
+    whole = bool(loose) or shared or not units
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(
+            f"ZeRO-3: found no repeated blocks in {type(module).__name__}, so "
+            f"`{type(module).__name__ if whole else ', '.join(p for p, _ in units)}` is sharded as one FSDP2 unit: "
+            "its parameters rest sharded, but each forward and backward gathers the whole model (peak memory is not "
+            "reduced per block). For per-block sharding keep the blocks in an nn.ModuleList, or pass "
+            "--trainer.strategy.block_types='[YourBlock]'.", stacklevel=2)
+    if not whole:
+        for _, unit in units:
+            shard(unit)
+        return [unit for _, unit in units]
+    shard(module)
+    for method in STEP_METHODS:  # (a LightningModule's step calls its model, not its own forward)
+        if callable(getattr(module, method, None)):
+            register_fsdp_forward_method(module, method)
+    return [module]
 
 
 def fully_shard_experts(module: nn.Module, experts: Collection[nn.Parameter], mesh: DeviceMesh,

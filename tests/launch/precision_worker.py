@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -168,12 +169,142 @@ def fit(cache: str, precision: str, stage: int, optimizer: str = "adamw", layout
     return losses.values
 
 
+# -- bf16-mixed ZeRO-1/2: what a user writes into the module reaches the fp32 masters, and fit leaves the module
+# -- in its own dtype holding them
+MASTER_STEPS = 6  # steps of one continuous fit; the load / the second fit happens at step MASTER_STEPS // 2
+
+
+class TableLM(pl.LightningModule):
+    """A tiny fp32 LM trained on a fixed table of batches, the next one at each step across fits (the loader's
+    contents are ignored): two fits of it see the batches one fit of both would. Plain SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = PlainLM(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)
+        g = torch.Generator().manual_seed(100 + dist.get_rank())
+        self.table = torch.randint(0, 64, (MASTER_STEPS, 4, 17), generator=g)
+        self.seen = 0
+
+    def training_step(self, batch, batch_idx):
+        tokens = self.table[self.seen]
+        self.seen += 1
+        logits = self.model(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class WriteAt(pl.Callback):
+    """At the start of step ``at`` (``"end"``: in ``on_train_end``): the module's weights become ``weights`` (fp32),
+    by ``load_state_dict`` or by a direct ``p.copy_()`` under ``no_grad``."""
+
+    def __init__(self, at: int, weights: dict[str, Tensor], how: str) -> None:
+        self.at, self.weights, self.how = at, weights, how
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            self.write(pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.at == "end":  # after the last step (as SWA's callback writes its average)
+            self.write(pl_module)
+
+    def write(self, pl_module) -> None:
+        if self.how == "load_state_dict":
+            pl_module.model.load_state_dict(self.weights)
+        else:
+            with torch.no_grad():
+                for name, p in pl_module.model.named_parameters():
+                    p.copy_(self.weights[name])
+
+
+def _fit_table(module: TableLM, stage: int, steps: int, callbacks=()) -> pl.Trainer:
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LayoutStrategy(zero_stage=stage),
+                         precision="bf16-mixed", max_steps=steps, limit_val_batches=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=list(callbacks))
+    trainer.fit(module)
+    return trainer
+
+
+def _weights(trainer: pl.Trainer) -> dict[str, Tensor]:
+    """What a checkpoint holds (ZeRO-1/2: the masters) after fit, in fp32."""
+    state = trainer.strategy.lightning_module_state_dict()
+    return {k.removeprefix("model."): v.detach().float().clone() for k, v in state.items()}
+
+
+def _max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def masters(stage: int, root: str) -> dict:
+    """Per case the largest absolute weight difference from its reference (plain SGD, bf16-mixed, ZeRO ``stage``):
+
+    * ``two_fits``: fit 3 steps, then a second Trainer fits the same module 3 more, vs one fit of 6 steps;
+    * ``load_state_dict``: a callback restores the initial (fp32) weights at step 3, vs a fresh module fitted on
+      batches 3-5 from them;
+    * ``copy``: the same with ``p.copy_(initial + 0.25)`` under ``no_grad``, vs a fresh module from the bf16 rounding
+      of those weights (what a bf16 parameter holds of the write), and the warning that names them;
+    * ``copy_at_end``: that write in ``on_train_end`` (after the last step): the module after fit holds it.
+
+    Also the module's parameter dtypes after fit and the dtypes of a checkpoint saved after the second fit."""
+    half = MASTER_STEPS // 2
+    out: dict = {}
+    whole = TableLM()
+    initial = {k: v.detach().clone() for k, v in whole.model.state_dict().items()}
+    reference = _weights(_fit_table(whole, stage, MASTER_STEPS))
+    split = TableLM()
+    _fit_table(split, stage, half)
+    out["dtypes_after_fit"] = sorted({str(p.dtype) for p in split.parameters()})
+    trainer = _fit_table(split, stage, half)
+    out["two_fits"] = _max_diff(_weights(trainer), reference)
+    path = Path(root, f"after_two_fits_zero{stage}.ckpt")
+    trainer.save_checkpoint(path)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out["checkpoint_dtypes"] = sorted({str(m.properties.dtype) for k, m in meta.items()
+                                       if k.startswith("state_dict.") and hasattr(m, "properties")})
+    for how in ("load_state_dict", "copy"):
+        # copy: shifted, so that every element's bf16 differs from what training made of it (an element written
+        # with the bf16 value it already had keeps its fp32 master, which a fresh start from the bf16 would not)
+        weights = initial if how == "load_state_dict" else {k: v + 0.25 for k, v in initial.items()}
+        written = TableLM()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = _weights(_fit_table(written, stage, MASTER_STEPS, [WriteAt(half, weights, how)]))
+        out[f"{how}_warnings"] = [str(w.message) for w in caught if "master" in str(w.message)]
+        fresh = TableLM()
+        fresh.seen = half
+        with torch.no_grad():
+            for name, p in fresh.model.named_parameters():  # copy: what a bf16 parameter holds of the write
+                p.copy_(weights[name].to(torch.bfloat16) if how == "copy" else weights[name])
+        out[how] = _max_diff(got, _weights(_fit_table(fresh, stage, half)))
+    # copy_at_end: the same direct write after the last step; the module after fit holds it (as bf16 held it)
+    ended = TableLM()
+    shifted = {k: v + 0.25 for k, v in initial.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_table(ended, stage, half, [WriteAt("end", shifted, "copy")])
+    out["copy_at_end"] = max((p - shifted[n].to(torch.bfloat16).float()).abs().max().item()
+                             for n, p in ended.model.named_parameters())
+    out["copy_at_end_warnings"] = [str(w.message) for w in caught if "master" in str(w.message)]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
     parser.add_argument("--cache", required=True)
     parser.add_argument("--fits", nargs="*", default=list(FITS))
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--masters", nargs="*", type=int, default=[],
+                        help="ZeRO stages of the bf16-mixed master cases (masters())")
     parser.add_argument("--state", nargs="+", default=["bf16-mixed"],
                         help="the precisions of the state-bytes measurement (bf16-mixed-master: ZeRO 1-3)")
     args = parser.parse_args()
@@ -190,6 +321,8 @@ def main() -> None:
         result["state_per_rank" if precision == "bf16-mixed" else f"{precision}_state_per_rank"] = ranks
     for name in args.fits:
         result["losses"][name] = fit(args.cache, *FITS[name])
+    for stage in args.masters:
+        result[f"masters_zero{stage}"] = masters(stage, args.root)
     if dist.get_rank() == 0:
         Path(args.root, "precision.json").write_text(json.dumps(result, indent=1))
     close_process_group()

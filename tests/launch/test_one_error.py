@@ -46,9 +46,9 @@ def test_the_traceback_on_request(monkeypatch):
 
 
 #: strategy -> the error every rank ends with, for tests.launch.readme_model.SequentialModule (blocks in an
-#: nn.Sequential, large enough that configure_model leaves tensors on the meta device)
+#: nn.Sequential, large enough that configure_model leaves tensors on the meta device); ZeRO-3 alone shards such a
+#: model as one unit (tests/launch/test_zero_any_model.py), a pipeline needs its blocks
 SETUP_ERRORS = {
-    "zero3": "lightning-par: error: found no repeated blocks in SequentialModule: it declares no `pipeline_units()`",
     "pipeline2_1f1b": "lightning-par: error: found no repeated blocks in SequentialModule: it declares no "
                       "`pipeline_units()`",
     "megatron_tp2": "lightning-par: error: SequentialModule declares no tensor-parallel plan, so tp=2 cannot split "
@@ -56,8 +56,8 @@ SETUP_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.launch(ranks=2, full=s != "zero3"))
-                                      for s in SETUP_ERRORS])  # a launch per bad input: zero3 by default
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.launch(ranks=2, full=s != "pipeline2_1f1b"))
+                                      for s in SETUP_ERRORS])  # a launch per bad input: pp2 by default
 def test_a_setup_error_is_the_last_line_on_every_rank(strategy, tmp_path, cache_dir):
     argv = ["fit", "--model=tests.launch.readme_model.SequentialModule", "--model.dim=128",
             "--data=lightning_par.data.TextDataModule", "--data.seq_len=16", "--data.max_corpus_bytes=100000",
@@ -71,3 +71,113 @@ def test_a_setup_error_is_the_last_line_on_every_rank(strategy, tmp_path, cache_
     if strategy != "megatron_tp2":
         assert "block_types=[YourBlock]" in last[0]  # the fix, named
     assert "meta tensor" not in run.log and "Traceback" not in run.log, run.log[-3000:]
+
+
+# -- issue 41: a held MASTER_PORT, a non-UTF-8 corpus -------------------------------------------------------------
+def test_a_rank_that_reaches_another_jobs_store_stops_before_joining_it(monkeypatch):
+    """A rank started by this job's rank 0 (it holds the job id) that reaches another job's store on MASTER_PORT
+    stops at once with the one line, having written nothing there; rank 0 on a port another process listens on
+    gives the same line, not torch's EADDRINUSE."""
+    import os
+    import socket
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_par.parallel import job_store as js
+    from tests.harness import free_port
+
+    port = free_port()
+    other = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    other.set(js.JOB_KEY, "4242-the-other-job")
+    keys = other.num_keys()
+    monkeypatch.setenv(js.JOB_ENV, f"{os.getppid()}-this-job")  # as rank 0 of Lightning's launcher hands it down
+    start = time.monotonic()
+    with pytest.raises(js.PortInUseError, match=rf"^MASTER_PORT={port} \(rank 1\): the store there is another "
+                                                rf"job's .*Pick a free port: MASTER_PORT=.*--master_port.*"
+                                                r"--rdzv-endpoint"):
+        js.job_store("127.0.0.1", port, 1, 2, timedelta(seconds=60))
+    assert time.monotonic() - start < 5
+    assert other.num_keys() == keys  # nothing of this job in the other's store
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert js.port_in_use(taken) and not js.port_in_use(free_port())
+        with pytest.raises(js.PortInUseError, match=rf"^MASTER_PORT={taken} is in use on this machine: another job"):
+            js.job_store("127.0.0.1", taken, 0, 2, timedelta(seconds=60))
+
+
+@pytest.mark.launch(ranks=4, full=True)
+def test_a_second_job_on_a_held_port_fails_in_seconds_and_the_first_trains_on(tmp_path, cache_dir):
+    """Two 2-rank fits with the same MASTER_PORT: the second ends within seconds with the one line (exit 1, no
+    traceback, no rank left behind); the first, already holding the port, finishes with exit 0."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.harness import base_env, free_port, launching
+
+    launching(4)
+    port = str(free_port())
+    argv = [sys.executable, "-m", "lightning_par.cli", "fit", *CPU_JOB, "--data.seq_len=16",
+            "--data.max_corpus_bytes=100000", f"--data.cache_dir={cache_dir}", "--trainer.devices=2",
+            "--trainer.strategy=zero2", "--sample_tokens=0", "--trainer.enable_checkpointing=false"]
+    env = {**base_env(cache_dir), "MASTER_PORT": port}
+    first_log = tmp_path / "first.log"
+    first = subprocess.Popen([*argv, "--trainer.max_steps=40"], cwd=tmp_path, env=env, stdout=first_log.open("w"),
+                             stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while "Initializing distributed: GLOBAL_RANK: 1" not in first_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)  # (rank 1 of the first job has joined its store)
+    start = time.monotonic()
+    second = subprocess.run([*argv, "--trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    seconds = time.monotonic() - start
+    print(f"the second job ended after {seconds:.1f} s")
+    out = second.stdout + second.stderr
+    assert second.returncode == 1 and "Traceback" not in out and "EADDRINUSE" not in out, out[-3000:]
+    assert _last_lines(out) == [f"lightning-par: error: MASTER_PORT={port} is in use on this machine: another job "
+                                "holds this port (its process group's store), and this job's ranks must not join "
+                                "it. Pick a free port: MASTER_PORT=<free port> (or leave MASTER_PORT unset: "
+                                "Lightning then picks a free one); under torchrun, --master_port=<free port> or "
+                                "--rdzv-endpoint=<host>:<free port>."]
+    assert seconds < 60
+    assert first.wait(timeout=400) == 0, first_log.read_text()[-3000:]
+    assert os.environ.get("MASTER_PORT") != port
+
+
+def test_a_corpus_that_is_not_utf8_stops_every_rank_with_the_same_line(tmp_path, capsys, monkeypatch):
+    """Under a multi-rank Trainer, rank 0's ``prepare_data`` keeps the error for ``setup`` (the other ranks wait at
+    Lightning's barrier after it), where every rank's own look at the files finds the same one: each rank raises the
+    same DataError, which ``lightning-par`` prints as one line -- no rank blames rank 0 in a traceback. Two data
+    modules stand for rank 0 and rank 1."""
+    from types import SimpleNamespace
+
+    from lightning_par.data import DataError, TextDataModule
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine text here"}\n' * 20 + b'{"text": "caf\xe9 au lait"}\n')
+    said = []
+    for rank in (0, 1):
+        module = TextDataModule(data_files=str(latin), seq_len=8, cache_dir=str(tmp_path / "cache"))
+        module.trainer = SimpleNamespace(world_size=2)
+        if rank == 0:
+            module.prepare_data()  # kept: rank 1 is at the barrier after this hook
+        with pytest.raises(DataError) as failure:
+            module.setup("fit")
+        said.append(str(failure.value))
+    assert said[0] == said[1] == (f"{latin}, line 21, column 14: byte 0xe9 is not UTF-8, which JSON and CSV files "
+                                  "must be; convert the file (e.g. iconv -f latin1 -t utf-8) or fix that line")
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--model=lightning_par.examples.GPTLightningModule", "--model.preset=tiny",
+              "--data=lightning_par.data.TextDataModule", f"--data.data_files={latin}", "--data.seq_len=8",
+              f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.accelerator=cpu", "--trainer.devices=1",
+              "--trainer.max_steps=1", "--sample_tokens=0", "--trainer.logger=false",
+              "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert _last_lines(err) == [f"lightning-par: error: {said[0]}"] and "Traceback" not in err

@@ -21,7 +21,7 @@ from tests.harness import Run, launch_matrix, max_rel_diff
 
 PARITY_RTOL = 1e-5
 NORM_RTOL = 1e-4
-FITS = ("plain_sgd", "plain_adamw_clip", "hf_llama_clip")
+FITS = ("plain_sgd", "plain_adamw_clip", "hf_llama_clip", "one_unit_sgd", "one_unit_loose_sgd")
 N_BLOCKS = {"plain_sgd": 8, "plain_adamw_clip": 8, "hf_llama_clip": 4}
 
 
@@ -57,6 +57,16 @@ def test_zero3_on_a_model_that_declares_nothing_matches_one_process(launches, na
         assert min(reference_norms) > CLIP  # clipping acted on every measured step
     losses = reference.losses()
     assert losses[-1] < losses[0] - 1.0  # it trains
+
+
+@pytest.mark.launch(ranks=2)
+@pytest.mark.parametrize(("name", "unit"), [("one_unit_sgd", "model"), ("one_unit_loose_sgd", "OneUnit")])
+def test_zero3_shards_a_model_without_blocks_as_one_unit(launches, name, unit):
+    """No nn.ModuleList (Lightning's FSDP shards such a model whole): one FSDP2 unit, said once, at parity above."""
+    log = launches[2].log
+    said = f"ZeRO-3: found no repeated blocks in OneUnit, so `{unit}` is sharded as one FSDP2 unit"
+    assert said in log and "found no repeated blocks in OneUnit: it declares" not in log
+    assert "peak memory is not reduced per block" in log and "block_types='[YourBlock]'" in log
 
 
 # -- ZeRO-3: what is gathered during forward ------------------------------------------------------------------------

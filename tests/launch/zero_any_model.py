@@ -28,8 +28,54 @@ FITS: dict[str, tuple[str, dict, float | None]] = {
     "plain_sgd": ("PlainLMLightningModule", dict(n_layers=8, optimizer="sgd", lr=0.5), None),
     "plain_adamw_clip": ("PlainLMLightningModule", dict(n_layers=8, lr=3e-3), CLIP),
     "hf_llama_clip": ("HFLlamaLightningModule", dict(n_layers=4, n_kv_heads=2, lr=3e-3), CLIP),
+    # no nn.ModuleList: ZeRO-3 shards the model as one unit (its blocks are attributes, not a container)
+    "one_unit_sgd": ("OneUnitLightningModule", dict(optimizer="sgd", lr=0.2), None),
+    # and a parameter on the LightningModule itself: the LightningModule is the unit, gathered by its steps
+    "one_unit_loose_sgd": ("OneUnitLightningModule", dict(optimizer="sgd", lr=0.2, loose=True), None),
 }
+#: the fits whose model has no repeated blocks (nothing gathered per block to meter)
+NO_BLOCKS = ("one_unit_sgd", "one_unit_loose_sgd")
 MEASURED_STEP = 3  # the forward of this optimizer step (1-based) is metered
+
+
+class OneUnitLM(torch.nn.Module):
+    """PlainLM's layers without an nn.ModuleList: two blocks kept as attributes of their own names."""
+
+    def __init__(self, vocab_size: int, dim: int = 64) -> None:
+        from lightning_par.examples.plain_lm import Block
+
+        super().__init__()
+        self.tok_emb = torch.nn.Embedding(vocab_size, dim)
+        self.first, self.second = Block(dim, 4), Block(dim, 4)
+        self.norm, self.head = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.second(self.first(self.tok_emb(tokens)))))
+
+
+def OneUnitLightningModule(loose: bool = False, **kwargs):  # noqa: N802 (a class factory, named as the class)
+    """PlainLMLightningModule around :class:`OneUnitLM`; ``loose``: a bias on the logits held by the
+    LightningModule itself."""
+    from lightning_par.data import vocab_size_from_data
+    from lightning_par.examples import PlainLMLightningModule
+
+    class OneUnit(PlainLMLightningModule):
+        def __init__(self) -> None:
+            super().__init__(**kwargs)
+            self.bias = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.hparams.vocab_size = vocab_size_from_data(self, self.hparams.vocab_size)
+                self.model = OneUnitLM(self.hparams.vocab_size)
+                if loose:
+                    self.bias = torch.nn.Parameter(torch.zeros(self.hparams.vocab_size))
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            logits = self.model(tokens)
+            return logits + self.bias if self.bias is not None else logits
+
+    return OneUnit()
 
 
 class GatheredPeak(pl.Callback):
@@ -68,11 +114,11 @@ def fit(root: Path, cache: str, name: str, world: int) -> None:
 
     model_name, kwargs, clip = FITS[name]
     pl.seed_everything(1234)
-    model = getattr(examples, model_name)(**kwargs)
+    model = (getattr(examples, model_name, None) or globals()[model_name])(**kwargs)
     data = TextDataModule(seq_len=32, max_corpus_bytes=300_000, shuffle=False, batch_size=GLOBAL_BATCH // world,
                           cache_dir=cache)
     callbacks: list = [GradNorms()]
-    if world > 1:
+    if world > 1 and name not in NO_BLOCKS:
         callbacks.append(GatheredPeak(root / "reports"))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=3) if world > 1 else "auto",

@@ -54,7 +54,8 @@ def _masters(trainer: pl.Trainer) -> list[torch.Tensor]:
 def test_a_zero2_bf16_resume_restores_the_fp32_masters_and_gathers_them_into_the_buckets(tmp_path, source):
     """Saved after 3 AdamW steps -- by ZeRO-2 (a DCP directory of its fp32 masters) or by ZeRO-0 (one file of fp32
     weights) -- and restored into a ZeRO-2 bf16-mixed fit that has reached max_steps: the masters equal the saved
-    fp32 values bit for bit (not their bf16 rounding), the buckets their bf16 rounding, Adam's moments the saved."""
+    fp32 values bit for bit (not their bf16 rounding), and so do the module's parameters once fit ends (fp32 again),
+    Adam's moments the saved."""
     first, model = _trainer(2 if source == "zero2" else 0, 3, seed=1)
     first.fit(model, _loader())
     path = tmp_path / "step3.ckpt"
@@ -76,8 +77,9 @@ def test_a_zero2_bf16_resume_restores_the_fp32_masters_and_gathers_them_into_the
     names = {id(p): name for name, p in resumed.named_parameters()}
     for bucket in partitioner.buckets:
         master = bucket.shard.to_local()
-        assert master.dtype == torch.float32 and bucket.flat.dtype == BF16
-        assert torch.equal(bucket.flat, master.to(BF16))  # the refresh: the loaded masters gathered, rounded once
+        # after fit the buckets are the module's fp32 parameters again, holding the masters (restore_parameters)
+        assert master.dtype == torch.float32 and bucket.flat.dtype == torch.float32
+        assert torch.equal(bucket.flat, master)  # the loaded masters gathered, unrounded
         if source == "one_file":
             for index, param in enumerate(bucket.params):
                 begin, end = bucket.region(index)
