@@ -67,3 +67,22 @@ def test_hugging_face_llama_packed_equals_the_documents_unpacked():
     crossing = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
     print(f"Llama packed {got.item():.7f}, unpacked {one.item():.7f}, across documents {crossing.item():.7f}")
     assert abs(got.item() - one.item()) <= 1e-5 * one.item() and abs(crossing.item() - one.item()) > 1e-4
+
+
+def test_packed_documents_turn_a_hugging_face_models_cache_off():
+    """transformers keeps packed documents apart (from restarting position_ids) only without a cache; a step that
+    calls the model without use_cache=False would get one and attend across documents."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_par.data import TextDataModule
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    assert model.config.use_cache
+    module = SimpleNamespace(model=model, takes_position_ids=True)
+    dm = TextDataModule(pack_documents=True)
+    dm.trainer = SimpleNamespace(lightning_module=module)
+    dm._check_position_ids_taken()
+    assert model.config.use_cache is False
