@@ -408,7 +408,9 @@ def markdown(rows: dict[str, dict[str, Any]], layouts: list[str], meta: dict[str
         f"{meta['transformers']}, torch {meta['torch']}, lightning {meta['lightning']}; {len(rows)} causal-LM "
         f"architectures, {built} built from their config defaults shrunk to tiny sizes (one rule for all, "
         f"`hf_matrix.TINY`), {STEPS} steps of plain SGD against one process, parity within {RTOL:g} per step "
-        f"(relative). {meta['seconds'] / 60:.0f} min on {meta['machine']}.",
+        f"(relative). {meta['seconds'] / 60:.0f} min on {meta['machine']}."
+        + "".join(f" Re-run on {u['date']} (`--update`, {u['seconds'] / 60:.0f} min): {', '.join(u['layouts'])} of "
+                  f"{', '.join(u['archs'])}." for u in meta.get("updates", ())),
         "",
         "| layout | cells | parity | unstable | refused | fails |",
         "|---|---|---|---|---|---|",
@@ -435,6 +437,9 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/hf_matrix", help="launch logs")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a case may run before it counts as hung")
     parser.add_argument("--reclassify", help="a JSON this wrote: classify its cells again and write the table")
+    parser.add_argument("--update", action="store_true",
+                        help="run only --archs x --layouts and replace those cells in --json (the rest kept, the "
+                             "update listed in its meta)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -479,9 +484,22 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "transformers": transformers.__version__, "torch": torch.__version__,
             "lightning": lightning.__version__, "seconds": time.perf_counter() - start,
             "machine": f"{os.cpu_count()} CPU cores (gloo)"}
+    layouts = args.layouts
+    if args.update:  # the re-run cells into the saved matrix, which must be of the same releases
+        saved = json.loads(Path(args.json).read_text())
+        if saved["meta"]["transformers"] != meta["transformers"]:
+            raise SystemExit(f"--update: {args.json} is of transformers {saved['meta']['transformers']}, this run "
+                             f"of {meta['transformers']}: run the whole matrix")
+        for arch, row in rows.items():
+            old = saved["rows"].setdefault(arch, row)
+            old["cells"].update(row["cells"])
+            old.setdefault("raw", {}).update(row.get("raw", {}))
+        saved["meta"].setdefault("updates", []).append(
+            {"date": meta["date"], "archs": archs, "layouts": args.layouts, "seconds": round(meta["seconds"])})
+        rows, meta, layouts = saved["rows"], saved["meta"], saved["layouts"]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"meta": meta, "layouts": args.layouts, "rows": rows}, indent=1))
-    table = markdown(rows, args.layouts, meta)
+    Path(args.json).write_text(json.dumps({"meta": meta, "layouts": layouts, "rows": rows}, indent=1))
+    table = markdown(rows, layouts, meta)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table)

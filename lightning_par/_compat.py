@@ -414,6 +414,18 @@ def train_step_metrics(trainer: Any) -> list[tuple[str, Any]]:
             and getattr(getattr(metric, "meta", None), "on_step", False)]
 
 
+def step_value(metric: Any) -> Any:
+    """What a metric of :func:`train_step_metrics` logs at this step (its private ``_forward_cache``)."""
+    return metric._forward_cache
+
+
+def set_step_value(metric: Any, value: Any) -> None:
+    """Make ``value`` what the metric logs at this step (and keeps, for an on_step-only value)."""
+    metric._forward_cache = value
+    if not metric.meta.on_epoch:
+        metric.value = value
+
+
 def keep_sequential_train_loaders(trainer: Any) -> None:
     """A training DataLoader with a ``SequentialSampler`` (``shuffle=False``) gets Lightning's injected sampler with
     ``shuffle=False``: Lightning's data connector asks for a shuffled one for every training loader

@@ -195,10 +195,9 @@ def _refuse_unused(ddp: DistributedDataParallel, experts: Any) -> None:
     reduction" after a step whose buckets were left unreduced; one process never updates them (the optimizer skips a
     parameter without a gradient). A text-only forward of a multimodal model (an audio or vision tower) is the usual
     case: each rank finds the same ones."""
-    ignored = set(getattr(ddp.module, "_ddp_params_and_buffers_to_ignore", ()))
-    expert_ids = {id(p) for p in experts.parameters} if experts is not None else set()
+    expert_ids = {id(p) for p in experts.parameters} if experts is not None else set()  # (DDP ignores those)
     unused = [n for n, p in ddp.module.named_parameters()
-              if p.requires_grad and p.grad is None and n not in ignored and id(p) not in expert_ids]
+              if p.requires_grad and p.grad is None and id(p) not in expert_ids]
     if unused:
         modules, many = sorted({n.rsplit(".", 1)[0] for n in unused}), "s" if len(unused) > 1 else ""
         raise LayoutError(

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_par._compat import set_skip_backward, train_step_metrics
+from lightning_par._compat import set_skip_backward, set_step_value, step_value, train_step_metrics
 from lightning_par.parallel.finalize import finalize, no_sync
 from lightning_par.parallel.grad_norm import clip_grads_, global_grad_norm
 from lightning_par.parallel.pipeline.batches import split_batch, unpacked_batch_errors
@@ -388,15 +388,13 @@ class _AccumulatedMeans:
         if batch_idx % accumulate == 0:  # a new optimizer step's first micro-batch
             self._sums = {}
         for key, metric in train_step_metrics(trainer):
-            value = metric._forward_cache
+            value = step_value(metric)
             seen = self._sums.get(key)
             if not isinstance(value, Tensor) or not value.is_floating_point() or (seen and seen[2] is value):
                 continue  # not logged by this micro-batch (still the mean set at the last one)
             total, count = (seen[0] + value, seen[1] + 1) if seen else (value, 1)
             mean = total / count
-            metric._forward_cache = mean
-            if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
-                metric.value = mean
+            set_step_value(metric, mean)
             self._sums[key] = (total, count, mean)
 
 
