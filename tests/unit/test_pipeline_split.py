@@ -353,3 +353,17 @@ def test_parameter_outside_every_unit_is_held_by_every_stage():
     model.scale = nn.Parameter(torch.ones(1))
     groups = tied_parameter_groups(model, plan_stages(model, 3))
     assert groups == [("scale", [0, 1, 2], {0: "scale", 1: "scale", 2: "scale"})]
+
+
+def test_a_removed_unit_answers_reads_of_its_parameters_on_the_meta_device():
+    """A forward that reads a removed unit's parameter without calling it (Hugging Face HY-V4's
+    ``hidden.to(self.lm_head.weight.dtype)`` on a stage without the head) gets the meta copy: dtype and shape right,
+    and a computation with it fails on the meta device."""
+    from lightning_par.parallel.pipeline.split import RemovedUnit, meta_copy
+
+    head = nn.Linear(4, 8).to(torch.bfloat16)
+    removed = RemovedUnit("lm_head", "pass", meta_copy(head))
+    assert removed.weight.dtype == torch.bfloat16 and removed.weight.shape == (8, 4) and removed.weight.is_meta
+    assert not list(removed.parameters())
+    with pytest.raises(AttributeError):
+        removed.not_an_attribute  # noqa: B018

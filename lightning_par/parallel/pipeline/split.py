@@ -35,7 +35,7 @@ import copy
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -215,6 +215,18 @@ class RemovedUnit(nn.Module):
                 "units in forward."
             )
         return x
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # a parameter or buffer of the removed unit that the forward reads without calling the unit
+            # (`hidden.to(self.lm_head.weight.dtype)`): its meta copy -- dtype and shape read right, and any
+            # computation with it fails loudly on the meta device instead of going on with something else
+            value = getattr(self.__dict__.get("meta"), name, None)
+            if isinstance(value, Tensor):
+                return value
+            raise
 
     def extra_repr(self) -> str:
         how = "zeros of its output shape" if self.mode == "shape" else "input passed through"
