@@ -79,6 +79,11 @@ CASES: dict[str, Case] = {
     # ZeRO-1 on 2 ranks (per-rank batch 4) resumed on 1 (accumulation 2; the test runs it in its own process)
     "zero1_dp2": _elastic(lambda: ZeroStrategy(stage=1), 2, batch=4, samples=UNEVEN),
     "zero1_dp2_to_1": _elastic(lambda: ZeroStrategy(stage=1), 1, source="zero1_dp2", batch=4, samples=UNEVEN),
+    # ... and ZeRO-1 4 -> 2 -> 4, as ZeRO-3 above (the full set)
+    "zero1_dp4": _elastic(lambda: ZeroStrategy(stage=1), 4, samples=UNEVEN),
+    "zero1_dp4_to_dp2": _elastic(lambda: ZeroStrategy(stage=1), 2, source="zero1_dp4", samples=UNEVEN),
+    "zero1_dp2_back_to_dp4": _elastic(lambda: ZeroStrategy(stage=1), 4, source="zero1_dp4_to_dp2", source_step=10,
+                                      samples=UNEVEN),
     "dp2_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 4, batch=4),
     "dp2_tp2_to_tp2": _elastic(lambda: MegatronTPStrategy(tp=2), 2, source="dp2_tp2", batch=4),
     # strategy="planned" (it plans for the datamodule's batch per replica): re-planned for 2 ranks

@@ -176,18 +176,18 @@ def test_zero1_on_2_ranks_resumed_on_1_is_the_same_run(tmp_path, cache_dir):
     assert acc == 2 and loss <= 1e-5 and weights <= 1e-5
 
 
-# -- launched (--full): 4 ranks -> 2 -> 4 under ZeRO-3, dp2 x tp2 -> tp2 ---------------------------------------------
+# -- launched (--full): 4 ranks -> 2 -> 4 under ZeRO-3 and ZeRO-1, dp2 x tp2 -> tp2 ------------------------------------
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory, cache_dir):
-    """The elastic cases of tests/launch/resume_worker.py, each rank count in one launch: 4 ranks (ZeRO-3 dp4, dp2 x
-    tp2), 2 ranks (both resumed), 4 ranks (ZeRO-3 back on dp4)."""
+    """The elastic cases of tests/launch/resume_worker.py, each rank count in one launch: 4 ranks (ZeRO-3 and ZeRO-1
+    dp4, dp2 x tp2, planned), 2 ranks (all resumed), 4 ranks (ZeRO-3 and ZeRO-1 back on dp4)."""
     from tests.harness import launch_matrix
 
     root = tmp_path_factory.mktemp("elastic")
     seconds = {}
-    for names, nproc in ((["zero3_dp4", "dp2_tp2", "planned4_text"], 4),
-                         (["zero3_dp4_to_dp2", "dp2_tp2_to_tp2", "planned4_to_2"], 2),
-                         (["zero3_dp2_back_to_dp4"], 4)):
+    for names, nproc in ((["zero3_dp4", "zero1_dp4", "dp2_tp2", "planned4_text"], 4),
+                         (["zero3_dp4_to_dp2", "zero1_dp4_to_dp2", "dp2_tp2_to_tp2", "planned4_to_2"], 2),
+                         (["zero3_dp2_back_to_dp4", "zero1_dp2_back_to_dp4"], 4)):
         run = launch_matrix(root, cache_dir, "tests.launch.resume_worker",
                             ["--root", str(root), "--cache", str(cache_dir), "--cases", *names], nproc=nproc).check()
         seconds[tuple(names)] = run.seconds
@@ -209,6 +209,10 @@ def _steps(root, name, times=False):
                          [("zero3_dp4_to_dp2", "zero3_dp4", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
                            "dp=2 x tp=1 x pp=1"),
                           ("zero3_dp2_back_to_dp4", "zero3_dp4", 10, 1, "on 4 ranks (the checkpoint's: 2); layout "
+                           "dp=4 x tp=1 x pp=1"),
+                          ("zero1_dp4_to_dp2", "zero1_dp4", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
+                           "dp=2 x tp=1 x pp=1"),
+                          ("zero1_dp2_back_to_dp4", "zero1_dp4", 10, 1, "on 4 ranks (the checkpoint's: 2); layout "
                            "dp=4 x tp=1 x pp=1"),
                           ("dp2_tp2_to_tp2", "dp2_tp2", SAVE_EVERY, 2, "on 2 ranks (the checkpoint's: 4); layout "
                            "dp=1 x tp=2 x pp=1"),
