@@ -26,6 +26,8 @@ formed on the stage holding the layer. :func:`apply_aux_loss_in_backward` gives 
 passes its output and its weighted loss through it; the output comes back unchanged, and when the output's gradient
 arrives the loss's own backward starts too, with the factor the schedule applies to each micro-batch's loss. So each
 micro-batch's load-balancing loss trains its stage's routers inside any schedule, with nothing sent between stages.
+A Hugging Face MoE model's loss is one function of all layers' router logits; under a pipeline
+:func:`apply_layer_balancing` forms it as the sum of the layers' own terms instead (Megatron's), each on its stage.
 """
 
 from __future__ import annotations
@@ -231,6 +233,154 @@ class GlobalLoadBalancing:
             output.loss = output.loss + model.router_aux_loss_coef * (aux - local).to(output.loss.device)
         output.aux_loss = aux
         return output
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hugging Face MoE models under a pipeline: each layer's term, on its own stage
+# ----------------------------------------------------------------------------------------------------------------------
+#: where a Hugging Face model keeps its :class:`LayerBalancing`'s hook handles (a second setup removes them)
+LAYER_BALANCING_HOOKS = "_lightning_par_layer_balancing"
+#: the output transformers collects from each MoE layer's router (``_can_record_outputs``)
+ROUTER_LOGITS = "router_logits"
+
+
+def router_logit_modules(model: nn.Module) -> dict[str, int] | None:
+    """The modules of ``model`` whose output transformers collects into ``router_logits`` -- read from the
+    ``_can_record_outputs["router_logits"]`` of its class (an ``OutputRecorder``, a class or a class name, matched as
+    transformers matches them) -- by name, each with the index of the logits in its output; None when no class of the
+    model records them."""
+    specs = next((s[ROUTER_LOGITS] for m in model.modules()
+                  if isinstance(s := getattr(m, "_can_record_outputs", None), dict) and s.get(ROUTER_LOGITS)), None)
+    if specs is None:
+        return None
+    found: dict[str, int] = {}
+    for spec in specs if isinstance(specs, list) else [specs]:
+        if isinstance(spec, type | str):  # (transformers' default index for outputs other than hidden states)
+            target, class_name, layer, index = (spec, None, None, 1) if isinstance(spec, type) else \
+                (None, spec, None, 1)
+        else:
+            target, class_name = getattr(spec, "target_class", None), getattr(spec, "class_name", None)
+            layer, index = getattr(spec, "layer_name", None), getattr(spec, "index", 0)
+        for name, module in model.named_modules():
+            if not ((target is not None and isinstance(module, target))
+                    or (class_name is not None and f".{name}".endswith(class_name))):
+                continue
+            if layer is None or f".{layer.strip('.')}." in f".{name}.":
+                found[name] = index
+    return found
+
+
+def layer_balancing_refusal(model: nn.Module) -> str | None:
+    """Why a pipeline cannot form ``model``'s load-balancing loss layer by layer (:class:`LayerBalancing`), or None
+    when it can: a Hugging Face causal LM whose modeling module has ``load_balancing_loss_func``, whose class records
+    its routers' logits, with integer ``num_experts`` and ``num_experts_per_tok``. Read from the class and the
+    config alone: the same verdict on every pipeline rank, whatever its stages hold."""
+    if not balancing_models(model):
+        return "its modeling module has no load_balancing_loss_func to form each layer's term with"
+    if router_logit_modules(model) is None:
+        return (f"its class records no `{ROUTER_LOGITS}` output (_can_record_outputs), so the pipeline cannot find "
+                "the module each layer's router logits come from")
+    if not all(isinstance(getattr(model, a, None), int) for a in ("num_experts", "num_experts_per_tok")):
+        return "it has no integer num_experts and num_experts_per_tok to call its load_balancing_loss_func with"
+    return None
+
+
+class LayerBalancing:
+    """Under a pipeline, a Hugging Face MoE model's load-balancing loss as the sum of its layers' terms (Megatron's
+    per-layer auxiliary loss), not transformers' one loss of all layers' statistics together, whose layers live on
+    different stages. A forward hook on each module whose output transformers records as ``router_logits`` keeps the
+    layer's logits; a forward hook on the layer's block forms its term -- the model's own ``load_balancing_loss_func``
+    of those logits alone (its ``num_experts``, top-k and the stage's ``attention_mask``) times
+    ``router_aux_loss_coef`` -- and starts it in the backward from the block's output (its ``aux_loss_backward``,
+    :class:`AuxLossInBackward`). The block's hook runs outside a recomputed forward, so the term and its saved
+    tensors are those of the forward itself (a recomputation would see the mask of the micro-batch current then).
+    A forward pre-hook on each stage module reads the micro-batch's mask and calls the model with
+    ``output_router_logits=False``: the stage's output then holds no loss of its stage's logits alone."""
+
+    def __init__(self, model: nn.Module, function: Callable[..., Tensor], coefficient: float) -> None:
+        self.function, self.coefficient = function, coefficient
+        self.experts, self.top_k, self.name = model.num_experts, model.num_experts_per_tok, type(model).__name__
+        self.takes_flag = "output_router_logits" in inspect.signature(type(model).forward).parameters
+        self.mask: Tensor | None = None
+        self.pending: dict[int, list[Tensor]] = {}
+
+    def stage_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self.mask, self.pending = kwargs.get("attention_mask"), {}
+        return (args, {**kwargs, "output_router_logits": False}) if self.takes_flag else None
+
+    def router_hook(self, block: nn.Module, index: int) -> Callable[[nn.Module, tuple, Any], None]:
+        def keep(module: nn.Module, args: tuple, output: Any) -> None:
+            logits = output[index] if isinstance(output, tuple | list) else output
+            # not in a forward that recompute runs again inside the backward: the first one's term is trained
+            if torch.is_grad_enabled() and isinstance(logits, Tensor) and counts_routing(logits):
+                self.pending.setdefault(id(block), []).append(logits)
+
+        return keep
+
+    def block_output(self, block: nn.Module, args: tuple, output: Any) -> Any:
+        logits, started = self.pending.pop(id(block), []), getattr(block, AUX_LOSS_IN_BACKWARD, None)
+        if not logits or started is None:
+            return None
+        if self.mask is not None and any(self.mask.numel() != x.shape[0] for x in logits):
+            raise LayoutError(
+                f"{self.name} under pp: a router's logits hold {logits[0].shape[0]} rows where the stage's "
+                f"attention_mask holds {self.mask.numel()} tokens, so its layer's load-balancing term cannot leave the "
+                "padding out as the model would: train without padding (or without the loss) in this layout.")
+        term = self.coefficient * torch.stack([self.function((x,), self.experts, self.top_k, self.mask)
+                                               for x in logits]).sum()
+        if isinstance(output, Tensor):
+            return started(output, term)
+        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+            return (started(output[0], term), *output[1:])
+        raise LayoutError(f"{self.name} under pp: the block {type(block).__name__} returns {type(output).__name__}, "
+                          "not a tensor (or a tuple starting with one) to start its layer's load-balancing term from.")
+
+
+def apply_layer_balancing(module: nn.Module, stages: list[nn.Module], block_names: list[str]) -> str | None:
+    """Under a pipeline, give every Hugging Face model inside ``module`` (this rank's stages) that adds a
+    load-balancing loss a :class:`LayerBalancing`: its hooks, and ``aux_loss_backward = None`` on each block holding
+    a router (``block_names``, relative to ``module``; else the router's parent), which the runtime then sets
+    (:func:`apply_aux_loss_in_backward`). ``stages``: the modules the schedule calls. A line for the log (None: no
+    such model). Refused: a model :func:`layer_balancing_refusal` refuses, and the global scope (not built here)."""
+    lines = []
+    for name, model in balancing_models(module).items():
+        for handle in getattr(model, LAYER_BALANCING_HOOKS, ()):  # (a second setup of the same model)
+            handle.remove()
+        coefficient = model.router_aux_loss_coef
+        if not coefficient or not getattr(getattr(model, "config", None), "output_router_logits", False):
+            continue
+        if (why := layer_balancing_refusal(model)) is not None:
+            raise LayoutError(f"pipeline parallel: {type(model).__name__}'s load-balancing loss cannot be formed "
+                              f"layer by layer on the stages: {why}. Set router_aux_loss_coef=0 to train under pp.")
+        hook = getattr(model, BALANCING_HOOK, None)
+        if hook is not None and hook.id in model._forward_hooks:
+            raise LayoutError(
+                f"aux_loss_scope='global' with pipeline parallel: {type(model).__name__}'s load-balancing loss is "
+                "formed layer by layer on each stage under pp, from each rank's tokens; the global scope is not built "
+                "for it there. Use aux_loss_scope='micro_batch' (or unset), or train with the global scope without pp.")
+        function = next(getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None)
+                        for c in type(model).__mro__
+                        if callable(getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None)))
+        balancing = LayerBalancing(model, function, coefficient)
+        prefix = f"{name}." if name else ""
+        handles, blocks = [], {}
+        for gate_name, index in router_logit_modules(model).items():
+            full = prefix + gate_name
+            block_name = max((b for b in block_names if full.startswith(f"{b}.")), key=len, default=None)
+            block = module.get_submodule(block_name if block_name is not None else full.rpartition(".")[0])
+            blocks[id(block)] = block
+            handles.append(module.get_submodule(full).register_forward_hook(balancing.router_hook(block, index)))
+        for block in blocks.values():
+            if not hasattr(block, AUX_LOSS_IN_BACKWARD):
+                setattr(block, AUX_LOSS_IN_BACKWARD, None)
+            handles.append(block.register_forward_hook(balancing.block_output))
+        handles += [stage.register_forward_pre_hook(balancing.stage_call, with_kwargs=True) for stage in stages]
+        setattr(model, LAYER_BALANCING_HOOKS, handles)
+        lines.append(
+            f"router: under pp, {type(model).__name__}'s load-balancing loss is the sum of its MoE layers' terms "
+            f"(Megatron's: each layer's load_balancing_loss_func of its own router logits, times {coefficient}, "
+            "started in the backward on its stage), not transformers' one loss of all layers' logits together")
+    return "; ".join(lines) or None
 
 
 class _AuxLossInBackward(torch.autograd.Function):

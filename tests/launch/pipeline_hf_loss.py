@@ -45,9 +45,10 @@ class HFStyleLM(L.LightningModule):
     labels and computes its own cross-entropy -- two steps a pipeline cannot split. ``arch="plain"``: a model that
     is not a Hugging Face one (it has no loss of its own), for the error a pipeline gives at setup."""
 
-    def __init__(self, arch: str = "llama", optimizer: str = "sgd", lr: float | None = None, step: str = "hf"):
+    def __init__(self, arch: str = "llama", optimizer: str = "sgd", lr: float | None = None, step: str = "hf",
+                 aux: float = 0.0):
         super().__init__()
-        self.arch, self.optimizer, self.step = arch, optimizer, step
+        self.arch, self.optimizer, self.step, self.aux = arch, optimizer, step, aux
         self.lr = lr if lr is not None else LR[optimizer]
         self.model = None
 
@@ -59,6 +60,11 @@ class HFStyleLM(L.LightningModule):
                 from tests.launch.pipeline_any_model import PlainLM
 
                 self.model = PlainLM(vocab=256)
+                return
+            if self.arch in MOE_ARCHS:  # a tiny mixture-of-experts model, its load-balancing loss at `aux`
+                from tests.launch.hf_moe import moe_model
+
+                self.model = moe_model(self.arch, self.aux)
                 return
             config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                                      "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[self.arch]
@@ -100,6 +106,20 @@ class Case:
     accumulate: int = 1
     step: str = "hf"
     full: bool = False  # in the full run only (pytest --full)
+    microbatches: int = MICROBATCHES
+    aux: float = 0.0  # a mixture-of-experts model's router_aux_loss_coef
+    lr: float | None = None
+
+
+#: mixture-of-experts models (tests/launch/hf_moe.py's tiny ones)
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+#: their load-balancing loss under pp2 (1F1B, 2 micro-batches): each layer's term on its stage, against one process
+#: computing the same (:func:`balancing_reference`); the default set runs the first
+BALANCING_CASES: dict[str, Case] = {
+    f"{arch}_aux_1f1b_sgd": Case(arch, "sgd", {"schedule": "1f1b"}, microbatches=2, aux=0.2, lr=0.2,
+                                 full=arch != "qwen3_moe")
+    for arch in MOE_ARCHS
+}
 
 
 CASES: dict[str, Case] = {
@@ -152,7 +172,7 @@ def batches_of(rows: list[dict]) -> list[dict[str, torch.Tensor]]:
 
 def make_lm(case: Case) -> HFStyleLM:
     torch.manual_seed(SEED)
-    lm = HFStyleLM(case.arch, case.optimizer, step=case.step)
+    lm = HFStyleLM(case.arch, case.optimizer, lr=case.lr, step=case.step, aux=case.aux)
     lm.configure_model()
     return lm
 
@@ -181,6 +201,36 @@ def reference(case: Case, train: list[dict], val: list[dict]) -> dict:
             "micro_counts": counts}
 
 
+def balancing_reference(case: Case, train: list[dict], coefficient: float, trained: bool = True) -> list[float]:
+    """One process, the semantics a pipeline gives a mixture-of-experts model's load-balancing loss: per batch, the
+    language-model loss (the token mean over the batch) plus the mean over the micro-batches of ``coefficient`` x
+    the sum over the layers of the model's own ``load_balancing_loss_func`` of that layer's router logits of the
+    micro-batch (its rows' mask) -- Megatron's per-layer term, not transformers' one loss over all layers.
+    ``trained=False``: the term added to the logged loss only (no gradient), as a pipeline that dropped it from the
+    backward would log it."""
+    import sys
+
+    lm = make_lm(case)
+    model, optimizer = lm.model, lm.configure_optimizers()
+    function = sys.modules[type(model).__module__].load_balancing_loss_func
+    m, losses = case.microbatches, []
+    for batch in train:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+        loss = model.loss_function(out.logits, batch["labels"], model.config.vocab_size)
+        rows = batch["input_ids"].size(0) // m
+        span = rows * batch["input_ids"].size(1)  # a micro-batch's rows of each layer's [tokens, experts] logits
+        terms = [sum(function((x[j * span:(j + 1) * span],), model.num_experts, model.num_experts_per_tok,
+                              batch["attention_mask"][j * rows:(j + 1) * rows]) for x in out.router_logits)
+                 for j in range(m)]
+        term = coefficient * torch.stack(terms).mean()
+        loss = loss + (term if trained else term.detach())
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
 class _Losses(L.Callback):
     def __init__(self):
         self.train: list[float] = []
@@ -198,7 +248,7 @@ class _Losses(L.Callback):
 def fit(case: Case, rows: list[dict], val_rows: list[dict], root: Path, heartbeat: bool = True) -> _Losses:
     from lightning_par import Hybrid3DStrategy, PipelineStrategy
 
-    options = dict(case.strategy, pp=2, n_microbatches=MICROBATCHES)
+    options = dict(case.strategy, pp=2, n_microbatches=case.microbatches)
     if not heartbeat:
         options["heartbeat_timeout"] = None
     strategy = Hybrid3DStrategy(**options) if "tp" in options else PipelineStrategy(**options)
@@ -221,6 +271,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=[])
     parser.add_argument("--errors", nargs="*", default=[])
+    parser.add_argument("--balancing", nargs="*", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -243,6 +294,19 @@ def main() -> None:
                              "reference_seconds": time.perf_counter() - ref_start,
                              **{k: ref[k] for k in ("mean_of_means", "token_mean", "micro_counts")}}
             print(f"{name}: {seconds:.1f} s, losses {losses.train[:3]} vs {ref['losses'][:3]}", flush=True)
+    for name in args.balancing:
+        case = BALANCING_CASES[name]
+        train_rows = make_rows(STEPS)
+        start = time.perf_counter()
+        losses = fit(case, train_rows, train_rows[:BATCH], root / name)
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            batches = batches_of(train_rows)
+            results[name] = {"pipeline": losses.train, "seconds": seconds,
+                             "reference": balancing_reference(case, batches, case.aux),
+                             "without_term": balancing_reference(case, batches, 0.0),
+                             "term_not_trained": balancing_reference(case, batches, case.aux, trained=False)}
+            print(f"{name}: {seconds:.1f} s, losses {losses.train[:3]} vs {results[name]['reference'][:3]}", flush=True)
     for name in args.errors:
         case, _ = ERROR_CASES[name]
         rows = make_rows(2)

@@ -183,8 +183,8 @@ def test_experts_of_a_users_moe_are_self_checked_at_setup(results):
 def test_a_refused_moe_layout_is_one_error_on_every_rank(results, name):
     """Refused at setup before any collective: the same LayoutError on both ranks, not followed by another (the
     teardown of a model still on the meta device raised "Cannot copy out of meta tensor" over it once). The packed
-    experts under ZeRO-1; the load-balancing loss under pp (the last stage would compute the language-model loss
-    alone: another function than one process)."""
+    experts under ZeRO-1; the global scope of the load-balancing loss under pp (each stage forms its layers' terms
+    from its own tokens there)."""
     errors = results(2)[name]["errors"]
     _, _, expected = ERROR_CASES[name]
     assert len(errors) == 2

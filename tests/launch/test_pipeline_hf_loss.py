@@ -20,7 +20,16 @@ from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.loss import ModelLoss, counted_tokens
 from tests.conftest import full_run
 from tests.harness import launch_command, launch_matrix, max_rel_diff
-from tests.launch.pipeline_hf_loss import BATCH, CASES, ERROR_CASES, MICROBATCHES, STEPS, HFStyleLM, make_rows
+from tests.launch.pipeline_hf_loss import (
+    BALANCING_CASES,
+    BATCH,
+    CASES,
+    ERROR_CASES,
+    MICROBATCHES,
+    STEPS,
+    HFStyleLM,
+    make_rows,
+)
 
 pytest.importorskip("transformers")
 
@@ -38,10 +47,12 @@ def results(tmp_path_factory, cache_dir, request):
         if world not in out:
             names = [n for n, case in CASES.items() if case.world == world and (full or not case.full)]
             errors = list(ERROR_CASES) if world == 2 else []
+            balancing = [n for n, case in BALANCING_CASES.items() if world == 2 and (full or not case.full)]
             root = tmp_path_factory.mktemp(f"pipeline_hf_loss_{world}")
             path = root / "results.json"
             run = launch_matrix(root, cache_dir, "tests.launch.pipeline_hf_loss",
-                                ["--out", str(path), "--cases", *names, "--errors", *errors], nproc=world,
+                                ["--out", str(path), "--cases", *names, "--errors", *errors,
+                                 "--balancing", *balancing], nproc=world,
                                 timeout=600).check()
             print(f"pipeline_hf_loss on {world} ranks: {len(names)} fits + {len(errors)} errors in {run.seconds:.1f} s")
             out[world] = json.loads(path.read_text())
@@ -100,6 +111,26 @@ def test_a_model_without_a_loss_of_its_own_fails_at_setup_alone(tmp_path, cache_
     assert all(line.startswith(message) for line in last), run.log[-3000:]
     assert run.log.count(message) == 2 and "Traceback" not in run.log, run.log[-3000:]
     assert "meta" not in run.log.lower() and "Exception ignored" not in run.log, run.log[-3000:]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.launch(ranks=2, full=c.full))
+                                  for n, c in BALANCING_CASES.items()])
+def test_a_moe_models_load_balancing_loss_is_each_layers_term_on_its_stage(results, name):
+    """A Hugging Face MoE model with its load-balancing loss on (coefficient 0.2) under pp2, 1F1B, 2 micro-batches,
+    plain SGD: each layer's term started in the backward on its own stage. The logged per-step losses match one
+    process computing the same (LM loss + the sum of the layers' terms per micro-batch, their mean) within 1e-5, and
+    the same run without the term is far from them, and so is one with the term logged but not trained (so the parity
+    sees the term and its gradient)."""
+    result = results(2)[name]
+    diff = max_rel_diff(result["pipeline"], result["reference"])
+    without, untrained = (max(abs(a - b) for a, b in zip(result["pipeline"], result[k], strict=True))
+                          for k in ("without_term", "term_not_trained"))
+    print(f"{name}: {diff:.2e} from one process over {STEPS} steps ({result['reference'][0]:.4f} -> "
+          f"{result['reference'][-1]:.4f}); without the term {without:.2e} away, with it not trained {untrained:.2e}; "
+          f"{result['seconds']:.1f} s")
+    assert len(result["pipeline"]) == STEPS and diff <= PARITY_RTOL
+    assert without > 1e-4 and untrained > 1e-4
+    assert result["reference"][-1] < result["reference"][0] - 0.1, "the model must learn for parity to mean much"
 
 
 # -- in this process ------------------------------------------------------------------------------------------------

@@ -145,3 +145,116 @@ def test_the_strategys_scope_replaces_the_example_layers_own_and_sequence_parall
         apply_router_statistics(moe_model("qwen3_moe", aux=0.2), None, 1, sequence_parallel=True)
     # the loss off: nothing to refuse
     assert "off" in apply_router_statistics(MoEGPT(MOE_PRESETS["tiny"]), None, 1, sequence_parallel=True)
+
+
+# -- under a pipeline: each layer's term on its own stage -----------------------------------------------------------
+def _layer_terms(model, router_logits, mask) -> torch.Tensor:
+    """One process's semantics: coefficient x the sum over the layers of the model's own function of each layer's
+    logits alone."""
+    function = sys.modules[type(model).__module__].load_balancing_loss_func
+    return model.router_aux_loss_coef * sum(function((x,), model.num_experts, model.num_experts_per_tok, mask)
+                                            for x in router_logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_under_pp_each_layer_starts_its_own_term_in_the_backward_from_its_blocks_output(arch):
+    """The hooks a pipeline installs (on the whole model here, one stage): the model called as a stage returns no
+    loss of the router logits (output_router_logits=False), each block starts coefficient x its router's term in the
+    backward, and the gradient of the language-model loss is then that of LM + the sum of the layers' terms -- not
+    of transformers' coupled loss, nor of LM alone. The started values sum to the same number."""
+    from lightning_par.parallel.router import (
+        LAYER_BALANCING_HOOKS,
+        apply_aux_loss_in_backward,
+        apply_layer_balancing,
+        router_logit_modules,
+        started_aux_losses,
+    )
+
+    batch = _batch(pad=5)
+    mask = batch["attention_mask"]
+    model, reference = moe_model(arch, aux=0.2), moe_model(arch, aux=0.2)
+    blocks = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    assert router_logit_modules(model) == {f"{b}.mlp.gate": 0 for b in blocks}
+    line = apply_layer_balancing(model, [model], blocks)
+    assert "load-balancing loss is the sum of its MoE layers' terms" in line and "0.2" in line
+    given = apply_aux_loss_in_backward(model, lambda: 1.0)
+    assert set(given) == set(blocks)
+    out = model(input_ids=batch["input_ids"], attention_mask=mask)
+    assert out.aux_loss is None and out.router_logits is None  # the stage computes no loss of its logits
+    lm = model.loss_function(out.logits, batch["labels"], model.config.vocab_size)
+    lm.backward()
+    started = started_aux_losses(given, 1)
+
+    ref = reference(**batch)  # (the model's own output: LM + coefficient x the coupled loss)
+    lm_ref = ref.loss - reference.router_aux_loss_coef * ref.aux_loss
+    layers = _layer_terms(reference, ref.router_logits, mask)
+    coupled = reference.router_aux_loss_coef * ref.aux_loss
+    (lm_ref + layers).backward()
+    torch.testing.assert_close(started, layers.detach(), rtol=1e-6, atol=0)
+    assert abs(float(layers.detach() - coupled.detach())) > 1e-3  # another function than transformers' own
+    diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters(),
+                                                                      strict=True))
+    router = model.get_submodule("model.layers.0.mlp.gate").weight.grad
+    lm_only = torch.autograd.grad(model.loss_function(reference(input_ids=batch["input_ids"], attention_mask=mask)
+                                                      .logits, batch["labels"], model.config.vocab_size),
+                                  reference.get_submodule("model.layers.0.mlp.gate").weight)[0]
+    print(f"{arch}: gradient diff {diff:.2e}; router gradient without the terms "
+          f"{float((router - lm_only).abs().max()):.2e} away; layers' terms {float(layers):.4f} vs coupled "
+          f"{float(coupled):.4f}")
+    assert diff < 1e-6 and float((router - lm_only).abs().max()) > 1e-4
+    # a second setup replaces the hooks, not adds to them
+    handles = getattr(model, LAYER_BALANCING_HOOKS)
+    apply_layer_balancing(model, [model], blocks)
+    assert len(getattr(model, LAYER_BALANCING_HOOKS)) == len(handles) and not set(
+        map(id, handles)) & set(map(id, getattr(model, LAYER_BALANCING_HOOKS)))
+
+
+def test_under_pp_the_global_scope_and_a_model_without_recorded_router_logits_are_refused():
+    from lightning_par.parallel.pipeline.loss import last_stage_loss
+    from lightning_par.parallel.router import apply_layer_balancing
+
+    model = moe_model("mixtral", aux=0.2)
+    apply_router_statistics(model, None, 1, "global")  # (one rank: the hook, summing over itself)
+    with pytest.raises(LayoutError, match=r"^aux_loss_scope='global' with pipeline parallel: MixtralForCausalLM's "):
+        apply_layer_balancing(model, [model], ["model.layers.0", "model.layers.1"])
+    getattr(model, BALANCING_HOOK).remove()
+    assert apply_layer_balancing(model, [model], []) is not None  # (blocks unknown: each router's parent)
+    holder = torch.nn.Module()
+    holder.model = moe_model("mixtral", aux=0.2)
+    assert last_stage_loss(holder, holder.model, object(), 2) is None  # trained with the layers' terms
+    for module in (holder.model, holder.model.model):  # classes that record no router logits
+        module.__class__ = type(f"No{type(module).__name__}", (type(module),), {"_can_record_outputs": {}})
+    with pytest.raises(LayoutError, match=r"^pipeline parallel \(pp=2\): NoMixtralForCausalLM adds its routers' "
+                       r"load-balancing loss .* and its class records no `router_logits` output"):
+        last_stage_loss(holder, holder.model, object(), 2)
+
+
+def test_under_pp_a_recomputed_block_keeps_its_micro_batchs_term():
+    """Full recompute, two micro-batches with different padding forwarded before either's backward (1F1B's order
+    on a later stage): each block's term is formed outside its recomputed forward, so the mask current when it runs
+    again (the other micro-batch's) changes nothing -- the gradients equal LM + each micro-batch's layers' terms."""
+    from lightning_par.parallel.recompute import apply_recompute
+    from lightning_par.parallel.router import apply_aux_loss_in_backward, apply_layer_balancing
+
+    batch = _batch(rows=4, pad=6)
+    batch["attention_mask"][:2, :3] = 0  # (the first micro-batch padded otherwise than the second)
+    model, reference = moe_model("qwen3_moe", aux=0.2), moe_model("qwen3_moe", aux=0.2)
+    blocks = [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)]
+    apply_layer_balancing(model, [model], blocks)
+    apply_aux_loss_in_backward(model, lambda: 0.5)
+    assert apply_recompute([model.get_submodule(b) for b in blocks], "full") == 2
+    micro = [{k: v[j:j + 2] for k, v in batch.items()} for j in (0, 2)]
+    items = int((batch["labels"][:, 1:] != -100).sum()) / 2  # (each micro-batch's share of the batch's token mean)
+    losses = [model.loss_function(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                                        use_cache=False).logits,  # (as a stage calls it: no cache to append twice)
+                                  b["labels"], model.config.vocab_size, num_items_in_batch=items) for b in micro]
+    for loss in reversed(losses):  # (the last micro-batch's mask is current when the first's blocks run again)
+        (0.5 * loss).backward()
+    expected = 0
+    for b in micro:
+        out = reference(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        lm = reference.loss_function(out.logits, b["labels"], reference.config.vocab_size, num_items_in_batch=items)
+        expected = expected + 0.5 * (lm + _layer_terms(reference, out.router_logits, b["attention_mask"]))
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lightning_par.parallel.blocks import is_hf_model
 from lightning_par.parallel.expert_parallel import expert_layers
 from lightning_par.parallel.pipeline.batches import IGNORE_INDEX, next_token_targets
-from lightning_par.parallel.router import AUX_LOSS_IN_BACKWARD
+from lightning_par.parallel.router import AUX_LOSS_IN_BACKWARD, layer_balancing_refusal
 from lightning_par.topology import LayoutError
 
 #: the Hugging Face loss functions whose token count :class:`ModelLoss` knows (``transformers.loss.loss_utils``)
@@ -117,15 +117,16 @@ def last_stage_loss(module: nn.Module, model: nn.Module, model_loss: ModelLoss |
             "lightning_par.examples.GPTLightningModule does.")
     config = getattr(model, "config", None)
     coefficient = getattr(config, "router_aux_loss_coef", 0) if getattr(config, "output_router_logits", False) else 0
-    if coefficient:
-        # the model's `.loss` adds a term of all layers' router logits, which live on different stages: the last
-        # stage computing the language-model loss alone would train another function than one process does
+    # the model's `.loss` adds a term of all layers' router logits, which live on different stages: the runtime forms
+    # it as the sum of each layer's term on its stage (router.apply_layer_balancing), beside the last stage's
+    # language-model loss; a model whose layers' terms cannot be found that way is refused
+    if coefficient and (why := layer_balancing_refusal(model)) is not None:
         raise LayoutError(
             f"pipeline parallel (pp={pp}): {type(model).__name__} adds its routers' load-balancing loss to its "
             f"`.loss` (config.output_router_logits=True, router_aux_loss_coef={coefficient}), from the router "
-            "logits of all its layers, which live on different stages; the last stage computes the language-model "
-            "loss alone. Set config.router_aux_loss_coef=0 (or output_router_logits=False) to train under pp, or "
-            "train with the load-balancing loss without pp (tp, ZeRO).")
+            f"logits of all its layers, which live on different stages, and {why}. Set config.router_aux_loss_coef=0 "
+            "(or output_router_logits=False) to train under pp, or train with the load-balancing loss without pp "
+            "(tp, ZeRO).")
     return None
 
 

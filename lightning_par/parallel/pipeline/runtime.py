@@ -57,7 +57,7 @@ from lightning_par.parallel.pipeline.adapter import PipelineOutput
 from lightning_par.parallel.pipeline.batches import split_batch
 from lightning_par.parallel.pipeline.loss import kept_activations, refuse_kept_activations
 from lightning_par.parallel.pipeline.timeline import ComputeRecord, ScheduleRecorder
-from lightning_par.parallel.router import apply_aux_loss_in_backward, started_aux_losses
+from lightning_par.parallel.router import apply_aux_loss_in_backward, apply_layer_balancing, started_aux_losses
 from lightning_par.parallel.runners import GradSyncFunc
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan  # noqa: F401 -- SCHEDULES: the old import path
 from lightning_par.topology import LayoutError
@@ -215,6 +215,8 @@ class PipelineRuntime:
         self.loss_scale = loss_scale  # (set again when a later fit of the same model accumulates otherwise)
         # each router layer's load-balancing loss starts its backward from the layer's output, scaled as the
         # micro-batch's loss is (the schedule backpropagates the last stage's loss alone)
+        # (a Hugging Face MoE model's: each layer's term, from its own router logits; its blocks then declare it)
+        self.layer_balancing = apply_layer_balancing(self.module, self.stage_modules, self.block_names)
         self._aux_losses = apply_aux_loss_in_backward(self.module, lambda: self.loss_scale)
         self._kept_checked = False  # see kept_activations: checked on the first training step
 
@@ -626,11 +628,12 @@ class PipelineRuntime:
         for stage, units in enumerate(self.units_by_stage):
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]}"
             lines.append(f"  stage {stage} on pipeline rank {self.plan.rank_of(stage)}: {len(units)} units ({span})")
-        return "\n".join(lines)
+        return "\n".join(lines + ([self.layer_balancing] if self.layer_balancing else []))
 
     def describe(self) -> str:
         units = [u for i in self.stage_ids for u in self.units_by_stage[i]]
-        balanced = [n for n in self._aux_losses if getattr(self.module.get_submodule(n), "aux_loss_coef", 0)]
+        balanced = [n for n in self._aux_losses if getattr(self.module.get_submodule(n), "aux_loss_coef", 0)
+                    or self.layer_balancing]
         return (f"pipeline rank {self.pp_rank}/{self.pp}: stages {self.stage_ids} of {self.plan.n_stages} "
                 f"({len(units)} units, {units[0]} .. {units[-1]}), schedule {self.plan.schedule}, "
                 f"{self.plan.n_microbatches} micro-batches"
