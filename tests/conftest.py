@@ -299,12 +299,18 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 def _environment_as_found():
     """Each test leaves ``os.environ`` as it found it: an in-process Trainer sets LOCAL_RANK, NODE_RANK, MASTER_PORT
     and PL_GLOBAL_SEED there, and a later launch that inherited LOCAL_RANK hung at "Initializing distributed"
-    (Lightning took it for an already-started rank; seen in the default run, 2026-11-26)."""
-    saved = dict(os.environ)
+    (Lightning took it for an already-started rank; seen in the default run, 2026-11-26). And the default process
+    group: an in-process Trainer under a lightning-par strategy starts one, which a later test would find
+    ("trying to initialize the default process group twice"); one a module fixture started is left to it."""
+    import torch.distributed as dist
+
+    saved, had_group = dict(os.environ), dist.is_initialized()
     yield
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+    if not had_group and dist.is_initialized():
+        close_process_group()
 
 
 @pytest.fixture

@@ -417,7 +417,8 @@ class FitStartMemory(pl.Callback):
 class PoisonAt(pl.Callback):
     """A bad step at optimizer step ``step`` (the batch that starts with ``global_step == step``), on every rank:
 
-    - ``weight``: NaN written into one element of the first parameter this rank holds (it stays in the weights);
+    - ``weight``: NaN written into one element of the first parameter this rank holds outside an embedding (it
+      stays in the weights);
     - ``activation``: the first ``nn.Linear``'s output made NaN for that batch only (that step's loss and gradients;
       under gradient accumulation its first micro-batch);
     - ``lr0``: the learning rate 0 for that step -- with plain SGD, a run without that step's update (a reference);
@@ -447,7 +448,9 @@ class PoisonAt(pl.Callback):
 
     @staticmethod
     def _poison_weight(pl_module) -> None:
-        param = next(p for p in pl_module.parameters() if p.is_floating_point())
+        # a weight every token goes through (not an embedding row, which a batch without that token never reads)
+        param = next(p for m in pl_module.modules() if not isinstance(m, torch.nn.Embedding)
+                     for p in m.parameters(recurse=False) if p.is_floating_point())
         local = param.to_local() if hasattr(param, "to_local") else param
         with torch.no_grad():
             local.view(-1)[0] = float("nan")

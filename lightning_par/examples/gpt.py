@@ -182,7 +182,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), position_ids, mask)
+        h = self.attn_norm(x)
+        # (the mask only where documents are packed: a hand-written tp plan lays out the attention's two inputs)
+        x = x + (self.attn(h, position_ids) if mask is None else self.attn(h, position_ids, mask))
         return x + self.mlp(self.mlp_norm(x))
 
 
