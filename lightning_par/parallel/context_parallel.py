@@ -46,6 +46,7 @@ over dp x cp.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -609,6 +610,7 @@ def use_hf_attention(model: nn.Module, undo: ExitStack | None = None) -> bool:
                                                               "_attn_implementation_internal")}
     for sub in configs.values():
         _check_plain_causal(type(model).__name__, sub)
+    _check_mask_not_read(model)
     for sub in configs.values():
         if undo is not None:
             undo.callback(setattr, sub, "_attn_implementation_internal", sub._attn_implementation_internal)
@@ -627,6 +629,31 @@ def _check_plain_causal(name: str, config: Any) -> None:
             f"context parallel: {name} uses chunked attention (config.attention_chunk_size={chunk}), whose mask the "
             "ring attention does not apply (it computes plain causal attention over the whole sequence). Train it "
             "without cp.")
+
+
+def _check_mask_not_read(model: nn.Module) -> None:
+    """Refuse a layer whose forward reads the attention mask's values (``attention_mask[:, 0]``: HY-V4's sparse-
+    attention indexer picking each query's keys): under cp the ring applies causality over the whole sequence and
+    transformers builds no mask for it, so the layer would get None (a crash on one rank at the first step, before
+    this check: the conformance matrix). Models (``PreTrainedModel``s) build the mask and are not asked."""
+    from transformers import PreTrainedModel
+
+    seen: set[type] = set()
+    for name, module in model.named_modules():
+        kind = type(module)
+        if kind in seen or isinstance(module, PreTrainedModel):
+            continue
+        seen.add(kind)
+        try:
+            reads = "attention_mask" in inspect.signature(kind.forward).parameters and \
+                re.search(r"\battention_mask\s*\[", inspect.getsource(kind.forward)) is not None
+        except (OSError, TypeError, ValueError):
+            continue
+        if reads:
+            raise LayoutError(
+                f"context parallel: {kind.__name__} ({name}) reads the attention mask's values in its forward, "
+                "but under cp the ring attention applies causality over the whole sequence and no mask is built "
+                "for the layers. Train it without cp.")
 
 
 def check_takes_positions(model: nn.Module) -> None:
