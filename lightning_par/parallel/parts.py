@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -168,8 +168,7 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
     units_by_stage = plan_stages(whole, plan, costs=costs, units=all_units)
     io = stage_io(whole)
     # before the split and before any collective, on the (meta) model: the same verdict on every rank
-    chain: dict[str, Any] = {}
-    chain_seconds = check_chain(whole, all_units, units_by_stage, io, found=chain)
+    chain_seconds = check_chain(whole, all_units, units_by_stage, io)
     positional = check_layer_positions(whole, units_by_stage)
     check_unit_inputs(whole, all_units, units_by_stage, io)
     check_layer_losses(whole, plan.pp)
@@ -185,8 +184,10 @@ def split(model: nn.Module, plan: StagePlan | None = None, pp_mesh: DeviceMesh |
                 layers.positional = True
     for i, view in zip(stage_ids, stages, strict=True):
         # an instance attribute, so the stage keeps the model's class and parameter names
-        # (a forward that computes after its last unit: each earlier stage hands on its last unit's output)
-        hand_on = chain.get("after_last_unit", False) and i < len(units_by_stage) - 1
+        # every stage but the last hands on its last unit's output, not the model's output: a forward that computes
+        # after its last unit (a logit scale) would apply that on each stage, and whether it does is known only where
+        # check_chain could run the forward on meta (it warns where it cannot)
+        hand_on = i < len(units_by_stage) - 1
         last_unit = view.get_submodule(units_by_stage[i][-1]) if hand_on else None
         view.forward = stage_forward(view, io, first=i == 0, entry=view.get_submodule(units_by_stage[i][0]),
                                      last_unit=last_unit)

@@ -94,6 +94,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -104,6 +105,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.overrides import TorchFunctionMode
 
 from lightning_par._compat import StridedShard
 from lightning_par.parallel import experts_ep, experts_tp
@@ -317,6 +319,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     parents = sorted({n.rpartition(".")[0] for n in column if "." in n}, key=names.index)
     if not sequence_parallel:
         _check_grad_allreduce_in_regions(model_name, model, resolved, set(parents), tp)
+    _check_region_exits(model_name, model, resolved, parents)
     additions: dict[str, str] = {}
     for parent in parents:
         if parent not in resolved:
@@ -381,6 +384,27 @@ def _check_grad_allreduce_in_regions(model_name: str, model: nn.Module, resolved
                 f"{name} has a column-parallel projection, so its input is the same on every rank and its gradient "
                 f"already whole -- the sum would multiply it by {tp}. Plan it 'replicate' (or leave it out of the "
                 "plan: the engine replicates it)."
+            )
+
+
+def _check_region_exits(model_name: str, model: nn.Module, resolved: dict[str, str], regions: list[str]) -> None:
+    """A region (a module holding column-parallel projections) leaves through its ``rowwise`` projections, each
+    summing the ranks' partial outputs into the whole. Two of them of different widths: the narrower one's whole
+    output is used inside the region next to this rank's heads (Doge's ``dt_proj``, a gate for every key/value
+    head), which fails in the first forward or, where the shapes broadcast, computes another function. Refused
+    before any collective."""
+    for region in regions:
+        widths = {n: getattr(model.get_submodule(n), "out_features", None) for n, s in resolved.items()
+                  if s == "rowwise" and n.rpartition(".")[0] == region}
+        widths = {n: w for n, w in widths.items() if isinstance(w, int)}
+        if len(set(widths.values())) > 1:
+            inner, exit_ = min(widths, key=widths.__getitem__), max(widths, key=widths.__getitem__)
+            raise LayoutError(
+                f"{model_name}.{inner} ({widths[inner]} outputs) is planned 'rowwise' inside "
+                f"{type(model.get_submodule(region)).__name__} ({region}) next to its output projection {exit_}: "
+                "a row-parallel projection sums the tp ranks' partial outputs into the whole, but this one's output "
+                "is used inside the module, where each rank holds its own heads only, so it does not match them. "
+                f"Train {model_name} with tp=1 (ZeRO or pipeline parallel)."
             )
 
 
@@ -653,7 +677,9 @@ def _local_while(runner: nn.Module, owner: nn.Module) -> None:
         owner._parameters.update(swapped.pop())
 
     runner.register_forward_pre_hook(to_local)
-    runner.register_forward_hook(restore)
+    # (also after a forward that raised: a module left holding local tensors fails every later move -- Lightning's
+    # teardown `.cpu()` -- with an error about swapping, which hides the forward's own)
+    runner.register_forward_hook(restore, always_call=True)
 
 
 def _summed_over(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -994,10 +1020,24 @@ class TensorParallelPlan:
             return
         _LOSS_PARALLEL_DEPTH += 1
         try:
-            with loss_parallel():
+            with loss_parallel(), _CrossEntropyOutsideInferenceMode():
                 yield
         finally:
             _LOSS_PARALLEL_DEPTH -= 1
+
+
+class _CrossEntropyOutsideInferenceMode(TorchFunctionMode):
+    """Under inference mode (Lightning evaluates in it except over gloo; a user's ``torch.inference_mode()``)
+    ``F.cross_entropy`` reaches DTensor undecomposed, where ``loss_parallel`` has no rule for it ("got mixed
+    torch.Tensor and DTensor"): the call alone runs outside it, under ``no_grad``, on normal copies of inference
+    tensors (which lack the autograd keys that decompose it) -- the same values."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is F.cross_entropy and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                args = [a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args]
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def _tied_parameters(module: nn.Module) -> list[list[str]]:

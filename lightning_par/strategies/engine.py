@@ -205,6 +205,12 @@ class LayoutStrategy(MeshStrategy):
         return self._construction.laid_out(self.lightning_module)
 
     def setup(self, trainer: Trainer) -> None:
+        # a stage called under torch.inference_mode() (Lightning's own tests do) still builds and moves ordinary
+        # parameters: an inference tensor cannot become a Parameter (DTensor's swap fails), nor train in a later fit
+        with torch.inference_mode(False):
+            self._setup(trainer)
+
+    def _setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.device = self.precision_plugin.device or self.root_device.type  # autocast's
@@ -451,7 +457,11 @@ class LayoutStrategy(MeshStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         self.checkpoints.remove(filepath)
 
+    #: the error the run stopped with (on_exception), which teardown must not replace with its own
+    _failure: BaseException | None = None
+
     def on_exception(self, exception: BaseException) -> None:
+        self._failure = exception
         if isinstance(exception, (Preempted, NonFiniteStop)):  # every rank stopped at the same step: agreed
             super().on_exception(exception)
             return
@@ -477,8 +487,17 @@ class LayoutStrategy(MeshStrategy):
             if self.compiler is not None:
                 # before Lightning moves the model to the CPU (see BlockCompiler.release)
                 self.compiler.release(self.lightning_module)
-            with self._construction.unmaterialised_stays(self.lightning_module):
-                super().teardown()  # (moves the model to the CPU)
+            # (moves the model to the CPU: ordinary tensors, as in setup, under a stage run in inference mode)
+            with self._construction.unmaterialised_stays(self.lightning_module), torch.inference_mode(False):
+                try:
+                    super().teardown()
+                except Exception as err:
+                    if self._failure is None:
+                        raise
+                    # (the failed step's traceback still holds the parameters, so moving a DTensor one -- which
+                    # swaps tensors -- fails; the run's own error is the one to raise, which Lightning does next)
+                    log.warning("lightning-par: teardown after the run failed could not finish (%s: %s)",
+                                type(err).__name__, err)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -107,6 +107,22 @@ def test_mla_takes_the_rope_width_from_the_config_or_the_plan():
         tpmod.resolve_tp_plan(model, 2, sequence_parallel=True)
 
 
+def test_a_second_rowwise_projection_used_inside_the_region_is_refused():
+    """Issue 40: Doge's attention plans ``dt_proj`` (a gate per key/value head, from the value states) 'rowwise'
+    next to ``o_proj``: its output, summed over tp, holds every head's gate while the rank holds its own heads only.
+    Under tp2 the first forward failed with a shape error -- which Lightning's teardown then hid behind
+    "_apply(): Couldn't swap Linear.weight". Now refused at setup, naming the module; two exits of the block's width
+    (two branches summed) are left alone."""
+    model = _Model({"layers.*.q_proj": "colwise", "layers.*.gate": "rowwise", "layers.*.o_proj": "rowwise"})
+    model.layers[0].gate = nn.Linear(8, 2)
+    with pytest.raises(LayoutError, match=r"^_Model.layers.0.gate \(2 outputs\) is planned 'rowwise' inside "
+                                          r"_Attention \(layers.0\) next to its output projection layers.0.o_proj: "
+                                          r".* Train _Model with tp=1"):
+        tpmod.resolve_tp_plan(model, 2)
+    model.layers[0].gate = nn.Linear(8, 8)  # a second branch of the block's width
+    assert tpmod.resolve_tp_plan(model, 2)["layers.0.gate"] == "rowwise"
+
+
 def test_embedding_colwise_splits_the_hidden_features():
     class Embedded(nn.Module):
         tp_plan = {"embed": "embedding_colwise"}
@@ -205,3 +221,37 @@ def test_a_replicated_parameter_read_by_its_parent_is_local_there(one_process_gr
     reference(x).square().sum().backward()
     assert isinstance(model.conv.weight, DTensor), "restored after the forward"
     assert torch.allclose(model.conv.weight.grad.full_tensor(), reference.conv.weight.grad, atol=1e-6)
+
+
+def test_replicated_parameters_are_restored_after_a_forward_that_raised(one_process_group):
+    """Issue 40: a forward that raised left the replicated module holding its local tensors; moving the model then
+    (Lightning's teardown ``.cpu()``) failed with "_apply(): Couldn't swap Linear.weight", the error the matrix
+    reported for Doge under tp2 instead of the forward's own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    model = _ConvReader()
+    tpmod.apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5, 7))  # the wrong width: the forward raises while the weights are local
+    assert isinstance(model.conv.weight, DTensor) and isinstance(model.conv.weight, nn.Parameter)
+
+
+def test_teardown_after_a_failed_run_does_not_replace_its_error(monkeypatch):
+    """Issue 40: after Doge's tp2 forward failed, Lightning's teardown could not move the DTensor parameters (the
+    failure's traceback still held them) and its "Couldn't swap" error replaced the run's own. A teardown error
+    after a failed run is logged; without a failure it is raised."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from lightning_par import LayoutStrategy
+
+    def cannot_move(self):
+        raise RuntimeError("_apply(): Couldn't swap Linear.weight")
+
+    monkeypatch.setattr(ParallelStrategy, "teardown", cannot_move)
+    strategy = LayoutStrategy()
+    strategy._failure = ValueError("the run's own error")  # (what on_exception records)
+    strategy.teardown()
+    strategy._failure = None
+    with pytest.raises(RuntimeError, match="Couldn't swap"):
+        strategy.teardown()

@@ -118,3 +118,42 @@ def test_the_split_refuses_what_it_cannot_cut(fake_pp2):
     ])
     for flat, scattered in messages:
         assert "as a submodule" in str(flat) and "in a known order" in str(scattered)
+
+
+class ScaledUnmetaLM(nn.Module):
+    """Embedding, blocks, norm, head, then a logit scale after the head (Cohere's ``logit_scale``) -- and a block
+    whose forward reads a parameter's value, so it does not run on the meta device and the chain check can only
+    warn (as it did for every model whose experts run by grouped_mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h) if float(block[0].weight.sum()) > -1e30 else h  # (no value on meta)
+        return self.head(self.norm(h)) * 0.0625
+
+
+def test_earlier_stages_hand_on_their_last_units_output_even_where_the_chain_check_cannot_run(fake_pp2):
+    """Issue 40: the stage before the last passed on the model's output, its removed norm and head passing the
+    hidden states through and the logit scale after the head applied to them -- wherever the chain check had not
+    run (it warns) to say the forward computes after its last unit. Cohere2-MoE trained 7.1e-4 off one process
+    under pp2, Inkling 4.7e-4, Beam 1.2e-5. Two stages now compute the whole model's logits."""
+    units = ["embed", *(f"blocks.{i}" for i in range(4)), "norm", "head"]
+    plan = StagePlan.for_schedule("1f1b", 2, 2)
+    torch.manual_seed(0)
+    model = ScaledUnmetaLM()
+    with pytest.warns(UserWarning, match="could not check"):
+        first, last = (parts.stages[0] for parts in fake_pp2(lambda mesh: split(model, plan, mesh, units=units)))
+    tokens = torch.randint(0, 32, (2, 4))
+    with torch.no_grad():
+        handed_on, h = first(tokens), model.embed(tokens)
+        for block in model.blocks[:2]:
+            h = block(h)
+        assert (handed_on - h).abs().max().item() == 0.0  # stage 0's last unit's output, unscaled
+        assert (last(handed_on, model_inputs=tokens) - model(tokens)).abs().max().item() == 0.0

@@ -54,6 +54,8 @@ class SkipLM(nn.Module):
             h.mul_(2.0)
         elif self.variant == "skip_argument":
             return self.head(self.norm(h, h0))
+        if self.variant == "scaled_before_head":  # Inkling's width multiplier between the final norm and the head
+            return self.head(self.norm(h) / 4.0)
         out = self.head(self.norm(h))
         if self.variant == "post_processed":  # a logit scale after the head: the last stage's (accepted)
             out = out * 0.5
@@ -193,6 +195,49 @@ def test_chains_are_accepted(variant):
     what the forward computes from the head's output alone (a scale, a soft-cap) runs on the last stage."""
     check(SkipLM(variant), UNITS)
     check(SkipLM(variant), UNITS, pp=4)
+
+
+def test_glue_between_units_of_the_last_stage_is_accepted_only_there():
+    """Issue 40: Inkling divides its final norm's output by a width multiplier before the head. Both are on the last
+    stage, which alone runs that step (every earlier stage hands on its last unit's output), so it is accepted; it
+    was refused ("'head' (stage 1) does not take the output of 'norm' unchanged") once the check could run on it.
+    Where the split cuts between the two, the next stage would get the unscaled activation: still refused."""
+    check(SkipLM("scaled_before_head"), UNITS)
+    check(SkipLM("scaled_before_head"), UNITS, pp=4)
+    with pytest.raises(LayoutError, match=r"pipeline unit 'head' \(stage 1\) does not take the output of 'norm'"):
+        check_chain(SkipLM("scaled_before_head"), UNITS, [UNITS[:-1], UNITS[-1:]])
+
+
+class GroupedExperts(nn.Module):
+    """Experts run by ``torch.nn.functional.grouped_mm`` on float32, as transformers' mixture-of-experts layers do
+    on the CPU: its meta kernel takes bfloat16 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 16, 16) / 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, 16)
+        offs = torch.tensor([flat.size(0) // 2, flat.size(0)], dtype=torch.int32, device=h.device)
+        return torch.nn.functional.grouped_mm(flat, self.weight, offs=offs).view_as(h)
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without grouped_mm")
+def test_grouped_mm_experts_are_checked_on_meta():
+    """Issue 40: Cohere2-MoE, Inkling and Beam run their experts by grouped_mm, which failed on the meta device
+    ("Expected inputs of BF16 type"), so the check only warned -- and missed their logit scale after the head, which
+    every earlier stage then applied to the activation it passed on (pp2 loss 7.1e-4 off one process)."""
+    model = SkipLM("post_processed")
+    model.blocks[1] = GroupedExperts()
+    x = torch.randint(0, 32, (2, 4))
+    assert model(x).shape == (2, 4, 32)  # (runs for real on float32)
+    found: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the check runs
+        check_chain(model, UNITS, plan_stages(model, StagePlan(2, 1, "loop"), units=UNITS), found=found)
+    assert found == {"after_last_unit": True}
+    model.variant = "skip"  # and it still refuses what is no chain
+    assert "the output of 'embed' is used out of order" in refusal(model, UNITS)
 
 
 def test_a_model_is_checked_only_where_the_split_cuts():

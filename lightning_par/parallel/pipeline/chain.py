@@ -73,6 +73,30 @@ _VALUE_QUERIES = {
     torch.equal, torch.is_nonzero, Tensor.is_nonzero,
 }
 _META = torch.device("meta")
+#: ops whose meta kernel takes bfloat16 only while the CPU kernel takes any float (torch's grouped matmul, which
+#: Hugging Face's mixture-of-experts layers call): on meta they run in bfloat16, their output cast back
+_BF16_ON_META = {"_grouped_mm", "grouped_mm"}
+
+
+def _in_bf16(func, args: tuple, kwargs: dict) -> Any:
+    """``func`` of :data:`_BF16_ON_META` on meta tensors cast to bfloat16, its floating outputs cast back to the
+    inputs' dtype (shapes only: the meta device computes nothing); None for any other op or input."""
+    floats = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.is_floating_point()]
+    if (getattr(func, "__name__", None) not in _BF16_ON_META or not floats
+            or any(t.device.type != "meta" or t.dtype == torch.bfloat16 for t in floats)):
+        return None
+    dtype = floats[0].dtype
+
+    def cast(value: Any, to: torch.dtype) -> Any:
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return value.to(to)
+        if isinstance(value, (tuple, list)):
+            return type(value)(cast(v, to) for v in value)
+        if isinstance(value, dict):
+            return {k: cast(v, to) for k, v in value.items()}
+        return value
+
+    return cast(func(*cast(args, torch.bfloat16), **cast(kwargs, torch.bfloat16)), dtype)
 
 
 def _to_cpu_device(value: Any) -> Any:
@@ -161,7 +185,12 @@ class _Flow(TorchFunctionMode):
                 return func(*self._real(args), **self._real(kwargs))
             except KeyError:
                 pass  # a value of the model's parameters: raises on meta (the check cannot run)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:
+            out = _in_bf16(func, args, kwargs)
+            if out is None:
+                raise
         if any(isinstance(t, Tensor) and t.device.type == "meta" for t in tree_leaves(out)):
             metas = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.device.type == "meta"]
             if all(id(t) in self.shadow for t in metas):
@@ -303,6 +332,13 @@ def check_chain(model: nn.Module, units: Sequence[str], units_by_stage: Sequence
             return
         prev, prev_stage = units[i - 1], stage_of[units[i - 1]]
         produced = outputs.get(i - 1)
+        if stage == prev_stage == len(units_by_stage) - 1 and all(
+                stage_of[units[j]] == stage for j in flow.origin_of(x)) and (
+                produced is None or produced[0]._version == produced[1]):
+            # glue between two units of the last stage, computed from that stage's units (a scale between the final
+            # norm and the head) runs there alone: every earlier stage hands on its last unit's output. Not in place:
+            # on an earlier stage the removed units pass that very tensor through, and the step would modify it
+            return
         if isinstance(x, Tensor) and produced is not None:
             source = flow.values_of(x)
             if source is produced[0] and produced[0]._version == produced[1]:
