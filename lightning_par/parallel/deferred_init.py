@@ -195,6 +195,7 @@ class DeferredInit:
         self._modes: tuple[_FunctionMode, _DispatchMode] | None = None
         self._used = False
         self._scratch: dict[torch.device, torch.UntypedStorage] = {}
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors put on meta: (tensor, value)
         self.stats: dict[str, int] = {"ops": 0, "deferred_bytes": 0, "forced": 0, "max_temporary_bytes": 0}
 
     # ------------------------------------------------------------------ public API
@@ -222,6 +223,29 @@ class DeferredInit:
             raise RuntimeError("no module captured yet: call capture(module) (or materialize(module))")
         return tuple(self._entries)
 
+    def to_meta(self, registered: Iterable[tuple[torch.nn.Module, str, torch.Tensor]]) -> None:
+        """After the construction, before :meth:`capture`: the real tensors registered during it (``(module, name,
+        tensor)``: small parameters and buffers, made for real) replaced in their modules by meta ones, their values
+        kept for :meth:`materialize` -- every tensor of the model then waits on meta, as under
+        ``torch.device("meta")``. A tensor registered under several names stays one."""
+        if self._modes is not None:
+            raise RuntimeError("to_meta() must be called after the deferred_init() context has exited")
+        made: dict[int, torch.Tensor] = {}
+        for module, name, tensor in registered:
+            is_param = module._parameters.get(name) is tensor
+            if tensor.is_meta or not (is_param or module._buffers.get(name) is tensor):
+                continue  # deferred already, or replaced since
+            if id(tensor) not in made:
+                meta = torch.empty_like(tensor.detach(), device=_META)
+                made[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if is_param else meta
+                self._kept[id(made[id(tensor)])] = (made[id(tensor)], tensor.detach())
+            (module._parameters if is_param else module._buffers)[name] = made[id(tensor)]
+
+    @property
+    def kept(self) -> list[torch.Tensor]:
+        """The values of the tensors :meth:`to_meta` put on meta, in its order (every rank built them alike)."""
+        return [value for _, value in self._kept.values()]
+
     def capture(self, module: torch.nn.Module) -> tuple[str, ...]:
         """Remember the parameters and buffers of ``module`` as construction left them, by name; returns the names.
 
@@ -234,6 +258,9 @@ class DeferredInit:
                                             module.named_buffers(remove_duplicate=False)):
             if self._is_deferred(tensor):
                 entries[name] = _Entry(self._ref(tensor), None, None)
+            elif id(tensor) in self._kept:
+                value = self._kept[id(tensor)][1]
+                entries[name] = _Entry(None, value, value._version)
             else:
                 entries[name] = _Entry(None, tensor, tensor._version)
         self._entries = entries

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from lightning_par._compat import optimizers_to_device
@@ -29,6 +30,8 @@ from lightning_par.parallel.bad_steps import CheckpointGuard
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
 from lightning_par.topology import LayoutError
+
+_outside_inference_mode = torch.inference_mode(False)
 
 #: the entry of a sharded checkpoint's meta.json naming the layout that saved it (dp, tp, pp, cp, ep, zero_stage)
 SAVED_LAYOUT = "lightning_par_layout"
@@ -76,6 +79,9 @@ class LayoutCheckpoints:
         self.model_params = [name for name, _ in module.named_parameters()]
 
     # -- state ---------------------------------------------------------------------------------------------------
+    # (state, save and load run outside inference mode, which a user may call them in: a DTensor's detach() in
+    # state_dict() fails on an inference tensor, and loaded weights must stay trainable)
+    @_outside_inference_mode
     def model_state_dict(self) -> dict[str, Any]:
         """The whole model's state on every rank, as Lightning's sharded strategies give it
         (``ModelParallelStrategy(save_distributed_checkpoint=True)``): the unsplit model's keys in its order, each
@@ -93,6 +99,7 @@ class LayoutCheckpoints:
         return {key: state[key] if key in state else torch.empty(shape, dtype=dtype, device="meta")
                 for key, (shape, dtype) in self.model_entries.items()}
 
+    @_outside_inference_mode
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """One file: by position, as Lightning saves it, with the parameters' names. Sharded: keyed by parameter
         name, one entry per parameter and field, with the parameters' full shapes -- the format every layout reads."""
@@ -102,6 +109,7 @@ class LayoutCheckpoints:
         return self.strategy.gradient_sync.states.optimizer_state(module, optimizer)
 
     # -- save ----------------------------------------------------------------------------------------------------
+    @_outside_inference_mode
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         strategy = self.strategy
         if strategy.lightning_module is not None and not self.guard.allow(strategy, filepath):
@@ -158,6 +166,7 @@ class LayoutCheckpoints:
         self.strategy.barrier()
 
     # -- load ----------------------------------------------------------------------------------------------------
+    @_outside_inference_mode
     def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Any lightning-par checkpoint into this layout: a DCP directory from any layout (states by parameter
         name, restored here with the owner's refresh), or one file (Lightning's own format), which a one-file
@@ -169,10 +178,15 @@ class LayoutCheckpoints:
             torch.cuda.empty_cache()  # as Lightning's Strategy.load_checkpoint
             return strategy.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert strategy.lightning_module is not None
-        return sharded_checkpoint.load(path, strategy.lightning_module, strategy.optimizers,
+        # only a fit restores optimizer states (as Lightning): a test or predict from a checkpoint reads the weights,
+        # and a weights-only save has no optimizer states (the optimizers are a previous fit's, if any)
+        trainer = getattr(strategy.lightning_module, "_trainer", None)
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        return sharded_checkpoint.load(path, strategy.lightning_module, strategy.optimizers if fitting else None,
                                        states=strategy.gradient_sync.states, weights_only=weights_only,
                                        model_params=self.model_params)
 
+    @_outside_inference_mode
     def load_model_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Lightning's restore of the model from one file (nothing to do when :meth:`load` restored it)."""
         if not self.restored_here:

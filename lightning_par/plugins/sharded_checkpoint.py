@@ -120,7 +120,7 @@ def finish(partial: Path, path: Path, files: dict[str, dict[str, int]] | None = 
 
 
 # -- load ----------------------------------------------------------------------------------------------------------
-def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] | None,
          states: ParamStates = PARAM_STATES, weights_only: bool | None = None,
          model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Load the shards into ``module`` and ``optimizers`` in place; return the rest of Lightning's checkpoint.
@@ -130,8 +130,10 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
     (``owner.states``): which tensors to fill, and the refresh after (ZeRO-1/2's optimizers hold bucket shards,
     :class:`~lightning_par.parallel.zero_state.ZeroStates`). ``weights_only`` (``None``
     means ``True``, as in ``torch.load``): unpickle only tensors and plain values; ``False`` trusts the checkpoint
-    with arbitrary objects. ``model_params``: the unsplit model's parameter names in order, where ``module`` holds
-    only some (pipeline stages): a single file without parameter names maps its one group's positions to them.
+    with arbitrary objects. ``optimizers=None``: the weights alone (a test or predict from a checkpoint: the saved
+    optimizer states, if any, are not read). ``model_params``: the unsplit model's parameter names in order, where
+    ``module`` holds only some (pipeline stages): a single file without parameter names maps its one group's
+    positions to them.
     """
     safe = weights_only is not False
     resolved = checkpoint_files.resolve(path)
@@ -143,6 +145,7 @@ def load(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimiz
         return _load_single_file(resolved, module, optimizers, states, safe, model_params)
     _verify(resolved)
     # under ZeRO-1/2 the weights load into the optimizer's shards (the fp32 masters under mixed precision)
+    optimizers = optimizers or []
     state: dict[str, Any] = {"state_dict": states.model_state(module)}
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer_{index}"] = states.optimizer_target(module, optimizer)
@@ -328,7 +331,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # -- a plain single-file Lightning checkpoint into a sharded layout -------------------------------------------------
-def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] | None,
                       states: ParamStates, safe: bool,
                       model_params: Sequence[str] = ()) -> dict[str, Any]:
     """Every rank reads the file (full tensors, as one process saved them) and keeps its own share."""
@@ -349,6 +352,8 @@ def _load_single_file(path: Path, module: nn.Module, optimizers: Sequence[torch.
     _check_fits(path, {"state_dict": own}, {f"state_dict.{name}": tuple(value.shape) if isinstance(
         value, torch.Tensor) else None for name, value in weights.items()}, extra=False)  # the shapes
     saved = checkpoint.pop("optimizer_states", None) or []
+    if optimizers is None:  # the weights alone
+        saved, optimizers = [], []
     if saved and len(saved) != len(optimizers):
         raise CheckpointError(f"{path} holds {len(saved)} optimizer states for {len(optimizers)} optimizers.")
     # checked before anything is loaded, so a refused checkpoint leaves the model as it was

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules import module as nn_module
 
 from lightning_par._compat import distributed_is_initialized
 from lightning_par.parallel.deferred_init import DeferredInit, deferred_init
@@ -58,9 +59,24 @@ class Construction:
     @contextmanager
     def init_module(self) -> Generator[None, None, None]:
         """``Trainer.init_module(empty_init=True)``: build deferred, and keep the record until the model is known
-        (``configure_model``'s context, or setup)."""
-        with deferred_init() as record:
-            yield None
+        (``configure_model``'s context, or setup). The small tensors it made for real go to the meta device as well
+        (their values kept): every parameter and buffer is on meta until setup, as under Lightning's sharded
+        strategies."""
+        made: list[tuple[nn.Module, str, Tensor]] = []
+
+        def registered(module: nn.Module, name: str, tensor: Tensor | None) -> None:
+            if tensor is not None:
+                made.append((module, name, tensor))
+
+        hooks = [nn_module.register_module_parameter_registration_hook(registered),
+                 nn_module.register_module_buffer_registration_hook(registered)]
+        try:
+            with deferred_init() as record:
+                yield None
+        finally:
+            for hook in hooks:
+                hook.remove()
+        record.to_meta(made)
         self._pending = record
 
     @contextmanager
@@ -68,7 +84,7 @@ class Construction:
                         ) -> Generator[None, None, None]:
         """Around ``configure_model``: build deferred when the layout splits parameters, or take the model
         ``init_module`` built. ``module_of()`` is the LightningModule (known once the hook has run)."""
-        if self._pending is not None and not self._pending.stats["deferred_bytes"]:
+        if self._pending is not None and not self._pending.stats["deferred_bytes"] and not self._pending.kept:
             self._pending = None  # init_module built no large tensor: the model is configure_model's to build
         if not shards_parameters and self._pending is None:
             yield None
@@ -101,6 +117,8 @@ class Construction:
             for tensor in module.state_dict().values():
                 if isinstance(tensor, Tensor) and not tensor.is_meta:
                     dist.broadcast(tensor, src=0)
+            for tensor in record.kept:  # (init_module's small tensors, on meta until materialised)
+                dist.broadcast(tensor, src=0)
         record.capture(module)
         self._record = record
 

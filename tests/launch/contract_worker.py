@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import traceback
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -133,11 +136,10 @@ def reference() -> dict:
     lm.configure_model()
     opt = torch.optim.SGD(lm.parameters(), lr=LR)
     initial = {n: float(p.detach().double().sum()) for n, p in lm.named_parameters()}
-    # Lightning shuffles every distributed training loader (DistributedSampler, seed 0): epoch 0's global order
+    # a sequential loader stays sequential under a distributed sampler (Lightning's rule): the global batches in order
     data = tokens(GLOBAL_BATCH * FIT_STEPS, 1)
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     losses = []
-    for batch in loader(torch.utils.data.Subset(data, order.tolist()), GLOBAL_BATCH):
+    for batch in loader(data, GLOBAL_BATCH):
         loss = lm.compute_loss(batch)
         losses.append(float(loss))
         opt.zero_grad()
@@ -145,8 +147,7 @@ def reference() -> dict:
         opt.step()
     trained = sums(lm.state_dict())
     # a later fit's third step: epoch 1's first global batch
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1))
-    batch = next(iter(loader(torch.utils.data.Subset(data, order.tolist()), GLOBAL_BATCH)))
+    batch = next(iter(loader(data, GLOBAL_BATCH)))
     with torch.no_grad():
         val = [float(lm.compute_loss(b)) for b in loader(tokens(GLOBAL_BATCH * EVAL_BATCHES, 2), GLOBAL_BATCH)]
     loss = lm.compute_loss(batch)
@@ -168,6 +169,13 @@ def trainer(root: Path, strategy_args: dict, **kwargs) -> pl.Trainer:
                 default_root_dir=root)
     args.update(kwargs)
     return pl.Trainer(**args)
+
+
+def optimizer_saved(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` (one file or a DCP directory) holds optimizer states."""
+    if path.is_dir():
+        return any(k.startswith("optimizer_") for k in FileSystemReader(path).read_metadata().state_dict_metadata)
+    return bool(torch.load(path, weights_only=True).get("optimizer_states"))
 
 
 def sums(state: dict) -> dict:
@@ -199,7 +207,8 @@ def run(root: Path, name: str) -> None:
     def check(label, fn):
         try:
             fn()
-        except Exception as error:  # every check runs; the report names what failed
+        except (Exception, CheckpointException) as error:  # every check runs; the report names what failed
+            # (DCP's CheckpointException is a BaseException)
             report["errors"][label] = f"{type(error).__name__}: {error}"[-2000:]
             traceback.print_exc()
 
@@ -209,11 +218,20 @@ def run(root: Path, name: str) -> None:
     # test_model_parallel_integration.py::test_save_load_sharded_state_dict: a save after every stage
     torch.manual_seed(SEED)
     model = new_model()
-    t = trainer(out, strategy_args)
+    # test_fsdp.py::test_checkpoint_multi_gpus: ModelCheckpoint(save_last=True) saves while fitting
+    t = trainer(out, strategy_args, enable_checkpointing=True,
+                callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)])
 
     def fit():
         t.fit(model, loader(train, batch))
         report["fit_losses"] = list(model.train_losses)
+        # test_model_parallel_integration.py::test_tensor_parallel: the optimizer's parameters are the layout's
+        # DTensors, tensor-parallel ones on device_mesh["tp"]
+        params = [p for g in t.strategy.optimizers[0].param_groups for p in g["params"]]
+        report["optimizer_meshes"] = sorted({"x".join(p.device_mesh.mesh_dim_names) for p in params
+                                             if isinstance(p, DTensor)})
+        report["optimizer_on_tp_mesh"] = all(p.device_mesh == t.strategy.device_mesh["tp"] for p in params
+                                             if isinstance(p, DTensor))
         report["initial_sums"] = model.initial_sums
         report["logged"] = {fx: float(t.callback_metrics[f"probe/{fx}"]) for fx in ("sum", "mean", "max")}
         report["dp"] = t.strategy.dims.dp
@@ -244,6 +262,35 @@ def run(root: Path, name: str) -> None:
     check("predict", predict)
     check("save_after_predict", lambda: t.save_checkpoint(out / "after_predict.ckpt"))
     report["modes"] = model.modes
+
+    # -- test_fsdp.py::_run_multiple_stages (test_checkpoint_multi_gpus, test_strategy_checkpoint): after fit and
+    # test, a save, a weights-only save over ModelCheckpoint's last, then under torch.inference_mode() test and
+    # predict, of the model and from the weights-only checkpoint (upstream compares the saved weights with the
+    # model's where the checkpoint is one file; the test does it for every layout from the files)
+    def multiple_stages():
+        last = Path(t.strategy.broadcast(t.checkpoint_callback.last_model_path))
+        report["ms_last_saved"] = last.exists()
+        t.save_checkpoint(last.with_name("after-test.ckpt"))
+        t.save_checkpoint(last, weights_only=True)
+        report["ms_optimizer_saved"] = [optimizer_saved(last.with_name("after-test.ckpt")), optimizer_saved(last)]
+        if rank == 0:  # kept for the test (the next fit's ModelCheckpoint writes `last` again)
+            (shutil.copytree if last.is_dir() else shutil.copy2)(last, out / "weights_only.ckpt")
+        with torch.inference_mode():
+            report["ms_test_model"] = float(t.test(model, loader(evaluate, batch))[0]["test/loss"])
+            report["ms_test_ckpt"] = float(t.test(ckpt_path=last, dataloaders=loader(evaluate, batch))[0]["test/loss"])
+            if "cp" not in strategy_args:  # (predict is refused under context parallel, see above)
+                torch.manual_seed(SEED)  # generation samples: the same draws for both
+                of_model = t.predict(model, loader(evaluate, batch))
+                torch.manual_seed(SEED)
+                of_ckpt = t.predict(ckpt_path=last, dataloaders=loader(evaluate, batch))
+                report["ms_predictions"] = [list(p.shape) for p in of_ckpt]
+                report["ms_predictions_equal"] = all(torch.equal(a, b) for a, b in zip(of_model, of_ckpt, strict=True))
+        # the weights stay trainable (fit_again below trains them): no inference tensors
+        report["ms_inference_params"] = sum(p.is_inference() for p in model.parameters())
+        # torchmetrics' reset at the end of a stage run in inference mode leaves inference tensors as the metric's
+        # states, which a later update outside it cannot change in place (under any strategy, Lightning's own too)
+        model.test_ppl.reset()
+    check("multiple_stages", multiple_stages)
 
     # -- test_trainer.py::test_repeated_fit_calls_with_max_epochs_and_steps, with one more step to train: fit again
     # on the same Trainer and model after the evaluations; the step is the one-process run's third
@@ -280,8 +327,15 @@ def run(root: Path, name: str) -> None:
                                                    ckpt_path=single)[0]["test/loss"])
     check("export_load_from_checkpoint", export_and_load)
 
+    # -- test_model_parallel_integration.py::test_load_full_state_checkpoint_into_regular_model, the other way: the
+    # one-file checkpoint (a full state) tested under the layout, with a model built in configure_model
+    def one_file_into_layout():
+        results = trainer(out / "one_file", strategy_args).test(new_model(), loader(evaluate, batch), ckpt_path=single)
+        report["one_file_test_loss"] = float(results[0]["test/loss"])
+    check("one_file_into_layout", one_file_into_layout)
+
     # -- test_model_parallel_integration.py::test_module_init_context, test_fsdp.py::test_module_init_context:
-    # Trainer.init_module(empty_init=True) leaves the large tensors on the meta device; the strategy materialises
+    # Trainer.init_module(empty_init=True) leaves every parameter on the meta device; the strategy materialises
     # them (here with the values one process draws, so the fit is at parity); empty_init=False builds them for real
     # (and a module that builds its network in configure_model: that hook builds it, deferred where the layout splits
     # parameters, as without init_module)
@@ -333,6 +387,14 @@ def run(root: Path, name: str) -> None:
                 diffs.append(float((full(optimizer.state[p]["momentum_buffer"]) - saved_buffers[n]).abs().max()))
         report["plain_resume_momentum_max_abs_diff"] = max(diffs)
         report["plain_resume_compared"] = len(diffs)
+        # the same file (optimizer states and all) tested under the layout, the model built in __init__ as
+        # Lightning's TemplateModel is: only the weights are read
+        eager = MomentumGPT(build_now=True)
+        results = trainer(out / "plain_test", strategy_args).test(eager, loader(evaluate, batch), ckpt_path=plain)
+        report["plain_test_loss"] = float(results[0]["test/loss"])
+        per_rank = GLOBAL_BATCH // dist.get_world_size()
+        report["plain_ddp_test_loss"] = float(ddp.test(MomentumGPT(), loader(evaluate, per_rank),
+                                                       ckpt_path=plain)[0]["test/loss"])
     check("standard_checkpoint", standard_checkpoint)
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     dist.barrier()

@@ -337,3 +337,32 @@ def test_a_python_number_in_torch_where_keeps_its_value():
     record.materialize(model)
     assert torch.equal(model.mask, eager.mask) and torch.isinf(torch.log(model.mask)).any()
     assert torch.equal(model.proj.weight, eager.proj.weight)
+
+
+def test_init_module_puts_every_parameter_on_meta_and_materialises_one_process_values():
+    """``Trainer.init_module(empty_init=True)`` (the strategy's Construction): small parameters and buffers too are
+    on the meta device until setup (as under Lightning's sharded strategies), a tied one stays one Parameter, and
+    materialising gives the values one process draws."""
+    from lightning_par.strategies.construction import Construction
+
+    def build() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(200, 100), nn.BatchNorm1d(100))
+        model.tied = nn.Linear(4, 4, bias=False)
+        model.tied.weight = model[0].weight
+        return model
+
+    construction = Construction()
+    torch.manual_seed(0)
+    with construction.init_module():
+        model = build()
+    on = {name: t.device.type for name, t in model.state_dict(keep_vars=True).items()}
+    assert set(on.values()) == {"meta"}, on
+    assert model.tied.weight is model[0].weight
+    construction.adopt_pending(model)
+    construction.take().materialize(model)
+    torch.manual_seed(0)
+    eager = build()
+    assert model.state_dict().keys() == eager.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), eager.state_dict().values(),
+                                                 strict=True))
+    assert model.tied.weight is model[0].weight and isinstance(model[0].bias, nn.Parameter)
