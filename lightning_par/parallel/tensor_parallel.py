@@ -89,7 +89,7 @@ import inspect
 import itertools
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -677,9 +677,9 @@ def _local_while(runner: nn.Module, owner: nn.Module) -> None:
         owner._parameters.update(swapped.pop())
 
     runner.register_forward_pre_hook(to_local)
-    # (also after a forward that raised: a module left holding local tensors fails every later move -- Lightning's
-    # teardown `.cpu()` -- with an error about swapping, which hides the forward's own)
-    runner.register_forward_hook(restore, always_call=True)
+    # (not `always_call=True`, which would restore after a forward that raised too: torch.compile recompiles a block
+    # holding such a hook; the strategy's teardown logs, not raises, what a failed run leaves it unable to move)
+    runner.register_forward_hook(restore)
 
 
 def _summed_over(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -1020,7 +1020,9 @@ class TensorParallelPlan:
             return
         _LOSS_PARALLEL_DEPTH += 1
         try:
-            with loss_parallel(), _CrossEntropyOutsideInferenceMode():
+            # (the mode only under inference mode: a function mode on the stack is part of torch.compile's guards)
+            with loss_parallel(), _CrossEntropyOutsideInferenceMode() if torch.is_inference_mode_enabled() \
+                    else nullcontext():
                 yield
         finally:
             _LOSS_PARALLEL_DEPTH -= 1

@@ -223,20 +223,6 @@ def test_a_replicated_parameter_read_by_its_parent_is_local_there(one_process_gr
     assert torch.allclose(model.conv.weight.grad.full_tensor(), reference.conv.weight.grad, atol=1e-6)
 
 
-def test_replicated_parameters_are_restored_after_a_forward_that_raised(one_process_group):
-    """Issue 40: a forward that raised left the replicated module holding its local tensors; moving the model then
-    (Lightning's teardown ``.cpu()``) failed with "_apply(): Couldn't swap Linear.weight", the error the matrix
-    reported for Doge under tp2 instead of the forward's own."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    model = _ConvReader()
-    tpmod.apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
-    with pytest.raises(RuntimeError):
-        model(torch.randn(2, 5, 7))  # the wrong width: the forward raises while the weights are local
-    assert isinstance(model.conv.weight, DTensor) and isinstance(model.conv.weight, nn.Parameter)
-
-
 def test_teardown_after_a_failed_run_does_not_replace_its_error(monkeypatch):
     """Issue 40: after Doge's tp2 forward failed, Lightning's teardown could not move the DTensor parameters (the
     failure's traceback still held them) and its "Couldn't swap" error replaced the run's own. A teardown error
