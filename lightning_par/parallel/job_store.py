@@ -100,7 +100,7 @@ def job_store(address: str, port: int, rank: int, world_size: int, timeout: time
                 raise
             raise PortInUseError(port_message(port, "is in use on this machine")) from None
         store.set(JOB_KEY, job)
-        return {"store": store}
+        return {"store": _as_rendezvous_gives(store)}
     if not job:
         return {}
     store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
@@ -116,4 +116,12 @@ def job_store(address: str, port: int, rank: int, world_size: int, timeout: time
     if found != job:
         raise PortInUseError(port_message(port, f"(rank {rank}): the store there is another job's (job id {found!r}, "
                                                 f"not this job's {job!r})"))
-    return {"store": store}
+    return {"store": _as_rendezvous_gives(store)}
+
+
+def _as_rendezvous_gives(store: Any) -> Any:
+    """``store`` under the prefix torch's own ``env://`` rendezvous puts every process group's keys in: a rank that
+    joins without a job id (another machine's, a SLURM task) rendezvouses that way, and its keys must meet rank 0's
+    (without the prefix every rank waited in gloo's connection forever: the SLURM requeue of tests/launch/
+    test_elastic.py)."""
+    return dist.PrefixStore("default_pg", store)

@@ -79,7 +79,9 @@ CASES: dict[str, Case] = {
     # ZeRO-1 on 2 ranks (per-rank batch 4) resumed on 1 (accumulation 2; the test runs it in its own process)
     "zero1_dp2": _elastic(lambda: ZeroStrategy(stage=1), 2, batch=4, samples=UNEVEN),
     "zero1_dp2_to_1": _elastic(lambda: ZeroStrategy(stage=1), 1, source="zero1_dp2", batch=4, samples=UNEVEN),
-    # ... and ZeRO-1 4 -> 2 -> 4, as ZeRO-3 above (the full set)
+    # ... and ZeRO-3 2 -> 1, ZeRO-1 4 -> 2 -> 4, as above (the full set)
+    "zero3_dp2": _elastic(lambda: ZeroStrategy(stage=3), 2, batch=4, samples=UNEVEN),
+    "zero3_dp2_to_1": _elastic(lambda: ZeroStrategy(stage=3), 1, source="zero3_dp2", batch=4, samples=UNEVEN),
     "zero1_dp4": _elastic(lambda: ZeroStrategy(stage=1), 4, samples=UNEVEN),
     "zero1_dp4_to_dp2": _elastic(lambda: ZeroStrategy(stage=1), 2, source="zero1_dp4", samples=UNEVEN),
     "zero1_dp2_back_to_dp4": _elastic(lambda: ZeroStrategy(stage=1), 4, source="zero1_dp4_to_dp2", source_step=10,

@@ -159,20 +159,22 @@ def _same_run(root, resumed, source, first):
     return loss, weights, acc
 
 
-@pytest.mark.launch(ranks=2)
-def test_zero1_on_2_ranks_resumed_on_1_is_the_same_run(tmp_path, cache_dir):
-    """ZeRO-1 (plain SGD) on 2 ranks, per-rank batch 4, 100 samples (drop_last: 12 steps an epoch), saved at step 5;
-    resumed on 1 rank (in this process): accumulation 2, the epoch kept at 12 steps, steps 5-17 and the final
-    weights the uninterrupted run's."""
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.launch(ranks=2)),
+                                   pytest.param(3, marks=pytest.mark.launch(ranks=2, full=True))])
+def test_zero_on_2_ranks_resumed_on_1_is_the_same_run(tmp_path, cache_dir, stage):
+    """ZeRO-1 (ZeRO-3 in the full set; plain SGD) on 2 ranks, per-rank batch 4, 100 samples (drop_last: 12 steps an
+    epoch), saved at step 5; resumed on 1 rank (in this process): accumulation 2, the epoch kept at 12 steps, steps
+    5-17 and the final weights the uninterrupted run's."""
     from tests.harness import launch_matrix
     from tests.launch import resume_worker
 
+    source = f"zero{stage}_dp2"
     launch_matrix(tmp_path, cache_dir, "tests.launch.resume_worker",
-                  ["--root", str(tmp_path), "--cache", str(cache_dir), "--cases", "zero1_dp2"], nproc=2).check()
-    resume_worker.fit(tmp_path, str(cache_dir), "zero1_dp2_to_1", {})
-    loss, weights, acc = _same_run(tmp_path, "zero1_dp2_to_1", "zero1_dp2", SAVE_EVERY)
-    print(f"ZeRO-1 2 -> 1 ranks (accumulation {acc}): steps {SAVE_EVERY}-{MAX_STEPS - 1} within {loss:.2e}, final "
-          f"weights within {weights:.2e}")
+                  ["--root", str(tmp_path), "--cache", str(cache_dir), "--cases", source], nproc=2).check()
+    resume_worker.fit(tmp_path, str(cache_dir), f"{source}_to_1", {})
+    loss, weights, acc = _same_run(tmp_path, f"{source}_to_1", source, SAVE_EVERY)
+    print(f"ZeRO-{stage} 2 -> 1 ranks (accumulation {acc}): steps {SAVE_EVERY}-{MAX_STEPS - 1} within {loss:.2e}, "
+          f"final weights within {weights:.2e}")
     assert acc == 2 and loss <= 1e-5 and weights <= 1e-5
 
 

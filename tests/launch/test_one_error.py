@@ -181,3 +181,37 @@ def test_a_corpus_that_is_not_utf8_stops_every_rank_with_the_same_line(tmp_path,
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert _last_lines(err) == [f"lightning-par: error: {said[0]}"] and "Traceback" not in err
+
+
+def _join_without_a_job_id(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 through lightning-par's own store, the other rank through torch's env:// rendezvous (a SLURM task, a
+    rank of another machine: no job id), then one all-reduce."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_par.parallel.job_store import JOB_ENV, job_store
+
+    os.environ.pop(JOB_ENV, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    timeout = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout,
+                            **job_store("127.0.0.1", port, rank, world, timeout))
+    total = torch.ones(1) * (rank + 1)
+    dist.all_reduce(total)
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(str(total.item()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.launch(ranks=2)
+def test_rank_zeros_store_meets_ranks_that_rendezvous_by_env(tmp_path):
+    """Ranks without a job id join through torch's env:// rendezvous, which puts the group's keys under a prefix; rank
+    0's own store must give them the same (without it every rank waited in gloo's connection: the SLURM requeue of
+    tests/launch/test_elastic.py hung)."""
+    from tests.harness import free_port, spawn
+
+    spawn(_join_without_a_job_id, (2, free_port(), str(tmp_path)), 2)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["3.0", "3.0"]
