@@ -254,6 +254,21 @@ def test_a_second_trainer(contract, layout):
             assert close(report["other_trainer_test_loss"], reference["eval_after_3"])
 
 
+def _plain_checkpoint(tmp_path):
+    """A two-layer model after one SGD-with-momentum step, and Lightning's one-file checkpoint of it (optimizer state
+    by position): ``(model, optimizer, file)``."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    file = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, file)
+    return model, optimizer, file
+
+
 def test_a_plain_checkpoint_maps_to_a_pipeline_stage_by_the_models_parameter_order(tmp_path):
     """In one process, no launch: a one-file optimizer state without parameter names (Lightning's own) loads into a
     stage holding some of the model's parameters when it is one group over the whole model in the model's order;
@@ -263,13 +278,7 @@ def test_a_plain_checkpoint_maps_to_a_pipeline_stage_by_the_models_parameter_ord
     from lightning_par.plugins import sharded_checkpoint
     from lightning_par.plugins.checkpoint_files import CheckpointError
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    file = tmp_path / "plain.ckpt"
-    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, file)
+    model, optimizer, file = _plain_checkpoint(tmp_path)
     order = [name for name, _ in model.named_parameters()]
     stage = nn.Sequential()
     stage.add_module("1", nn.Linear(4, 3))  # the last stage: the model's names "1.weight", "1.bias"
@@ -300,13 +309,7 @@ def test_a_checkpoint_tested_or_predicted_from_gives_its_weights_alone(tmp_path)
     from lightning_par.plugins import sharded_checkpoint
     from lightning_par.plugins.checkpoint_files import CheckpointError
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    file = tmp_path / "plain.ckpt"
-    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, file)
+    model, optimizer, file = _plain_checkpoint(tmp_path)
     fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
     with pytest.raises(CheckpointError, match="holds 1 optimizer states for 0 optimizers"):
         sharded_checkpoint.load(file, fresh, [])
