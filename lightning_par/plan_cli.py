@@ -172,7 +172,7 @@ def _main(argv: list[str]) -> int:
     args = parser().parse_args(rest)
     from lightning_par.planner.model import build_model, inspect_model
     from lightning_par.planner.plan import Planner, Workload, rank_table
-    from lightning_par.planner.report import header, rank_breakdown, summary, table, write_json
+    from lightning_par.planner.report import band_legend, header, rank_breakdown, summary, table, write_json
 
     fit = read_fit_config(args.config) if args.config else FitPlan()
     if fit.model and not args.hf_config:
@@ -247,14 +247,15 @@ def _main(argv: list[str]) -> int:
     shown = estimates if args.all else estimates[:args.top]
     print()
     if shown:
-        print(table(shown, exposed=args.exposed))
+        print(table(shown, exposed=args.exposed, hardware=hw.name))
         if len(shown) < len(estimates):
             print(f"   ... {len(estimates) - len(shown)} more (--all prints them, --json writes them)")
+        print(band_legend(shown, hw.name))
     print()
     print(summary(estimates, skipped, hw))
     if layout and estimates:
         print()
-        print(rank_breakdown(estimates[0]))
+        print(rank_breakdown(estimates[0], hw.name))
     _print_fit_command(args, model_args, estimates, work, obj)
     if args.json_out:
         write_json(args.json_out, estimates, {

@@ -17,7 +17,8 @@ A device is described by a handful of numbers, used by :mod:`lightning_par.plann
   where the host runs ahead of the kernels;
 - ``intra_node_bandwidth`` / ``inter_node_bandwidth``: collective bus bandwidth per device (NCCL's "busbw": a ring
   all-reduce of ``n`` bytes over ``k`` devices takes ``2 n (k-1)/k / bandwidth``), inside a node (NVLink) and
-  across nodes (InfiniBand), and ``latency_s`` per collective;
+  across nodes (InfiniBand, one NIC), and ``latency_s`` per collective; ``rails``: how many NICs per node a
+  collective's rings spread over (a group with 8 ranks in each node of a rail-optimized H100 cluster: 8);
 - ``overlap``: whether communication can run beside compute (GPUs: the copy engines and NCCL's own SMs). False
   for the CPU ranks here: gloo's transfers and reductions run on the same cores as the compute, which the 4 ranks
   already oversubscribe, so every collective's time is exposed, whatever the runtime overlaps;
@@ -25,9 +26,15 @@ A device is described by a handful of numbers, used by :mod:`lightning_par.plann
 - ``memory_gib`` and ``reserved_gib``: device memory, and what the runtime takes before any tensor (CUDA context,
   NCCL buffers, allocator fragmentation).
 
-Presets: ``h100-sxm``, ``h200``, ``a100`` (80 GB SXM, as in Megatron's Selene runs) and ``cpu`` (this 2-core CPU
-with gloo, measured); or a JSON / YAML file with the same fields (``--hardware FILE``), missing fields taken from
-``base``.
+Presets: ``h100-sxm``, ``h200`` (both calibrated on measured steps: ``calibration.json``, written by
+``benchmarks/planner_fit.py``), ``h100-pcie`` and ``b200`` (datasheet figures only), ``a100`` (80 GB SXM, as in
+Megatron's Selene runs) and ``cpu`` (this 2-core CPU with gloo, measured); or a JSON / YAML file with the same
+fields (``--hardware FILE``), missing fields taken from ``base``.
+
+- ``attention_efficiency``: the fraction of the bf16 peak a fused attention kernel reaches on the FLOPs it computes
+  (half the counted square under a causal mask); 0 prices attention as a GEMM of its intensity (the A100 table);
+- ``fusion``: under ``torch.compile``, the share of the memory traffic between two matrix products that fusion
+  removes beyond the largest op's own (1, the ideal, unless calibrated).
 
 :data:`GPUS` is the table of CUDA devices by name (:func:`detect_gpu`): their dense peak FLOP/s per dtype, which
 ``train/mfu`` divides by, and the preset ``strategy="planned"`` plans with (the nearest one, with a note, where no
@@ -55,11 +62,20 @@ class Hardware:
     peak_flops: dict[str, float] = field(default_factory=dict)  # compute dtype ("fp32", "bf16") -> FLOP/s
     matmul_efficiency: float = 0.7  # every shape, where matmul_table is empty
     matmul_table: tuple[tuple[float, float], ...] = ()  # (GEMM intensity I, fraction of peak), I increasing
+    # fused attention (SDPA) in bf16: the fraction of peak its kernels reach on the FLOPs they compute (a causal
+    # kernel half of the counted square); 0: attention is a GEMM of its intensity, as the table prices it
+    attention_efficiency: float = 0.0
+    # compiled (torch.compile): the share of the memory traffic of the ops between two matrix products that fusion
+    # removes, beyond the largest op's own (1: one kernel moving only that; measured on a GPU: less)
+    fusion: float = 1.0
     memory_bandwidth: float = 2e12  # bytes/s
     op_overhead_s: float = 5e-6
     dtensor_op_overhead_s: float = 0.0
     intra_node_bandwidth: float = 200e9  # bytes/s per device, collective bus bandwidth
     inter_node_bandwidth: float = 25e9
+    # NICs per node one collective's rings can spread over (rail-optimized nodes: one per GPU, NCCL one channel per
+    # rail); 1: a group's inter-node traffic is bound by one NIC per rank, whatever it holds in each node
+    rails: int = 1
     latency_s: float = 2e-5
     overlap: bool = True
     devices_per_node: int = 8
@@ -73,6 +89,11 @@ class Hardware:
         if compute_dtype not in self.peak_flops:
             raise LayoutError(f"hardware {self.name!r} gives no peak FLOP/s for {compute_dtype}; add it to peak_flops.")
         return self.peak_flops[compute_dtype] * self.efficiency(intensity)
+
+    def attention_flops(self) -> float:
+        """FLOP/s a fused bf16 attention kernel reaches on the FLOPs it computes (``attention_efficiency`` of the
+        bf16 peak)."""
+        return self.peak_flops.get("bf16", 0.0) * self.attention_efficiency
 
     def efficiency(self, intensity: float | None = None) -> float:
         """The fraction of peak a GEMM of intensity ``I`` reaches: ``matmul_table`` interpolated in ``log I``,
@@ -90,8 +111,14 @@ class Hardware:
                 return y0 + t * (y1 - y0)
         return table[-1][1]
 
-    def bandwidth(self, span_nodes: bool) -> float:
-        return self.inter_node_bandwidth if span_nodes else self.intra_node_bandwidth
+    def bandwidth(self, span_nodes: bool, ranks_per_node: int = 1) -> float:
+        """Bus bandwidth per device of a collective over a group; one spanning nodes with ``ranks_per_node`` of its
+        ranks in each node runs its rings over up to ``rails`` NICs per node (NCCL's channels, one per rail), so
+        each inter-node hop carries that share of the data: the NICs' sum, up to the intra-node links."""
+        if not span_nodes:
+            return self.intra_node_bandwidth
+        nics = max(1, min(ranks_per_node, self.rails))
+        return min(self.intra_node_bandwidth, self.inter_node_bandwidth * nics)
 
     @property
     def usable_bytes(self) -> float:
@@ -121,6 +148,9 @@ _H100_SXM = Hardware(
     op_overhead_s=4e-6,
     intra_node_bandwidth=360e9,  # NVLink 4 (900 GB/s both ways): all-reduce bus bandwidth of nccl-tests
     inter_node_bandwidth=40e9,  # one 400 Gb/s NDR port per GPU
+    # rails stays 1 (each rank bound by its own NIC), as the a100 preset's Megatron fit and the planner's tests
+    # take it; an HGX/DGX H100 node has 8 ConnectX-7 ports, one per GPU on its own rail: a hardware file with
+    # "base: h100-sxm" and "rails: 8" plans such a cluster's collectives (benchmarks/plan_accuracy.py does)
     latency_s=1.5e-5,
     devices_per_node=8,
     memory_gib=79.6,
@@ -128,12 +158,33 @@ _H100_SXM = Hardware(
     notes="H100 SXM5 80 GB, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU",
 )
 
-PRESETS: dict[str, Hardware] = {
+#: the presets from their datasheets (and the A100 table above), before any calibration; what
+#: ``benchmarks/planner_fit.py`` fits from
+BASE_PRESETS: dict[str, Hardware] = {
     "h100-sxm": _H100_SXM,
     # the H100 SXM's GH100 with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet): the same compute and NVLink
     "h200": replace(_H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8,
                     memory_gib=140.4,  # what CUDA reports for the "141 GB" (143,771 MiB), as 79.6 for "80 GB"
                     notes="H200 SXM 141 GB HBM3e, 8 per node on NVSwitch, one 400 Gb/s InfiniBand port per GPU"),
+    # NVIDIA H100 Tensor Core GPU datasheet, PCIe column: 756 TFLOP/s bf16 dense (1,513 with sparsity), 51 TFLOP/s
+    # fp32, 80 GB HBM2e at 2.0 TB/s, 300-350 W, PCIe Gen5 (128 GB/s, 64 each way) or an NVLink bridge between two
+    # cards (600 GB/s); no NVSwitch. Uncalibrated: nothing was measured on one (plan says so)
+    "h100-pcie": replace(
+        _H100_SXM, name="h100-pcie", peak_flops={"bf16": 756e12, "fp32": 51e12}, memory_bandwidth=2.0e12 * 0.8,
+        # a ring over the host's PCIe Gen5 switches: 64 GB/s each way per card, about half of it as NCCL bus
+        # bandwidth (an estimate, not a datasheet figure)
+        intra_node_bandwidth=32e9,
+        notes="H100 PCIe 80 GB (datasheet figures, uncalibrated), 8 per node on PCIe Gen5 without NVSwitch, one "
+              "400 Gb/s port per GPU"),
+    # NVIDIA HGX B200 datasheet (8 GPUs; per GPU here): 36 PFLOP/s fp16/bf16 with sparsity -> 2.25 dense per GPU,
+    # fp32 600 TFLOP/s -> 75, 1.44 TB of HBM3e at 64 TB/s -> 180 GB at 8 TB/s; NVLink 5, 1.8 TB/s per GPU both ways
+    # (the H100's 900 GB/s gives 360 GB/s of all-reduce bus bandwidth: the same 40% here); DGX B200: 8 ConnectX-7
+    # 400 Gb/s ports. Uncalibrated: nothing was measured on one (plan says so)
+    "b200": replace(
+        _H100_SXM, name="b200", peak_flops={"bf16": 2250e12, "fp32": 75e12}, memory_bandwidth=8.0e12 * 0.8,
+        intra_node_bandwidth=720e9, memory_gib=180e9 / GiB,  # "180 GB" (what CUDA reports was not seen here)
+        notes="B200 180 GB HBM3e (HGX B200 datasheet figures, uncalibrated), 8 per node on NVLink 5, one 400 Gb/s "
+              "port per GPU"),
     "a100": Hardware(
         name="a100",
         peak_flops={"bf16": 312e12, "fp32": 19.5e12},
@@ -179,6 +230,42 @@ PRESETS: dict[str, Hardware] = {
         notes="this machine: 2 AMD EPYC cores, gloo over loopback (its figures measured with 4 ranks sharing them)",
     ),
 }
+
+
+#: the constants ``benchmarks/planner_fit.py`` fitted from measured GPU steps, with the runs they came from and the
+#: errors on the runs held out of each fit
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
+
+
+def read_calibration(path: Path = CALIBRATION_FILE) -> dict | None:
+    """The calibration file's contents, or None where there is none (then the presets are the datasheets')."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def calibrated(base: Hardware, constants: dict, device: dict) -> Hardware:
+    """``base`` with fitted constants: its GEMM table scaled by ``matmul_scale`` (capped at the peak), compiled
+    fusion's share ``fusion``, and the device's ``attention_efficiency`` (its measured SDPA rate over its peak)."""
+    scale = float(constants["matmul_scale"])
+    return replace(base, matmul_table=tuple((i, min(1.0, e * scale)) for i, e in base.matmul_table),
+                   matmul_efficiency=min(1.0, base.matmul_efficiency * scale),
+                   attention_efficiency=float(device["attention_efficiency"]), fusion=float(constants["fusion"]),
+                   notes=f"{base.notes}; calibrated on measured steps (runs {', '.join(device['runs'])})")
+
+
+def _calibrate(presets: dict[str, Hardware], calibration: dict | None) -> dict[str, Hardware]:
+    if not calibration:
+        return dict(presets)
+    devices = calibration.get("devices", {})
+    return {name: calibrated(hw, calibration["constants"], devices[name]) if name in devices else hw
+            for name, hw in presets.items()}
+
+
+#: the presets the planner uses: :data:`BASE_PRESETS`, with the GPU ones calibrated where the calibration file holds
+#: them (``h100-sxm``, ``h200``)
+PRESETS: dict[str, Hardware] = _calibrate(BASE_PRESETS, read_calibration())
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:

@@ -54,6 +54,7 @@ from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.pipeline.split import plan_stages
 from lightning_par.parallel.recompute import RECOMPUTE_KINDS
 from lightning_par.parallel.stage_plan import SCHEDULES, StagePlan
+from lightning_par.parallel.tensor_parallel import takes_block_input
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.model import ModelInfo, ParamInfo, TPSplit
 from lightning_par.planner.runtime import MEGATRON_2021, MEGATRON_OVERLAP, RUNTIMES, Runtime  # noqa: F401
@@ -341,14 +342,14 @@ class Planner:
                     fwd.append(("all_gather", tokens * module.embedding_dim))
                 elif style.startswith("mla_kv_a_proj:"):  # the shared rope key's gradient, summed over tp
                     bwd.append(("all_reduce", tokens * int(style.partition(":")[2])))
-                elif style == "block_input":
+                elif takes_block_input(style):
                     child = next((c for c in names if c.startswith(name + ".")
                                   and styles[c].startswith(("colwise", "packed_colwise"))), None)
                     if child is not None:
                         bwd.append(("all_reduce", tokens * root.get_submodule(child).in_features))
                 elif (style.startswith(("colwise", "packed_colwise")) or style == "vocab_parallel") and isinstance(
                         module, nn.Linear):
-                    if styles.get(name.rpartition(".")[0]) != "block_input":
+                    if not takes_block_input(styles.get(name.rpartition(".")[0], "")):
                         bwd.append(("all_reduce", tokens * module.in_features))
                     if style in ("colwise_gather_output", "colwise_rep"):
                         fwd.append(("all_gather", tokens * module.out_features))
@@ -417,13 +418,19 @@ class Planner:
         dp_span = c.tp * c.cp * c.dp > per_node
         pp_span = c.tp * c.cp * c.dp * c.pp > per_node
         ep_span = c.tp * c.ep > per_node  # ep consecutive ranks of dp x cp at one tp coordinate
+
+        def in_node(stride: int, size: int) -> int:
+            # ranks of a group (every ``stride``-th rank, ``size`` of them) that share a node: the NICs its rings use
+            # there (a collective's; cp's ring of sends and ep's all-to-all go through each rank's own NIC)
+            return max(1, min(size, per_node // stride)) if stride < per_node else 1
+
         if c.cp > 1 and work.seq_len % (2 * c.cp):
             raise LayoutError(f"cp={c.cp} cuts each sequence into {2 * c.cp} chunks: the sequence length "
                               f"{work.seq_len} does not divide by {2 * c.cp}.")
 
         # -- per stage: units, saved bytes, forward / backward time, tensor-parallel traffic --------------------
         collectives = self.tp_collectives(split) if c.tp > 1 else {}
-        tp_bw = hw.bandwidth(tp_span)
+        tp_bw = hw.bandwidth(tp_span, in_node(1, c.tp))
 
         def coll_time(ops: Iterable[tuple[str, float]]) -> tuple[float, float]:
             sent, n = 0.0, 0
@@ -493,7 +500,7 @@ class Planner:
                 # the token exchange waits: the experts need their tokens, the layer its outputs; each forward
                 # exchanges the counts, then the tokens, then the outputs, the backward their gradients
                 a2a, layers = self.all_to_all_bytes(c, units, act_elt)
-                ep_bw = hw.bandwidth(ep_span)
+                ep_bw = hw.bandwidth(ep_span)  # all-to-all: each rank's own NIC
                 f_ep = a2a / ep_bw + 3 * layers * hw.latency_s
                 b_ep = (forwards - 1) * f_ep + a2a / ep_bw + 2 * layers * hw.latency_s
                 stage_f[-1] += f_ep
@@ -555,7 +562,7 @@ class Planner:
         n_tensors = 0  # parameter tensors of the fullest rank
         reduce_finish = gather_exposed = tp_exposed_max = 0.0
         bucket = runtime.bucket_mb * 2**20
-        dp_bw = hw.bandwidth(dp_span)
+        dp_bw = hw.bandwidth(dp_span, in_node(c.tp * c.cp, c.dp))
         d = c.dp * c.cp  # gradients are averaged over the dp x cp ranks of a stage
         for r, stage_ids in enumerate(rank_stages):
             rank_units = {u for s in stage_ids for u in units_by_stage[s]}

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_par.planner.bands import Band, band_for
 from lightning_par.planner.hardware import GiB, Hardware
 from lightning_par.planner.plan import Estimate, Workload
 from lightning_par.planner.trace import NO_FP32_MASTERS
@@ -69,8 +70,31 @@ def _with_ep(cells: tuple[str, ...], ep: str, ep_sent: str) -> tuple[str, ...]:
     return cells[:4] + (ep,) + cells[4:19] + (ep_sent,) + cells[19:]
 
 
-def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -> list[tuple[str, ...]]:
+def bands(estimates: Sequence[Estimate], hardware: str) -> tuple[list[str], dict[str, Band]]:
+    """Each estimate's band letter, and the band of each letter (A, B, ... in order of first use)."""
+    letters: list[str] = []
+    by_kind: dict[str, tuple[str, Band]] = {}
+    for e in estimates:
+        c = e.candidate
+        b = band_for(hardware, c.world, c.tp, c.pp, c.cp, c.precision)
+        if b.kind not in by_kind:
+            by_kind[b.kind] = (chr(ord("A") + len(by_kind)) if len(by_kind) < 26 else "?", b)
+        letters.append(by_kind[b.kind][0])
+    return letters, {letter: b for letter, b in by_kind.values()}
+
+
+def band_legend(estimates: Sequence[Estimate], hardware: str) -> str:
+    """What each band letter of the table means: the errors its validation supports, or that it has none."""
+    _, legend = bands(estimates, hardware)
+    lines = ["error bands (|predicted / measured - 1| where validated; docs/plan.md, \"Calibration and error bands\"):"]
+    lines += [f"  {letter}  {b.describe()}" for letter, b in legend.items()]
+    return "\n".join(lines)
+
+
+def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False,
+         hardware: str | None = None) -> list[tuple[str, ...]]:
     _, unit = _unit(estimates)
+    letters = bands(estimates, hardware)[0] if hardware is not None else []
     experts = _experts(estimates)
     out = []
     for i, e in enumerate(estimates, start):
@@ -86,20 +110,26 @@ def rows(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -
         ) + (tuple(f"{e.exposed.get(g, 0.0):.3g}" for g in ("dp", "tp", "pp")) if exposed else ()))
         if experts:
             out[-1] = _with_ep(out[-1], str(c.ep), _traffic(e.comm_bytes.get("ep", 0.0), unit))
+        if letters:
+            out[-1] = out[-1] + (letters[i - start],)
     return out
 
 
-def table(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False) -> str:
-    """The estimates as a table; ``exposed``: with the exposed communication seconds per group."""
-    body = rows(estimates, start, exposed)
+def table(estimates: Sequence[Estimate], start: int = 1, exposed: bool = False, hardware: str | None = None) -> str:
+    """The estimates as a table; ``exposed``: with the exposed communication seconds per group; ``hardware`` (the
+    preset's name): with each row's error band (:func:`band_legend` says what each letter means)."""
+    body = rows(estimates, start, exposed, hardware)
     experts = _experts(estimates)
-    header = (_with_ep(HEADER, "ep", "ep") if experts else HEADER) + (EXPOSED if exposed else ())
+    header = (_with_ep(HEADER, "ep", "ep") if experts else HEADER) + (EXPOSED if exposed else ()) + \
+        (("band",) if hardware is not None else ())
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
     name, _ = _unit(estimates)
     groups = [("", 10 + experts), (f"{name} per rank (the fullest)", 6), (f"{name} sent per step", 3 + experts),
               ("", 5)]
     if exposed:
         groups.append(("exposed comm", 3))
+    if hardware is not None:
+        groups.append(("", 1))
     lines = []
     top, col = [], 0
     for title, n in groups:
@@ -122,6 +152,17 @@ def header(description: str, hw: Hardware, work: Workload, world: int, optimizer
             f"{optimizer}")
 
 
+def with_band(e: Estimate, hardware: str) -> str:
+    """An estimate's step time and memory with the band its kind of run has (or that it has none)."""
+    c = e.candidate
+    b = band_for(hardware, c.world, c.tp, c.pp, c.cp, c.precision)
+    step = f"{e.step_time:.3g} s per step" + (f" (+-{b.step[0]:.0%} median, +-{b.step[1]:.0%} worst)" if b.step
+                                              else "")
+    memory = f"{e.worst.total / GiB:.3g} GiB per rank" + (
+        f" (+-{b.memory[0]:.0%} median, +-{b.memory[1]:.0%} worst)" if b.memory else "")
+    return f"{step}, {memory}" + ("" if b.step or b.memory else " [outside anything measured]")
+
+
 def summary(estimates: Sequence[Estimate], skipped: dict[str, int], hw: Hardware) -> str:
     fit = [e for e in estimates if e.fits]
     runnable = [e for e in fit if e.runs_today]
@@ -129,7 +170,7 @@ def summary(estimates: Sequence[Estimate], skipped: dict[str, int], hw: Hardware
              f"{len(runnable)} of those run in this version of lightning-par."]
     if fit:
         best = fit[0]
-        lines.append(f"fastest that fits: {best.candidate.label()} -- {best.step_time:.3g} s per step, "
+        lines.append(f"fastest that fits: {best.candidate.label()} -- {with_band(best, hw.name)}, "
                      f"{best.tokens_per_s:,.0f} tokens/s, {best.model_tflops_per_device:.3g} TFLOP/s per device "
                      f"(MFU {best.mfu:.0%})" + ("" if best.runs_today else " [not runnable yet]")
                      + (" [no fp32 master weights*]" if best.candidate.precision in NO_FP32_MASTERS else ""))
@@ -154,7 +195,7 @@ def summary(estimates: Sequence[Estimate], skipped: dict[str, int], hw: Hardware
     return "\n".join(lines)
 
 
-def rank_breakdown(e: Estimate) -> str:
+def rank_breakdown(e: Estimate, hardware: str | None = None) -> str:
     """Per pipeline rank: what it holds (its tp and dp peers hold the same)."""
     lines = [f"{e.candidate.label()}: per pipeline rank (GiB)",
              "  pp rank   params   grads   optim   activ  transient   total"]
@@ -164,6 +205,8 @@ def rank_breakdown(e: Estimate) -> str:
                      f"{r.total / GiB:7.2f}")
     b = e.breakdown
     x = e.exposed
+    if hardware is not None:
+        lines.append(f"  {with_band(e, hardware)}")
     lines.append(f"  step {e.step_time:.4g} s = pipeline {b['pipeline']:.4g} (of it tp exposed {x.get('tp', 0):.3g}, "
                  f"pp exposed {x.get('pp', 0):.3g}) + data-parallel exposed {b['dp_exposed']:.4g} + optimizer "
                  f"{b['optimizer']:.4g}; bubble {e.bubble:.3f}; sent per step "

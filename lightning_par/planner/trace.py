@@ -69,15 +69,19 @@ class Ops:
     seq: list[bool] = field(default_factory=list)  # runs on sequence shards under sequence parallelism
     weight_grad: list[bool] = field(default_factory=list)  # produces a weight gradient (zero bubble's W)
     intensity: list[float] = field(default_factory=list)  # a GEMM's MNK / (MK + KN + MN); 0 for other ops
+    # a fused attention kernel (SDPA): the share of its counted FLOPs it computes -- 0.5 under a causal mask (the
+    # kernel skips the masked half; the count, as Megatron's, is the full square), 1.0 without; 0 for other ops
+    attention: list[float] = field(default_factory=list)
 
     def add(self, flops: float, nbytes: float, low: bool, seq: bool, weight_grad: bool,
-            intensity: float = 0.0) -> None:
+            intensity: float = 0.0, attention: float = 0.0) -> None:
         self.flops.append(flops)
         self.nbytes.append(nbytes)
         self.low_precision.append(low)
         self.seq.append(seq)
         self.weight_grad.append(weight_grad)
         self.intensity.append(intensity)
+        self.attention.append(attention)
 
     @property
     def total_flops(self) -> float:
@@ -92,27 +96,37 @@ class Ops:
     def times(self, hw: Any, tp_seq: int = 1, compiled: bool = False) -> tuple[float, float, float]:
         """Seconds on ``hw``: all ops, those making weight gradients, the matrix products. Per op the longer of its
         FLOPs at the matmul rate of its shape (:meth:`Hardware.flops`) and its bytes at the memory bandwidth, plus
-        the launch overhead; ops on sequence shards take 1/``tp_seq``. ``compiled``: the ops between two matrix
+        the launch overhead; ops on sequence shards take 1/``tp_seq``. A fused attention kernel in bf16 on hardware
+        with an ``attention_efficiency`` runs the FLOPs it computes (half of the counted ones under a causal mask) at
+        that fraction of peak; elsewhere it is a GEMM of its intensity. ``compiled``: the ops between two matrix
         products run as one fused kernel (what ``torch.compile``'s Inductor makes of them), which reads its inputs
-        and writes its output once -- costed as the largest of its ops' bytes and one launch."""
+        and writes its output once -- costed as the largest of its ops' bytes and one launch, plus the share
+        ``1 - hw.fusion`` of the other ops' bytes that real fusion still moves (1: the ideal)."""
         bw, overhead = hw.memory_bandwidth, hw.op_overhead_s
+        kept = 1.0 - getattr(hw, "fusion", 1.0)  # the share of a fused group's other bytes still moved
+        attention_rate = hw.attention_flops() if getattr(hw, "attention_efficiency", 0.0) else 0.0
         rates: dict[tuple[bool, float], float] = {}
         total = weights = matmuls = 0.0
-        fused_bytes, fused_seq = 0.0, False
+        fused_bytes, fused_seq, fused_sum = 0.0, False, 0.0
 
         def flush() -> float:
-            return ((fused_bytes / bw) / (tp_seq if fused_seq else 1) + overhead) if fused_bytes else 0.0
+            moved = fused_bytes + kept * (fused_sum - fused_bytes)
+            return ((moved / bw) / (tp_seq if fused_seq else 1) + overhead) if fused_bytes else 0.0
 
-        for f, b, low, seq, w, i in zip(self.flops, self.nbytes, self.low_precision, self.seq, self.weight_grad,
-                                        self.intensity, strict=True):
+        attention = self.attention or [0.0] * len(self.flops)  # (Ops given lists without it: no attention)
+        for f, b, low, seq, w, i, a in zip(self.flops, self.nbytes, self.low_precision, self.seq, self.weight_grad,
+                                           self.intensity, attention, strict=True):
             if compiled and not f:
+                fused_sum += b
                 if b > fused_bytes:
                     fused_bytes, fused_seq = b, seq
                 continue
             if compiled:
                 total += flush()
-                fused_bytes = 0.0
-            if f:
+                fused_bytes = fused_sum = 0.0
+            if f and a and low and attention_rate:
+                t = max(f * a / attention_rate, b / bw)
+            elif f:
                 key = (low, i)
                 if key not in rates:
                     rates[key] = hw.flops("bf16" if low else "fp32", i or None)
@@ -223,6 +237,19 @@ def _intensity(func: Any, args: tuple) -> float:
     return float(m * n * k) / float(m * k + k * n + m * n) if m and n and k else 0.0
 
 
+def _attention_share(func: Any, args: tuple, kwargs: dict) -> float:
+    """For a fused attention op (SDPA's kernels, forward or backward): the share of its counted FLOPs it computes,
+    0.5 with ``is_causal`` (the kernel skips the blocks above the diagonal), else 1.0; 0 for any other op."""
+    if "scaled_dot_product" not in func._overloadpacket.__name__:
+        return 0.0
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        names = [a.name for a in func._schema.arguments]
+        causal = args[names.index("is_causal")] if "is_causal" in names and names.index("is_causal") < len(args) \
+            else False
+    return 0.5 if causal else 1.0
+
+
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
                "detach", "lift_fresh", "_unsafe_view", "alias"}
 
@@ -259,7 +286,8 @@ class _OpRecorder(TorchDispatchMode):
             weight_grad = bool(self.backward and flops and isinstance(out, Tensor)
                                and tuple(out.shape) in self.weight_shapes)
             self.ops.add(flops, _nbytes(func, args, kwargs, out), low, self.in_seq(), weight_grad,
-                         _intensity(func, args) if flops else 0.0)
+                         _intensity(func, args) if flops else 0.0,
+                         _attention_share(func, args, kwargs) if flops else 0.0)
         if not self.backward and produces_tensor:
             keys = [_storage_key(t) for t in tree_leaves(args) if isinstance(t, Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
