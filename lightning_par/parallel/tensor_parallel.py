@@ -69,6 +69,12 @@ Style strings (Hugging Face meaning kept for Hugging Face names):
                                      all-gathered to the whole vector
 ``unit_colwise``                     transformers' head-aligned column split (k/v with fewer heads than ranks):
                                      read as ``colwise``, which it is whenever tp divides the key/value heads (checked)
+``local_params``                     an attention module holding bare per-head parameters (sinks, gate biases),
+                                     each named by its own ``colwise`` entry: those are split over the heads
+                                     (``Shard(0)``, this rank's heads, as its column-parallel q/k/v give it) and the
+                                     module computes on their local values; otherwise as ``block_input``. Only a
+                                     module holding column-parallel projections, only 1-D-or-more parameters whose
+                                     first dimension counts its heads
 ``moe_tp_experts``                   a module of experts with 3-D weights [experts, out, in] (transformers' MoE
                                      models): each expert's intermediate features split over tp by the entries
                                      that name its parameters -- ``packed_colwise`` (fused gate|up, each part
@@ -130,6 +136,7 @@ PLAN_STYLES: tuple[str, ...] = (
     "replicated_with_grad_allreduce",
     "mla_kv_a_proj",
     "embedding_colwise",
+    "local_params",
     experts_tp.EXPERTS_STYLE,
     "block_input",
 )
@@ -138,10 +145,6 @@ PLAN_STYLES: tuple[str, ...] = (
 STYLE_ALIASES: dict[str, str] = {"unit_colwise": "colwise"}
 #: Hugging Face styles refused by name, with why (and the nearest layout that trains): a plan naming one stops at setup
 REFUSED_STYLES: dict[str, str] = {
-    "local_params": (
-        "it splits bare parameters of an attention module (per-head attention sinks or gates) over the heads and "
-        "runs the module on local tensors; lightning-par splits a bare parameter only inside an experts module, "
-        "and replicating the sinks would give each rank every head's sinks for its own heads"),
     "all_reduce": (
         "it sums a module's forward output over the tp ranks, for a module that computes on this rank's share "
         "without a split parameter saying so (transformers 5.17's Inkling); lightning-par splits a module by the "
@@ -177,6 +180,12 @@ def style_name(style: str) -> str:
     return style.partition(":")[0]
 
 
+def takes_block_input(style: str) -> bool:
+    """Whether a resolved entry is a block's shared input (``block_input``, or ``local_params``: the same, with the
+    block's per-head parameters split)."""
+    return style_name(style) in ("block_input", "local_params")
+
+
 def packed_parts(style: str) -> int:
     """How many equal parts a ``packed_colwise[:N]`` output holds (``N``; 2 without it, as in transformers)."""
     _, _, count = style.partition(":")
@@ -189,6 +198,8 @@ def _valid_style(style: str) -> bool:
         return False
     if name == "mla_kv_a_proj":
         return not colon or (count.isdigit() and int(count) >= 1)
+    if name == "local_params":
+        return not colon
     return not colon or (name == "packed_colwise" and count.isdigit() and int(count) >= 2)
 
 
@@ -301,6 +312,7 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
             )
         for name in matched:
             resolved[name] = style
+    _fold_local_parameters(model_name, model, resolved, planned_parameters, tp)
     _fold_expert_parameters(model_name, model, resolved, planned_parameters, tp)
 
     for name, style in resolved.items():
@@ -320,6 +332,15 @@ def resolve_tp_plan(module: nn.Module, tp: int, sequence_parallel: bool = False,
     if not sequence_parallel:
         _check_grad_allreduce_in_regions(model_name, model, resolved, set(parents), tp)
     _check_region_exits(model_name, model, resolved, parents)
+    for name, style in resolved.items():
+        if style_name(style) == "local_params" and name not in parents:
+            raise LayoutError(
+                f"{model_name}.{name} ({type(model.get_submodule(name)).__name__}) is planned 'local_params', which "
+                "splits its own per-head parameters over the heads its column-parallel projections give each rank, "
+                "but no projection inside it is planned 'colwise': every rank computes every head there, and the "
+                "split parameters would not match. Plan its q/k/v projections 'colwise' (and the output "
+                "'rowwise'), or leave the module out of the plan (its parameters are then replicated)."
+            )
     additions: dict[str, str] = {}
     for parent in parents:
         if parent not in resolved:
@@ -406,6 +427,40 @@ def _check_region_exits(model_name: str, model: nn.Module, resolved: dict[str, s
                 "is used inside the module, where each rank holds its own heads only, so it does not match them. "
                 f"Train {model_name} with tp=1 (ZeRO or pipeline parallel)."
             )
+
+
+def _fold_local_parameters(model_name: str, model: nn.Module, resolved: dict[str, str],
+                           planned_parameters: dict[str, str], tp: int) -> None:
+    """Fold the plan's entries naming bare parameters of a ``local_params`` module (attention sinks, per-head gate
+    biases) into its style, ``local_params:<names>``, in place; refuse, before any collective, an entry that is not
+    ``colwise`` or a parameter whose first dimension is not one of the module's head counts divisible by tp (its
+    split must give each rank the heads its q/k/v projections give it: whole heads, in order)."""
+    for fqn, style in list(planned_parameters.items()):
+        owner, _, param = fqn.rpartition(".")
+        if style_name(resolved.get(owner, "")) != "local_params":
+            continue
+        module = model.get_submodule(owner)
+        tensor = getattr(module, param)
+        heads = {value for _, value in _head_counts(module)}
+        config = getattr(model, "config", None)
+        heads |= {v for k in ("num_attention_heads", "num_key_value_heads")
+                  if isinstance(v := getattr(config, k, None), int)}
+        where = f"{model_name}.{fqn} (in {type(module).__name__})"
+        if style != "colwise":
+            raise LayoutError(
+                f"{where} is planned {style!r} inside a module planned 'local_params': lightning-par splits such a "
+                "bare parameter over the heads only ('colwise', its first dimension). Plan it 'colwise' or remove the "
+                "entry (the parameter is then replicated)."
+            )
+        if tensor.dim() < 1 or tensor.shape[0] not in heads or tensor.shape[0] % tp:
+            raise LayoutError(
+                f"{where} has shape {tuple(tensor.shape)}: 'local_params' splits a bare parameter over the heads, so "
+                f"its first dimension must count heads ({', '.join(map(str, sorted(heads))) or 'no head count found'}"
+                f") and tp={tp} must divide it. Train {model_name} with a tp that divides the head count, or tp=1."
+            )
+        del planned_parameters[fqn]
+        _, _, names = resolved[owner].partition(":")
+        resolved[owner] = f"local_params:{','.join(filter(None, (names, param)))}"
 
 
 def _fold_expert_parameters(model_name: str, model: nn.Module, resolved: dict[str, str],
@@ -631,7 +686,9 @@ def _first_tensor(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] |
 
 
 class ReplicateParameters(ParallelStyle):
-    """Parameters replicated on every TP rank, as DTensors (so gradient-norm clipping sees one kind of tensor).
+    """Parameters replicated on every TP rank, as DTensors (so gradient-norm clipping sees one kind of tensor); the
+    ones named in ``sharded`` split over the ranks on their first dimension instead (a ``local_params`` module's
+    per-head parameters: this rank's heads).
 
     The module still computes on plain tensors: for the duration of its forward each parameter is swapped for its
     local value (``to_local()``, through which autograd returns the gradient to the DTensor parameter). Computing
@@ -639,10 +696,13 @@ class ReplicateParameters(ParallelStyle):
     for a norm costs more than the norm itself.
     """
 
+    sharded: tuple[str, ...] = ()
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
-            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
-            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+            placement = Shard(0) if name in self.sharded else Replicate()
+            distributed = distribute_tensor(param.detach(), device_mesh, [placement])
+            module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
         _local_while(module, module)
         return module
 
@@ -814,15 +874,18 @@ class BlockInput(ReplicateParameters):
       its column-parallel ``children`` are converted, once per distinct tensor (q/k/v of one ``x`` share it), and
       the block's own forward keeps plain tensors, so its norms and residual adds run as written.
 
-    A block that holds parameters of its own gets them replicated.
+    A block that holds parameters of its own gets them replicated, but for those named in ``sharded`` (a
+    ``local_params`` attention's sinks), which are split over the heads; inside the block's forward all of them are
+    local tensors.
     """
 
     def __init__(self, sequence_parallel: bool = False, children: tuple[str, ...] = (),
-                 whole_block: bool = True) -> None:
+                 whole_block: bool = True, sharded: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.input_layout: Placement = Shard(1) if sequence_parallel else Replicate()
         self.children = children
         self.whole_block = whole_block
+        self.sharded = sharded
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if any(True for _ in module.parameters(recurse=False)):
@@ -989,8 +1052,9 @@ def parallel_style(style: str, module: nn.Module, sequence_parallel: bool, child
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if style in ("replicate", "sequence_parallel"):
         return ReplicateParameters()
-    if style == "block_input":
-        return BlockInput(sequence_parallel, children, whole_block)
+    if takes_block_input(style):
+        sharded = tuple(filter(None, style.partition(":")[2].split(",")))
+        return BlockInput(sequence_parallel, children, whole_block, sharded)
     raise LayoutError(f"unknown tensor-parallel style {style!r}; use one of {', '.join(PLAN_STYLES)}.")
 
 
@@ -1343,7 +1407,7 @@ def _styles(module: nn.Module, plan: dict[str, str], sequence_parallel: bool,
     styles = {}
     for name, style in plan.items():
         children, whole = (), True
-        if style == "block_input":
+        if takes_block_input(style):
             children = tuple(n[len(name) + 1:] if name else n for n, s in plan.items()
                              if style_name(s) in _LOCAL_COLUMN_STYLES and n.rpartition(".")[0] == name)
             whole = _is_region(module, name, plan)

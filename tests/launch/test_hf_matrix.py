@@ -26,7 +26,8 @@ DEFAULT_SAMPLE = {"pp2": ["cohere", "gemma2", "gemma3_text"]}
 REFUSED = {("cp2", "llama4_text"): "refused: context parallel: Llama4ForCausalLM uses chunked attention"}
 FULL_SAMPLE = {
     "zero3": ["olmo2", "phi3", "starcoder2", "electra", "bert"],  # (ELECTRA and BERT: tied across FSDP2 groups)
-    "tp2": ["glm4_moe_lite", "minicpm3", "gemma2", "qwen3_next"],  # (MLA; a conv weight read by its parent)
+    "tp2": ["glm4_moe_lite", "minicpm3", "gemma2", "qwen3_next",  # (MLA; a conv weight read by its parent)
+            "mimo_v2_flash", "hy_v4"],  # (local_params: attention sinks split with the heads; with MLA)
     "pp2": ["cohere2", "gpt_oss", "qwen3_next", "deepseek_v3", "phi3"],  # (settings picked by loop index)
     "ep2": ["glm4_moe", "glm4_moe_lite", "gpt_oss"],
     "cp2": ["qwen3", "olmo2", "llama4_text"],

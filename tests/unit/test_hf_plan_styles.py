@@ -68,6 +68,7 @@ class _Attention(nn.Module):
         super().__init__()
         self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
         self.sinks = nn.Parameter(torch.zeros(2))
+        self.num_heads = 2
 
 
 class _Model(nn.Module):
@@ -85,6 +86,27 @@ def test_a_refused_style_names_the_entry_the_reason_and_a_layout_that_trains(sty
     message = str(refused.value)
     assert f"_Model.tp_plan['layers.*'] = {style!r} is not applied by lightning-par: " in message, message
     assert tpmod.REFUSED_STYLES[style] in message and "Train _Model with tp=1" in message, message
+
+
+def test_local_params_splits_the_modules_per_head_parameters_over_the_heads():
+    """transformers' ``local_params`` (granite_swa, mimo_v2_flash, hy_v4, beam: attention sinks or a per-head gate
+    bias, each named by its own ``colwise`` entry): the parameters are split on their head dimension with the heads
+    q/k/v give each rank; anything else is refused at setup, naming the entry."""
+    attention = {"layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise", "layers.*": "local_params"}
+    plan = tpmod.resolve_tp_plan(_Model({**attention, "layers.*.sinks": "colwise"}), 2)
+    assert plan["layers.0"] == "local_params:sinks" and plan["layers.0.q_proj"] == "colwise", plan
+    style = tpmod.parallel_style(plan["layers.0"], _Attention(), False)
+    assert isinstance(style, tpmod.BlockInput) and style.sharded == ("sinks",)
+    with pytest.raises(LayoutError, match=r"^_Model.layers.0.sinks \(in _Attention\) is planned 'rowwise' inside "
+                                          r"a module planned 'local_params'"):
+        tpmod.resolve_tp_plan(_Model({**attention, "layers.*.sinks": "rowwise"}), 2)
+    model = _Model({**attention, "layers.*.sinks": "colwise"})
+    model.layers[0].sinks = nn.Parameter(torch.zeros(3))  # not a head count
+    with pytest.raises(LayoutError, match=r"has shape \(3,\): 'local_params' splits a bare parameter over the heads"):
+        tpmod.resolve_tp_plan(model, 2)
+    with pytest.raises(LayoutError, match=r"is planned 'local_params', which splits its own per-head parameters .* "
+                                          r"but no projection inside it is planned 'colwise'"):
+        tpmod.resolve_tp_plan(_Model({"layers.*": "local_params", "layers.*.sinks": "colwise"}), 2)
 
 
 def test_unit_colwise_is_colwise_where_tp_divides_the_heads():
