@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lightning_par.parallel.preemption import EXIT_CODE  # noqa: E402
+from lightning_par.run.preemption import EXIT_CODE  # noqa: E402
 from tests.harness import Run, launch_torchrun, preempted_at, restarted_from, torchrun_first_failure  # noqa: E402
 
 #: name -> (ranks, strategy arguments, per-rank batch): one replica of 8 samples per step, or two of 4

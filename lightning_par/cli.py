@@ -45,8 +45,8 @@ from lightning_par import run_dir
 from lightning_par._compat import ActionHelpClassPath, ActionTypeHint, NestedArg
 from lightning_par.callbacks import DEFAULTS, ParallelModelSummary, RunCheckpoint
 from lightning_par.data import DataError
-from lightning_par.parallel import shutdown
 from lightning_par.plugins.checkpoint_files import CheckpointError, newest_complete
+from lightning_par.run import shutdown
 from lightning_par.strategies import ALL_STRATEGIES, LayoutStrategy
 from lightning_par.strategies.names import registered_names, strategy_spec, unknown_strategy_message
 from lightning_par.topology import LayoutError
@@ -286,7 +286,7 @@ class LightningParCLI(LightningCLI):
     def _rejoined(self) -> bool:
         """A torchrun attempt restarted by a membership change (a node joined; its restart count stays 0): the
         newest version directory's last step was recorded under this job's ``TORCHELASTIC_RUN_ID``."""
-        from lightning_par.elastic import same_torchelastic_job
+        from lightning_par.run.elastic import same_torchelastic_job
 
         root = self._logger_root()
         if root is None or "TORCHELASTIC_RUN_ID" not in os.environ:

@@ -30,8 +30,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_par._compat import uses_distributed_sampler
-from lightning_par.data_position import resumable_train_loader
-from lightning_par.parallel.data_order import DataParallelSampler
+from lightning_par.run.data_order import DataParallelSampler
+from lightning_par.run.data_position import resumable_train_loader
 
 VOCAB_SIZE = 256
 # Byte written after every document when documents are concatenated; NUL never occurs in normal text,
@@ -521,7 +521,7 @@ class TextDataModule(L.LightningDataModule):
     cached by ``datasets`` (memory-mapped Arrow files under ``cache_dir``) under a key of the files (paths, sizes
     and modification times), the tokenizer's rules, ``seq_len`` and the split; ``setup`` on every rank reads that
     cache; nodes that share one filesystem tokenize once in all with ``prepare_data_per_node = False`` (Lightning's
-    data module attribute). The training order is :class:`~lightning_par.parallel.data_order.DataParallelSampler`'s:
+    data module attribute). The training order is :class:`~lightning_par.run.data_order.DataParallelSampler`'s:
     the same global batches under any data-parallel size, and a checkpoint saved mid-epoch resumes exactly.
 
     ``streaming=True`` reads the files as they are iterated (``datasets``' IterableDataset), for corpora larger than
@@ -899,7 +899,7 @@ class TextDataModule(L.LightningDataModule):
         dataset, not on the layout: one process and any number of data-parallel ranks see the same global batches.
         Built here for every trainer, one process included, so ``shuffle=False`` stays meaningful (Lightning would
         inject a shuffling sampler under a distributed strategy) and the position is saved in checkpoints
-        (:func:`~lightning_par.data_position.resumable_train_loader`). The split is by data-parallel
+        (:func:`~lightning_par.run.data_position.resumable_train_loader`). The split is by data-parallel
         rank, from the strategy's ``distributed_sampler_kwargs``. ``None`` where the Trainer has
         ``use_distributed_sampler=False`` under a distributed strategy: the user shards the data then.
         """

@@ -224,7 +224,7 @@ def launch_torchrun(
     return _finish(root, procs, logs, start, timeout)
 
 
-# -- what a preempted torchrun job printed (lightning_par/parallel/preemption.py, lightning_par/cli.py) -------------
+# -- what a preempted torchrun job printed (lightning_par/run/preemption.py, lightning_par/cli.py) -------------
 def preempted_at(log: str) -> tuple[int, int, str] | None:
     """The preemption line: ``(rank that received the signal, step stopped after, checkpoint saved)``, or None."""
     found = re.search(r"lightning-par: SIG\w+ \(received by rank (\d+)\): stopped after step (\d+) on every rank; "

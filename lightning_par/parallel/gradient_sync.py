@@ -35,7 +35,6 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -100,7 +99,9 @@ class NoSync:
     def after_step(self) -> None:
         pass
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module, interrupted: bool = False) -> nn.Module:
+        """``module`` without this owner's wrapping. ``interrupted``: the run ended by an exception (the strategy
+        knows; a rank may be gone, so the owner runs no collective)."""
         return module
 
     @property
@@ -185,7 +186,7 @@ class DDPSync(NoSync):
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = enabled  # what DDP.no_sync() toggles
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module, interrupted: bool = False) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
 
 
@@ -331,13 +332,13 @@ class ZeroSync(NoSync):
             # for in a forward pre-hook of its modules; state_dict, checkpoints and unwrap wait for all of them
             partitioner.gather_parameters()
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module, interrupted: bool = False) -> nn.Module:
         for partitioner in self.partitioners:
             # its hooks go, the partitioner stays: the optimizers still hold its bucket shards, and a save after fit
             # (trainer.save_checkpoint) maps them to the parameters through it. remove() first waits for the
             # gathers of the last step, which no forward waits for now
             partitioner.remove()
-        if not _interrupted(module):
+        if not interrupted:
             for partitioner in self.partitioners:
                 # the module back in its own dtype with the fp32 masters' values (a collective, so not after a
                 # failure: a rank may be gone; the module then stays in the buckets' dtype)
@@ -355,14 +356,6 @@ class ZeroSync(NoSync):
         if not exclude or self.partitioner is None:
             return super().norm_grads(params)
         return self.partitioner.norm_grads(exclude, shards={id(p) for p in params})
-
-
-def _interrupted(module: nn.Module) -> bool:
-    """The fit of ``module`` (a LightningModule) ended by an exception (Lightning's teardown after it)."""
-    try:
-        return module.trainer.state.status == TrainerStatus.INTERRUPTED  # type: ignore[union-attr]
-    except (AttributeError, RuntimeError):  # not a LightningModule, or not attached to a Trainer
-        return False
 
 
 def choose_gradient_sync(layout: Layout, dp_mesh: DeviceMesh, fitting: bool,

@@ -6,7 +6,7 @@ own (through the strategy's CheckpointIO, on rank 0); every other layout a DCP d
 (:mod:`~lightning_par.plugins.async_checkpoint`). What goes into a DCP checkpoint, and what a load fills and refreshes,
 the data-parallel owner answers (``strategy.gradient_sync.states``): nothing here knows ZeRO from FSDP.
 
-Both formats share the non-finite guard (:class:`~lightning_par.parallel.bad_steps.CheckpointGuard`: a checkpoint with
+Both formats share the non-finite guard (:class:`~lightning_par.run.bad_steps.CheckpointGuard`: a checkpoint with
 non-finite weights is refused and never replaces the last finite one) and the ``last`` link of
 ``ModelCheckpoint(save_last="link")``, made only once its target is committed.
 """
@@ -26,9 +26,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from lightning_par._compat import optimizers_to_device
-from lightning_par.parallel.bad_steps import CheckpointGuard
 from lightning_par.plugins import checkpoint_files, sharded_checkpoint
 from lightning_par.plugins.async_checkpoint import AsyncSaver
+from lightning_par.run.bad_steps import CheckpointGuard
 from lightning_par.topology import LayoutError
 
 _outside_inference_mode = torch.inference_mode(False)

@@ -22,33 +22,33 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_par._compat import optimizers_to_device as _optimizers_to_device
 from lightning_par._compat import set_device_mesh
-from lightning_par.data_position import resumable_train_loader
-from lightning_par.elastic import AttemptProgress
-from lightning_par.parallel import shutdown
-from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
 from lightning_par.parallel.compile import BlockCompiler, CompileOptions
 from lightning_par.parallel.context_parallel import ContextParallel
 from lightning_par.parallel.expert_parallel import ExpertGradients, prepare_expert_parallel
 from lightning_par.parallel.gradient_sync import NoSync, choose_gradient_sync
-from lightning_par.parallel.heartbeat import Heartbeat
-from lightning_par.parallel.heartbeat import check_timeout as check_heartbeat_timeout
 from lightning_par.parallel.layout import Layout
 from lightning_par.parallel.parallelize import ParallelizeConfig, parallelize
 from lightning_par.parallel.parts import ModelParts, agreed, split
 from lightning_par.parallel.pipeline.loss import last_stage_loss
 from lightning_par.parallel.pipeline.runtime import PipelineRuntime
-from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.parallel.runners import Runner, SingleRunner
 from lightning_par.parallel.tensor_parallel import TensorParallelPlan, check_layout_plan
 from lightning_par.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_par.plugins.layout_checkpoints import LayoutCheckpoints
 from lightning_par.plugins.precision import LayoutPrecision
+from lightning_par.run import shutdown
+from lightning_par.run.bad_steps import NonFiniteFlags, NonFiniteStop, check_policy
+from lightning_par.run.data_position import resumable_train_loader
+from lightning_par.run.elastic import AttemptProgress
+from lightning_par.run.heartbeat import Heartbeat
+from lightning_par.run.heartbeat import check_timeout as check_heartbeat_timeout
+from lightning_par.run.preemption import Preempted, PreemptionCheckpoint
 from lightning_par.strategies.compile_report import CompileReport
 from lightning_par.strategies.construction import Construction
 from lightning_par.strategies.mesh import MeshStrategy
@@ -168,7 +168,7 @@ class LayoutStrategy(MeshStrategy):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """The training loader gets a sampler whose position is saved in checkpoints, in place of the
-        DistributedSampler Lightning injected (:mod:`~lightning_par.data_position`): a run resumed from a
+        DistributedSampler Lightning injected (:mod:`~lightning_par.run.data_position`): a run resumed from a
         mid-epoch checkpoint, under this layout or another with the same global batch, trains on the samples the
         uninterrupted run would have. Evaluation and prediction loaders are left as Lightning made them."""
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -483,7 +483,7 @@ class LayoutStrategy(MeshStrategy):
                 self._heartbeat = None
             self._step.detach()
             if self.model is not None:
-                self.model = self._gradient_sync.unwrap(self.model)
+                self.model = self._gradient_sync.unwrap(self.model, interrupted=_interrupted(self.model))
             if self.compiler is not None:
                 # before Lightning moves the model to the CPU (see BlockCompiler.release)
                 self.compiler.release(self.lightning_module)
@@ -511,6 +511,14 @@ class LayoutStrategy(MeshStrategy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout})"
+
+
+def _interrupted(module: Any) -> bool:
+    """The fit of ``module`` (a LightningModule) ended by an exception (Lightning's teardown after it)."""
+    try:
+        return module.trainer.state.status == TrainerStatus.INTERRUPTED
+    except (AttributeError, RuntimeError):  # not a LightningModule, or not attached to a Trainer
+        return False
 
 
 def _add_callbacks(trainer: Trainer, *kinds: type) -> None:

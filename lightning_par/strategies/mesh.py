@@ -26,9 +26,9 @@ from lightning_par._compat import default_process_group_backend as _get_default_
 from lightning_par._compat import distributed_is_initialized as _distributed_is_initialized
 from lightning_par._compat import init_dist_connection as _init_dist_connection
 from lightning_par._compat import sync_ddp_if_available as _sync_ddp_if_available
-from lightning_par.elastic import layouts_for
-from lightning_par.parallel import job_store, shutdown
 from lightning_par.parallel.layout import Layout
+from lightning_par.run import job_store, shutdown
+from lightning_par.run.elastic import layouts_for
 from lightning_par.topology import LayoutError, ParallelDims, build_device_mesh, build_expert_mesh, gradient_mesh
 
 
@@ -151,7 +151,7 @@ class MeshStrategy(ParallelStrategy):
 
     def _store(self) -> dict[str, Any]:
         """The store to join through: torchrun's agent store (a namespace per attempt), else this job's own, checked
-        to be this job's (parallel/job_store.py); nothing when the group exists already."""
+        to be this job's (run/job_store.py); nothing when the group exists already."""
         assert self.cluster_environment is not None
         if dist.is_initialized():
             return {}

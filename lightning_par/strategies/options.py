@@ -65,13 +65,13 @@ OPTIONS = """
         timeout: how long a collective may wait before the process group gives up (a last resort: a long one
             also cuts legitimately slow collectives).
         heartbeat_timeout: seconds after which a rank that died or froze is named and every other rank stops
-            (exit code 75) instead of waiting in a collective (:mod:`lightning_par.parallel.heartbeat`); at least
+            (exit code 75) instead of waiting in a collective (:mod:`lightning_par.run.heartbeat`); at least
             1.5 (three beats); ``None`` or 0 turns the check off.
         async_save: sharded layouts: write checkpoints in the background with DCP's ``async_save`` (training stalls
             only for the copy to host memory); committed atomically when complete, at most one in flight, an error
             raised at the next save or at teardown (:mod:`lightning_par.plugins.async_checkpoint`).
         nonfinite: what a step whose loss or gradient norm is not finite does, agreed on every rank in the per-step
-            flag (:mod:`lightning_par.parallel.bad_steps`): ``"stop"`` ends the run naming the step (no host sync;
+            flag (:mod:`lightning_par.run.bad_steps`): ``"stop"`` ends the run naming the step (no host sync;
             on a GPU one step late); ``"skip"`` discards the step's gradients (a host sync per step on a GPU).
             Either way a checkpoint with non-finite weights is refused and never replaces the last finite one.
         nonfinite_patience: consecutive non-finite steps before the run stops: default 1 under ``"stop"``, 10 under

@@ -8,7 +8,7 @@ LayoutStrategy` delegates here (Lightning requires the methods on the strategy).
   model call instead (:meth:`LayoutStep._model_call_step`).
 - Every optimizer step first makes its gradients final (:func:`~lightning_par.parallel.finalize.finalize`: the
   tied copies summed over the pipeline, the data-parallel owner's reduction finished), then marks the non-finite
-  flag (:mod:`lightning_par.parallel.bad_steps`), clips by the whole model's gradient norm
+  flag (:mod:`lightning_par.run.bad_steps`), clips by the whole model's gradient norm
   (:mod:`lightning_par.parallel.grad_norm`), and under ``nonfinite="skip"`` discards a bad step's gradients on
   every rank. Under manual optimization that happens inside ``optimizer.step()``, so ``clip_gradients`` is refused.
 

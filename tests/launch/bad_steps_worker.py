@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from lightning_par import PipelineStrategy, ZeroStrategy
 from lightning_par.examples import GPTLightningModule, MoEGPTLightningModule
-from lightning_par.parallel.bad_steps import NonFiniteStop
+from lightning_par.run.bad_steps import NonFiniteStop
 
 STEPS, SAVE_EVERY, GLOBAL_BATCH, SEQ = 12, 3, 8, 32
 POISON_STEP, SKIP_STEP, BETWEEN_STEP = 8, 4, 6

@@ -22,9 +22,9 @@ from lightning_par import (
     ZeroStrategy,
 )
 from lightning_par.cli import main
-from lightning_par.parallel.heartbeat import check_timeout
 from lightning_par.plugins import sharded_checkpoint
 from lightning_par.plugins.checkpoint_files import CheckpointError
+from lightning_par.run.heartbeat import check_timeout
 from lightning_par.strategies.names import registered_names, unknown_strategy_message
 from lightning_par.topology import is_number
 
@@ -261,8 +261,8 @@ def test_a_data_position_outside_the_epoch_is_refused_naming_the_checkpoint():
     would give the sampler nothing: the epoch silently skipped. Refused, naming the checkpoint."""
     from types import SimpleNamespace
 
-    from lightning_par.data_position import DataPosition
-    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.run.data_order import DataParallelSampler
+    from lightning_par.run.data_position import DataPosition
 
     sampler = DataParallelSampler(range(100), num_replicas=2, rank=0, shuffle=False)
     trainer = SimpleNamespace(ckpt_path="/runs/version_0/checkpoints/last.ckpt", strategy=None, world_size=2,
@@ -287,8 +287,8 @@ def test_a_training_loader_without_a_batch_is_refused():
 
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_par.data_position import resumable_train_loader
-    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.run.data_order import DataParallelSampler
+    from lightning_par.run.data_position import resumable_train_loader
 
     data = TensorDataset(torch.ones(10, 1))
     trainer = SimpleNamespace(fit_loop=None)

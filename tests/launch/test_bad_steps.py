@@ -165,7 +165,7 @@ def test_the_flag_is_read_at_once_on_a_cpu_and_one_step_late_on_a_gpu(device):
     """``NonFiniteFlags.local_lagged``, at each optimizer step's end: on a CPU the step's own bits (lag 0); on a GPU
     the previous step's, copied to pinned host memory without a sync (lag 1), so a NaN at step 1 is reported at
     step 2's end. ``local_now`` (``skip``) always reads the step's own. (CUDA: on a GPU machine only.)"""
-    from lightning_par.parallel.bad_steps import GRAD, LOSS, NonFiniteFlags
+    from lightning_par.run.bad_steps import GRAD, LOSS, NonFiniteFlags
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")

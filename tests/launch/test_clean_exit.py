@@ -1,7 +1,7 @@
 """A run that completed exits 0, every time (issue 18): no "terminate called without an active exception" at exit.
 
 That abort is the C++ runtime's answer to a thread that is inside C++ when the interpreter finalizes (see
-lightning_par/parallel/shutdown.py): the first test makes it happen on purpose, with a daemon thread in a c10d store
+lightning_par/run/shutdown.py): the first test makes it happen on purpose, with a daemon thread in a c10d store
 call, and shows that the engine's exit sequence prevents it. The others repeat short tensor-parallel and 3D runs
 through the CLI (two of each in the full run: every checked launch of both sets must exit 0 too, and the full set checks
 hundreds)."""
@@ -23,7 +23,7 @@ STORE_CALL_AT_EXIT = textwrap.dedent("""
     import sys, threading, time
     from datetime import timedelta
     import torch.distributed as dist
-    from lightning_par.parallel import shutdown
+    from lightning_par.run import shutdown
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=1.5))
@@ -63,7 +63,7 @@ def test_a_thread_inside_a_store_call_at_exit_aborts_unless_exit_waits_for_it(tm
 SIGTERM_AT_EXIT = textwrap.dedent("""
     import atexit, os, signal, sys, time
     import torch.distributed as dist
-    from lightning_par.parallel import shutdown
+    from lightning_par.run import shutdown
 
     atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))
     if sys.argv[1] == "engine":

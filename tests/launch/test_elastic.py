@@ -31,10 +31,10 @@ def _fit(root, batch, ckpt=None, keep=True, accumulate=1, log_root=None, samples
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_par.data_position import resumable_train_loader
-    from lightning_par.elastic import AttemptProgress
     from lightning_par.examples import GPTLightningModule
-    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.run.data_order import DataParallelSampler
+    from lightning_par.run.data_position import resumable_train_loader
+    from lightning_par.run.elastic import AttemptProgress
 
     class OneRank(StepLosses):  # no process group in one process
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -417,7 +417,7 @@ def test_a_layout_that_cannot_fit_the_new_world_is_refused_with_what_would():
 def test_a_node_that_joins_restarts_with_count_0_and_still_continues_the_run(tmp_path, monkeypatch):
     """torchrun restarts the workers when a node joins without counting a restart (TORCHELASTIC_RESTART_COUNT=0): the
     attempt knows it continues the run when the run's last step was recorded under the same TORCHELASTIC_RUN_ID."""
-    from lightning_par.elastic import PROGRESS_FILE, same_torchelastic_job
+    from lightning_par.run.elastic import PROGRESS_FILE, same_torchelastic_job
 
     (tmp_path / PROGRESS_FILE).write_text(json.dumps({"step": 7, "torchelastic_run_id": "job-a"}))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")

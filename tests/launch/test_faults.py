@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_par import LayoutError, ZeroStrategy
-from lightning_par.parallel.heartbeat import EXIT_CODE, Heartbeat
+from lightning_par.run.heartbeat import EXIT_CODE, Heartbeat
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, job, launch_of
 from tests.harness import free_port, launch_cli, max_rel_diff
 

@@ -85,7 +85,7 @@ def test_a_rank_that_reaches_another_jobs_store_stops_before_joining_it(monkeypa
 
     import torch.distributed as dist
 
-    from lightning_par.parallel import job_store as js
+    from lightning_par.run import job_store as js
     from tests.harness import free_port
 
     port = free_port()
@@ -192,7 +192,7 @@ def _join_without_a_job_id(rank: int, world: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_par.parallel.job_store import JOB_ENV, job_store
+    from lightning_par.run.job_store import JOB_ENV, job_store
 
     os.environ.pop(JOB_ENV, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lightning_par.parallel.preemption import EXIT_CODE
+from lightning_par.run.preemption import EXIT_CODE
 from tests.conftest import EPOCH_STEPS, GLOBAL_BATCH, PARITY_STEPS, job
 from tests.harness import launch_torchrun, max_rel_diff, preempted_at, restarted_from, torchrun_first_failure
 
@@ -79,7 +79,7 @@ def test_after_a_preemption_a_second_sigterm_is_only_recorded():
     import signal
     from types import SimpleNamespace
 
-    from lightning_par.parallel.preemption import Preempted, PreemptionCheckpoint
+    from lightning_par.run.preemption import Preempted, PreemptionCheckpoint
 
     trainer = SimpleNamespace(checkpoint_callback=None)
     before = signal.getsignal(signal.SIGTERM)
@@ -154,7 +154,7 @@ def _group_child(ready: int, result: int) -> None:
     import signal
     import time
 
-    from lightning_par.parallel.preemption import GroupSignal
+    from lightning_par.run.preemption import GroupSignal
 
     os.setsid()
     os.environ["TORCHELASTIC_RUN_ID"] = "test"
@@ -202,7 +202,7 @@ def test_the_preemption_line_says_whether_a_restart_follows(monkeypatch, tmp_pat
     """The line's promise follows what will happen: torchrun restarts a job whose agent is up and has restarts left;
     an agent that got the SIGTERM itself (it is going down), or one at its last restart, restarts nothing, and
     neither does Lightning's launcher: the line names the checkpoint to resume from with ``--ckpt_path``."""
-    from lightning_par.parallel.preemption import restart_outlook
+    from lightning_par.run.preemption import restart_outlook
 
     path = tmp_path / "preempted-epoch=1-step=13.ckpt"
     for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "SLURM_JOB_ID"):

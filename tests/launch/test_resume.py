@@ -1,8 +1,8 @@
 """Exact resume anywhere in an epoch, into any layout.
 
-The training sampler (lightning_par/parallel/data_order.py) orders each epoch's samples by (seed, epoch, dataset
+The training sampler (lightning_par/run/data_order.py) orders each epoch's samples by (seed, epoch, dataset
 length) only, and its position -- (epoch, samples consumed, seed) -- is saved with the training loader's state in the
-checkpoint (lightning_par/data_position.py). A fit resumed from a checkpoint saved mid-epoch (every 5 steps
+checkpoint (lightning_par/run/data_position.py). A fit resumed from a checkpoint saved mid-epoch (every 5 steps
 of a 12-step epoch) must log, with plain SGD, the losses of the uninterrupted run: a replayed or skipped batch would
 show at once.
 """
@@ -16,9 +16,9 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from lightning_par import data_position
-from lightning_par.data_position import resumable_train_loader
-from lightning_par.parallel.data_order import DataParallelSampler
+from lightning_par.run import data_position
+from lightning_par.run.data_order import DataParallelSampler
+from lightning_par.run.data_position import resumable_train_loader
 from tests.harness import Run, launch_matrix, max_rel_diff
 from tests.launch.resume_worker import MAX_STEPS, SAVE_EVERY
 

@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.parametrize(("recorded", "job", "continues"), [("job-a", "job-a", True), ("job-a", "job-b", False),
                                                              ("none", "none", False)])
 def test_only_the_same_named_job_continues_a_run(tmp_path, monkeypatch, recorded, job, continues):
-    from lightning_par.elastic import PROGRESS_FILE, same_torchelastic_job
+    from lightning_par.run.elastic import PROGRESS_FILE, same_torchelastic_job
 
     (tmp_path / PROGRESS_FILE).write_text(json.dumps({"step": 44, "time": 0.0, "world_size": 2,
                                                       "torchelastic_run_id": recorded}))

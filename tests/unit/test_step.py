@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_par.parallel.bad_steps import NonFiniteFlags, NonFiniteStop
+from lightning_par.run.bad_steps import NonFiniteFlags, NonFiniteStop
 
 STEPS = 4
 CLIP = 0.05  # small enough that every step is clipped

@@ -1,6 +1,6 @@
 """A training DataLoader's order under a lightning-par strategy is the one Lightning keeps on one device:
 ``shuffle=False`` stays sequential (Lightning injects no sampler under ``strategy="auto"``), ``shuffle=True`` stays
-shuffled and resumable (lightning_par.data_position)."""
+shuffled and resumable (lightning_par.run.data_position)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _batches(strategy, shuffle: bool) -> tuple[list[list[int]], object]:
 
 def test_a_sequential_loader_stays_sequential_and_a_shuffled_one_shuffled():
     from lightning_par import ZeroStrategy
-    from lightning_par.parallel.data_order import DataParallelSampler
+    from lightning_par.run.data_order import DataParallelSampler
 
     auto, _ = _batches("auto", shuffle=False)
     par, loader = _batches(ZeroStrategy(stage=1), shuffle=False)

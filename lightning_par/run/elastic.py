@@ -1,6 +1,6 @@
 """An attempt that resumes on another world size goes on as the same run (docs/elastic.md).
 
-A checkpoint's data position (:mod:`~lightning_par.data_position`) records the loader-global batch (per-rank
+A checkpoint's data position (:mod:`~lightning_par.run.data_position`) records the loader-global batch (per-rank
 batch x data-parallel size), the gradient accumulation and the world size it was saved with. When the resumed loader
 draws another loader-global batch -- the world grew or shrank and ``dp="auto"`` (or the planner) absorbed it -- the
 optimizer-step global batch (loader-global batch x accumulation) is kept: the accumulation is recomputed, Lightning's

@@ -20,7 +20,7 @@ scheduler's SIGKILL -- while both keep beating, so the heartbeat cannot help. So
 A rank that never reaches the step boundary (frozen, or killed) is named by the heartbeat within its bound. The
 checkpoint a preemption saved is removed once the resumed run has saved a newer one.
 
-The same per-step flag carries the step's non-finite bits (:mod:`lightning_par.parallel.bad_steps`): one collective
+The same per-step flag carries the step's non-finite bits (:mod:`lightning_par.run.bad_steps`): one collective
 per optimizer step serves both.
 """
 
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_par.parallel.bad_steps import GRAD, LOSS, NonFiniteFlags, NonFiniteStop, describe, stop_message
+from lightning_par.run.bad_steps import GRAD, LOSS, NonFiniteFlags, NonFiniteStop, describe, stop_message
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Lightning saves the state of every training loader that has ``state_dict`` / ``load_state_dict`` (its "stateful"
 loaders, e.g. torchdata's StatefulDataLoader) with the fit loop's state, and loads it when a fit restarts, before the
 loader's iterator is made. :func:`resumable_train_loader` makes a training DataLoader one of them: its sampler becomes
-a :class:`~lightning_par.parallel.data_order.DataParallelSampler` (in place of the DistributedSampler Lightning
+a :class:`~lightning_par.run.data_order.DataParallelSampler` (in place of the DistributedSampler Lightning
 injects into a plain or shuffled DataLoader), and a :class:`DataPosition` answers for it. The saved position is
 ``(epoch, samples consumed, seed)`` of the global order, computed at save time from Lightning's own progress
 counters, so it does not depend on the layout: a checkpoint saved at dp=1 resumes at dp=2 with the same global
@@ -29,9 +29,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
-from lightning_par import elastic
 from lightning_par._compat import Stateful, update_dataloader
-from lightning_par.parallel.data_order import DataParallelSampler
+from lightning_par.run import elastic
+from lightning_par.run.data_order import DataParallelSampler
 
 _warnings = WarningCache()
 
@@ -131,7 +131,7 @@ def _not_resumable(loader: Any, what: str) -> Any:
         f"lightning-par cannot save the position of the training data in an epoch: the training loader {what}. "
         "A run resumed from a checkpoint saved mid-epoch will replay that epoch from its start. A DataLoader with "
         "a plain or shuffled sampler is positioned (lightning-par gives it a resumable sampler), as is one with "
-        "lightning_par.parallel.data_order.DataParallelSampler or torchdata's StatefulDataLoader."
+        "lightning_par.run.data_order.DataParallelSampler or torchdata's StatefulDataLoader."
     )
     return loader
 

@@ -44,7 +44,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_par.parallel import shutdown
+from lightning_par.run import shutdown
 from lightning_par.topology import LayoutError, is_number
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint

@@ -6,7 +6,7 @@ micro-batches is not finite (under a pipeline every stage holds the last stage's
 a vocab-parallel loss may be a DTensor: its local value), and the 2-norm of the gradients this rank holds is not
 finite (checked once, before the optimizer step; where Lightning clips by norm under ``stop``, the whole model's
 norm that the clip computes is the check, not a second pass over the gradients). The bits travel in the per-step
-flag that :class:`~lightning_par.parallel.preemption.PreemptionCheckpoint` already all-reduces (MAX) for SIGTERM:
+flag that :class:`~lightning_par.run.preemption.PreemptionCheckpoint` already all-reduces (MAX) for SIGTERM:
 one collective per step serves both, and every rank reaches the same verdict at the same step.
 
 - ``nonfinite="stop"`` (the default): the optimizer has already applied the step when the ranks agree (no host sync

@@ -81,7 +81,7 @@ class DataParallelSampler(DistributedSampler):
         The next :meth:`set_epoch` call names the epoch the caller is about to run; it is taken to be ``epoch``
         and later numbers keep that distance (Lightning alone numbers an epoch that a ``max_steps`` stop cut short
         as finished, and runs the rest of it under the next number: checkpoints saved without
-        :func:`~lightning_par.data_position.keep_epoch_count` still resume on the right samples).
+        :func:`~lightning_par.run.data_position.keep_epoch_count` still resume on the right samples).
         """
         if consumed < 0 or consumed % self.num_replicas:
             raise ValueError(f"consumed={consumed} must be a non-negative multiple of the data-parallel size "
