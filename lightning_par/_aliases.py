@@ -5,6 +5,9 @@
 - ``lightning_par.strategies.zero``, ``.tensor_parallel``, ``.pipeline`` and ``.hybrid3d`` ->
   ``lightning_par.strategies.presets``: the presets moved into one file, so that no strategy file is named like a
   transform of :mod:`lightning_par.parallel`. A config saved from a strategy name with overrides held such a path.
+- ``lightning_par.parallel.{heartbeat,shutdown,preemption,bad_steps,job_store,data_order}``,
+  ``lightning_par.elastic`` and ``lightning_par.data_position`` -> ``lightning_par.run.*``: run supervision moved into
+  its own package (a config's callbacks may name ``PreemptionCheckpoint`` or ``AttemptProgress`` by the old path).
 
 ``import lightning_par`` (which the CLI does before it reads a config) puts a finder first on ``sys.meta_path`` that
 resolves an old name ``OLD`` and ``OLD.X`` to the very module objects of the new name (so a class has one identity
@@ -25,6 +28,9 @@ ALIASES = {
     "example_models": "lightning_par.examples",
     **{f"lightning_par.strategies.{old}": "lightning_par.strategies.presets"
        for old in ("zero", "tensor_parallel", "pipeline", "hybrid3d")},
+    **{f"lightning_par.parallel.{name}": f"lightning_par.run.{name}"
+       for name in ("heartbeat", "shutdown", "preemption", "bad_steps", "job_store", "data_order")},
+    **{f"lightning_par.{name}": f"lightning_par.run.{name}" for name in ("elastic", "data_position")},
 }
 
 

@@ -5,7 +5,11 @@ Read from the source (every ``import`` and ``from ... import``, at module level 
 resolved, and ``importlib.import_module`` / ``__import__`` of a literal name), so nothing is imported to check it."""
 
 import ast
+import importlib
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.harness import REPO
 
@@ -122,3 +126,17 @@ def test_scan_catches_each_form(tmp_path):
     allowed = [(line, name) for line, name in imported_names(pipeline, tmp_path) if 7 <= line <= 9]
     assert allowed == [(7, "lightning_par.parallel.layout.Layout"), (8, "lightning_par.parallel.pipeline.chain"),
                        (9, "lightning_par.run_dir"), (9, "lightning_par._compat")]
+
+
+def test_the_moved_run_modules_still_load_by_their_old_names():
+    """A config written before run supervision moved names ``lightning_par.parallel.preemption.PreemptionCheckpoint``
+    or ``lightning_par.elastic.AttemptProgress``: the same classes, with one FutureWarning naming the new path."""
+    import lightning_par  # noqa: F401  (installs the aliases)
+    from lightning_par.run import elastic, preemption
+
+    for old, new in (("lightning_par.parallel.preemption", preemption), ("lightning_par.elastic", elastic)):
+        sys.modules.pop(old, None)
+        with pytest.warns(FutureWarning, match=f"`{old}` is now `{new.__name__}`"):
+            module = importlib.import_module(old)
+        assert module is new
+    assert importlib.import_module("lightning_par.elastic").AttemptProgress is elastic.AttemptProgress
