@@ -200,7 +200,11 @@ def fit_variant(opts, name: str, root: Path) -> dict:
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[measure], default_root_dir=root,
     )
-    loader = DataLoader(FixedTokens(steps * opts.batch, opts.seq, SEED, N_SAMPLES), batch_size=opts.batch // dp)
+    # shuffled: Lightning's own strategies shuffle every training loader (a sequential one too), lightning-par's keep
+    # a sequential loader in order; a shuffled one is shuffled alike by both (the same seed), so each pair sees the
+    # same batches
+    loader = DataLoader(FixedTokens(steps * opts.batch, opts.seq, SEED, N_SAMPLES), batch_size=opts.batch // dp,
+                        shuffle=True)
     rss_before = status_kib("VmRSS") * 1024
     trainer.fit(model, loader)
     return {

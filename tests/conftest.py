@@ -39,7 +39,11 @@ def probes(root) -> list[str]:
 #: name -> (devices, arguments); launched lazily by the `runs` fixture
 RUNS: dict[str, tuple[int, list[str]]] = {
     "single": (1, [*job(GLOBAL_BATCH), "--trainer.strategy=auto", "--sample_tokens=24"]),
-    "single_accum_clip": (1, [*job(GLOBAL_BATCH // 2, accumulate=2, clip=True), "--trainer.strategy=auto"]),
+    # the one-process reference of the runs with accumulation: each optimizer step's whole batch at once (the same
+    # gradient), clipped. Under accumulation lightning-par logs the step's loss, the mean over its micro-batches --
+    # this run's loss -- where Lightning's own single device logs the last micro-batch's. One validation batch of
+    # the whole batch: the samples of the accumulating runs' two
+    "single_clip": (1, [*job(GLOBAL_BATCH, clip=True), "--trainer.strategy=auto", "--trainer.limit_val_batches=1"]),
     "dp2": (2, [*job(GLOBAL_BATCH // 2), "--trainer.strategy=zero0", "--trainer.enable_checkpointing=true"]),
     "dp4": (4, [*job(GLOBAL_BATCH // 4), "--trainer.strategy=lightning_par.ZeroStrategy",
                 "--trainer.strategy.stage=0"]),
@@ -91,7 +95,8 @@ RUNS["tp2_sp"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2_sp", "--sample_tokens=24
 RUNS["tp4_sp"] = (4, tp_job(GLOBAL_BATCH, "megatron_tp4_sp", *KV4))
 RUNS["dp2_tp2_sp"] = (4, tp_job(GLOBAL_BATCH // 2, "megatron_tp2_sp"))
 RUNS["tp2_sp_tied"] = (2, tp_job(GLOBAL_BATCH, "megatron_tp2_sp", "--model.tie_embeddings=true"))
-# dp x tp with accumulation and clipping, against single_accum_clip: replicas (stage 0) and FSDP2 2D (stage 3)
+# dp x tp with accumulation and clipping, against single_clip (the same steps in one process): replicas (stage 0)
+# and FSDP2 2D (stage 3)
 RUNS["dp2_tp2_accum_clip"] = (4, tp_job(GLOBAL_BATCH // 4, "megatron_tp2", accumulate=2, clip=True))
 RUNS["zero3_dp2_tp2_accum_clip"] = (4, tp_job(GLOBAL_BATCH // 4, "megatron_tp2_zero3", accumulate=2, clip=True))
 RUNS["hf_single"] = (1, tp_job(GLOBAL_BATCH, "auto", *HF_LLAMA))
@@ -336,7 +341,7 @@ def cache_dir(tmp_path_factory):
 #: launch in the full run. Under torchrun (TorchElasticEnvironment): dp4 stays a launch of its own, the default
 #: set's run through Lightning's own launcher (LightningEnvironment, tests/launch/test_data_parallel.py).
 SHARED_LAUNCHES = {
-    "references": ("single", "single_accum_clip", "single_tied", "single_sgd", "single_tied_sgd", "hf_single",
+    "references": ("single", "single_clip", "single_tied", "single_sgd", "single_tied_sgd", "hf_single",
                    "single_rank_seeded_sgd", "single_kv4", "qwen2_single_sgd"),
     "two_ranks": ("dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero2_offload_dp2", "tp2", "tp2_sp", "hf_tp2",
                   "tp2_sp_tied", "hf_zero3_dict", "hf_tp2_dict", "cp2_sgd", "hf_cp2", "qwen2_cp2_dict_sgd"),

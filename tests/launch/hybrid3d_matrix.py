@@ -73,7 +73,7 @@ CASES: dict[str, Case] = {
     # dp2 x tp2 x pp2 (8 ranks): ZeRO 1, 2 and 3 across the replicas
     "dp2_tp2_pp2_zero1_sgd": Case("single_sgd", dict(schedule="1f1b", n_microbatches=2, zero_stage=1), SGD,
                                   devices=8),
-    "dp2_tp2_pp2_zero2_sp_accum_clip": Case("single_accum_clip", dict(
+    "dp2_tp2_pp2_zero2_sp_accum_clip": Case("single_clip", dict(
         schedule="interleaved_1f1b", n_microbatches=2, zero_stage=2, sequence_parallel=True), accumulate=2,
         clip=True, devices=8),
     "dp2_tp2_pp2_zero3_zbv_sgd": Case("single_sgd", dict(schedule="zbv", n_microbatches=2, zero_stage=3), SGD,

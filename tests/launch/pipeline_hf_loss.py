@@ -178,17 +178,20 @@ def make_lm(case: Case) -> HFStyleLM:
 
 
 def reference(case: Case, train: list[dict], val: list[dict]) -> dict:
-    """One process: the module's own step on whole batches, its optimizer, Lightning's accumulation."""
+    """One process: the module's own step on whole batches, its optimizer, Lightning's accumulation; the loss of each
+    optimizer step is the mean over its accumulated batches (what lightning-par logs for it)."""
     lm = make_lm(case)
     optimizer = lm.configure_optimizers()
-    losses = []
+    losses, accumulated = [], []
     for i, batch in enumerate(train):
         loss = lm.model(**batch).loss
         (loss / case.accumulate).backward()
-        losses.append(loss.item())
+        accumulated.append(loss.item())
         if (i + 1) % case.accumulate == 0:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            losses.append(sum(accumulated) / len(accumulated))
+            accumulated.clear()
     with torch.no_grad():
         val_loss = torch.stack([lm.model(**b).loss for b in val]).mean().item()
         # what a mean of micro-batch means would give on the first validation batch (the test must be able to fail)
@@ -237,8 +240,9 @@ class _Losses(L.Callback):
         self.val: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # what the step logged (``outputs["loss"]`` is divided by accumulate_grad_batches)
-        self.train.append(float(trainer.callback_metrics["train/loss"]))
+        # what each optimizer step logged (under accumulation: the mean over its batches, at its last one)
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.train.append(float(trainer.callback_metrics["train/loss"]))
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if not trainer.sanity_checking:

@@ -454,10 +454,11 @@ def test_a_torchrun_agent_that_joins_grows_the_run_back(tmp_path, cache_dir, ela
     to 3 s. A second agent joins at step 4 or later: torchrun stops the workers (SIGTERM: they save at the step
     boundary) and restarts them on 4 ranks without counting a restart; the attempt knows it continues the run (its
     TORCHELASTIC_RUN_ID), re-derives dp2 x pp2 with accumulation 1, and its losses equal the uninterrupted 4-rank
-    run's from the resumed step on -- within 1e-5, the cross-layout bound of the other parity tests, since here the
-    steps before the join ran on another layout (pp2 on 2 ranks) and their rounding carries on (measured 3.5e-6; a
-    wrong batch or accumulation moves the loss by 1e-2). torchrun's rendezvous store is not shared with the workers
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with it shared, the round after the join waited forever on this machine."""
+    run's from the resumed step on -- within 5e-5, since here the steps before the join ran on another layout (pp2 on
+    2 ranks, accumulating) and their rounding carries on, the more the later the agent joins (measured 3.5e-6 and
+    1.6e-5; a wrong batch or accumulation moves the loss by 1e-2). torchrun's rendezvous store is not shared with the
+    workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with it shared, the round after the join waited forever on this
+    machine."""
     import time
 
     from tests.harness import free_port
@@ -494,4 +495,4 @@ def test_a_torchrun_agent_that_joins_grows_the_run_back(tmp_path, cache_dir, ela
     assert acc == 1 and sorted(after) == steps and resumed >= 5
     diff = max_rel_diff([after[s] for s in steps], [elastic_reference[s] for s in steps])
     print(f"grown back to 4 ranks by an agent that joined: steps {resumed}-{ELASTIC_STEPS - 1} within {diff:.2e}")
-    assert diff <= 1e-5
+    assert diff <= 5e-5  # (measured 3.5e-6 and 1.6e-5: the later the join, the more steps of pp2 rounding)

@@ -27,13 +27,13 @@ def test_schedule_matches_single_process(runs, pp, schedule):
     _assert_parity(runs(f"pp{pp}_{schedule}"), runs("single"), f"pp={pp} {schedule}")
 
 
-@launch_of("dp2_pp2_accum_clip", "single_accum_clip")
+@launch_of("dp2_pp2_accum_clip", "single_clip")
 def test_data_parallel_pipeline_with_accumulation_and_clipping(runs):
     """dp=2 x pp=2 zero-bubble, 2 micro-batches, accumulate 2 batches, clip at 0.5: gradients averaged over the
     replicas, the loss scaled (not the gradients), and the norm clipped by sums every stage, so the run stays on one
     process's trajectory."""
     run = runs("dp2_pp2_accum_clip")  # first: a launch of the full run only
-    reference = runs("single_accum_clip")
+    reference = runs("single_clip")
     assert min(reference.grad_norms()) > 0.5, "clipping must act for this test to mean anything"
     _assert_parity(run, reference, "dp=2 x pp=2 zero_bubble, accumulate 2, clip 0.5", steps_of("dp2_pp2_accum_clip"))
     # the norm clipped by is the whole model's: every stage, averaged over the replicas (strategy.global_grad_norm)

@@ -21,8 +21,8 @@ PARITY = {
     "tp4_sp": "single_kv4",
     "dp2_tp2_sp": "single",
     "tp2_sp_tied": "single_tied",
-    "dp2_tp2_accum_clip": "single_accum_clip",
-    "zero3_dp2_tp2_accum_clip": "single_accum_clip",
+    "dp2_tp2_accum_clip": "single_clip",
+    "zero3_dp2_tp2_accum_clip": "single_clip",
     "hf_tp2": "hf_single",
 }
 
@@ -39,10 +39,10 @@ def test_tensor_parallel_matches_single_process(runs, name):
     assert diff <= PARITY_RTOL and val_diff <= PARITY_RTOL
 
 
-@pytest.mark.parametrize("name", run_cases(["dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip"], "single_accum_clip"))
+@pytest.mark.parametrize("name", run_cases(["dp2_tp2_accum_clip", "zero3_dp2_tp2_accum_clip"], "single_clip"))
 def test_clipping_uses_the_global_gradient_norm(runs, name):
     # every parameter is a DTensor on the mesh, so clip_grad_norm_ reduces over tp (and dp for FSDP2) shards
-    norms, reference_norms = runs(name).grad_norms(), runs("single_accum_clip").grad_norms()
+    norms, reference_norms = runs(name).grad_norms(), runs("single_clip").grad_norms()
     print(f"{name}: gradient norms {norms} vs one process {reference_norms}")
     assert max_rel_diff(norms, reference_norms) <= 1e-4
     assert min(reference_norms) > 0.5  # large enough that clipping acts

@@ -20,9 +20,9 @@ def test_stage_matches_single_process(runs, name):
     assert max_rel_diff(run.losses("val/loss"), reference.losses("val/loss")) <= PARITY_RTOL
 
 
-@pytest.mark.parametrize("stage", run_cases([(s, f"zero{s}_dp4_accum_clip") for s in (1, 2, 3)], "single_accum_clip"))
+@pytest.mark.parametrize("stage", run_cases([(s, f"zero{s}_dp4_accum_clip") for s in (1, 2, 3)], "single_clip"))
 def test_stage_with_accumulation_and_clipping_at_dp4(runs, stage):
-    run, reference = runs(f"zero{stage}_dp4_accum_clip"), runs("single_accum_clip")  # (full-run-only first)
+    run, reference = runs(f"zero{stage}_dp4_accum_clip"), runs("single_clip")  # (full-run-only first)
     steps = steps_of(f"zero{stage}_dp4_accum_clip")  # one epoch: the reference's first
     diff = max_rel_diff(run.losses(), reference.losses(steps=steps))
     print(f"zero{stage} dp4, accumulate 2, clip: max relative loss difference {diff:.2e} over {steps} steps")
